@@ -1,0 +1,126 @@
+"""Command line -> Config. Megatron-LM's flag names (and Megatron-DeepSpeed's
+--ds-sequence-parallel-size for the Ulysses degree). The only place flags are parsed."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import fields
+
+from .config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
+                     ParallelConfig, TrainConfig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Pretrain a GPT with tensor, sequence (Ulysses), pipeline and data "
+                    "parallelism.", allow_abbrev=False)
+
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--group-query-attention", action="store_true",
+                   help="use grouped-query attention with --num-query-groups kv heads")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size for --mock-data / NullTokenizer")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"],
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--use-flash-attn", action="store_true",
+                   help="FlashAttention-2 when importable on a GPU, else torch SDPA")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
+                   help="DeepSpeed-Ulysses sequence-parallel degree")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron-LM sequence parallelism over the TP group (norms, dropout)")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None)
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--zero-stage", type=int, default=0)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--train-iters", type=int, default=10)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--eval-interval", type=int, default=0)
+    g.add_argument("--eval-iters", type=int, default=10)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--mock-data", action="store_true", help="random tokens; needs --vocab-size")
+    g.add_argument("--data-path", nargs="*", default=[],
+                   help="dataset prefixes, or 'weight prefix' pairs to blend")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--tokenizer-type", default=None,
+                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "NullTokenizer"])
+    g.add_argument("--vocab-file", default=None)
+    g.add_argument("--merge-file", default=None)
+    g.add_argument("--tokenizer-model", default=None)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+
+    g = p.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+
+    g = p.add_argument_group("logging")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-dir", default=None)
+    return p
+
+
+def _take(cls, ns: argparse.Namespace, **overrides):
+    values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+    values.update(overrides)
+    return cls(**values)
+
+
+def parse_args(argv=None, world_size: int | None = None) -> Config:
+    """Parse flags into a Config (not yet validated; see config.validate)."""
+    ns = build_parser().parse_args(argv)
+    if ns.num_query_groups is not None and not ns.group_query_attention:
+        # Megatron only honours --num-query-groups with --group-query-attention; be explicit.
+        build_parser().error("--num-query-groups needs --group-query-attention")
+    world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    model = _take(ModelConfig, ns, add_bias_linear=not ns.disable_bias_linear,
+                  num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
+                  vocab_size=ns.vocab_size or 0)
+    return Config(model=model,
+                  parallel=_take(ParallelConfig, ns, world_size=world),
+                  train=_take(TrainConfig, ns),
+                  data=_take(DataConfig, ns),
+                  checkpoint=_take(CheckpointConfig, ns),
+                  logging=_take(LoggingConfig, ns))

@@ -1,0 +1,1 @@
+"""Data pipeline: tokenizers, MMIDIDX files, GPT datasets with blending, micro-batches."""

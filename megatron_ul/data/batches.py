@@ -1,0 +1,118 @@
+"""From samples to micro-batches: DP sampling, and per-SP-rank inputs with Megatron's masks."""
+
+import numpy as np
+import torch
+
+
+class PretrainingSampler:
+    """Megatron's MegatronPretrainingSampler: sequential, resumable, split over DP ranks.
+
+    Each step consumes ``micro_batch_size * data_parallel_size`` consecutive
+    sample indices starting at ``consumed_samples`` and yields this rank's
+    ``micro_batch_size`` of them. A trailing partial step is dropped, so every
+    rank yields the same number of micro-batches.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int):
+        if total_samples <= 0:
+            raise ValueError(f"total_samples must be > 0, got {total_samples}")
+        if not 0 <= consumed_samples <= total_samples:
+            raise ValueError(f"consumed_samples {consumed_samples} outside [0, total_samples={total_samples}]")
+        if micro_batch_size <= 0:
+            raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+        if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} outside [0, {data_parallel_size})")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.samples_per_step = micro_batch_size * data_parallel_size
+
+    def __len__(self) -> int:
+        return (self.total_samples - self.consumed_samples) // self.samples_per_step
+
+    def __iter__(self):
+        rank_start = self.data_parallel_rank * self.micro_batch_size
+        step_start = self.consumed_samples
+        while step_start + self.samples_per_step <= self.total_samples:
+            first = step_start + rank_start
+            yield list(range(first, first + self.micro_batch_size))
+            step_start += self.samples_per_step
+
+
+def _collate_texts(samples) -> torch.Tensor:
+    return torch.from_numpy(np.stack([sample["text"] for sample in samples]).astype(np.int64))
+
+
+def micro_batch_iterator(dataset, sampler, num_workers: int = 0):
+    """Iterates LongTensor micro-batches [micro_batch_size, seq_length + 1] of ``texts``.
+
+    ``num_workers > 0`` reads samples in background processes (torch DataLoader).
+    """
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
+                                         collate_fn=_collate_texts, pin_memory=False,
+                                         persistent_workers=num_workers > 0)
+    return iter(loader)
+
+
+def _position_ids(tokens, eod_token, reset_position_ids):
+    batch, length = tokens.shape
+    positions = torch.arange(length, device=tokens.device).unsqueeze(0).expand(batch, length)
+    if not reset_position_ids:
+        return positions.clone()
+    # Each position counts from the token after the latest EOD before it.
+    after_eod = torch.where(tokens == eod_token, positions + 1, torch.zeros_like(positions))
+    document_start = torch.cummax(after_eod, dim=1).values
+    document_start = torch.cat([torch.zeros_like(document_start[:, :1]), document_start[:, :-1]], dim=1)
+    return positions - document_start
+
+
+def _document_attention_mask(tokens, eod_token):
+    """[b, 1, N, N] bool, True = masked: causal, and no attention across an EOD."""
+    length = tokens.shape[1]
+    is_eod = (tokens == eod_token).long()
+    # A token's document number counts the EODs strictly before it (an EOD ends its own document).
+    document_id = torch.cumsum(is_eod, dim=1) - is_eod
+    same_document = document_id.unsqueeze(2) == document_id.unsqueeze(1)
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=tokens.device))
+    return (~(same_document & causal)).unsqueeze(1)
+
+
+def build_micro_batch(texts: torch.Tensor, sp_rank: int = 0, sp_size: int = 1, eod_token=None,
+                      reset_position_ids: bool = False, reset_attention_mask: bool = False,
+                      eod_mask_loss: bool = False) -> dict:
+    """Turns ``texts`` [b, N + 1] into this SP rank's slice of a training micro-batch.
+
+    Labels are shifted before slicing, so rank r gets tokens and labels for
+    positions [r * N / sp, (r + 1) * N / sp) with GLOBAL position ids.
+    Loss mask, position resets and the document attention mask follow
+    Megatron's get_ltor_masks_and_position_ids, computed on the full sequence.
+    ``attention_mask`` is None (plain causal) unless ``reset_attention_mask``;
+    then it is [b, 1, N, N] bool over the full sequence, True = masked.
+    """
+    if texts.dim() != 2 or texts.shape[1] < 2:
+        raise ValueError(f"texts must be [batch, seq_length + 1] with seq_length >= 1, got {tuple(texts.shape)}")
+    seq_length = texts.shape[1] - 1
+    if sp_size < 1 or not 0 <= sp_rank < sp_size:
+        raise ValueError(f"sp_rank {sp_rank} outside [0, sp_size={sp_size})")
+    if seq_length % sp_size:
+        raise ValueError(f"seq_length {seq_length} is not divisible by the sequence-parallel size {sp_size}")
+    if eod_token is None and (reset_position_ids or reset_attention_mask or eod_mask_loss):
+        raise ValueError("reset_position_ids, reset_attention_mask and eod_mask_loss need eod_token")
+    texts = texts.long()
+    tokens, labels = texts[:, :-1], texts[:, 1:]
+    loss_mask = torch.ones(tokens.shape, dtype=torch.float, device=texts.device)
+    if eod_mask_loss:
+        loss_mask[tokens == eod_token] = 0.0
+    position_ids = _position_ids(tokens, eod_token, reset_position_ids)
+    attention_mask = _document_attention_mask(tokens, eod_token) if reset_attention_mask else None
+    shard = seq_length // sp_size
+    window = slice(sp_rank * shard, (sp_rank + 1) * shard)
+    return {
+        "tokens": tokens[:, window].contiguous(),
+        "labels": labels[:, window].contiguous(),
+        "loss_mask": loss_mask[:, window].contiguous(),
+        "position_ids": position_ids[:, window].contiguous(),
+        "attention_mask": attention_mask,
+    }

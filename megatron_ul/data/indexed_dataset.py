@@ -1,0 +1,260 @@
+"""Megatron's MMIDIDX ``.bin``/``.idx`` token files: writer and memory-mapped reader.
+
+``.idx`` layout (little endian), identical to Megatron-LM's:
+
+    9 bytes   magic b"MMIDIDX\\x00\\x00"
+    uint64    version (1)
+    uint8     dtype code (see DTYPE_CODES)
+    uint64    S = number of sequences
+    uint64    D = number of entries in document_indices (documents + 1)
+    int32[S]  sequence_lengths (tokens)
+    int64[S]  sequence_pointers (byte offset of each sequence in .bin)
+    int64[D]  document_indices (0, then the sequence count at each document end)
+
+``.bin`` is the token sequences back to back in that dtype, nothing else.
+"""
+
+import os
+import struct
+
+import numpy as np
+
+INDEX_MAGIC = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+HEADER_SIZE = len(INDEX_MAGIC) + 8 + 1 + 8 + 8
+
+DTYPE_CODES = {
+    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
+    5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+}
+CODE_OF_DTYPE = {np.dtype(dtype): code for code, dtype in DTYPE_CODES.items()}
+
+
+class IndexedDatasetError(ValueError):
+    """A .bin/.idx pair is missing, truncated, corrupt or inconsistent."""
+
+
+def data_file_path(prefix: str) -> str:
+    return prefix + ".bin"
+
+
+def index_file_path(prefix: str) -> str:
+    return prefix + ".idx"
+
+
+def token_dtype_for_vocab(vocab_size) -> np.dtype:
+    """Megatron's rule: uint16 when every id fits comfortably, else int32."""
+    if vocab_size is not None and vocab_size < 65500:
+        return np.dtype(np.uint16)
+    return np.dtype(np.int32)
+
+
+def write_index(idx_path: str, dtype, sequence_lengths, document_indices) -> None:
+    """Writes an .idx file; sequence pointers are derived from the lengths."""
+    dtype = np.dtype(dtype)
+    lengths = np.asarray(sequence_lengths, dtype=np.int32)
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=pointers[1:])
+    documents = np.asarray(document_indices, dtype=np.int64)
+    with open(idx_path, "wb") as handle:
+        handle.write(INDEX_MAGIC)
+        handle.write(struct.pack("<Q", INDEX_VERSION))
+        handle.write(struct.pack("<B", CODE_OF_DTYPE[dtype]))
+        handle.write(struct.pack("<Q", len(lengths)))
+        handle.write(struct.pack("<Q", len(documents)))
+        handle.write(lengths.astype("<i4").tobytes(order="C"))
+        handle.write(pointers.astype("<i8").tobytes(order="C"))
+        handle.write(documents.astype("<i8").tobytes(order="C"))
+
+
+class IndexedDatasetBuilder:
+    """Appends token sequences to a .bin file; ``finalize`` writes the .idx.
+
+    Same method names as Megatron's builder. Callers that want atomic output
+    pass temporary paths and rename them afterwards (see tools/preprocess_data.py).
+    """
+
+    def __init__(self, bin_path: str, dtype=np.int32):
+        self.dtype = np.dtype(dtype)
+        if self.dtype not in CODE_OF_DTYPE:
+            raise ValueError(f"dtype {self.dtype} has no MMIDIDX code")
+        self.bin_path = bin_path
+        self.data_file = open(bin_path, "wb")
+        self.length_chunks = []
+        self.document_ends = [0]
+        self.num_sequences = 0
+
+    def add_item(self, tokens) -> None:
+        """Appends one sequence (does not end the document)."""
+        array = np.asarray(tokens, dtype=self.dtype)
+        self.data_file.write(array.tobytes(order="C"))
+        self.length_chunks.append(np.array([array.size], dtype=np.int32))
+        self.num_sequences += 1
+
+    def end_document(self) -> None:
+        self.document_ends.append(self.num_sequences)
+
+    def add_document(self, tokens, lengths) -> None:
+        """Appends one document made of sequences of the given lengths."""
+        self.add_sequences(tokens, lengths)
+        self.end_document()
+
+    def add_documents(self, tokens, lengths) -> None:
+        """Fast path: many one-sequence documents, tokens concatenated in one array."""
+        start = self.num_sequences
+        self.add_sequences(tokens, lengths)
+        self.document_ends.extend(range(start + 1, self.num_sequences + 1))
+
+    def add_sequences(self, tokens, lengths) -> None:
+        array = np.asarray(tokens, dtype=self.dtype)
+        lengths = np.asarray(lengths, dtype=np.int32)
+        if int(lengths.sum(dtype=np.int64)) != array.size:
+            raise ValueError(f"lengths sum to {int(lengths.sum())} but {array.size} tokens were given")
+        self.data_file.write(array.tobytes(order="C"))
+        self.length_chunks.append(lengths)
+        self.num_sequences += len(lengths)
+
+    def add_index(self, prefix: str) -> None:
+        """Appends a whole existing dataset (used to merge datasets)."""
+        source = IndexedDataset(prefix)
+        if source.dtype != self.dtype:
+            raise IndexedDatasetError(
+                f"{index_file_path(prefix)}: dtype {source.dtype} differs from the output's {self.dtype}"
+            )
+        offset = self.num_sequences
+        self.length_chunks.append(np.array(source.sequence_lengths, dtype=np.int32))
+        self.document_ends.extend((source.document_indices[1:] + offset).tolist())
+        self.num_sequences += len(source)
+        with open(data_file_path(prefix), "rb") as handle:
+            while True:
+                block = handle.read(1 << 24)
+                if not block:
+                    break
+                self.data_file.write(block)
+        source.close()
+
+    def finalize(self, idx_path: str) -> None:
+        self.data_file.close()
+        lengths = np.concatenate(self.length_chunks) if self.length_chunks else np.zeros(0, np.int32)
+        write_index(idx_path, self.dtype, lengths, self.document_ends)
+
+    def abort(self) -> None:
+        """Closes the .bin without writing an index (the caller deletes files)."""
+        if not self.data_file.closed:
+            self.data_file.close()
+
+
+def _read_index(idx_path: str):
+    """Parses and validates an .idx; every failure names the file."""
+    if not os.path.isfile(idx_path):
+        raise IndexedDatasetError(f"{idx_path}: index file not found")
+    with open(idx_path, "rb") as handle:
+        raw = handle.read()
+    if len(raw) < HEADER_SIZE:
+        raise IndexedDatasetError(f"{idx_path}: truncated index ({len(raw)} bytes, header needs {HEADER_SIZE})")
+    if raw[: len(INDEX_MAGIC)] != INDEX_MAGIC:
+        raise IndexedDatasetError(f"{idx_path}: not an MMIDIDX index (bad magic {raw[:9]!r})")
+    version, dtype_code, num_sequences, num_doc_entries = struct.unpack_from("<QBQQ", raw, len(INDEX_MAGIC))
+    if version != INDEX_VERSION:
+        raise IndexedDatasetError(f"{idx_path}: unsupported index version {version}")
+    if dtype_code not in DTYPE_CODES:
+        raise IndexedDatasetError(f"{idx_path}: unknown dtype code {dtype_code}")
+    expected = HEADER_SIZE + 12 * num_sequences + 8 * num_doc_entries
+    if len(raw) != expected:
+        raise IndexedDatasetError(
+            f"{idx_path}: size {len(raw)} bytes does not match its header ({expected} bytes expected); "
+            "truncated or corrupt"
+        )
+    offset = HEADER_SIZE
+    lengths = np.frombuffer(raw, dtype="<i4", count=num_sequences, offset=offset)
+    offset += 4 * num_sequences
+    pointers = np.frombuffer(raw, dtype="<i8", count=num_sequences, offset=offset)
+    offset += 8 * num_sequences
+    document_indices = np.frombuffer(raw, dtype="<i8", count=num_doc_entries, offset=offset)
+    dtype = np.dtype(DTYPE_CODES[dtype_code])
+    _check_index_arrays(idx_path, dtype, lengths, pointers, document_indices)
+    return dtype, lengths, pointers, document_indices
+
+
+def _check_index_arrays(idx_path, dtype, lengths, pointers, document_indices) -> None:
+    """Catches corruption that a well-formed header would hide."""
+    if len(lengths) and lengths.min() < 0:
+        raise IndexedDatasetError(f"{idx_path}: negative sequence length (corrupt index)")
+    expected_pointers = np.zeros(len(lengths), dtype=np.int64)
+    if len(lengths) > 1:
+        np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=expected_pointers[1:])
+    if not np.array_equal(pointers, expected_pointers):
+        raise IndexedDatasetError(f"{idx_path}: sequence pointers disagree with sequence lengths (corrupt index)")
+    if len(document_indices) == 0 or document_indices[0] != 0 or document_indices[-1] != len(lengths):
+        raise IndexedDatasetError(
+            f"{idx_path}: document indices must run from 0 to the sequence count {len(lengths)} (corrupt index)"
+        )
+    if np.any(np.diff(document_indices) < 0):
+        raise IndexedDatasetError(f"{idx_path}: document indices decrease (corrupt index)")
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of ``{prefix}.bin`` + ``{prefix}.idx``.
+
+    ``dataset[i]`` is sequence i as a numpy array (a view into the mmap).
+    """
+
+    def __init__(self, path_prefix: str):
+        self.path_prefix = path_prefix
+        idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
+        self.dtype, self.sequence_lengths, self.sequence_pointers, self.document_indices = _read_index(idx_path)
+        if not os.path.isfile(bin_path):
+            raise IndexedDatasetError(f"{bin_path}: data file not found")
+        expected_bytes = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
+        actual_bytes = os.path.getsize(bin_path)
+        if actual_bytes != expected_bytes:
+            raise IndexedDatasetError(
+                f"{bin_path}: {actual_bytes} bytes but {idx_path} describes {expected_bytes}; "
+                "the pair does not match (truncated or mixed-up files)"
+            )
+        # np.memmap refuses empty files, and an empty dataset needs no mapping.
+        if expected_bytes:
+            self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
+        else:
+            self.tokens = np.zeros(0, dtype=self.dtype)
+
+    def __getstate__(self):
+        # Reopen by path in other processes instead of pickling the mapped tokens.
+        return self.path_prefix
+
+    def __setstate__(self, path_prefix):
+        self.__init__(path_prefix)
+
+    def __len__(self) -> int:
+        return len(self.sequence_lengths)
+
+    @property
+    def num_documents(self) -> int:
+        return len(self.document_indices) - 1
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return self.get(index)
+
+    def get(self, index: int, offset: int = 0, length=None) -> np.ndarray:
+        """Tokens [offset, offset + length) of sequence ``index``."""
+        index = int(index)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"sequence {index} out of range for {len(self)} sequences in {self.path_prefix}")
+        sequence_length = int(self.sequence_lengths[index])
+        if length is None:
+            length = sequence_length - offset
+        if offset < 0 or length < 0 or offset + length > sequence_length:
+            raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {index} "
+                             f"of length {sequence_length}")
+        start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
+        return self.tokens[start: start + length]
+
+    def close(self) -> None:
+        # Dropping the reference unmaps once no returned view is alive;
+        # closing the mmap explicitly would break views callers still hold.
+        self.tokens = None

@@ -1,0 +1,73 @@
+"""torch.distributed from torchrun or Slurm environment variables, the rank grid, and seeds."""
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .config import Config
+from .mpu import parallel_state as ps
+from .mpu.random import model_parallel_seed
+
+log = logging.getLogger(__name__)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) from torchrun, else Slurm (srun without torchrun), else 1."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "MASTER_ADDR" in env:
+        return int(env["SLURM_PROCID"]), int(env["SLURM_NTASKS"]), int(env.get("SLURM_LOCALID", 0))
+    return 0, 1, 0
+
+
+def world_size_from_env() -> int:
+    return _rank_env()[1]
+
+
+def initialize_distributed(cfg: Config) -> torch.device:
+    """Start the process group (if needed), build every parallel group, seed the RNGs.
+
+    Returns the device this rank computes on.
+    """
+    rank, world, local_rank = _rank_env()
+    timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
+    backend = cfg.parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--distributed-backend nccl needs GPUs; use gloo on CPU")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if world == 1:  # plain `python pretrain_gpt.py`: a one-process group on loopback
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    p = cfg.parallel
+    ps.initialize_model_parallel(p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
+                                 p.pipeline_model_parallel_size, timeout=timeout)
+    model_parallel_seed(cfg.train.seed, device.type)
+    if rank == 0:
+        log.info("world %d = PP %d × DP %d × SP %d × TP %d on %s (%s)", world,
+                 p.pipeline_model_parallel_size, p.data_parallel_size,
+                 p.ds_sequence_parallel_size, p.tensor_model_parallel_size, device, backend)
+    return device
+
+
+def shutdown() -> None:
+    ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,115 @@
+"""GPTModel: embedding → transformer layers → final norm → (tied) output head → loss.
+
+One pipeline stage of it, in general: `pre_process` builds the embedding (first stage),
+`post_process` the final norm, head and loss (last stage), and `layer_numbers` says which
+global layers (1-based) this stage holds.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..mpu import parallel_state as ps
+from ..mpu.cross_entropy import vocab_parallel_cross_entropy
+from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
+from ..mpu.mappings import (copy_to_tensor_model_parallel_region,
+                            gather_from_sequence_parallel_region,
+                            scatter_to_sequence_parallel_region)
+from .init import normal_init
+from .norms import Norm
+from .rotary import rotary_cos_sin
+from .transformer import TransformerLayer, dropout
+
+
+class GPTModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, seed: int, sequence_parallel: bool = False,
+                 pre_process: bool = True, post_process: bool = True,
+                 layer_numbers: Optional[Iterable[int]] = None, device=None,
+                 dtype=torch.float32):
+        super().__init__()
+        self.cfg, self.sequence_parallel = cfg, sequence_parallel
+        self.pre_process, self.post_process = pre_process, post_process
+        tp = ps.get_tensor_model_parallel_world_size()
+        self.padded_vocab_size = cfg.padded_vocab_size(tp)
+        std = cfg.init_method_std
+        self.share_embeddings = not cfg.untie_embeddings_and_output_weights
+
+        if pre_process or (post_process and self.share_embeddings):
+            # With tied weights the last stage keeps its own copy of the table (Megatron's
+            # "embedding group" keeps the copies identical under pipelining).
+            self.word_embeddings = VocabParallelEmbedding(
+                self.padded_vocab_size, cfg.hidden_size,
+                normal_init(std, seed, "embedding.word"), device=device, dtype=dtype)
+        if pre_process and cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
+                                                    device=device, dtype=dtype)
+            full = torch.empty(cfg.max_position_embeddings, cfg.hidden_size)
+            normal_init(std, seed, "embedding.position")(full)
+            with torch.no_grad():
+                self.position_embeddings.weight.copy_(full)
+
+        numbers = list(layer_numbers) if layer_numbers is not None else list(
+            range(1, cfg.num_layers + 1))
+        self.layers = nn.ModuleList(
+            TransformerLayer(cfg, n, seed, sequence_parallel, device=device, dtype=dtype)
+            for n in numbers)
+
+        if post_process:
+            self.final_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
+                                   sequence_parallel=sequence_parallel, device=device,
+                                   dtype=dtype)
+            if not self.share_embeddings:
+                self.output_layer = ColumnParallelLinear(
+                    cfg.hidden_size, self.padded_vocab_size,
+                    normal_init(std, seed, "output_layer"), bias=False,
+                    sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+
+    # ---- pieces ---------------------------------------------------------------------------------
+    def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """tokens, position_ids [b, s] -> [s, b, h] (÷TP on s under Megatron-SP)."""
+        x = self.word_embeddings(tokens.t())
+        if hasattr(self, "position_embeddings"):
+            x = x + self.position_embeddings(position_ids.t())
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x)
+        return dropout(x, self.cfg.hidden_dropout, self.training, self.sequence_parallel)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[s, b, h] -> [s, b, padded_vocab/TP]."""
+        if not self.share_embeddings:
+            return self.output_layer(x)
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        return F.linear(x, self.word_embeddings.weight)
+
+    def forward(self, tokens: Optional[torch.Tensor], position_ids: torch.Tensor,
+                attention_mask: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None,
+                hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens, position_ids, labels: [b, N/SP] with global position ids.
+
+        First stage: embeds `tokens`; later stages take `hidden_states` from the previous one.
+        Returns hidden states [s, b, h] on non-last stages; on the last stage the per-token
+        loss [b, N/SP] (fp32) when labels are given, else logits [s, b, padded_vocab/TP].
+        """
+        x = self.embed(tokens, position_ids) if self.pre_process else hidden_states
+        rotary = None
+        if self.cfg.position_embedding_type == "rope":
+            dtype = x.dtype if not torch.is_autocast_enabled(x.device.type) else torch.float32
+            rotary = rotary_cos_sin(position_ids.t(), self.cfg.head_dim, self.cfg.rotary_base,
+                                    dtype)
+        for layer in self.layers:
+            x = layer(x, rotary, attention_mask)
+        if not self.post_process:
+            return x
+        logits = self.logits(self.final_norm(x))
+        if labels is None:
+            return logits
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size)
+        return loss.t()

@@ -1,0 +1,125 @@
+"""The transformer layer: norm → fused QKV (column-parallel) → Ulysses attention →
+row-parallel projection → residual → norm → MLP → residual.
+
+Shapes (sequence first): between layers [N/SP, b, h] (÷TP again under Megatron-SP).
+The fused QKV weight is laid out by query group, [groups, (q_per_group + 2), head_dim, h]
+(Megatron's layout), so a contiguous TP slice holds whole groups with their q, k and v.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from ..mpu import parallel_state as ps
+from ..mpu.layers import ColumnParallelLinear, RowParallelLinear
+from ..mpu.random import get_rng_tracker
+from .attention import select_backend
+from .init import normal_init, scaled_normal_init
+from .norms import Norm
+from .rotary import apply_rotary
+from .ulysses import DistributedAttention
+
+
+def dropout(x: torch.Tensor, p: float, training: bool, sharded_sequence: bool) -> torch.Tensor:
+    """Hidden dropout; on Megatron-SP sequence chunks it draws from the per-rank stream."""
+    if not training or p == 0.0:
+        return x
+    if sharded_sequence:
+        with get_rng_tracker().fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, key: str, seed: int, sequence_parallel: bool,
+                 num_layers: int, device, dtype):
+        super().__init__()
+        tp = ps.get_tensor_model_parallel_world_size()
+        self.head_dim = cfg.head_dim
+        self.q_heads = cfg.num_attention_heads // tp
+        self.kv_heads = cfg.query_groups // tp
+        qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
+        self.qkv = ColumnParallelLinear(
+            cfg.hidden_size, qkv_size, normal_init(cfg.init_method_std, seed, key + ".qkv"),
+            bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
+            dtype=dtype)
+        self.proj = RowParallelLinear(
+            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+            scaled_normal_init(cfg.init_method_std, num_layers, seed, key + ".proj"),
+            bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
+            dtype=dtype)
+        backend = select_backend(cfg.use_flash_attn,
+                                 torch.device(device) if device else torch.device("cpu"))
+        self.core = DistributedAttention(ps.get_sequence_parallel_world_size(), backend,
+                                         ps.get_sequence_parallel_group())
+        self.attention_dropout = cfg.attention_dropout
+
+    def forward(self, x, rotary=None, attention_mask=None):
+        qkv = self.qkv(x)                                        # [s, b, groups/TP * (qpg+2) * d]
+        s, b = qkv.shape[:2]
+        per_group = self.q_heads // self.kv_heads
+        qkv = qkv.view(s, b, self.kv_heads, per_group + 2, self.head_dim)
+        q = qkv[:, :, :, :per_group].reshape(s, b, self.q_heads, self.head_dim)
+        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        out = self.core(q, k, v, dropout_p=self.attention_dropout if self.training else 0.0,
+                        attention_mask=attention_mask)
+        return self.proj(out.reshape(s, b, self.q_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, key: str, seed: int, sequence_parallel: bool,
+                 num_layers: int, device, dtype):
+        super().__init__()
+        self.swiglu = cfg.swiglu
+        ffn = cfg.ffn_size
+        # SwiGLU's fc1 is [gate; up]: stride 2 gives each TP rank matching halves of both.
+        self.fc1 = ColumnParallelLinear(
+            cfg.hidden_size, ffn * (2 if cfg.swiglu else 1),
+            normal_init(cfg.init_method_std, seed, key + ".fc1"), bias=cfg.add_bias_linear,
+            sequence_parallel=sequence_parallel, stride=2 if cfg.swiglu else 1, device=device,
+            dtype=dtype)
+        self.fc2 = RowParallelLinear(
+            ffn, cfg.hidden_size, scaled_normal_init(cfg.init_method_std, num_layers, seed,
+                                                     key + ".fc2"),
+            bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
+            dtype=dtype)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.swiglu:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return self.fc2(h)
+
+
+class TransformerLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_number: int, seed: int, sequence_parallel: bool,
+                 device=None, dtype=torch.float32):
+        super().__init__()
+        key = f"layers.{layer_number}"
+        self.layer_number = layer_number
+        args = (seed, sequence_parallel, cfg.num_layers, device, dtype)
+        self.input_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
+                               sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.attention = SelfAttention(cfg, key + ".attention", *args)
+        self.post_attention_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
+                                        sequence_parallel=sequence_parallel, device=device,
+                                        dtype=dtype)
+        self.mlp = MLP(cfg, key + ".mlp", *args)
+        self.hidden_dropout = cfg.hidden_dropout
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor, rotary=None,
+                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        drop = lambda t: dropout(t, self.hidden_dropout, self.training,  # noqa: E731
+                                 self.sequence_parallel)
+        x = x + drop(self.attention(self.input_norm(x), rotary, attention_mask))
+        return x + drop(self.mlp(self.post_attention_norm(x)))

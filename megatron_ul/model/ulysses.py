@@ -1,0 +1,56 @@
+"""DeepSpeed-Ulysses attention: all-to-all ∘ local attention ∘ all-to-all.
+
+Every SP rank holds N/SP tokens of q, k and v for all of its (TP-local) heads. One all-to-all
+carries q, k and v together (the paper's 3Nh) and leaves each rank the full sequence for
+heads/SP heads; attention runs locally; a second all-to-all (Nh) brings the output back to
+sequence shards. Sequence-first tensors make the gathered sequence land in global order.
+
+GQA: each SP rank needs the kv heads of its query heads. When the TP-local kv heads cannot be
+split evenly over SP, each kv head is replicated (repeat_interleave: head j's copies stay
+adjacent, so query head i still meets kv head i // group) by the smallest factor r that makes
+kv_heads·r divisible by SP. Each rank then receives lcm(kv_heads, SP)/SP kv heads, the fewest
+that cover its query heads.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from ..mpu.mappings import ulysses_all_to_all
+from .attention import local_attention
+
+
+def kv_replication_factor(kv_heads: int, sp: int) -> int:
+    """Smallest r such that kv_heads * r is divisible by sp."""
+    return sp // math.gcd(kv_heads, sp)
+
+
+class DistributedAttention:
+    """Callable: (q [N/SP, b, hq, d], k, v [N/SP, b, hk, d]) -> [N/SP, b, hq, d]."""
+
+    def __init__(self, sp_size: int, backend: str, group=None):
+        self.sp, self.backend, self.group = sp_size, backend, group
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float,
+                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        sp = self.sp
+        if sp == 1:
+            return local_attention(q, k, v, backend=self.backend, dropout_p=dropout_p,
+                                   attention_mask=attention_mask)
+        s, b, hq, d = q.shape
+        r = kv_replication_factor(k.shape[2], sp)
+        if r > 1:
+            k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
+        hk = k.shape[2]
+        # Pack per destination rank j: [q heads of j | k heads of j | v heads of j].
+        per_rank = [t.reshape(s, b, sp, t.shape[2] // sp, d) for t in (q, k, v)]
+        packed = torch.cat(per_rank, dim=3).reshape(s, b, sp * (hq + 2 * hk) // sp, d)
+        # all-to-all #1: scatter heads (dim 2), gather sequence (dim 0) -> [N, b, H/SP, d]
+        full = ulysses_all_to_all(packed, scatter_dim=2, gather_dim=0, group=self.group)
+        q_full, k_full, v_full = full.split([hq // sp, hk // sp, hk // sp], dim=2)
+        out = local_attention(q_full, k_full, v_full, backend=self.backend, dropout_p=dropout_p,
+                              attention_mask=attention_mask)
+        # all-to-all #2: scatter sequence (dim 0), gather heads (dim 2) -> [N/SP, b, hq, d]
+        return ulysses_all_to_all(out, scatter_dim=0, gather_dim=2, group=self.group)

@@ -1,0 +1,61 @@
+"""Cross entropy over logits split by vocabulary across TP, without gathering the logits.
+
+Padded vocabulary rows (ids >= the real vocab size) are excluded from the softmax, so the
+model's function does not depend on how much padding the TP layout needed; this differs from
+Megatron-LM, where padded logits take part in the softmax, and makes every TP layout (and a
+Hugging Face export, which drops the padding) compute exactly the same loss.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import parallel_state as ps
+from .layers import vocab_range
+from .mappings import _all_reduce
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, vocab_size):
+        group = ps.get_tensor_model_parallel_group()
+        local_vocab = logits.shape[-1]
+        padded = local_vocab * ps.get_tensor_model_parallel_world_size()
+        start, end = vocab_range(padded)
+        logits = logits.float()
+        if end > vocab_size:  # this rank holds padding rows: take them out of the softmax
+            pad = torch.arange(start, end, device=logits.device) >= vocab_size
+            logits = logits.masked_fill(pad, float("-inf"))
+
+        logits_max = logits.max(dim=-1)[0]
+        if dist.is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+            dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - logits_max.unsqueeze(-1)
+
+        outside = (target < start) | (target >= end)
+        local_target = (target - start).masked_fill(outside, 0)
+        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        picked = _all_reduce(picked.masked_fill(outside, 0.0), group)
+
+        exp = shifted.exp()
+        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        loss = sum_exp.log() - picked
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_target, outside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_target, outside = ctx.saved_tensors
+        grad = softmax  # saved buffer is not needed afterwards: update in place
+        onehot = torch.zeros_like(grad).scatter_(-1, local_target.unsqueeze(-1), 1.0)
+        grad.sub_(onehot * (~outside).unsqueeze(-1).to(grad.dtype))
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 vocab_size: int) -> torch.Tensor:
+    """Per-token loss (fp32) for logits [..., padded_vocab/TP] and target ids [...]."""
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size)

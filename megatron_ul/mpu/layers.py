@@ -1,0 +1,133 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Every layer materialises its *full* weight once on the CPU, initialises it with the caller's
+`init_method(full_weight)`, and keeps this TP rank's slice. Initialisation is therefore identical
+for every layout (the single-process run included), which is what lets the layout-equivalence
+tests compare parameters directly.
+
+Sharded parameters carry `tensor_model_parallel = True` and `partition_dim`; replicated
+parameters that see only a TP-chunk of the sequence under Megatron-SP carry
+`sequence_parallel = True` (their gradients are summed over TP).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import parallel_state as ps
+from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+                       gather_from_tensor_model_parallel_region,
+                       reduce_from_tensor_model_parallel_region,
+                       reduce_scatter_to_sequence_parallel_region)
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def _shard(full: torch.Tensor, dim: int, device, dtype, stride: int = 1) -> nn.Parameter:
+    """This rank's slice of `full` along `dim`. With stride s, the dimension is s blocks laid end
+    to end (e.g. SwiGLU's [gate; up]) and each rank takes its chunk of every block."""
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    if full.shape[dim] % (tp * stride) != 0:
+        raise ValueError(f"dimension {dim} of size {full.shape[dim]} is not divisible by "
+                         f"TP×stride = {tp}×{stride}")
+    blocks = full.chunk(stride, dim=dim)
+    part = torch.cat([b.chunk(tp, dim=dim)[rank] for b in blocks], dim=dim)
+    part = part.to(device=device, dtype=dtype).contiguous()
+    param = nn.Parameter(part)
+    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
+    return param
+
+
+def _zeros(n: int, device, dtype, sequence_parallel: bool) -> nn.Parameter:
+    param = nn.Parameter(torch.zeros(n, device=device, dtype=dtype))
+    param.sequence_parallel = sequence_parallel
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = X A + b with A split by columns (output features) across TP.
+
+    Input: [s, b, in] (with sequence_parallel: [s/TP, b, in], all-gathered here).
+    Output: [s, b, out/TP], or [s, b, out] with gather_output.
+    """
+
+    def __init__(self, input_size: int, output_size: int, init_method: InitMethod, *,
+                 bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
+                 stride: int = 1, device=None, dtype=torch.float32):
+        super().__init__()
+        full = torch.empty(output_size, input_size, dtype=torch.float32)
+        init_method(full)
+        self.weight = _shard(full, 0, device, dtype, stride)
+        tp = ps.get_tensor_model_parallel_world_size()
+        if bias:
+            self.bias = _shard(torch.zeros(output_size), 0, device, dtype, stride)
+        else:
+            self.register_parameter("bias", None)
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.output_size_per_partition = output_size // tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Y = X A + b with A split by rows (input features) across TP.
+
+    Input: [s, b, in/TP] (already parallel). Output: [s, b, out], summed over TP
+    (with sequence_parallel: reduce-scattered to [s/TP, b, out]).
+    """
+
+    def __init__(self, input_size: int, output_size: int, init_method: InitMethod, *,
+                 bias: bool = True, sequence_parallel: bool = False,
+                 device=None, dtype=torch.float32):
+        super().__init__()
+        full = torch.empty(output_size, input_size, dtype=torch.float32)
+        init_method(full)
+        self.weight = _shard(full, 1, device, dtype)
+        self.bias = _zeros(output_size, device, dtype, sequence_parallel) if bias else None
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = reduce_scatter_to_sequence_parallel_region(y)
+        else:
+            y = reduce_from_tensor_model_parallel_region(y)
+        # The bias is added after the reduction so that it is counted once.
+        return y + self.bias if self.bias is not None else y
+
+
+def vocab_range(padded_vocab_size: int) -> tuple[int, int]:
+    """[start, end) of the vocabulary rows held by this TP rank."""
+    per = padded_vocab_size // ps.get_tensor_model_parallel_world_size()
+    start = per * ps.get_tensor_model_parallel_rank()
+    return start, start + per
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows across TP; lookups outside a rank's range
+    contribute zero and the partial results are summed over TP."""
+
+    def __init__(self, padded_vocab_size: int, embedding_dim: int, init_method: InitMethod, *,
+                 device=None, dtype=torch.float32):
+        super().__init__()
+        full = torch.empty(padded_vocab_size, embedding_dim, dtype=torch.float32)
+        init_method(full)
+        self.weight = _shard(full, 0, device, dtype)
+        self.vocab_start, self.vocab_end = vocab_range(padded_vocab_size)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ps.get_tensor_model_parallel_world_size() == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(out)

@@ -1,0 +1,213 @@
+"""Autograd-aware collectives: each forward op's backward is its communication dual.
+
+Tensor parallel (TP):       copy <-> all-reduce, split(last dim) <-> all-gather(last dim)
+Megatron-SP (TP group, dim 0): split <-> all-gather, all-gather <-> reduce-scatter
+Ulysses (SP group):         all-to-all(scatter heads, gather sequence) <-> its inverse
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from . import parallel_state as ps
+from .comm_stats import record
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if _size(group) == 1:
+        return x
+    x = x.contiguous()
+    record("all_reduce", x, group)
+    dist.all_reduce(x, group=group)
+    return x
+
+
+def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = _size(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world != 0:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} into {world} equal parts")
+    rank = dist.get_rank(group)
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = _size(group)
+    if world == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()
+    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    record("all_gather", out, group)
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = _size(group)
+    if world == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()
+    if x.shape[0] % world != 0:
+        raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[0]} over {world} ranks")
+    out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    record("reduce_scatter", x, group)
+    dist.reduce_scatter_single(out, x, group=group)
+    return out.movedim(0, dim).contiguous() if dim != 0 else out
+
+
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """Split `x` into world chunks along scatter_dim, send chunk j to rank j, and concatenate
+    the chunks received along gather_dim (in rank order). Not autograd-aware; see
+    `ulysses_all_to_all`."""
+    world = _size(group)
+    if world == 1:
+        return x
+    if x.shape[scatter_dim] % world != 0:
+        # An equal-split all-to-all would not complain; it would silently compute garbage.
+        raise ValueError(f"all-to-all: dim {scatter_dim} of size {x.shape[scatter_dim]} "
+                         f"is not divisible by the group size {world}")
+    # [world, ...chunk] so that chunk j is contiguous block j of the send buffer.
+    send = torch.stack(x.chunk(world, dim=scatter_dim), dim=0).contiguous()
+    recv = torch.empty_like(send)
+    record("all_to_all", send, group)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(recv.unbind(0), dim=gather_dim)
+
+
+# ---- autograd functions ---------------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_reduce(g, ps.get_tensor_model_parallel_group())
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _all_reduce(x.clone(), ps.get_tensor_model_parallel_group())
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _split(x, -1, ps.get_tensor_model_parallel_group())
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, g.dim() - 1, ps.get_tensor_model_parallel_group())
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _all_gather(x, x.dim() - 1, ps.get_tensor_model_parallel_group())
+
+    @staticmethod
+    def backward(ctx, g):
+        return _split(g, -1, ps.get_tensor_model_parallel_group())
+
+
+class _ScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _split(x, 0, ps.get_tensor_model_parallel_group())
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, 0, ps.get_tensor_model_parallel_group())
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tensor_parallel_output_grad):
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _all_gather(x, 0, ps.get_tensor_model_parallel_group())
+
+    @staticmethod
+    def backward(ctx, g):
+        group = ps.get_tensor_model_parallel_group()
+        # If the consumer is tensor-parallel each rank holds a partial gradient: reduce-scatter.
+        # Otherwise every rank holds the full gradient: just keep our slice.
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter(g, 0, group), None
+        return _split(g, 0, group), None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _reduce_scatter(x, 0, ps.get_tensor_model_parallel_group())
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, 0, ps.get_tensor_model_parallel_group())
+
+
+class _UlyssesAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return all_to_all(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        scatter_dim, gather_dim = ctx.dims
+        # The inverse all-to-all: scatter what was gathered, gather what was scattered.
+        return all_to_all(g, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+# ---- public API -------------------------------------------------------------------------------------
+def copy_to_tensor_model_parallel_region(x):
+    return _CopyToTP.apply(x)
+
+
+def reduce_from_tensor_model_parallel_region(x):
+    return _ReduceFromTP.apply(x)
+
+
+def scatter_to_tensor_model_parallel_region(x):
+    return _ScatterToTP.apply(x)
+
+
+def gather_from_tensor_model_parallel_region(x):
+    return _GatherFromTP.apply(x)
+
+
+def scatter_to_sequence_parallel_region(x):
+    """Megatron-SP: keep this TP rank's chunk of the sequence (dim 0)."""
+    return _ScatterToSequenceParallel.apply(x)
+
+
+def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad: bool = True):
+    """Megatron-SP: all-gather the sequence (dim 0) across TP."""
+    return _GatherFromSequenceParallel.apply(x, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x):
+    """Megatron-SP: sum partial results across TP and keep this rank's sequence chunk."""
+    return _ReduceScatterToSequenceParallel.apply(x)
+
+
+def ulysses_all_to_all(x, scatter_dim: int, gather_dim: int, group=None):
+    """DeepSpeed-Ulysses all-to-all over the SP group; backward is the inverse all-to-all.
+
+    Sequence-sharded -> head-sharded: scatter_dim = heads, gather_dim = sequence.
+    Head-sharded -> sequence-sharded: the reverse.
+    """
+    group = ps.get_sequence_parallel_group() if group is None else group
+    if _size(group) == 1:
+        return x
+    return _UlyssesAllToAll.apply(x, scatter_dim, gather_dim, group)

@@ -1,0 +1,211 @@
+"""The rank grid and every process group.
+
+world = PP x DP x SP x TP with TP varying fastest, then SP, then DP, then PP:
+    rank = tp + TP * (sp + SP * (dp + DP * pp))
+TP and SP are the chattiest axes, so they sit on the closest ranks (same node).
+Each group is a slice of `torch.arange(world).view(PP, DP, SP, TP)` along some axes.
+This is the only module that creates process groups.
+"""
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_AXES = ("pp", "dp", "sp", "tp")
+
+
+@dataclass
+class _State:
+    tp: int
+    sp: int
+    dp: int
+    pp: int
+    coords: dict            # axis -> this rank's coordinate
+    groups: dict            # name -> ProcessGroup (or None when size 1 and world 1)
+    group_ranks: dict       # name -> list of global ranks in this rank's group
+    embedding_ranks: list
+
+
+_state: _State | None = None
+
+
+def _grid(world: int, tp: int, sp: int, pp: int) -> torch.Tensor:
+    dp = world // (tp * sp * pp)
+    return torch.arange(world).view(pp, dp, sp, tp)
+
+
+def _groups_varying(grid: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]]:
+    """All rank lists in which exactly `axes` vary and the other coordinates are fixed."""
+    keep = [i for i, a in enumerate(_AXES) if a in axes]
+    fixed = [i for i, a in enumerate(_AXES) if a not in axes]
+    perm = grid.permute(*fixed, *keep)
+    n = 1
+    for i in keep:
+        n *= grid.shape[i]
+    return [row.tolist() for row in perm.reshape(-1, n)]
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1,
+                              sequence_parallel_size: int = 1,
+                              pipeline_model_parallel_size: int = 1,
+                              timeout: datetime.timedelta | None = None) -> None:
+    """Build every group. Must be called on all ranks after init_process_group."""
+    global _state
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    tp, sp, pp = tensor_model_parallel_size, sequence_parallel_size, pipeline_model_parallel_size
+    if world % (tp * sp * pp) != 0:
+        raise ValueError(f"world size {world} is not divisible by TP*SP*PP = {tp}*{sp}*{pp}")
+    grid = _grid(world, tp, sp, pp)
+    dp = grid.shape[1]
+    where = (grid == rank).nonzero()[0].tolist()
+    coords = dict(zip(_AXES, where))
+
+    layouts = {
+        "tp": ("tp",), "sp": ("sp",), "dp": ("dp",), "pp": ("pp",),
+        "dp_sp": ("dp", "sp"),      # parameters are replicated over both: grads reduce here
+        "tp_sp": ("sp", "tp"),      # one model replica's data-parallel-free slice (checks)
+        "mp": ("pp", "tp"),         # model-parallel: clipping norms, consistency checks
+    }
+    groups, group_ranks = {}, {}
+    kwargs = {"timeout": timeout} if timeout is not None else {}
+    for name, axes in layouts.items():
+        # new_group is collective over the world: every rank creates every group, in order.
+        for ranks in _groups_varying(grid, axes):
+            group = dist.new_group(ranks, **kwargs)
+            if rank in ranks:
+                groups[name], group_ranks[name] = group, ranks
+
+    # Embedding group: first and last pipeline stage of each (dp, sp, tp) column, for tied
+    # input/output embeddings.
+    embedding_ranks = None
+    for pp_ranks in _groups_varying(grid, ("pp",)):
+        ranks = sorted({pp_ranks[0], pp_ranks[-1]})
+        group = dist.new_group(ranks, **kwargs)
+        if rank in ranks:
+            groups["embedding"], embedding_ranks = group, ranks
+    group_ranks["embedding"] = embedding_ranks or []
+    _state = _State(tp, sp, dp, pp, coords, groups, group_ranks, embedding_ranks or [])
+
+
+def model_parallel_is_initialized() -> bool:
+    return _state is not None
+
+
+def destroy_model_parallel() -> None:
+    global _state
+    _state = None
+
+
+def _get() -> _State:
+    if _state is None:
+        raise RuntimeError("model parallel groups are not initialized: call "
+                           "megatron_ul.initialize.initialize_distributed() first")
+    return _state
+
+
+# ---- groups ----------------------------------------------------------------------------------
+def get_tensor_model_parallel_group():
+    return _get().groups["tp"]
+
+
+def get_sequence_parallel_group():
+    """The Ulysses (DeepSpeed sequence-parallel) group."""
+    return _get().groups["sp"]
+
+
+def get_data_parallel_group():
+    return _get().groups["dp"]
+
+
+def get_pipeline_model_parallel_group():
+    return _get().groups["pp"]
+
+
+def get_data_sequence_parallel_group():
+    """DP x SP: gradient reduction and ZeRO sharding (parameters are replicated over both)."""
+    return _get().groups["dp_sp"]
+
+
+def get_model_parallel_group():
+    """TP x PP: ranks that together hold one copy of the model."""
+    return _get().groups["mp"]
+
+
+def get_tensor_sequence_parallel_group():
+    return _get().groups["tp_sp"]
+
+
+def get_embedding_group():
+    return _get().groups.get("embedding")
+
+
+def get_group_ranks(name: str) -> list[int]:
+    return list(_get().group_ranks[name])
+
+
+# ---- sizes and ranks ---------------------------------------------------------------------------
+def get_tensor_model_parallel_world_size() -> int:
+    return _get().tp
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _get().coords["tp"]
+
+
+def get_sequence_parallel_world_size() -> int:
+    return _get().sp
+
+
+def get_sequence_parallel_rank() -> int:
+    return _get().coords["sp"]
+
+
+def get_data_parallel_world_size() -> int:
+    return _get().dp
+
+
+def get_data_parallel_rank() -> int:
+    return _get().coords["dp"]
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _get().pp
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _get().coords["pp"]
+
+
+def get_data_sequence_parallel_world_size() -> int:
+    return _get().dp * _get().sp
+
+
+def get_data_sequence_parallel_rank() -> int:
+    s = _get()
+    return s.coords["sp"] + s.sp * s.coords["dp"]
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def get_pipeline_model_parallel_next_rank() -> int:
+    ranks = _get().group_ranks["pp"]
+    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
+
+
+def get_pipeline_model_parallel_prev_rank() -> int:
+    ranks = _get().group_ranks["pp"]
+    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
+
+
+def is_rank_in_embedding_group() -> bool:
+    return dist.get_rank() in _get().embedding_ranks

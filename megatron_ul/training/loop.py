@@ -1,0 +1,57 @@
+"""The training loop: iterate global batches, step, evaluate, log."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import Config
+from ..mpu import parallel_state as ps
+from .metrics import MetricsLogger
+from .step import evaluate_loss, train_step
+
+log = logging.getLogger("megatron_ul")
+
+
+def autocast_dtype(cfg: Config):
+    # bf16: compute in bf16 under autocast; parameters, gradients and the optimizer stay fp32.
+    return torch.bfloat16 if cfg.train.bf16 else None
+
+
+def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches=None,
+          start_iteration: int = 0) -> list[float]:
+    """Run to --train-iters; returns the per-iteration global loss (same on every rank)."""
+    metrics = MetricsLogger(cfg, model.padded_vocab_size,
+                            is_reporting_rank=is_reporting_rank())
+    losses = []
+    model.train()
+    dtype = autocast_dtype(cfg)
+    try:
+        for iteration in range(start_iteration + 1, cfg.train.train_iters + 1):
+            lr = scheduler.lr
+            loss, grad_norm = train_step(model, optimizer, next(train_batches),
+                                         clip_grad=cfg.train.clip_grad, autocast_dtype=dtype,
+                                         iteration=iteration)
+            scheduler.step()
+            losses.append(loss)
+            metrics.iteration(iteration, loss, lr, grad_norm)
+            if (valid_batches is not None and cfg.train.eval_interval
+                    and iteration % cfg.train.eval_interval == 0):
+                run_evaluation(cfg, model, valid_batches, iteration, dtype)
+    finally:
+        metrics.close()
+    return losses
+
+
+def run_evaluation(cfg: Config, model, valid_batches, iteration: int, dtype) -> float:
+    losses = [evaluate_loss(model, next(valid_batches), dtype) for _ in range(cfg.train.eval_iters)]
+    value = sum(losses) / len(losses)
+    if is_reporting_rank():
+        log.info("validation at iteration %d | lm loss %.6E", iteration, value)
+    return value
+
+
+def is_reporting_rank() -> bool:
+    """Megatron reports from the last pipeline stage's first TP/SP/DP rank."""
+    return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_sequence_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)

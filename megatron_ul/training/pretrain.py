@@ -1,0 +1,91 @@
+"""parse → validate → initialize → build model, data, optimizer → train."""
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from ..arguments import parse_args
+from ..config import Config, ConfigError, validate
+from ..initialize import initialize_distributed, shutdown, world_size_from_env
+from ..model.gpt import GPTModel
+from ..mpu import parallel_state as ps
+from ..optim import build_optimizer
+from ..optim.lr_schedule import LRSchedule
+from .data import build_datasets, build_tokenizer_for, global_batches
+from .loop import is_reporting_rank, train
+
+log = logging.getLogger("megatron_ul")
+
+
+def configure(argv=None, world_size: int | None = None) -> Config:
+    """Flags -> validated Config. Raises ConfigError before anything heavy happens."""
+    cfg = parse_args(argv, world_size if world_size is not None else world_size_from_env())
+    tokenizer = build_tokenizer_for(cfg)
+    if tokenizer is not None and not cfg.data.mock_data:
+        cfg.model.vocab_size = tokenizer.vocab_size
+    if cfg.data.mock_data and not cfg.model.vocab_size:
+        raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N")
+    if cfg.data.data_path and tokenizer is None:
+        raise ConfigError("invalid configuration:\n  --data-path needs --tokenizer-type "
+                          "(and its --tokenizer-model or --vocab-file/--merge-file)")
+    return validate(cfg)
+
+
+def build_model(cfg: Config, device) -> GPTModel:
+    return GPTModel(cfg.model, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+                    device=device)
+
+
+@dataclass
+class Trainer:
+    cfg: Config
+    model: GPTModel
+    optimizer: torch.optim.Optimizer
+    scheduler: LRSchedule
+    train_batches: Iterator
+    valid_batches: Optional[Iterator]
+
+    def train(self) -> list[float]:
+        return train(self.cfg, self.model, self.optimizer, self.scheduler, self.train_batches,
+                     self.valid_batches)
+
+
+def setup(cfg: Config) -> Trainer:
+    """Initialize distributed state and build everything training needs."""
+    device = initialize_distributed(cfg)
+    if torch.distributed.get_rank() != 0 and not is_reporting_rank():
+        logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
+    model = build_model(cfg, device)
+    if torch.distributed.get_rank() == 0:
+        n = sum(p.numel() for p in model.parameters())
+        log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
+                 model.padded_vocab_size)
+    optimizer = build_optimizer(model, cfg.train)
+    t = cfg.train
+    scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
+                           decay_steps=t.lr_decay_iters, decay_style=t.lr_decay_style)
+    tokenizer = build_tokenizer_for(cfg)
+    eod = tokenizer.eod if tokenizer is not None else None
+    train_ds, valid_ds, _ = build_datasets(cfg)
+    train_batches = global_batches(cfg, train_ds, device, eod)
+    valid_batches = global_batches(cfg, valid_ds, device, eod) if valid_ds is not None else None
+    return Trainer(cfg, model, optimizer, scheduler, train_batches, valid_batches)
+
+
+def main(argv=None) -> int:
+    # Every rank logs warnings; progress lines come from the reporting rank (see loop.py).
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stdout)
+    try:
+        cfg = configure(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        setup(cfg).train()
+    finally:
+        shutdown()
+    return 0

@@ -1,0 +1,81 @@
+"""Run a function on N gloo ranks on loopback, one thread each, with timeouts everywhere.
+
+A collective that never completes fails through gloo's timeout; a rank that hangs anyway is
+killed when the whole run exceeds `timeout` and the test fails with what each rank reported.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=90)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        from megatron_ul.mpu import parallel_state
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:
+    """fn(rank, world, *args) on `world` spawned ranks; returns the results in rank order."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode is not None and r not in results]
+                if dead:
+                    errors.append(f"ranks {dead} died (exit codes "
+                                  f"{[procs[r].exitcode for r in dead]}) without reporting")
+                elif time.monotonic() > deadline:
+                    errors.append(f"distributed run timed out after {timeout}s; "
+                                  f"finished ranks: {sorted(results)}")
+                continue
+            if status == "ok":
+                results[rank] = payload
+            else:  # the other ranks will time out or fail; do not wait for them
+                errors.append(f"rank {rank}:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise AssertionError("\n".join(errors))
+    return [results[r] for r in range(world)]
