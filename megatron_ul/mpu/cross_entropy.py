@@ -22,7 +22,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_vocab = logits.shape[-1]
         padded = local_vocab * ps.get_tensor_model_parallel_world_size()
         start, end = vocab_range(padded)
-        logits = logits.float()
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the softmax and its sums always in fp32 or better
         if end > vocab_size:  # this rank holds padding rows: take them out of the softmax
             pad = torch.arange(start, end, device=logits.device) >= vocab_size
             logits = logits.masked_fill(pad, float("-inf"))
@@ -57,5 +58,5 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                                  vocab_size: int) -> torch.Tensor:
-    """Per-token loss (fp32) for logits [..., padded_vocab/TP] and target ids [...]."""
+    """Per-token loss (fp32, or fp64 for fp64 logits) for logits [..., padded_vocab/TP] and target ids [...]."""
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -10,6 +11,7 @@ import torch
 
 from ..arguments import parse_args
 from ..config import Config, ConfigError, validate
+from ..data.gpt_dataset import parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
 from ..model.gpt import GPTModel
 from ..mpu import parallel_state as ps
@@ -32,7 +34,24 @@ def configure(argv=None, world_size: int | None = None) -> Config:
     if cfg.data.data_path and tokenizer is None:
         raise ConfigError("invalid configuration:\n  --data-path needs --tokenizer-type "
                           "(and its --tokenizer-model or --vocab-file/--merge-file)")
+    _check_data_files(cfg.data.data_path)
     return validate(cfg)
+
+
+def _check_data_files(data_path: list[str]) -> None:
+    """Every --data-path prefix must have its .bin and .idx, checked before anything heavy."""
+    if not data_path:
+        return
+    try:
+        prefixes, _ = parse_data_path(data_path)
+    except ValueError as e:
+        raise ConfigError(f"invalid configuration:\n  {e}") from e
+    missing = [path for prefix in prefixes for path in (prefix + ".bin", prefix + ".idx")
+               if not os.path.isfile(path)]
+    if missing:
+        raise ConfigError("invalid configuration:\n  --data-path: missing " + ", ".join(missing)
+                          + "; run tools/preprocess_data.py to create them (the prefix is the "
+                          "path without .bin/.idx, e.g. data/demo_text_document)")
 
 
 def build_model(cfg: Config, device) -> GPTModel:

@@ -1,0 +1,99 @@
+"""Ulysses attention on SP ranks equals plain causal attention on the full sequence, forward
+and backward, for MHA, GQA with kv heads < SP, MQA and kv heads not divisible by SP."""
+import math
+
+import torch
+
+from megatron_ul.model.ulysses import DistributedAttention, kv_replication_factor
+from megatron_ul.mpu import parallel_state as ps
+from megatron_ul.mpu.mappings import ulysses_all_to_all
+from megatron_ul.mpu.random import model_parallel_seed
+from tests.distributed import run_distributed
+
+N, B, D = 16, 2, 4
+CASES = [(8, 8), (8, 2), (8, 1), (12, 6)]  # (query heads, kv heads)
+
+
+def reference_attention(q, k, v):
+    """Causal softmax attention written out; query head i uses kv head i // (hq / hk)."""
+    hq, hk = q.shape[2], k.shape[2]
+    kv_of = torch.arange(hq) // (hq // hk)
+    k, v = k[:, :, kv_of], v[:, :, kv_of]
+    scores = torch.einsum("nbhd,mbhd->bhnm", q, k) / math.sqrt(q.shape[-1])
+    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    return torch.einsum("bhnm,mbhd->nbhd", probs, v)
+
+
+def _inputs(hq, hk):
+    g = torch.Generator().manual_seed(hq * 100 + hk)
+    return [torch.randn(N, B, h, D, generator=g, dtype=torch.float64) for h in (hq, hk, hk)]
+
+
+def _check(rank, world):
+    ps.initialize_model_parallel(1, world, 1)
+    model_parallel_seed(0)
+    sp_rank = ps.get_sequence_parallel_rank()
+    attention = DistributedAttention(world, "sdpa", ps.get_sequence_parallel_group())
+    for hq, hk in CASES:
+        full = [t.requires_grad_() for t in _inputs(hq, hk)]
+        mine = [t.detach().chunk(world, 0)[sp_rank].clone().requires_grad_() for t in full]
+        out = attention(*mine, dropout_p=0.0)
+        ref = reference_attention(*full)
+        torch.testing.assert_close(out, ref.detach().chunk(world, 0)[sp_rank],
+                                   msg=f"forward hq={hq} hk={hk}")
+        weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7),
+                              dtype=torch.float64)
+        (out * weights.chunk(world, 0)[sp_rank]).sum().backward()
+        (ref * weights).sum().backward()
+        for name, a, b in zip("qkv", mine, full):
+            torch.testing.assert_close(a.grad, b.grad.chunk(world, 0)[sp_rank],
+                                       msg=f"grad {name} hq={hq} hk={hk}")
+    return True
+
+
+def test_ulysses_attention_matches_full_attention_sp4():
+    assert all(run_distributed(_check, 4))
+
+
+def _check_all_to_all(rank, world):
+    ps.initialize_model_parallel(1, world, 1)
+    group = ps.get_sequence_parallel_group()
+    full = torch.arange(N * B * world * 3 * D, dtype=torch.float64).view(N, B, world * 3, D)
+    mine = full.chunk(world, 0)[rank].clone().requires_grad_()
+    # sequence-sharded -> head-sharded: full sequence, this rank's heads, in global order
+    swapped = ulysses_all_to_all(mine, scatter_dim=2, gather_dim=0, group=group)
+    assert torch.equal(swapped, full.chunk(world, 2)[rank])
+    back = ulysses_all_to_all(swapped, scatter_dim=0, gather_dim=2, group=group)
+    assert torch.equal(back, mine)
+    # backward of an all-to-all is the inverse all-to-all
+    grad = torch.randn(swapped.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    swapped.backward(grad)
+    gathered = [torch.empty_like(grad) for _ in range(world)]
+    torch.distributed.all_gather(gathered, grad, group=group)
+    full_grad = torch.cat(gathered, dim=2)           # the gradient of the full head-sharded view
+    assert torch.equal(mine.grad, full_grad.chunk(world, 0)[rank])
+    return True
+
+
+def test_all_to_all_round_trip_and_backward():
+    assert all(run_distributed(_check_all_to_all, 2))
+
+
+def test_kv_replication_factor_is_minimal():
+    for hk in range(1, 17):
+        for sp in (1, 2, 3, 4, 8):
+            r = kv_replication_factor(hk, sp)
+            assert (hk * r) % sp == 0
+            assert all((hk * s) % sp for s in range(1, r))
+
+
+def test_tiled_kv_replication_would_be_caught():
+    """The reference distinguishes repeat_interleave from tiling, so the SP test above would
+    fail on the classic GQA bug."""
+    q, k, v = _inputs(8, 2)
+    right = reference_attention(q, k, v)
+    tiled = reference_attention(q, k.repeat(1, 1, 4, 1)[:, :, :8], v.repeat(1, 1, 4, 1)[:, :, :8])
+    interleaved = reference_attention(q, k.repeat_interleave(4, 2), v.repeat_interleave(4, 2))
+    torch.testing.assert_close(interleaved, right)
+    assert not torch.allclose(tiled, right)
