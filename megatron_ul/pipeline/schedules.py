@@ -56,7 +56,7 @@ def forward_backward_no_pipelining(model, micro_batches: list[dict], num_tokens:
     return total
 
 
-# ---- operation orders ----------------------------------------------------------------------------
+# ---- operation orders ---------------------------------------------------------------------------
 def one_f_one_b_order(pipeline_size: int, pp_rank: int, num_micro_batches: int,
                       forward_only: bool = False) -> list[tuple[str, int, int]]:
     """Megatron's non-interleaved 1F1B order on one rank: [(op, chunk=0, micro-batch)]."""
@@ -95,7 +95,7 @@ def interleaved_order(pipeline_size: int, pp_rank: int, num_micro_batches: int, 
     return order + backward[total - warmup:]
 
 
-# ---- execution --------------------------------------------------------------------------------------
+# ---- execution ---------------------------------------------------------------------------
 def activation_shape(chunk, batch: dict) -> tuple[int, int, int]:
     """[N/SP (÷TP under Megatron-SP), b, h] of the hidden states between stages."""
     b, local_seq = batch["tokens"].shape
