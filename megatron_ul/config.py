@@ -142,6 +142,34 @@ class Config:
         return t.global_batch_size // (t.micro_batch_size * dp)
 
 
+def _pipeline_errors(cfg: Config, dp: int) -> list[str]:
+    """Layers must split evenly into (virtual) pipeline stages: never drop layers silently."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    pp, per_virtual = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
+    errors = []
+    if m.num_layers % pp != 0:
+        errors.append(f"--num-layers {m.num_layers} is not divisible by "
+                      f"--pipeline-model-parallel-size {pp}: every stage needs the same number "
+                      f"of layers; use a multiple of {pp} layers or another pipeline size")
+    if per_virtual is None:
+        return errors
+    if pp == 1:
+        errors.append("--num-layers-per-virtual-pipeline-stage needs "
+                      "--pipeline-model-parallel-size > 1; remove it or add pipeline stages")
+    elif per_virtual < 1 or m.num_layers % (pp * per_virtual) != 0:
+        errors.append(f"--num-layers {m.num_layers} is not divisible by "
+                      f"--pipeline-model-parallel-size × --num-layers-per-virtual-pipeline-stage"
+                      f" = {pp}×{per_virtual}; choose layers per virtual stage so that "
+                      f"{pp}·n divides {m.num_layers}")
+    elif t.global_batch_size is not None and t.micro_batch_size * dp > 0 and (
+            t.global_batch_size // (t.micro_batch_size * dp)) % pp != 0:
+        errors.append(f"the interleaved schedule needs the number of micro-batches "
+                      f"(--global-batch-size / (--micro-batch-size × data-parallel size) = "
+                      f"{t.global_batch_size // (t.micro_batch_size * dp)}) to be a multiple "
+                      f"of --pipeline-model-parallel-size {pp}; change --global-batch-size")
+    return errors
+
+
 def validate(cfg: Config) -> Config:
     """Check the whole configuration, fill derived defaults, and return it.
 
@@ -223,10 +251,9 @@ def validate(cfg: Config) -> Config:
         errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
 
     # --- features not built yet: refuse plainly rather than ignore -------------------------------
-    not_yet = [(pp > 1, "--pipeline-model-parallel-size > 1 (pipeline parallelism)"),
-               (p.num_layers_per_virtual_pipeline_stage is not None,
-                "--num-layers-per-virtual-pipeline-stage (interleaved pipeline)"),
-               (p.use_distributed_optimizer, "--use-distributed-optimizer (ZeRO-1)"),
+    errors += _pipeline_errors(cfg, dp)
+
+    not_yet = [(p.use_distributed_optimizer, "--use-distributed-optimizer (ZeRO-1)"),
                (p.zero_stage != 0, "--zero-stage (ZeRO)"),
                (t.fp16, "--fp16 (use --bf16, or fp32)"),
                (cfg.checkpoint.save is not None or cfg.checkpoint.load is not None,

@@ -48,10 +48,10 @@ def reduce_gradients(params: list[torch.nn.Parameter]) -> None:
 
 def _counts_once(p: torch.nn.Parameter) -> bool:
     """Is this rank the one that counts p in the global norm (no double counting of copies)?"""
-    if getattr(p, "tensor_model_parallel", False):
-        return True
     if getattr(p, "shared_embedding_replica", False):  # tied output copy on the last PP stage
         return False
+    if getattr(p, "tensor_model_parallel", False):
+        return True
     return ps.get_tensor_model_parallel_rank() == 0
 
 

@@ -2,13 +2,29 @@
 
 The loss each rank backpropagates is sum(token losses · mask) / (tokens in the whole global
 batch, over all DP and SP ranks), so gradients summed over dp_sp give exactly the gradient of
-the global token-mean loss, for every layout and every loss mask.
+the global token-mean loss, for every layout and every loss mask. Under pipelining the loss
+exists only on the last stage; the other stages return a zero loss sum (step.py broadcasts the
+last stage's value over the pp group).
+
+Pipelined schedules are written as an ordered list of operations per rank, ("F" or "B",
+model chunk, micro-batch), executed with asynchronous sends and receives that block only when
+the received tensor is needed (see p2p.py). The orders are Megatron's:
+  1F1B: warm-up of min(PP - r - 1, m) forwards, then one forward / one backward, then the
+    remaining backwards.
+  interleaved 1F1B: the same over m·v virtual micro-batches, with a warm-up of
+    2·(PP - r - 1) + (v - 1)·PP, and virtual micro-batch k running on model chunk
+    (k mod PP·v) div PP (reversed for backwards).
 """
 from __future__ import annotations
 
 import contextlib
+from typing import Callable
 
 import torch
+
+from ..mpu import parallel_state as ps
+from .model import model_chunks
+from .p2p import StageCommunicator
 
 
 def micro_batch_loss_sum(model, batch: dict) -> torch.Tensor:
@@ -16,6 +32,11 @@ def micro_batch_loss_sum(model, batch: dict) -> torch.Tensor:
     losses = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                    labels=batch["labels"])
     return (losses * batch["loss_mask"]).sum()
+
+
+def _autocast(device_type: str, autocast_dtype):
+    return (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype
+            else contextlib.nullcontext())
 
 
 def forward_backward_no_pipelining(model, micro_batches: list[dict], num_tokens: torch.Tensor,
@@ -26,11 +47,125 @@ def forward_backward_no_pipelining(model, micro_batches: list[dict], num_tokens:
     device_type = num_tokens.device.type
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
     for batch in micro_batches:
-        autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype
-                    else contextlib.nullcontext())
-        with autocast, (torch.no_grad() if forward_only else contextlib.nullcontext()):
+        with _autocast(device_type, autocast_dtype), (
+                torch.no_grad() if forward_only else contextlib.nullcontext()):
             loss_sum = micro_batch_loss_sum(model, batch)
         if not forward_only:
             (loss_sum / num_tokens).backward()
         total += loss_sum.detach().float()
     return total
+
+
+# ---- operation orders ---------------------------------------------------------------------------
+def one_f_one_b_order(pipeline_size: int, pp_rank: int, num_micro_batches: int,
+                      forward_only: bool = False) -> list[tuple[str, int, int]]:
+    """Megatron's non-interleaved 1F1B order on one rank: [(op, chunk=0, micro-batch)]."""
+    m = num_micro_batches
+    if forward_only:
+        return [("F", 0, i) for i in range(m)]
+    warmup = min(pipeline_size - pp_rank - 1, m)
+    order = [("F", 0, i) for i in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", 0, warmup + i), ("B", 0, i)]
+    return order + [("B", 0, i) for i in range(m - warmup, m)]
+
+
+def interleaved_order(pipeline_size: int, pp_rank: int, num_micro_batches: int, chunks: int,
+                      forward_only: bool = False) -> list[tuple[str, int, int]]:
+    """Megatron's interleaved 1F1B order on one rank: [(op, model chunk, micro-batch)]."""
+    p, v = pipeline_size, chunks
+    total = num_micro_batches * v
+
+    def chunk_and_micro_batch(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k % (p * v)) // p
+        micro_batch = (k // (p * v)) * p + k % p
+        return (chunk if forward else v - 1 - chunk), micro_batch
+
+    if forward_only or num_micro_batches == p:  # Megatron: all forwards, then all backwards
+        warmup = total
+    else:
+        warmup = min(2 * (p - pp_rank - 1) + (v - 1) * p, total)
+    forward = [("F", *chunk_and_micro_batch(k, True)) for k in range(total)]
+    if forward_only:
+        return forward
+    backward = [("B", *chunk_and_micro_batch(k, False)) for k in range(total)]
+    order = forward[:warmup]
+    for k in range(total - warmup):
+        order += [forward[warmup + k], backward[k]]
+    return order + backward[total - warmup:]
+
+
+# ---- execution ---------------------------------------------------------------------------
+def activation_shape(chunk, batch: dict) -> tuple[int, int, int]:
+    """[N/SP (÷TP under Megatron-SP), b, h] of the hidden states between stages."""
+    b, local_seq = batch["tokens"].shape
+    if chunk.sequence_parallel:
+        local_seq //= ps.get_tensor_model_parallel_world_size()
+    return local_seq, b, chunk.cfg.hidden_size
+
+
+def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tensor,
+                       order: list[tuple[str, int, int]], autocast_dtype=None,
+                       forward_only: bool = False) -> torch.Tensor:
+    """Execute one rank's operation order; returns the detached loss sum (zero off the last
+    stage)."""
+    chunks = model_chunks(model)
+    device = num_tokens.device
+    dtype = next(chunks[0].parameters()).dtype
+    comm = StageCommunicator(activation_shape(chunks[0], micro_batches[0]), dtype, device)
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    saved: dict[tuple[int, int], tuple] = {}     # (chunk, micro-batch) -> (input, output)
+    for op, c, i in order:
+        chunk, batch = chunks[c], micro_batches[i]
+        if op == "F":
+            inp = None if chunk.pre_process else comm.recv_forward().requires_grad_(
+                not forward_only)
+            with _autocast(device.type, autocast_dtype), (
+                    torch.no_grad() if forward_only else contextlib.nullcontext()):
+                out = chunk(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                            labels=batch["labels"] if chunk.post_process else None,
+                            hidden_states=inp)
+            if chunk.post_process:
+                out = (out * batch["loss_mask"]).sum()
+                total += out.detach().float()
+                out = out / num_tokens
+            else:
+                out = out.to(dtype)
+                comm.send_forward(out)
+            if not forward_only:
+                saved[(c, i)] = (inp, out)
+        else:
+            inp, out = saved.pop((c, i))
+            grad = None if chunk.post_process else comm.recv_backward()
+            torch.autograd.backward(out, grad_tensors=grad)
+            if not chunk.pre_process:
+                comm.send_backward(inp.grad)
+    comm.wait_sends()
+    return total
+
+
+def forward_backward_pipelining_without_interleaving(model, micro_batches, num_tokens,
+                                                     autocast_dtype=None, forward_only=False):
+    order = one_f_one_b_order(ps.get_pipeline_model_parallel_world_size(),
+                              ps.get_pipeline_model_parallel_rank(), len(micro_batches),
+                              forward_only)
+    return run_pipeline_order(model, micro_batches, num_tokens, order, autocast_dtype,
+                              forward_only)
+
+
+def forward_backward_pipelining_with_interleaving(model, micro_batches, num_tokens,
+                                                  autocast_dtype=None, forward_only=False):
+    order = interleaved_order(ps.get_pipeline_model_parallel_world_size(),
+                              ps.get_pipeline_model_parallel_rank(), len(micro_batches),
+                              len(model_chunks(model)), forward_only)
+    return run_pipeline_order(model, micro_batches, num_tokens, order, autocast_dtype,
+                              forward_only)
+
+
+def get_forward_backward_func(pipeline_size: int, chunks: int = 1) -> Callable:
+    """The schedule for a layout: no pipelining, 1F1B, or interleaved 1F1B."""
+    if pipeline_size == 1:
+        return forward_backward_no_pipelining
+    if chunks == 1:
+        return forward_backward_pipelining_without_interleaving
+    return forward_backward_pipelining_with_interleaving

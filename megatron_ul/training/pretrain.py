@@ -17,6 +17,7 @@ from ..model.gpt import GPTModel
 from ..mpu import parallel_state as ps
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
+from ..pipeline.model import build_pipeline_model
 from .data import build_datasets, build_tokenizer_for, global_batches
 from .loop import is_reporting_rank, train
 
@@ -55,6 +56,8 @@ def _check_data_files(data_path: list[str]) -> None:
 
 
 def build_model(cfg: Config, device) -> GPTModel:
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        return build_pipeline_model(cfg, device)  # this rank's model chunks
     return GPTModel(cfg.model, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
                     device=device)
 

@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from ..mpu import parallel_state as ps
 from ..optim.grads import clip_gradients, reduce_gradients
-from ..pipeline.schedules import forward_backward_no_pipelining
+from ..pipeline.model import allreduce_embedding_grads, model_chunks
+from ..pipeline.schedules import get_forward_backward_func
 
 
 def count_tokens(micro_batches: list[dict], device) -> torch.Tensor:
@@ -27,7 +28,17 @@ def global_mean_loss(local_loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> 
     if dist.get_world_size(group) > 1:
         local_loss_sum = local_loss_sum.clone()
         dist.all_reduce(local_loss_sum, group=group)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        # Only the last stage has the loss: every rank reports the same value.
+        pp_ranks = ps.get_group_ranks("pp")
+        local_loss_sum = local_loss_sum.clone()
+        dist.broadcast(local_loss_sum, pp_ranks[-1], group=ps.get_pipeline_model_parallel_group())
     return float(local_loss_sum / num_tokens)
+
+
+def schedule_for(model):
+    return get_forward_backward_func(ps.get_pipeline_model_parallel_world_size(),
+                                     len(model_chunks(model)))
 
 
 def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
@@ -35,13 +46,14 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
     num_tokens = count_tokens(micro_batches, device)
-    loss_sum = forward_backward_no_pipelining(model, micro_batches, num_tokens, autocast_dtype)
+    loss_sum = schedule_for(model)(model, micro_batches, num_tokens, autocast_dtype)
     loss = global_mean_loss(loss_sum, num_tokens)
     if not math.isfinite(loss):
         # Megatron's --check-for-nan-in-loss-and-grad: stop rather than train on garbage.
         raise FloatingPointError(f"iteration {iteration}: loss is {loss}; stopping. Lower --lr, "
                                  f"raise --clip-grad's strictness or check the data")
     reduce_gradients(params)
+    allreduce_embedding_grads(model)
     grad_norm = clip_gradients(params, clip_grad)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"iteration {iteration}: grad norm is {grad_norm}; stopping")
@@ -56,8 +68,8 @@ def evaluate_loss(model, micro_batches: list[dict], autocast_dtype=None) -> floa
     num_tokens = count_tokens(micro_batches, device)
     model.eval()
     try:
-        loss_sum = forward_backward_no_pipelining(model, micro_batches, num_tokens, autocast_dtype,
-                                                  forward_only=True)
+        loss_sum = schedule_for(model)(model, micro_batches, num_tokens, autocast_dtype,
+                                       forward_only=True)
     finally:
         model.train()
     return global_mean_loss(loss_sum, num_tokens)

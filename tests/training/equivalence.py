@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from megatron_ul.mpu import parallel_state as ps
+from megatron_ul.pipeline.model import global_named_parameters
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
 
@@ -32,24 +33,39 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
     losses = trainer.train()
     shards = {}
     if ps.get_data_parallel_rank() == 0 and ps.get_sequence_parallel_rank() == 0:
-        for name, p in trainer.model.named_parameters():
+        # Global names (layer numbers, not per-stage indices), so pipeline stages merge.
+        for name, p in global_named_parameters(trainer.model):
             shards[name] = (p.detach().clone(), getattr(p, "partition_dim", None),
                             getattr(p, "partition_stride", 1))
     return {"losses": losses, "tp_rank": ps.get_tensor_model_parallel_rank(), "shards": shards}
 
 
 def merge_tp_shards(per_rank: list[dict]) -> dict[str, torch.Tensor]:
-    """Full parameters from the TP shards of one model replica."""
-    by_tp = {r["tp_rank"]: r["shards"] for r in per_rank if r["shards"]}
+    """Full parameters of one model replica from its TP shards on every pipeline stage.
+
+    Tied-embedding replicas (`replica.*`, last stage) must equal the first stage's table
+    exactly and are then dropped."""
+    by_tp: dict[int, dict] = {}
+    for r in per_rank:
+        stage_shards = by_tp.setdefault(r["tp_rank"], {})
+        for name, shard in r["shards"].items():
+            assert name not in stage_shards, f"{name} held by two pipeline stages"
+            stage_shards[name] = shard
     tp = len(by_tp)
     full = {}
     for name, (tensor, dim, stride) in by_tp[0].items():
+        if name.startswith("replica."):
+            continue
         if dim is None:
             full[name] = tensor
             continue
         parts = [by_tp[t][name][0].chunk(stride, dim=dim) for t in range(tp)]
         full[name] = torch.cat([torch.cat([parts[t][s] for t in range(tp)], dim=dim)
                                 for s in range(stride)], dim=dim)
+    for name in [n for n in by_tp[0] if n.startswith("replica.")]:
+        for t in range(tp):
+            assert torch.equal(by_tp[t][name][0], by_tp[t][name[len("replica."):]][0]), \
+                f"tied embedding copies diverged on TP rank {t}"
     return full
 
 

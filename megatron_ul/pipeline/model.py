@@ -1,0 +1,110 @@
+"""The model chunks one pipeline rank holds, their global parameter names, and the tied
+embedding's gradient all-reduce between the first and last stage.
+
+Layer assignment follows Megatron: without interleaving, pp rank r holds the r-th contiguous
+block of num_layers/PP layers; with --num-layers-per-virtual-pipeline-stage n, the model is cut
+into PP·v blocks of n layers and virtual stage (model chunk) c on pp rank r holds block c·PP + r.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..config import Config
+from ..model.gpt import GPTModel
+from ..mpu import parallel_state as ps
+from ..mpu.comm_stats import record
+
+
+def num_model_chunks(cfg: Config) -> int:
+    """Virtual pipeline stages per pp rank (1 without interleaving)."""
+    p = cfg.parallel
+    if p.num_layers_per_virtual_pipeline_stage is None:
+        return 1
+    return cfg.model.num_layers // (p.pipeline_model_parallel_size
+                                    * p.num_layers_per_virtual_pipeline_stage)
+
+
+def chunk_layer_numbers(num_layers: int, pipeline_size: int, chunks: int, pp_rank: int,
+                        chunk: int) -> list[int]:
+    """1-based global layer numbers of model chunk `chunk` on pp rank `pp_rank`."""
+    per_block = num_layers // (pipeline_size * chunks)
+    block = chunk * pipeline_size + pp_rank
+    return list(range(block * per_block + 1, (block + 1) * per_block + 1))
+
+
+class PipelineStageModel(nn.Module):
+    """The model chunks of one pp rank, in virtual-stage order; `chunks[c]` is a GPTModel."""
+
+    def __init__(self, chunks: list[GPTModel]):
+        super().__init__()
+        self.chunks = nn.ModuleList(chunks)
+        self.padded_vocab_size = chunks[0].padded_vocab_size
+
+
+def build_pipeline_model(cfg: Config, device) -> PipelineStageModel:
+    """This rank's model chunks; the tied output copy on the last stage is marked as a replica
+    so the gradient norm counts the embedding once."""
+    pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    v = num_model_chunks(cfg)
+    chunks = []
+    for c in range(v):
+        pre = rank == 0 and c == 0
+        post = rank == pp - 1 and c == v - 1
+        chunk = GPTModel(cfg.model, seed=cfg.train.seed,
+                         sequence_parallel=cfg.parallel.sequence_parallel, pre_process=pre,
+                         post_process=post,
+                         layer_numbers=chunk_layer_numbers(cfg.model.num_layers, pp, v, rank, c),
+                         device=device)
+        if post and not pre and hasattr(chunk, "word_embeddings"):
+            chunk.word_embeddings.weight.shared_embedding_replica = True
+        chunks.append(chunk)
+    return PipelineStageModel(chunks)
+
+
+def model_chunks(model: nn.Module) -> list[nn.Module]:
+    return list(model.chunks) if isinstance(model, PipelineStageModel) else [model]
+
+
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+
+
+def global_named_parameters(model: nn.Module):
+    """(name, parameter) pairs with layout-independent names: chunk prefixes dropped and
+    `layers.{i}` renumbered to the global layer index, so that PP=1 and PP>1 agree.
+    The last stage's tied embedding replica is yielded under `replica.<name>`."""
+    for chunk in model_chunks(model):
+        for name, p in chunk.named_parameters():
+            match = _LAYER.match(name)
+            if match:
+                layer = chunk.layers[int(match.group(1))]
+                name = f"layers.{layer.layer_number - 1}." + name[match.end():]
+            if getattr(p, "shared_embedding_replica", False):
+                name = "replica." + name
+            yield name, p
+
+
+def tied_embedding_weights(model: nn.Module) -> list[torch.nn.Parameter]:
+    """Word-embedding weights this rank holds that are tied across the first and last stage."""
+    weights = []
+    for chunk in model_chunks(model):
+        if chunk.share_embeddings and hasattr(chunk, "word_embeddings") and (
+                chunk.pre_process or chunk.post_process):
+            weights.append(chunk.word_embeddings.weight)
+    return weights
+
+
+def allreduce_embedding_grads(model: nn.Module) -> None:
+    """Megatron's _allreduce_embedding_grads: sum the tied table's gradient over the first and
+    last stage so both copies take the same optimizer step."""
+    if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
+        return
+    group = ps.get_embedding_group()
+    for weight in tied_embedding_weights(model):
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        record("all_reduce", weight.grad, group)
+        dist.all_reduce(weight.grad, group=group)
