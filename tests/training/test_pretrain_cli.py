@@ -49,7 +49,12 @@ def test_trains_on_real_text_with_sequence_parallelism(tmp_path):
     losses = [float(x) for x in re.findall(r"lm loss ([0-9.E+-]+)", r.stdout)]
     assert len(losses) == 8
     assert losses[-1] < losses[0] - 1.0, losses  # visibly learning
-    assert os.listdir(tmp_path / "tb"), "no TensorBoard event file written"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "tokens-per-sec"} <= tags, tags
+    assert len(events.Scalars("lm loss")) == 8
 
 
 def test_bad_flags_fail_fast_naming_the_flag():
