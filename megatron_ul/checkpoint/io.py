@@ -75,7 +75,7 @@ def _agree_on_save_id() -> str:
 def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str):
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     pp = ps.get_pipeline_model_parallel_world_size()
-    save_optim = not cfg.checkpoint.no_save_optim
+    save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
     writer = ps.get_data_parallel_rank() == 0 and ps.get_sequence_parallel_rank() == 0
     if writer:
         payload = {"iteration": iteration, "checkpoint_version": 3.0,
@@ -117,7 +117,8 @@ def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) 
 
 
 def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int) -> str:
-    """Collective over all ranks. Returns the iteration directory."""
+    """Collective over all ranks. Returns the iteration directory. optimizer=None saves the
+    weights only."""
     save_dir = cfg.checkpoint.save
     if dist.get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
@@ -129,7 +130,7 @@ def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int) ->
     if dist.get_rank() == 0:
         meta = {"format": FORMAT, "iteration": iteration, "layout": _layout(cfg),
                 "model": asdict(cfg.model), "params": params,
-                "optimizer": (None if cfg.checkpoint.no_save_optim else
+                "optimizer": (None if cfg.checkpoint.no_save_optim or optimizer is None else
                               "sharded" if _is_sharded(optimizer) else "replicated"),
                 "rng": True}
         files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
@@ -211,8 +212,9 @@ def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> 
 
 def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
     if not meta.get("rng"):
-        log.warning("%s has no RNG states (converted or imported); RNG streams start from --seed",
-                    iter_dir)
+        if dist.get_rank() == 0:
+            log.warning("%s has no RNG states (converted or imported); RNG streams start from "
+                        "--seed", iter_dir)
     elif meta["layout"] != _layout(cfg):
         if dist.get_rank() == 0:
             log.warning("layout differs from the checkpoint's: RNG streams start from --seed "

@@ -178,9 +178,17 @@ def convert(load_dir: str, save_dir: str, tp: int, pp: int, sp: int | None = Non
     full = read_full(files.find_iteration_dir(load_dir, iteration), with_optim)
     old = full.metadata["layout"]
     meta = target_metadata(full, tp, pp, sp or old["sp"], dp or old["dp"], with_optim)
+    return write_layout(full, meta, save_dir, iteration, tp, pp, with_optim)
+
+
+def write_layout(full: FullCheckpoint, meta: dict, save_dir: str, iteration: int, tp: int,
+                 pp: int, with_optim: bool) -> str:
+    """Write `full` as iteration `iteration` of `save_dir` cut for TP `tp` × PP `pp` (tmp
+    directory renamed into place, tracker last); refuses to replace an existing iteration."""
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; choose an empty --save-dir")
+    os.makedirs(save_dir, exist_ok=True)
     tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
     os.makedirs(tmp)
     names = list(full.params)
@@ -188,12 +196,23 @@ def convert(load_dir: str, save_dir: str, tp: int, pp: int, sp: int | None = Non
         stage = stage_names(names, s, pp, meta["model"])
         for t in range(tp):
             model, optim = shard_for(full, stage, t, tp)
-            if not with_optim:
-                optim = None
-            files.save_torch({**full.common, "model": model, "optimizer": optim},
+            files.save_torch({**full.common, "model": model,
+                              "optimizer": optim if with_optim else None},
                              files.model_file(tmp, t, s, pp))
     files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
     os.rename(tmp, final)
     files.fsync_dir(save_dir)
     files.write_tracker(save_dir, iteration)
     return final
+
+
+def param_info(name: str, shape, model_cfg: dict) -> dict:
+    """How mpu.layers shards a parameter of the GPTModel, from its canonical name (for
+    checkpoints made without building a model, e.g. Hugging Face imports)."""
+    column = name.endswith(("qkv.weight", "qkv.bias", "fc1.weight", "fc1.bias",
+                            "word_embeddings.weight", "output_layer.weight"))
+    row = name.endswith(("proj.weight", "fc2.weight")) and not column
+    stride = 2 if model_cfg["swiglu"] and ".fc1." in name else 1
+    return {"shape": list(shape), "partition_dim": 0 if column else 1 if row else None,
+            "partition_stride": stride if column else 1,
+            "vocab_padded": name.endswith(("word_embeddings.weight", "output_layer.weight"))}

@@ -1,8 +1,6 @@
 """Exact resume: a run resumed from iteration k reproduces the uninterrupted run's per-step
 losses bit for bit (fp32, dropout on, so RNG streams must be restored on every rank)."""
-import pytest
-
-from tests.checkpoint.runs import TINY, train_then_resume
+from tests.checkpoint.runs import TINY, resume_on_layouts
 from tests.distributed import run_distributed
 
 LAYOUTS = {
@@ -11,12 +9,12 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_resume_is_bitwise_identical(layout, tmp_path):
-    results = run_distributed(train_then_resume, 4, TINY + LAYOUTS[layout], str(tmp_path), 2, 4)
-    full, resumed = results[0]
-    print(f"{layout}: uninterrupted {full}\n  resumed at 2 {resumed}")
-    assert len(full) == 4 and len(resumed) == 2
-    assert resumed == full[2:]          # bitwise: float equality
-    for r in results:                   # every rank reports the same losses
+def test_resume_is_bitwise_identical(tmp_path):
+    results = run_distributed(resume_on_layouts, 4, TINY, LAYOUTS, str(tmp_path))
+    for layout in LAYOUTS:
+        full, resumed = results[0][layout]
+        print(f"{layout}: uninterrupted {full}\n  resumed at 2 {resumed}")
+        assert len(full) == 4 and len(resumed) == 2
+        assert resumed == full[2:], layout       # bitwise: float equality
+    for r in results:                            # every rank reports the same losses
         assert r == results[0]
