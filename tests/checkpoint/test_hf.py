@@ -1,11 +1,8 @@
 """Hugging Face import/export: our logits match GPT2LMHeadModel's and LlamaForCausalLM's within
 1e-5 (fp32) after import, and theirs match ours after export (vocab padding, tied and untied
 heads, GQA, Conv1D transposes and gelu_new all exercised)."""
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 
 transformers = pytest.importorskip(
     "transformers", reason="transformers is an optional test dependency "
@@ -16,22 +13,8 @@ from megatron_ul.checkpoint.hf import export_checkpoint, import_checkpoint  # no
 from megatron_ul.checkpoint.io import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_ul.config import CheckpointConfig, Config, ModelConfig  # noqa: E402
 from megatron_ul.model.gpt import GPTModel  # noqa: E402
-from megatron_ul.mpu import parallel_state as ps  # noqa: E402
-from megatron_ul.mpu.random import model_parallel_seed  # noqa: E402
-from tests.distributed import free_port  # noqa: E402
 
 VOCAB = 100   # not a multiple of 128: our table is padded, theirs is not
-
-
-@pytest.fixture
-def single_rank():
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1, 1)
-    model_parallel_seed(0)
-    yield
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _perturb(model):
