@@ -1,5 +1,4 @@
 """A one-rank gloo process group in the test process, for checkpoint tests that need no peers."""
-import os
 
 import pytest
 import torch.distributed as dist

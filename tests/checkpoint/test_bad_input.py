@@ -107,3 +107,10 @@ def test_saving_an_existing_iteration_replaces_it_whole(saved, single_rank):
     save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 2)
     assert sorted(os.listdir(saved)) == ["iter_0000002", files.TRACKER]   # no tmp/old left
     assert listing(saved).keys() == old.keys()
+
+
+def test_kill_between_renames_loads_the_copy_set_aside(saved):
+    """A save replacing iteration 2 killed after moving the old copy aside and before moving
+    the new one in leaves only iter_0000002.old-<id>: the tracker still names 2, and it loads."""
+    os.rename(os.path.join(saved, "iter_0000002"), os.path.join(saved, "iter_0000002.old-ab12"))
+    assert setup(configure(ARGV + ["--load", saved], 1)).start_iteration == 2

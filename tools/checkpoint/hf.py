@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Import Hugging Face GPT-2 / Llama models into megatron_ul checkpoints, and export back.
 
-    python tools/checkpoint/hf.py import --hf-dir gpt2-small --save-dir ckpt [--target-tensor-parallel-size 2]
+    python tools/checkpoint/hf.py import --hf-dir gpt2-small --save-dir ckpt \
+        [--target-tensor-parallel-size 2]
     python tools/checkpoint/hf.py export --load-dir ckpt --hf-dir out [--model-type llama]
 
 Import writes iteration 0 (weights only) and prints the model flags to train or generate with
