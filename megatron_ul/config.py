@@ -265,7 +265,8 @@ def _checkpoint_errors(cfg: Config) -> list[str]:
             errors.append(f"{name} must be > 0 (got {value})")
     if c.save_interval is not None and c.save is None:
         errors.append("--save-interval needs --save DIR (where to write checkpoints)")
-    if c.load is not None and not os.path.isdir(c.load):
+    # --load DIR --save DIR (a requeued Slurm job) may name a directory the first run creates
+    if c.load is not None and not os.path.isdir(c.load) and c.load != c.save:
         errors.append(f"--load {c.load}: no such directory; pass the --save directory of an "
                       f"earlier run")
     if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):

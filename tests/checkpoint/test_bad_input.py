@@ -40,6 +40,8 @@ def _unchanged(root, action):
 def test_missing_directory(tmp_path):
     with pytest.raises(ConfigError, match=f"--load {tmp_path}/nope: no such directory"):
         configure(ARGV + ["--load", str(tmp_path / "nope")], 1)
+    # a requeued job's first run: --load and --save name the directory it is about to create
+    configure(ARGV + ["--load", str(tmp_path / "new"), "--save", str(tmp_path / "new")], 1)
 
 
 def test_unfinished_save_only_starts_from_scratch_and_says_so(tmp_path, single_rank, caplog):
