@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--use-flash-attn", action="store_true",
                    help="FlashAttention-2 when importable on a GPU, else torch SDPA")
+    g.add_argument("--gelu-approximate", choices=["none", "tanh"], default="none",
+                   help="tanh = GPT-2's gelu_new (for Hugging Face GPT-2 weights)")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -95,6 +97,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true", help="do not save optimizer state")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="do not load optimizer and LR-scheduler state")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load RNG states")
+    g.add_argument("--finetune", action="store_true",
+                   help="load model weights only and start at iteration 0")
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="exit (saving first with --save) when the iteration is a multiple of this")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None,
+                   help="exit (saving first with --save) after this many minutes of training")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, save at the end of the current iteration and exit 0")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)

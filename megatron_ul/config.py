@@ -5,6 +5,7 @@ Every error names the flag(s) involved and a fix, and is raised before any model
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,6 +37,7 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
     use_flash_attn: bool = False
+    gelu_approximate: str = "none"                 # "tanh" = GPT-2's gelu_new
 
     @property
     def head_dim(self) -> int:
@@ -119,6 +121,13 @@ class CheckpointConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False                         # load weights only; iteration restarts at 0
+    exit_interval: Optional[int] = None            # save (with --save) and exit at this iteration
+    exit_duration_in_mins: Optional[float] = None  # save and exit after this wall time
+    exit_signal_handler: bool = False              # SIGTERM: save at the end of the iteration, exit 0
 
 
 @dataclass
@@ -255,12 +264,14 @@ def validate(cfg: Config) -> Config:
 
     not_yet = [(p.use_distributed_optimizer, "--use-distributed-optimizer (ZeRO-1)"),
                (p.zero_stage != 0, "--zero-stage (ZeRO)"),
-               (t.fp16, "--fp16 (use --bf16, or fp32)"),
-               (cfg.checkpoint.save is not None or cfg.checkpoint.load is not None,
-                "--save/--load (checkpointing)")]
+               (t.fp16, "--fp16 (use --bf16, or fp32)")]
     for refused, what in not_yet:
         if refused:
             errors.append(f"{what} is not implemented yet in megatron_ul; remove the flag")
+
+    errors += _checkpoint_errors(cfg)
+    if m.gelu_approximate not in ("none", "tanh"):
+        errors.append(f"--gelu-approximate must be none or tanh (got {m.gelu_approximate!r})")
 
     if not d.mock_data and not d.data_path:
         errors.append("no training data: pass --data-path PREFIX (with --tokenizer-type ...) "
@@ -271,3 +282,20 @@ def validate(cfg: Config) -> Config:
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return cfg
+
+
+def _checkpoint_errors(cfg: Config) -> list[str]:
+    c, errors = cfg.checkpoint, []
+    for name, value in [("--save-interval", c.save_interval), ("--exit-interval", c.exit_interval),
+                        ("--exit-duration-in-mins", c.exit_duration_in_mins)]:
+        if value is not None and value <= 0:
+            errors.append(f"{name} must be > 0 (got {value})")
+    if c.save_interval is not None and c.save is None:
+        errors.append("--save-interval needs --save DIR (where to write checkpoints)")
+    # --load DIR --save DIR (a requeued Slurm job) may name a directory the first run creates
+    if c.load is not None and not os.path.isdir(c.load) and c.load != c.save:
+        errors.append(f"--load {c.load}: no such directory; pass the --save directory of an "
+                      f"earlier run")
+    if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):
+        errors.append(f"--save {c.save} exists and is not a directory; choose another path")
+    return errors

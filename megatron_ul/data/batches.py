@@ -52,6 +52,10 @@ def micro_batch_iterator(dataset, sampler, num_workers: int = 0):
     """
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=_collate_texts, pin_memory=False,
+                                         # a private generator: starting the iterator must not
+                                         # draw from the global RNG (dropout), or a resumed run
+                                         # would diverge from an uninterrupted one
+                                         generator=torch.Generator(),
                                          persistent_workers=num_workers > 0)
     return iter(loader)
 

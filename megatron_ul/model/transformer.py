@@ -76,7 +76,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, key: str, seed: int, sequence_parallel: bool,
                  num_layers: int, device, dtype):
         super().__init__()
-        self.swiglu = cfg.swiglu
+        self.swiglu, self.gelu_approximate = cfg.swiglu, cfg.gelu_approximate
         ffn = cfg.ffn_size
         # SwiGLU's fc1 is [gate; up]: stride 2 gives each TP rank matching halves of both.
         self.fc1 = ColumnParallelLinear(
@@ -96,7 +96,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h)
+            h = F.gelu(h, approximate=self.gelu_approximate)
         return self.fc2(h)
 
 

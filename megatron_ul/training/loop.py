@@ -19,8 +19,11 @@ def autocast_dtype(cfg: Config):
 
 
 def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches=None,
-          start_iteration: int = 0) -> list[float]:
-    """Run to --train-iters; returns the per-iteration global loss (same on every rank)."""
+          start_iteration: int = 0, after_iteration=None) -> list[float]:
+    """Run to --train-iters; returns the per-iteration global loss (same on every rank).
+
+    after_iteration(iteration) -> bool (checkpointing and exit conditions) stops early on True.
+    """
     metrics = MetricsLogger(cfg, model.padded_vocab_size,
                             is_reporting_rank=is_reporting_rank())
     losses = []
@@ -38,6 +41,8 @@ def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches
             if (valid_batches is not None and cfg.train.eval_interval
                     and iteration % cfg.train.eval_interval == 0):
                 run_evaluation(cfg, model, valid_batches, iteration, dtype)
+            if after_iteration is not None and after_iteration(iteration):
+                break
     finally:
         metrics.close()
     return losses

@@ -10,6 +10,8 @@ from typing import Iterator, Optional
 import torch
 
 from ..arguments import parse_args
+from ..checkpoint.files import CheckpointError
+from ..checkpoint.io import Resume, load_checkpoint
 from ..config import Config, ConfigError, validate
 from ..data.gpt_dataset import parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
@@ -19,6 +21,7 @@ from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
 from ..pipeline.model import build_pipeline_model
 from .data import build_datasets, build_tokenizer_for, global_batches
+from .exit import RunControl
 from .loop import is_reporting_rank, train
 
 log = logging.getLogger("megatron_ul")
@@ -70,10 +73,15 @@ class Trainer:
     scheduler: LRSchedule
     train_batches: Iterator
     valid_batches: Optional[Iterator]
+    start_iteration: int = 0
 
     def train(self) -> list[float]:
-        return train(self.cfg, self.model, self.optimizer, self.scheduler, self.train_batches,
-                     self.valid_batches)
+        control = RunControl(self.cfg, self.model, self.optimizer, self.scheduler,
+                             self.start_iteration)
+        losses = train(self.cfg, self.model, self.optimizer, self.scheduler, self.train_batches,
+                       self.valid_batches, self.start_iteration, control.after_iteration)
+        control.finish()
+        return losses
 
 
 def setup(cfg: Config) -> Trainer:
@@ -90,12 +98,16 @@ def setup(cfg: Config) -> Trainer:
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
                            decay_steps=t.lr_decay_iters, decay_style=t.lr_decay_style)
+    resume = (load_checkpoint(cfg, model, optimizer, scheduler) if cfg.checkpoint.load
+              else Resume())
     tokenizer = build_tokenizer_for(cfg)
     eod = tokenizer.eod if tokenizer is not None else None
     train_ds, valid_ds, _ = build_datasets(cfg)
-    train_batches = global_batches(cfg, train_ds, device, eod)
-    valid_batches = global_batches(cfg, valid_ds, device, eod) if valid_ds is not None else None
-    return Trainer(cfg, model, optimizer, scheduler, train_batches, valid_batches)
+    train_batches = global_batches(cfg, train_ds, device, eod, resume.consumed_samples)
+    valid_batches = (global_batches(cfg, valid_ds, device, eod, resume.consumed_valid_samples)
+                     if valid_ds is not None else None)
+    return Trainer(cfg, model, optimizer, scheduler, train_batches, valid_batches,
+                   resume.iteration)
 
 
 def main(argv=None) -> int:
@@ -108,6 +120,9 @@ def main(argv=None) -> int:
         return 2
     try:
         setup(cfg).train()
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     finally:
         shutdown()
     return 0

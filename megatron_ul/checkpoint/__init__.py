@@ -1,0 +1,2 @@
+"""Checkpoints: Megatron's directory layout, crash-safe saves, exact resume, layout conversion
+and Hugging Face import/export."""

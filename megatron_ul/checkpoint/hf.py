@@ -1,0 +1,319 @@
+"""Hugging Face GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM) <-> megatron_ul weights.
+
+Pure tensor mappings on full (TP1) state dicts keyed by our canonical names; reading and writing
+safetensors lives in tools/checkpoint/hf.py. Layout facts the mapping relies on:
+  - our fused QKV is [groups, q_per_group + 2, head_dim, hidden] (model/transformer.py);
+    HF keeps q, k, v apart (Llama) or as [q; k; v] in one Conv1D (GPT-2);
+  - GPT-2's Conv1D stores weights as [in, out]: transposed against nn.Linear;
+  - SwiGLU fc1 is [gate; up]; RoPE is rotate-half in both, so no permutation;
+  - our vocabulary is padded, and padded rows are outside the softmax: import pads with
+    zeros, export drops them;
+  - GPT-2 uses gelu_new (tanh approximation): imported as gelu_approximate = "tanh".
+"""
+from __future__ import annotations
+
+import torch
+
+from .files import CheckpointError
+
+
+def _hf_error(what: str) -> CheckpointError:
+    return CheckpointError(f"Hugging Face config.json: {what}")
+
+
+# ---- GPT-2 -------------------------------------------------------------------------------------
+def gpt2_model_config(hf: dict) -> dict:
+    """Our ModelConfig fields for a GPT2Config dict."""
+    act = hf.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+        raise _hf_error(f"activation_function {act!r} is not supported (gelu_new or gelu)")
+    if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
+        raise _hf_error("only GPT-2's default attention scaling 1/sqrt(head_dim) is supported")
+    h = hf["n_embd"]
+    return {"num_layers": hf["n_layer"], "hidden_size": h, "num_attention_heads": hf["n_head"],
+            "ffn_hidden_size": hf.get("n_inner") or 4 * h, "vocab_size": hf["vocab_size"],
+            "max_position_embeddings": hf["n_positions"], "seq_length": hf["n_positions"],
+            "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
+            "norm_epsilon": hf.get("layer_norm_epsilon", 1e-5), "swiglu": False,
+            "add_bias_linear": True, "untie_embeddings_and_output_weights": False,
+            "gelu_approximate": "none" if act == "gelu" else "tanh",
+            "num_query_groups": None, "kv_channels": None}
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
+    """q [heads·d, ...], k, v [groups·d, ...] -> our [groups·(q_per_group+2)·d, ...]."""
+    tail = q.shape[1:]
+    qg = q.reshape(groups, -1, *tail)                 # [groups, q_per_group·d, ...]
+    kg, vg = k.reshape(groups, -1, *tail), v.reshape(groups, -1, *tail)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
+
+
+def _split_qkv(qkv: torch.Tensor, groups: int, q_per_group: int, head_dim: int):
+    tail = qkv.shape[1:]
+    per = qkv.reshape(groups, q_per_group + 2, head_dim, *tail)
+    q = per[:, :q_per_group].reshape(-1, *tail)
+    return q, per[:, q_per_group].reshape(-1, *tail), per[:, q_per_group + 1].reshape(-1, *tail)
+
+
+def gpt2_to_ours(sd: dict, m: dict) -> dict:
+    sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+    heads = m["num_attention_heads"]
+    out = {"word_embeddings.weight": sd["wte.weight"],
+           "position_embeddings.weight": sd["wpe.weight"],
+           "final_norm.weight": sd["ln_f.weight"], "final_norm.bias": sd["ln_f.bias"]}
+    for i in range(m["num_layers"]):
+        hf, ours = f"h.{i}.", f"layers.{i + 1}."
+        w = sd[hf + "attn.c_attn.weight"].t()                   # Conv1D [in, out] -> [out, in]
+        b = sd[hf + "attn.c_attn.bias"]
+        out[ours + "attention.qkv.weight"] = _fuse_qkv(*w.chunk(3, dim=0), heads)
+        out[ours + "attention.qkv.bias"] = _fuse_qkv(*b.chunk(3, dim=0), heads)
+        for their, mine in [("ln_1", "input_norm"), ("ln_2", "post_attention_norm")]:
+            out[ours + mine + ".weight"] = sd[hf + their + ".weight"]
+            out[ours + mine + ".bias"] = sd[hf + their + ".bias"]
+        for their, mine in [("attn.c_proj", "attention.proj"), ("mlp.c_fc", "mlp.fc1"),
+                            ("mlp.c_proj", "mlp.fc2")]:
+            out[ours + mine + ".weight"] = sd[hf + their + ".weight"].t()
+            out[ours + mine + ".bias"] = sd[hf + their + ".bias"]
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def ours_to_gpt2(p: dict, m: dict) -> tuple[dict, dict]:
+    """(GPT2LMHeadModel state dict, GPT2Config dict) from our full unpadded parameters."""
+    if m["swiglu"] or m["normalization"] != "LayerNorm" or not m["add_bias_linear"] \
+            or m["position_embedding_type"] != "learned_absolute" \
+            or m["untie_embeddings_and_output_weights"] or m.get("num_query_groups") not in (
+                None, m["num_attention_heads"]):
+        raise CheckpointError("this model is not GPT-2 shaped (needs LayerNorm, GELU, biases, "
+                              "learned positions, tied embeddings, no GQA); export it as llama")
+    heads, d = m["num_attention_heads"], m["hidden_size"] // m["num_attention_heads"]
+    sd = {"transformer.wte.weight": p["word_embeddings.weight"],
+          "transformer.wpe.weight": p["position_embeddings.weight"],
+          "transformer.ln_f.weight": p["final_norm.weight"],
+          "transformer.ln_f.bias": p["final_norm.bias"],
+          "lm_head.weight": p["word_embeddings.weight"]}
+    for i in range(m["num_layers"]):
+        hf, ours = f"transformer.h.{i}.", f"layers.{i + 1}."
+        q, k, v = _split_qkv(p[ours + "attention.qkv.weight"], heads, 1, d)
+        sd[hf + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
+        sd[hf + "attn.c_attn.bias"] = torch.cat(_split_qkv(p[ours + "attention.qkv.bias"],
+                                                           heads, 1, d))
+        for their, mine in [("ln_1", "input_norm"), ("ln_2", "post_attention_norm")]:
+            sd[hf + their + ".weight"] = p[ours + mine + ".weight"]
+            sd[hf + their + ".bias"] = p[ours + mine + ".bias"]
+        for their, mine in [("attn.c_proj", "attention.proj"), ("mlp.c_fc", "mlp.fc1"),
+                            ("mlp.c_proj", "mlp.fc2")]:
+            sd[hf + their + ".weight"] = p[ours + mine + ".weight"].t()
+            sd[hf + their + ".bias"] = p[ours + mine + ".bias"]
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+              "n_layer": m["num_layers"], "n_embd": m["hidden_size"], "n_head": heads,
+              "n_inner": m["ffn_hidden_size"] or 4 * m["hidden_size"],
+              "n_positions": m["max_position_embeddings"], "vocab_size": m["vocab_size"],
+              "layer_norm_epsilon": m["norm_epsilon"],
+              "activation_function": "gelu_new" if m["gelu_approximate"] == "tanh" else "gelu",
+              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+              "tie_word_embeddings": True}
+    return {k: v.contiguous() for k, v in sd.items()}, config
+
+
+# ---- Llama -------------------------------------------------------------------------------------
+def _rope_theta(hf: dict) -> float:
+    rope = hf.get("rope_parameters") or {}
+    if (rope.get("rope_type") or "default") != "default" or hf.get("rope_scaling"):
+        raise _hf_error(f"rope scaling {rope or hf.get('rope_scaling')} is not supported")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def llama_model_config(hf: dict) -> dict:
+    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise _hf_error("only SiLU (SwiGLU) MLPs without biases are supported")
+    heads = hf["num_attention_heads"]
+    groups = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return {"num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
+            "num_attention_heads": heads, "num_query_groups": groups if groups != heads else None,
+            "kv_channels": head_dim if head_dim * heads != hf["hidden_size"] else None,
+            "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
+            "max_position_embeddings": hf["max_position_embeddings"],
+            "seq_length": hf["max_position_embeddings"], "position_embedding_type": "rope",
+            "rotary_base": _rope_theta(hf), "normalization": "RMSNorm",
+            "norm_epsilon": hf.get("rms_norm_eps", 1e-6), "swiglu": True,
+            "add_bias_linear": False,
+            "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
+            "gelu_approximate": "none"}
+
+
+def llama_to_ours(sd: dict, m: dict) -> dict:
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    groups = m["num_query_groups"] or m["num_attention_heads"]
+    out = {"word_embeddings.weight": sd["embed_tokens.weight"],
+           "final_norm.weight": sd["norm.weight"]}
+    if m["untie_embeddings_and_output_weights"]:
+        out["output_layer.weight"] = sd["lm_head.weight"]
+    for i in range(m["num_layers"]):
+        hf, ours = f"layers.{i}.", f"layers.{i + 1}."
+        a = hf + "self_attn."
+        out[ours + "attention.qkv.weight"] = _fuse_qkv(
+            sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"], groups)
+        out[ours + "attention.proj.weight"] = sd[a + "o_proj.weight"]
+        out[ours + "input_norm.weight"] = sd[hf + "input_layernorm.weight"]
+        out[ours + "post_attention_norm.weight"] = sd[hf + "post_attention_layernorm.weight"]
+        out[ours + "mlp.fc1.weight"] = torch.cat([sd[hf + "mlp.gate_proj.weight"],
+                                                  sd[hf + "mlp.up_proj.weight"]])
+        out[ours + "mlp.fc2.weight"] = sd[hf + "mlp.down_proj.weight"]
+    return {k: v.float().contiguous() for k, v in out.items()}
+
+
+def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
+    if not m["swiglu"] or m["normalization"] != "RMSNorm" or m["add_bias_linear"] \
+            or m["position_embedding_type"] != "rope":
+        raise CheckpointError("this model is not Llama shaped (needs RMSNorm, SwiGLU, no "
+                              "biases, RoPE); export it as gpt2")
+    heads = m["num_attention_heads"]
+    groups = m["num_query_groups"] or heads
+    head_dim = m["kv_channels"] or m["hidden_size"] // heads
+    ffn = m["ffn_hidden_size"]
+    tied = not m["untie_embeddings_and_output_weights"]
+    sd = {"model.embed_tokens.weight": p["word_embeddings.weight"],
+          "model.norm.weight": p["final_norm.weight"],
+          "lm_head.weight": p["word_embeddings.weight" if tied else "output_layer.weight"]}
+    for i in range(m["num_layers"]):
+        hf, ours = f"model.layers.{i}.", f"layers.{i + 1}."
+        q, k, v = _split_qkv(p[ours + "attention.qkv.weight"], groups, heads // groups, head_dim)
+        gate, up = p[ours + "mlp.fc1.weight"].chunk(2, dim=0)
+        sd.update({hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k,
+                   hf + "self_attn.v_proj.weight": v,
+                   hf + "self_attn.o_proj.weight": p[ours + "attention.proj.weight"],
+                   hf + "input_layernorm.weight": p[ours + "input_norm.weight"],
+                   hf + "post_attention_layernorm.weight": p[ours + "post_attention_norm.weight"],
+                   hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up,
+                   hf + "mlp.down_proj.weight": p[ours + "mlp.fc2.weight"]})
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+              "num_hidden_layers": m["num_layers"], "hidden_size": m["hidden_size"],
+              "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": head_dim,
+              "intermediate_size": ffn or m["hidden_size"] * 4, "vocab_size": m["vocab_size"],
+              "max_position_embeddings": m["max_position_embeddings"],
+              "rms_norm_eps": m["norm_epsilon"], "hidden_act": "silu",
+              "rope_theta": m["rotary_base"],
+              "rope_parameters": {"rope_theta": m["rotary_base"], "rope_type": "default"},
+              "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied}
+    return {k: v.contiguous() for k, v in sd.items()}, config
+
+
+def detect(hf_config: dict) -> str:
+    kind = hf_config.get("model_type")
+    if kind not in ("gpt2", "llama"):
+        raise _hf_error(f"model_type {kind!r} is not supported (gpt2 or llama)")
+    return kind
+
+
+def to_ours(hf_config: dict, hf_state: dict) -> tuple[dict, dict]:
+    """(our ModelConfig fields, our full unpadded parameters) from a Hugging Face model."""
+    kind = detect(hf_config)
+    m = gpt2_model_config(hf_config) if kind == "gpt2" else llama_model_config(hf_config)
+    return m, (gpt2_to_ours if kind == "gpt2" else llama_to_ours)(hf_state, m)
+
+
+def to_hf(kind: str, params: dict, m: dict) -> tuple[dict, dict]:
+    if kind not in ("gpt2", "llama"):
+        raise CheckpointError(f"--model-type {kind!r}: choose gpt2 or llama")
+    return (ours_to_gpt2 if kind == "gpt2" else ours_to_llama)(params, m)
+
+
+# ---- files ---------------------------------------------------------------------------------------
+def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
+    """(config.json, tensors) of a Hugging Face model directory saved as safetensors."""
+    import glob
+    import json
+    import os
+
+    from safetensors.torch import load_file
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise CheckpointError(f"{config_path}: missing; --hf-dir must be a Hugging Face model "
+                              f"directory (config.json + *.safetensors)")
+    with open(config_path) as f:
+        config = json.load(f)
+    shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
+    if not shards:
+        raise CheckpointError(f"{hf_dir}: no *.safetensors files (PyTorch .bin files are not "
+                              f"read; re-save with safe_serialization=True)")
+    state = {}
+    for path in shards:
+        try:
+            state.update(load_file(path))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"{path}: cannot be read ({e})") from e
+    return config, state
+
+
+def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> tuple[str, dict]:
+    """Write a Hugging Face model as iteration 0 of a megatron_ul checkpoint (weights only).
+    Returns (iteration directory, our ModelConfig fields)."""
+    from dataclasses import asdict
+
+    from ..config import ModelConfig
+    from . import reshard
+    config, state = read_hf_dir(hf_dir)
+    fields, params = to_ours(config, state)
+    model = asdict(ModelConfig(**fields))
+    meta = {"format": "megatron_ul-checkpoint-1", "iteration": 0, "model": model,
+            "layout": {"tp": 1, "pp": 1, "sp": 1, "dp": 1, "world": 1,
+                       "sequence_parallel": False},
+            "params": {n: reshard.param_info(n, t.shape, model) for n, t in params.items()},
+            "optimizer": None, "rng": False, "source": f"hugging face {config['model_type']}"}
+    common = {"iteration": 0, "checkpoint_version": 3.0, "opt_param_scheduler": {"num_steps": 0},
+              "consumed_samples": 0, "consumed_valid_samples": 0, "args": {}}
+    full = reshard.FullCheckpoint(meta, common, params, None, None)
+    target = reshard.target_metadata(full, tp, pp, 1, 1, with_optim=False)
+    return reshard.write_layout(full, target, save_dir, 0, tp, pp, with_optim=False), model
+
+
+def export_checkpoint(load_dir: str, hf_dir: str, kind: str | None = None) -> str:
+    """Write the latest iteration of `load_dir` (any layout) as a Hugging Face model directory
+    (config.json + model.safetensors). Refuses to overwrite an existing model there."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    from . import files, reshard
+    iteration = files.read_tracker(load_dir)
+    if iteration is None:
+        raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
+                              f"checkpoint in {load_dir}")
+    full = reshard.read_full(files.find_iteration_dir(load_dir, iteration), with_optim=False)
+    m = full.metadata["model"]
+    kind = kind or ("llama" if m["swiglu"] else "gpt2")
+    state, config = to_hf(kind, full.params, m)
+    if config.get("tie_word_embeddings"):   # Hugging Face re-ties it on load
+        state.pop("lm_head.weight")
+    target = os.path.join(hf_dir, "model.safetensors")
+    if os.path.exists(target):
+        raise CheckpointError(f"{target} already exists; choose an empty --hf-dir")
+    os.makedirs(hf_dir, exist_ok=True)
+    save_file({k: v.clone() for k, v in state.items()}, target, metadata={"format": "pt"})
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump({**config, "torch_dtype": "float32"}, f, indent=1)
+    return hf_dir
+
+
+def model_flags(m: dict) -> list[str]:
+    """The pretrain_gpt.py flags that build the model described by ModelConfig fields `m`."""
+    flags = ["--num-layers", m["num_layers"], "--hidden-size", m["hidden_size"],
+             "--num-attention-heads", m["num_attention_heads"], "--vocab-size", m["vocab_size"],
+             "--max-position-embeddings", m["max_position_embeddings"],
+             "--position-embedding-type", m["position_embedding_type"],
+             "--normalization", m["normalization"], "--norm-epsilon", m["norm_epsilon"],
+             "--make-vocab-size-divisible-by", m["make_vocab_size_divisible_by"]]
+    optional = [("ffn_hidden_size", "--ffn-hidden-size"), ("kv_channels", "--kv-channels")]
+    flags += [x for field, flag in optional if m.get(field) for x in (flag, m[field])]
+    if m.get("num_query_groups"):
+        flags += ["--group-query-attention", "--num-query-groups", m["num_query_groups"]]
+    if m["position_embedding_type"] == "rope":
+        flags += ["--rotary-base", m["rotary_base"]]
+    switches = [(m["swiglu"], "--swiglu"), (not m["add_bias_linear"], "--disable-bias-linear"),
+                (m["untie_embeddings_and_output_weights"], "--untie-embeddings-and-output-weights")]
+    flags += [flag for on, flag in switches if on]
+    if m.get("gelu_approximate", "none") != "none":
+        flags += ["--gelu-approximate", m["gelu_approximate"]]
+    return [str(x) for x in flags]

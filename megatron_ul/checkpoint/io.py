@@ -1,0 +1,254 @@
+"""Save and load training checkpoints: crash-safe, exact to the bit on resume, and loadable on
+another layout (resharded on load).
+
+Save protocol (every step survives a kill -9 of any process at any moment):
+ 1. rank 0 draws a save id and broadcasts it; every rank writes (and fsyncs) its files into
+    DIR/iter_N.tmp-<id>: the model and optimizer from the dp0/sp0 rank of each (tp, pp), sharded
+    optimizer state (ZeRO) from every dp_sp rank, and every rank's RNG states;
+ 2. barrier; rank 0 writes metadata.json, fsyncs the directories and renames the tmp directory
+    into place (an existing iter_N is first renamed aside and deleted only afterwards);
+ 3. rank 0 points latest_checkpointed_iteration.txt at N (tmp file + os.replace), last.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from ..mpu import parallel_state as ps
+from . import files, reshard
+from .files import CheckpointError
+from .state import (canonical_parameters, load_optimizer_state, model_state, optimizer_state,
+                    parameter_metadata, rng_state, set_rng_state)
+
+log = logging.getLogger("megatron_ul")
+
+FORMAT = "megatron_ul-checkpoint-1"
+# ModelConfig fields that decide parameter shapes or the function the weights compute.
+SHAPE_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+                "num_attention_heads": "--num-attention-heads",
+                "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
+                "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size",
+                "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+                "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+                "position_embedding_type": "--position-embedding-type",
+                "normalization": "--normalization"}
+
+
+@dataclass
+class Resume:
+    iteration: int = 0
+    consumed_samples: int = 0
+    consumed_valid_samples: int = 0
+
+
+def _layout(cfg: Config) -> dict:
+    p = cfg.parallel
+    return {"tp": p.tensor_model_parallel_size, "sp": p.ds_sequence_parallel_size,
+            "pp": p.pipeline_model_parallel_size, "dp": p.data_parallel_size,
+            "world": p.world_size, "sequence_parallel": p.sequence_parallel}
+
+
+def consumed_valid_samples(cfg: Config, iteration: int) -> int:
+    t = cfg.train
+    return (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size \
+        if t.eval_interval else 0
+
+
+def _is_sharded(optimizer) -> bool:
+    """ZeRO-style optimizers expose sharded_state_dict(): each dp_sp rank saves its own shard."""
+    return hasattr(optimizer, "sharded_state_dict")
+
+
+def _agree_on_save_id() -> str:
+    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str):
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
+    writer = ps.get_data_parallel_rank() == 0 and ps.get_sequence_parallel_rank() == 0
+    if writer:
+        payload = {"iteration": iteration, "checkpoint_version": 3.0,
+                   "model": model_state(model),
+                   "optimizer": (optimizer_state(model, optimizer)
+                                 if save_optim and not _is_sharded(optimizer) else None),
+                   "opt_param_scheduler": scheduler.state_dict(),
+                   "consumed_samples": iteration * cfg.train.global_batch_size,
+                   "consumed_valid_samples": consumed_valid_samples(cfg, iteration),
+                   "args": asdict(cfg)}
+        files.save_torch(payload, files.model_file(tmp, tp_rank, pp_rank, pp))
+    if save_optim and _is_sharded(optimizer):
+        files.save_torch(optimizer.sharded_state_dict(), files.sharded_optim_file(
+            tmp, tp_rank, pp_rank, pp, ps.get_data_sequence_parallel_rank()))
+    files.save_torch(rng_state(), files.rng_file(tmp, dist.get_rank()))
+    # Each pipeline stage knows its own parameters; rank 0 records them all.
+    mine = parameter_metadata(model, ps.get_tensor_model_parallel_world_size()) \
+        if writer and tp_rank == 0 else {}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {name: info for part in gathered for name, info in part.items()}
+
+
+def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) -> None:
+    """Rank 0: make the complete tmp directory the iteration, then move the tracker."""
+    for root, dirs, _ in os.walk(tmp):
+        for d in dirs:
+            files.fsync_dir(os.path.join(root, d))
+    files.fsync_dir(tmp)
+    aside = None
+    if os.path.exists(final):  # never overwrite: move the old copy aside, delete it last
+        aside = f"{final}.old-{save_id}"
+        os.rename(final, aside)
+    os.rename(tmp, final)
+    files.fsync_dir(save_dir)
+    files.write_tracker(save_dir, iteration)
+    if aside is not None:
+        shutil.rmtree(aside)
+
+
+def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int) -> str:
+    """Collective over all ranks. Returns the iteration directory. optimizer=None saves the
+    weights only."""
+    save_dir = cfg.checkpoint.save
+    if dist.get_rank() == 0:
+        os.makedirs(save_dir, exist_ok=True)
+    save_id = _agree_on_save_id()
+    final = os.path.join(save_dir, files.iteration_dir_name(iteration))
+    tmp = f"{final}.tmp-{save_id}"
+    params = _write_rank_files(cfg, model, optimizer, scheduler, iteration, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        meta = {"format": FORMAT, "iteration": iteration, "layout": _layout(cfg),
+                "model": asdict(cfg.model), "params": params,
+                "optimizer": (None if cfg.checkpoint.no_save_optim or optimizer is None else
+                              "sharded" if _is_sharded(optimizer) else "replicated"),
+                "rng": True}
+        files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
+        _publish(save_dir, tmp, final, save_id, iteration)
+        log.info("saved checkpoint at iteration %d to %s", iteration, final)
+    dist.barrier()
+    return final
+
+
+def check_model_matches(meta: dict, cfg: Config, path: str) -> None:
+    saved, ours = meta["model"], asdict(cfg.model)
+    diffs = [f"{flag}: checkpoint {saved.get(field)!r}, this run {ours[field]!r}"
+             for field, flag in SHAPE_FIELDS.items() if saved.get(field) != ours[field]]
+    if (ours["position_embedding_type"] == "learned_absolute"
+            and saved.get("max_position_embeddings") != ours["max_position_embeddings"]):
+        diffs.append(f"--max-position-embeddings: checkpoint "
+                     f"{saved.get('max_position_embeddings')}, this run "
+                     f"{ours['max_position_embeddings']}")
+    if diffs:
+        raise CheckpointError(f"{path}: the checkpoint's model differs from this run's flags:\n  "
+                              + "\n  ".join(diffs) + "\nuse the checkpoint's model flags")
+
+
+def load_model_state(model, state: dict, source: str) -> None:
+    params = canonical_parameters(model)
+    missing, unexpected = set(params) - set(state), set(state) - set(params)
+    if missing or unexpected:
+        raise CheckpointError(f"{source}: parameter names differ from the model: missing "
+                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    for name, p in params.items():
+        if tuple(state[name].shape) != tuple(p.shape):
+            raise CheckpointError(f"{source}: {name} has shape {tuple(state[name].shape)} in the "
+                                  f"checkpoint but {tuple(p.shape)} in this model")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(state[name])
+
+
+def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
+    """(payload with the common entries, model state, optimizer state) for this rank, resharding
+    in memory when the checkpoint's TP/PP layout differs from this run's."""
+    saved, ours = meta["layout"], _layout(cfg)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    if (saved["tp"], saved["pp"]) == (ours["tp"], ours["pp"]):
+        path = files.model_file(iter_dir, tp_rank, pp_rank, ours["pp"])
+        payload = files.load_torch(path, "model and optimizer of this rank")
+        return payload, path, payload["model"], payload["optimizer"]
+    if dist.get_rank() == 0:
+        log.info("resharding %s on load: TP%d PP%d -> TP%d PP%d (to do it once offline: "
+                 "python tools/checkpoint/convert.py --load-dir %s --save-dir NEW "
+                 "--target-tensor-parallel-size %d --target-pipeline-parallel-size %d)",
+                 iter_dir, saved["tp"], saved["pp"], ours["tp"], ours["pp"],
+                 cfg.checkpoint.load, ours["tp"], ours["pp"])
+    full = reshard.read_full(iter_dir, with_optim=load_optim)
+    model_sd, optim_sd = reshard.shard_for(full, list(canonical_parameters(model)), tp_rank,
+                                           ours["tp"])
+    return full.common, iter_dir, model_sd, optim_sd
+
+
+def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> None:
+    if meta.get("optimizer") is None:
+        raise CheckpointError(f"{source}: the checkpoint holds no optimizer state (saved with "
+                              f"--no-save-optim, or imported); pass --no-load-optim or --finetune")
+    if meta["optimizer"] == "sharded" or _is_sharded(optimizer):
+        same = meta["layout"] == _layout(cfg) and meta["optimizer"] == "sharded" \
+            and _is_sharded(optimizer)
+        if not same:
+            raise CheckpointError(f"{source}: sharded (ZeRO) optimizer state loads only on the "
+                                  f"layout and optimizer it was saved with "
+                                  f"({meta['layout']}); pass --no-load-optim to start afresh")
+        path = files.sharded_optim_file(iter_dir, ps.get_tensor_model_parallel_rank(),
+                                        ps.get_pipeline_model_parallel_rank(),
+                                        meta["layout"]["pp"], ps.get_data_sequence_parallel_rank())
+        load = getattr(optimizer, "load_sharded_state_dict", optimizer.load_state_dict)
+        load(files.load_torch(path, "sharded optimizer state"))
+        return
+    load_optimizer_state(model, optimizer, optim_sd, source)
+
+
+def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
+    if not meta.get("rng"):
+        if dist.get_rank() == 0:
+            log.warning("%s has no RNG states (converted or imported); RNG streams start from "
+                        "--seed", iter_dir)
+    elif meta["layout"] != _layout(cfg):
+        if dist.get_rank() == 0:
+            log.warning("layout differs from the checkpoint's: RNG streams start from --seed "
+                        "(dropout masks will not continue the original run's)")
+    else:
+        set_rng_state(files.load_torch(files.rng_file(iter_dir, dist.get_rank()),
+                                       "this rank's RNG states"))
+
+
+def load_checkpoint(cfg: Config, model, optimizer, scheduler) -> Resume:
+    """Collective-free: each rank reads what it needs. Returns where training resumes."""
+    c = cfg.checkpoint
+    iteration = files.read_tracker(c.load)
+    if iteration is None:
+        partial = files.unfinished_saves(c.load)
+        log.warning("no complete checkpoint in %s (no %s)%s; training starts from scratch",
+                    c.load, files.TRACKER, f"; unfinished saves: {partial}" if partial else "")
+        return Resume()
+    iter_dir = files.find_iteration_dir(c.load, iteration)
+    meta_path = os.path.join(iter_dir, files.METADATA)
+    meta = files.read_json(meta_path, "checkpoint metadata")
+    check_model_matches(meta, cfg, meta_path)
+    load_optim = not (c.finetune or c.no_load_optim)
+    payload, source, model_sd, optim_sd = _read_model_and_optim(cfg, meta, iter_dir, model,
+                                                                load_optim)
+    load_model_state(model, model_sd, source)
+    if c.finetune:
+        log.info("loaded weights of %s for fine-tuning; starting at iteration 0", iter_dir)
+        return Resume()
+    if load_optim:
+        _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
+    scheduler.load_state_dict(payload["opt_param_scheduler"])
+    if not c.no_load_rng:
+        _load_rng(cfg, meta, iter_dir)
+    if dist.get_rank() == 0:
+        log.info("loaded checkpoint %s at iteration %d", iter_dir, iteration)
+    return Resume(iteration, payload["consumed_samples"], payload["consumed_valid_samples"])

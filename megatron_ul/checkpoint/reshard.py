@@ -1,0 +1,218 @@
+"""Layout conversion: merge tensor-parallel shards into full tensors by each parameter's
+partition_dim/partition_stride, and cut them again for another TP/PP layout.
+
+SP and DP replicate parameters and (plain, replicated) optimizer state, so changing them only
+changes metadata. Parameter names carry global layer numbers, so pipeline stages are assigned by
+name: stage r of P holds layers r·L/P+1 … (r+1)·L/P, the first stage the embeddings, the last
+the final norm and output head (and, with tied embeddings, its own copy of the word embeddings).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import os
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from . import files
+from .files import CheckpointError
+
+
+def merge_tp(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """Inverse of mpu.layers._shard: each shard holds its chunk of each of `stride` blocks."""
+    blocks = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([torch.cat([b[i] for b in blocks], dim=dim) for i in range(stride)], dim=dim)
+
+
+def split_tp(full: torch.Tensor, dim: int, stride: int, tp: int) -> list[torch.Tensor]:
+    if full.shape[dim] % (tp * stride) != 0:
+        raise CheckpointError(f"dimension {dim} of size {full.shape[dim]} cannot be split over "
+                              f"TP {tp} (stride {stride}); choose a TP size that divides it")
+    blocks = full.chunk(stride, dim=dim)
+    return [torch.cat([b.chunk(tp, dim=dim)[r] for b in blocks], dim=dim).contiguous()
+            for r in range(tp)]
+
+
+def padded_vocab(model_cfg: dict, tp: int) -> int:
+    multiple = model_cfg["make_vocab_size_divisible_by"] * tp
+    return int(math.ceil(model_cfg["vocab_size"] / multiple) * multiple)
+
+
+def set_vocab_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """Trim or zero-pad dim 0 (padding rows are outside the softmax, so their values are inert)."""
+    if t.shape[0] >= rows:
+        return t[:rows].clone()
+    pad = torch.zeros((rows - t.shape[0],) + tuple(t.shape[1:]), dtype=t.dtype)
+    return torch.cat([t, pad], dim=0)
+
+
+def stage_layers(num_layers: int, pp: int) -> list[list[int]]:
+    if num_layers % pp != 0:
+        raise CheckpointError(f"--num-layers {num_layers} is not divisible by the target "
+                              f"pipeline size {pp}")
+    per = num_layers // pp
+    return [list(range(r * per + 1, (r + 1) * per + 1)) for r in range(pp)]
+
+
+def stage_names(names, pp_rank: int, pp: int, model_cfg: dict) -> list[str]:
+    """The parameter names pipeline stage `pp_rank` of `pp` holds."""
+    layers = set(stage_layers(model_cfg["num_layers"], pp)[pp_rank])
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    tied = not model_cfg["untie_embeddings_and_output_weights"]
+    chosen = []
+    for name in names:
+        if name.startswith("layers."):
+            keep = int(name.split(".")[1]) in layers
+        elif name.startswith("word_embeddings."):
+            keep = first or (last and tied)
+        elif name.startswith("position_embeddings."):
+            keep = first
+        else:  # final_norm, output_layer
+            keep = last
+        if keep:
+            chosen.append(name)
+    return chosen
+
+
+@dataclass
+class FullCheckpoint:
+    """One iteration merged to TP1/PP1: unpadded full tensors keyed by canonical name."""
+    metadata: dict
+    common: dict                  # iteration, scheduler, consumed samples, args
+    params: dict
+    optim_state: dict | None      # name -> {exp_avg, exp_avg_sq, step}
+    optim_groups: list | None     # hyper-parameters and param_names per group
+
+
+def _merge_one(shards: list, info: dict, vocab: int) -> torch.Tensor:
+    dim = info["partition_dim"]
+    full = shards[0] if dim is None else merge_tp(shards, dim, info["partition_stride"])
+    return set_vocab_rows(full, vocab) if info["vocab_padded"] else full
+
+
+def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
+    meta = files.read_json(os.path.join(iter_dir, files.METADATA), "checkpoint metadata")
+    layout, vocab = meta["layout"], meta["model"]["vocab_size"]
+    tp, pp = layout["tp"], layout["pp"]
+    if with_optim and meta.get("optimizer") == "sharded":
+        raise CheckpointError(f"{iter_dir}: its optimizer state is sharded (ZeRO) and cannot be "
+                              f"resharded yet; load on the saved layout ({_layout_str(layout)}) "
+                              f"or pass --no-load-optim / --no-optim")
+    by_stage = [[files.load_torch(files.model_file(iter_dir, t, s, pp), "model shard")
+                 for t in range(tp)] for s in range(pp)]
+    params, optim_state = {}, ({} if with_optim and meta.get("optimizer") else None)
+    for name, info in meta["params"].items():
+        stage = next(s for s in range(pp) if name in by_stage[s][0]["model"])
+        shards = by_stage[stage]
+        params[name] = _merge_one([sh["model"][name] for sh in shards], info, vocab)
+        if optim_state is not None:
+            per_rank = [sh["optimizer"]["state"].get(name) for sh in shards]
+            if per_rank[0] is not None:
+                optim_state[name] = {k: (_merge_one([r[k] for r in per_rank], info, vocab)
+                                         if k in ("exp_avg", "exp_avg_sq") else v)
+                                     for k, v in per_rank[0].items()}
+    groups = None
+    if optim_state is not None:  # union of the stages' groups, in order
+        groups = copy.deepcopy(by_stage[0][0]["optimizer"]["param_groups"])
+        for s in range(1, pp):
+            for g, other in zip(groups, by_stage[s][0]["optimizer"]["param_groups"]):
+                g["param_names"] += other["param_names"]
+    common = {k: v for k, v in by_stage[0][0].items() if k not in ("model", "optimizer")}
+    return FullCheckpoint(meta, common, params, optim_state, groups)
+
+
+def _layout_str(layout: dict) -> str:
+    return f"TP{layout['tp']} SP{layout['sp']} PP{layout['pp']} DP{layout['dp']}"
+
+
+def shard_for(full: FullCheckpoint, names, tp_rank: int, tp: int) -> tuple[dict, dict | None]:
+    """(model state, optimizer state) of TP rank `tp_rank` of `tp` for parameters `names`."""
+    rows = padded_vocab(full.metadata["model"], tp)
+
+    def cut(t: torch.Tensor, info: dict) -> torch.Tensor:
+        if info["vocab_padded"]:
+            t = set_vocab_rows(t, rows)
+        dim = info["partition_dim"]
+        return t.clone() if dim is None else split_tp(t, dim, info["partition_stride"],
+                                                      tp)[tp_rank]
+    infos = full.metadata["params"]
+    model = {n: cut(full.params[n], infos[n]) for n in names}
+    if full.optim_state is None:
+        return model, None
+    wanted = set(names)
+    state = {n: {k: (cut(v, infos[n]) if k in ("exp_avg", "exp_avg_sq") else v)
+                 for k, v in full.optim_state[n].items()} for n in names if n in full.optim_state}
+    groups = [{**{k: v for k, v in g.items() if k != "param_names"},
+               "param_names": [n for n in g["param_names"] if n in wanted]}
+              for g in full.optim_groups]
+    return model, {"state": state, "param_groups": groups}
+
+
+def target_metadata(full: FullCheckpoint, tp: int, pp: int, sp: int, dp: int,
+                    with_optim: bool) -> dict:
+    meta = copy.deepcopy(full.metadata)
+    meta["layout"] = {"tp": tp, "pp": pp, "sp": sp, "dp": dp, "world": tp * pp * sp * dp,
+                      "sequence_parallel": meta["layout"].get("sequence_parallel", False)}
+    rows = padded_vocab(meta["model"], tp)
+    for info in meta["params"].values():
+        if info["vocab_padded"]:
+            info["shape"][0] = rows
+    meta["optimizer"] = "replicated" if with_optim and full.optim_state is not None else None
+    meta["rng"] = False   # per-rank RNG streams belong to the old layout
+    return meta
+
+
+def convert(load_dir: str, save_dir: str, tp: int, pp: int, sp: int | None = None,
+            dp: int | None = None, with_optim: bool = True, iteration: int | None = None) -> str:
+    """Write the latest (or given) iteration of `load_dir` into `save_dir` for a new layout.
+    Never touches `load_dir`; refuses to replace an existing iteration in `save_dir`."""
+    if os.path.abspath(load_dir) == os.path.abspath(save_dir):
+        raise CheckpointError("--save-dir must differ from --load-dir (conversion never "
+                              "rewrites its source)")
+    iteration = files.read_tracker(load_dir) if iteration is None else iteration
+    if iteration is None:
+        raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; {load_dir} "
+                              f"holds no complete checkpoint")
+    full = read_full(files.find_iteration_dir(load_dir, iteration), with_optim)
+    old = full.metadata["layout"]
+    meta = target_metadata(full, tp, pp, sp or old["sp"], dp or old["dp"], with_optim)
+    return write_layout(full, meta, save_dir, iteration, tp, pp, with_optim)
+
+
+def write_layout(full: FullCheckpoint, meta: dict, save_dir: str, iteration: int, tp: int,
+                 pp: int, with_optim: bool) -> str:
+    """Write `full` as iteration `iteration` of `save_dir` cut for TP `tp` × PP `pp` (tmp
+    directory renamed into place, tracker last); refuses to replace an existing iteration."""
+    final = os.path.join(save_dir, files.iteration_dir_name(iteration))
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; choose an empty --save-dir")
+    os.makedirs(save_dir, exist_ok=True)
+    tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
+    os.makedirs(tmp)
+    names = list(full.params)
+    for s in range(pp):
+        stage = stage_names(names, s, pp, meta["model"])
+        for t in range(tp):
+            model, optim = shard_for(full, stage, t, tp)
+            files.save_torch({**full.common, "model": model,
+                              "optimizer": optim if with_optim else None},
+                             files.model_file(tmp, t, s, pp))
+    files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
+    os.rename(tmp, final)
+    files.fsync_dir(save_dir)
+    files.write_tracker(save_dir, iteration)
+    return final
+
+
+def param_info(name: str, shape, model_cfg: dict) -> dict:
+    """How mpu.layers shards a parameter of the GPTModel, from its canonical name (for
+    checkpoints made without building a model, e.g. Hugging Face imports)."""
+    column = name.endswith(("qkv.weight", "qkv.bias", "fc1.weight", "fc1.bias",
+                            "word_embeddings.weight", "output_layer.weight"))
+    row = name.endswith(("proj.weight", "fc2.weight")) and not column
+    stride = 2 if model_cfg["swiglu"] and ".fc1." in name else 1
+    return {"shape": list(shape), "partition_dim": 0 if column else 1 if row else None,
+            "partition_stride": stride if column else 1,
+            "vocab_padded": name.endswith(("word_embeddings.weight", "output_layer.weight"))}

@@ -1,0 +1,69 @@
+"""When to save and when to stop: --save-interval, --exit-interval, --exit-duration-in-mins and
+--exit-signal-handler (SIGTERM from Slurm: save at the end of the current iteration, exit 0)."""
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..checkpoint.io import save_checkpoint
+from ..config import Config
+
+log = logging.getLogger("megatron_ul")
+
+
+class RunControl:
+    """Called after every iteration; saves checkpoints and decides whether to stop."""
+
+    def __init__(self, cfg: Config, model, optimizer, scheduler, start_iteration: int = 0):
+        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
+        self.iteration = self.last_saved = start_iteration
+        self.started = time.monotonic()
+        self.signal_received = False
+        self._previous_handler = None
+        if cfg.checkpoint.exit_signal_handler:
+            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.signal_received = True   # acted on at the end of the current iteration
+
+    def _stop_flags(self) -> tuple[bool, bool]:
+        """(signal, time limit), agreed over all ranks so that every rank stops together."""
+        c = self.cfg.checkpoint
+        if not c.exit_signal_handler and c.exit_duration_in_mins is None:
+            return False, False
+        over_time = (c.exit_duration_in_mins is not None
+                     and time.monotonic() - self.started > c.exit_duration_in_mins * 60)
+        flags = torch.tensor([float(self.signal_received), float(over_time)])
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0]), bool(flags[1])
+
+    def after_iteration(self, iteration: int) -> bool:
+        """Save if due; True when training must stop now."""
+        self.iteration = iteration
+        c = self.cfg.checkpoint
+        by_signal, by_time = self._stop_flags()
+        by_interval = bool(c.exit_interval) and iteration % c.exit_interval == 0
+        stop = by_signal or by_time or by_interval
+        if c.save and (stop or (c.save_interval and iteration % c.save_interval == 0)):
+            self.save()
+        if stop:
+            reason = ("SIGTERM" if by_signal else "--exit-duration-in-mins" if by_time
+                      else "--exit-interval")
+            log.info("exiting at iteration %d (%s)", iteration, reason)
+        return stop
+
+    def save(self) -> None:
+        save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.iteration)
+        self.last_saved = self.iteration
+
+    def finish(self) -> None:
+        """End of training: save the last iteration unless it was just saved."""
+        if self.cfg.checkpoint.save and self.iteration != self.last_saved:
+            self.save()
+        if self._previous_handler is not None:
+            signal.signal(signal.SIGTERM, self._previous_handler)

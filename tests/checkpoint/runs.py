@@ -1,0 +1,103 @@
+"""Module-level functions run on spawned gloo ranks by the checkpoint tests."""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from megatron_ul.checkpoint import files
+from megatron_ul.mpu import parallel_state as ps
+from megatron_ul.training.pretrain import configure, setup
+
+TINY = ["--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", "16",
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
+        "--lr", "1e-3", "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--seed", "7",
+        "--log-interval", "100", "--distributed-timeout-minutes", "1.5", "--adam-eps", "1e-6"]
+NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+
+
+def train(rank: int, world: int, argv: list[str]) -> list[float]:
+    losses = setup(configure(argv, world)).train()
+    ps.destroy_model_parallel()
+    return losses
+
+
+def train_then_resume(rank: int, world: int, argv: list[str], save_dir: str, k: int,
+                      iters: int) -> tuple[list[float], list[float]]:
+    """Uninterrupted run of `iters` (saving every k), then a run resumed from iteration k."""
+    full = train(rank, world, argv + ["--train-iters", str(iters), "--save", save_dir,
+                                      "--save-interval", str(k)])
+    dist.barrier()
+    if rank == 0:   # make iteration k the latest, as if the first run had stopped there
+        files.write_tracker(save_dir, k)
+    dist.barrier()
+    resumed = train(rank, world, argv + ["--train-iters", str(iters), "--load", save_dir])
+    return full, resumed
+
+
+def load_error(rank: int, world: int, argv: list[str]) -> str:
+    """The message of the error that setting up (loading) with `argv` raises, or ''."""
+    try:
+        setup(configure(argv, world))
+    except Exception as e:  # noqa: BLE001 - the test inspects the message
+        return f"{type(e).__name__}: {e}"
+    finally:
+        ps.destroy_model_parallel()
+    return ""
+
+
+def listing(root: str) -> dict[str, float]:
+    """{path: mtime} of everything under root (to show nothing was overwritten or deleted)."""
+    out = {}
+    for base, dirs, names in os.walk(root):
+        for n in dirs + names:
+            path = os.path.join(base, n)
+            out[path] = os.stat(path).st_mtime_ns
+    return out
+
+
+def convert_cli(argv: list[str]) -> int:
+    """tools/checkpoint/convert.py's main, called in-process (no interpreter start-up)."""
+    import importlib.util
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location(
+        "convert_tool", os.path.join(root, "tools", "checkpoint", "convert.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def resume_on_layouts(rank: int, world: int, argv: list[str], layouts: dict, tmp: str) -> dict:
+    """For each layout: uninterrupted 4 iterations and a resume from iteration 2 (same layout)."""
+    return {name: train_then_resume(rank, world, argv + flags, os.path.join(tmp, name), 2, 4)
+            for name, flags in layouts.items()}
+
+
+def _on_rank0(fn):
+    dist.barrier()
+    if dist.get_rank() == 0:
+        fn()
+    dist.barrier()
+
+
+def convert_chain(rank: int, world: int, argv: list[str], tmp: str) -> dict:
+    """World 4: train TP2·DP2 (saving at 2), convert TP2 -> TP1 -> TP2 with the CLI and resume
+    on TP1·DP4 and on TP2·SP2; also load the TP2 checkpoint directly on TP1·SP4 (reshard on
+    load). Returns the losses of each run."""
+    src, tp1, tp2 = (os.path.join(tmp, n) for n in ("tp2", "tp2_to_tp1", "tp1_to_tp2"))
+    run = lambda flags: train(rank, world, argv + ["--train-iters", "4"] + flags)  # noqa: E731
+    out = {"original": run(["--tensor-model-parallel-size", "2", "--save", src,
+                            "--save-interval", "2"])}
+
+    def convert_both():
+        files.write_tracker(src, 2)
+        for load, save, tp in [(src, tp1, "1"), (tp1, tp2, "2")]:
+            assert convert_cli(["--load-dir", load, "--save-dir", save,
+                                "--target-tensor-parallel-size", tp]) == 0
+    _on_rank0(convert_both)
+    out["tp1_dp4"] = run(["--load", tp1])
+    out["tp2_sp2"] = run(["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2",
+                          "--load", tp2])
+    out["tp1_sp4_on_load"] = run(["--ds-sequence-parallel-size", "4", "--load", src])
+    return out

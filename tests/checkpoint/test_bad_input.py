@@ -1,0 +1,118 @@
+"""Bad checkpoints give a message naming the file and what is wrong, and nothing existing is
+overwritten or deleted: a missing directory, a save that never finished, a missing rank file,
+another model's checkpoint, corrupt files, a tracker pointing nowhere, and conversions that
+would overwrite."""
+import logging
+import os
+import shutil
+
+import pytest
+
+from megatron_ul.checkpoint import files
+from megatron_ul.checkpoint.reshard import convert
+from megatron_ul.config import ConfigError
+from megatron_ul.training.pretrain import configure, setup
+from tests.checkpoint.runs import TINY, listing
+
+ARGV = TINY + ["--train-iters", "2"]
+
+
+@pytest.fixture
+def saved(tmp_path, single_rank):
+    d = str(tmp_path / "ckpt")
+    setup(configure(ARGV + ["--save", d], 1)).train()
+    return d
+
+
+def _load_error(argv) -> str:
+    with pytest.raises(Exception) as info:
+        setup(configure(argv, 1))
+    return str(info.value)
+
+
+def _unchanged(root, action):
+    before = listing(root)
+    result = action()
+    assert listing(root) == before, "a failed load or conversion changed files"
+    return result
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ConfigError, match=f"--load {tmp_path}/nope: no such directory"):
+        configure(ARGV + ["--load", str(tmp_path / "nope")], 1)
+    # a requeued job's first run: --load and --save name the directory it is about to create
+    configure(ARGV + ["--load", str(tmp_path / "new"), "--save", str(tmp_path / "new")], 1)
+
+
+def test_unfinished_save_only_starts_from_scratch_and_says_so(tmp_path, single_rank, caplog):
+    partial = tmp_path / "iter_0000002.tmp-0123abcd"
+    (partial / "mp_rank_00").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger="megatron_ul"):
+        trainer = _unchanged(str(tmp_path), lambda: setup(configure(
+            ARGV + ["--load", str(tmp_path)], 1)))
+    assert trainer.start_iteration == 0
+    assert str(partial) in caplog.text and "no complete checkpoint" in caplog.text
+
+
+@pytest.mark.parametrize("victim", ["mp_rank_00/model_optim_rng.pt", "rng/rank_00000.pt",
+                                    "metadata.json"])
+def test_missing_file_is_named(saved, victim):
+    path = os.path.join(saved, "iter_0000002", victim)
+    os.remove(path)
+    message = _unchanged(saved, lambda: _load_error(ARGV + ["--load", saved]))
+    assert path in message and "missing" in message
+
+
+def test_other_model_shapes_are_named(saved):
+    message = _unchanged(saved, lambda: _load_error(
+        [a if a != "32" else "64" for a in ARGV] + ["--load", saved]))
+    assert os.path.join(saved, "iter_0000002", "metadata.json") in message
+    assert "--hidden-size: checkpoint 32, this run 64" in message
+
+
+@pytest.mark.parametrize("victim", ["mp_rank_00/model_optim_rng.pt", "metadata.json"])
+def test_corrupt_file_is_named(saved, victim):
+    path = os.path.join(saved, "iter_0000002", victim)
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[: len(data) // 2])
+    message = _unchanged(saved, lambda: _load_error(ARGV + ["--load", saved]))
+    assert path in message and "corrupt" in message
+
+
+def test_tracker_pointing_nowhere(saved):
+    files.write_tracker(saved, 7)
+    message = _unchanged(saved, lambda: _load_error(ARGV + ["--load", saved]))
+    assert "iter_0000007 does not exist" in message and files.TRACKER in message
+
+
+def test_no_optimizer_state_asks_for_flag(tmp_path, single_rank):
+    d = str(tmp_path / "weights_only")
+    setup(configure(ARGV + ["--save", d, "--no-save-optim"], 1)).train()
+    assert "--no-load-optim or --finetune" in _load_error(ARGV + ["--load", d])
+    assert setup(configure(ARGV + ["--load", d, "--no-load-optim"], 1)).start_iteration == 2
+
+
+def test_conversion_never_overwrites(saved, tmp_path):
+    with pytest.raises(files.CheckpointError, match="must differ"):
+        convert(saved, saved, 1, 1)
+    target = str(tmp_path / "out")
+    shutil.copytree(saved, target)
+    with pytest.raises(files.CheckpointError, match="iter_0000002 already exists"):
+        _unchanged(target, lambda: convert(saved, target, 1, 1))
+
+
+def test_saving_an_existing_iteration_replaces_it_whole(saved, single_rank):
+    trainer = setup(configure(ARGV + ["--save", saved], 1))
+    old = listing(saved)
+    from megatron_ul.checkpoint.io import save_checkpoint
+    save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 2)
+    assert sorted(os.listdir(saved)) == ["iter_0000002", files.TRACKER]   # no tmp/old left
+    assert listing(saved).keys() == old.keys()
+
+
+def test_kill_between_renames_loads_the_copy_set_aside(saved):
+    """A save replacing iteration 2 killed after moving the old copy aside and before moving
+    the new one in leaves only iter_0000002.old-<id>: the tracker still names 2, and it loads."""
+    os.rename(os.path.join(saved, "iter_0000002"), os.path.join(saved, "iter_0000002.old-ab12"))
+    assert setup(configure(ARGV + ["--load", saved], 1)).start_iteration == 2

@@ -1,0 +1,56 @@
+#!/usr/bin/env python
+"""Convert a megatron_ul checkpoint to another parallel layout.
+
+    python tools/checkpoint/convert.py --load-dir A --save-dir B \
+        --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 [--no-optim]
+
+TP shards are merged by each parameter's partition dim/stride (recorded in metadata.json) and
+re-split; optimizer moments follow their parameters. SP and DP targets only change metadata
+(parameters and plain optimizer state are replicated over them). The source is never modified
+and an existing iteration in B is never replaced. RNG states are not carried over: the new
+layout's streams start from --seed.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+from megatron_ul.checkpoint.files import CheckpointError  # noqa: E402
+from megatron_ul.checkpoint.reshard import convert  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--target-tensor-parallel-size", type=int, required=True)
+    p.add_argument("--target-pipeline-parallel-size", type=int, default=1)
+    p.add_argument("--target-sequence-parallel-size", type=int, default=None,
+                   help="Ulysses degree recorded in the metadata (default: the source's)")
+    p.add_argument("--target-data-parallel-size", type=int, default=None)
+    p.add_argument("--iteration", type=int, default=None, help="default: the latest")
+    p.add_argument("--no-optim", action="store_true", help="convert the model weights only")
+    a = p.parse_args(argv)
+    if not os.path.isdir(a.load_dir):
+        print(f"error: --load-dir {a.load_dir}: no such directory", file=sys.stderr)
+        return 2
+    for flag, value in [("--target-tensor-parallel-size", a.target_tensor_parallel_size),
+                        ("--target-pipeline-parallel-size", a.target_pipeline_parallel_size)]:
+        if value < 1:
+            print(f"error: {flag} must be >= 1", file=sys.stderr)
+            return 2
+    try:
+        out = convert(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
+                      a.target_pipeline_parallel_size, a.target_sequence_parallel_size,
+                      a.target_data_parallel_size, with_optim=not a.no_optim,
+                      iteration=a.iteration)
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

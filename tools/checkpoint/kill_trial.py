@@ -1,0 +1,111 @@
+#!/usr/bin/env python
+"""Crash-safety trial: kill -9 a process at random moments while it saves checkpoints, then
+check that the trainer still loads the latest checkpoint it reported complete.
+
+    python tools/checkpoint/kill_trial.py --trials 30 [--dir /tmp/kill_trial]
+
+Each trial starts a child that saves checkpoints back to back into one directory (every
+iteration twice, so half of the saves replace an existing iteration), kills it with SIGKILL
+after a random delay, then loads the directory with the real trainer (setup() with --load) and
+checks that the loaded iteration is at least the last one the child reported saved.
+Prints a Markdown summary.
+"""
+import argparse
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+MODEL = ["--mock-data", "--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "256",
+         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
+         "--train-iters", "1000000", "--log-interval", "1000000"]
+
+
+def child(directory: str) -> None:
+    """Save forever: iterations t+1, t+1, t+2, t+2, ... after the tracker's t."""
+    from megatron_ul.checkpoint import files
+    from megatron_ul.checkpoint.io import save_checkpoint
+    from megatron_ul.training.pretrain import configure, setup
+    trainer = setup(configure(MODEL + ["--save", directory]))
+    start = files.read_tracker(directory) or 0
+    print("ready", flush=True)
+    for n in range(2, 10**6):
+        iteration = start + n // 2
+        print(f"saving {iteration}", flush=True)
+        save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler,
+                        iteration)
+        print(f"saved {iteration}", flush=True)
+
+
+def one_trial(directory: str, max_delay: float, rng: random.Random) -> dict:
+    # the child picks its own rendezvous port (this process holds one after the first check)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.Popen([sys.executable, __file__, "--child", directory], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    first = [proc.stdout.readline()]
+    while first[-1] and first[-1].strip() != "ready":
+        first.append(proc.stdout.readline())
+    assert first[-1], f"child failed to start: {''.join(first)}"
+    delay = rng.uniform(0.0, max_delay)
+    time.sleep(delay)
+    proc.kill()                                   # SIGKILL: no cleanup of any kind
+    proc.wait()
+    lines = proc.stdout.read().split()
+    saved = [int(v) for k, v in zip(lines[::2], lines[1::2]) if k == "saved"]
+    mid_save = len(lines) >= 2 and lines[-2] == "saving"
+    return {"delay": delay, "last_saved": saved[-1] if saved else None, "mid_save": mid_save,
+            "saves": len(saved)}
+
+
+def check_loadable(directory: str, last_saved) -> tuple[bool, str]:
+    from megatron_ul.mpu import parallel_state as ps
+    from megatron_ul.training.pretrain import configure, setup
+    try:
+        trainer = setup(configure(MODEL + ["--load", directory]))
+    except Exception as e:  # noqa: BLE001 - a failed load is the outcome being counted
+        return False, f"{type(e).__name__}: {e}"
+    finally:
+        ps.destroy_model_parallel()
+    loaded = trainer.start_iteration
+    if last_saved is not None and loaded < last_saved:
+        return False, f"loaded iteration {loaded} < last reported save {last_saved}"
+    return True, f"iteration {loaded}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=30)
+    p.add_argument("--dir", default="/tmp/megatron_ul_kill_trial")
+    p.add_argument("--max-delay", type=float, default=2.0, help="seconds after start-up")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        child(a.child)
+        return 0
+    import logging
+    logging.basicConfig(level=logging.ERROR)
+    shutil.rmtree(a.dir, ignore_errors=True)
+    rng, results = random.Random(a.seed), []
+    for trial in range(a.trials):
+        r = one_trial(a.dir, a.max_delay, rng)
+        r["loadable"], r["detail"] = check_loadable(a.dir, r["last_saved"])
+        results.append(r)
+        print(f"trial {trial + 1:3d}: killed after {r['delay']:.2f}s "
+              f"{'mid-save' if r['mid_save'] else 'between saves'}, last reported save "
+              f"{r['last_saved']}, loadable: {r['loadable']} ({r['detail']})", flush=True)
+    leftovers = sorted(n for n in os.listdir(a.dir) if ".tmp-" in n or ".old-" in n)
+    ok = sum(r["loadable"] for r in results)
+    print(f"\n| trials | killed mid-save | loadable afterwards | unfinished dirs left |\n"
+          f"|---|---|---|---|\n| {len(results)} | {sum(r['mid_save'] for r in results)} | "
+          f"{ok} | {len(leftovers)} |")
+    return 0 if ok == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
