@@ -22,6 +22,8 @@ import torch
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 MODEL_FILE = "model_optim_rng.pt"
+# 2: 0-based global layer names (the PP=1 module names) and `replica.` tied-embedding copies.
+FORMAT = "megatron_ul-checkpoint-2"
 
 
 class CheckpointError(RuntimeError):
@@ -97,6 +99,15 @@ def read_json(path: str, what: str) -> dict:
             return json.load(f)
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot be parsed ({e}); the file is corrupt") from e
+
+
+def check_format(meta: dict, path: str) -> None:
+    """Refuse metadata written in another checkpoint format, naming the file."""
+    found = meta.get("format")
+    if found != FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {found!r}, this megatron_ul reads "
+                              f"{FORMAT!r} (format 1 used 1-based layer names); re-save or "
+                              f"re-import it with this version")
 
 
 def write_tracker(save_dir: str, iteration: int) -> None:

@@ -62,7 +62,7 @@ def gpt2_to_ours(sd: dict, m: dict) -> dict:
            "position_embeddings.weight": sd["wpe.weight"],
            "final_norm.weight": sd["ln_f.weight"], "final_norm.bias": sd["ln_f.bias"]}
     for i in range(m["num_layers"]):
-        hf, ours = f"h.{i}.", f"layers.{i + 1}."
+        hf, ours = f"h.{i}.", f"layers.{i}."
         w = sd[hf + "attn.c_attn.weight"].t()                   # Conv1D [in, out] -> [out, in]
         b = sd[hf + "attn.c_attn.bias"]
         out[ours + "attention.qkv.weight"] = _fuse_qkv(*w.chunk(3, dim=0), heads)
@@ -92,7 +92,7 @@ def ours_to_gpt2(p: dict, m: dict) -> tuple[dict, dict]:
           "transformer.ln_f.bias": p["final_norm.bias"],
           "lm_head.weight": p["word_embeddings.weight"]}
     for i in range(m["num_layers"]):
-        hf, ours = f"transformer.h.{i}.", f"layers.{i + 1}."
+        hf, ours = f"transformer.h.{i}.", f"layers.{i}."
         q, k, v = _split_qkv(p[ours + "attention.qkv.weight"], heads, 1, d)
         sd[hf + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
         sd[hf + "attn.c_attn.bias"] = torch.cat(_split_qkv(p[ours + "attention.qkv.bias"],
@@ -150,7 +150,7 @@ def llama_to_ours(sd: dict, m: dict) -> dict:
     if m["untie_embeddings_and_output_weights"]:
         out["output_layer.weight"] = sd["lm_head.weight"]
     for i in range(m["num_layers"]):
-        hf, ours = f"layers.{i}.", f"layers.{i + 1}."
+        hf, ours = f"layers.{i}.", f"layers.{i}."
         a = hf + "self_attn."
         out[ours + "attention.qkv.weight"] = _fuse_qkv(
             sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"], groups)
@@ -177,7 +177,7 @@ def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
           "model.norm.weight": p["final_norm.weight"],
           "lm_head.weight": p["word_embeddings.weight" if tied else "output_layer.weight"]}
     for i in range(m["num_layers"]):
-        hf, ours = f"model.layers.{i}.", f"layers.{i + 1}."
+        hf, ours = f"model.layers.{i}.", f"layers.{i}."
         q, k, v = _split_qkv(p[ours + "attention.qkv.weight"], groups, heads // groups, head_dim)
         gate, up = p[ours + "mlp.fc1.weight"].chunk(2, dim=0)
         sd.update({hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k,
@@ -252,13 +252,13 @@ def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> t
     from dataclasses import asdict
 
     from ..config import ModelConfig
-    from . import reshard
+    from . import files, reshard
     config, state = read_hf_dir(hf_dir)
     fields, params = to_ours(config, state)
     model = asdict(ModelConfig(**fields))
-    meta = {"format": "megatron_ul-checkpoint-1", "iteration": 0, "model": model,
+    meta = {"format": files.FORMAT, "iteration": 0, "model": model,
             "layout": {"tp": 1, "pp": 1, "sp": 1, "dp": 1, "world": 1,
-                       "sequence_parallel": False},
+                       "sequence_parallel": False, "vp": None},
             "params": {n: reshard.param_info(n, t.shape, model) for n, t in params.items()},
             "optimizer": None, "rng": False, "source": f"hugging face {config['model_type']}"}
     common = {"iteration": 0, "checkpoint_version": 3.0, "opt_param_scheduler": {"num_steps": 0},

@@ -24,12 +24,12 @@ from ..config import Config
 from ..mpu import parallel_state as ps
 from . import files, reshard
 from .files import CheckpointError
-from .state import (canonical_parameters, load_optimizer_state, model_state, optimizer_state,
+from .files import FORMAT
+from .state import (load_optimizer_state, model_state, named_parameters, optimizer_state,
                     parameter_metadata, rng_state, set_rng_state)
 
 log = logging.getLogger("megatron_ul")
 
-FORMAT = "megatron_ul-checkpoint-1"
 # ModelConfig fields that decide parameter shapes or the function the weights compute.
 SHAPE_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "num_attention_heads": "--num-attention-heads",
@@ -52,7 +52,8 @@ def _layout(cfg: Config) -> dict:
     p = cfg.parallel
     return {"tp": p.tensor_model_parallel_size, "sp": p.ds_sequence_parallel_size,
             "pp": p.pipeline_model_parallel_size, "dp": p.data_parallel_size,
-            "world": p.world_size, "sequence_parallel": p.sequence_parallel}
+            "world": p.world_size, "sequence_parallel": p.sequence_parallel,
+            "vp": p.num_layers_per_virtual_pipeline_stage}
 
 
 def consumed_valid_samples(cfg: Config, iteration: int) -> int:
@@ -155,7 +156,7 @@ def check_model_matches(meta: dict, cfg: Config, path: str) -> None:
 
 
 def load_model_state(model, state: dict, source: str) -> None:
-    params = canonical_parameters(model)
+    params = named_parameters(model)
     missing, unexpected = set(params) - set(state), set(state) - set(params)
     if missing or unexpected:
         raise CheckpointError(f"{source}: parameter names differ from the model: missing "
@@ -174,18 +175,22 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
     in memory when the checkpoint's TP/PP layout differs from this run's."""
     saved, ours = meta["layout"], _layout(cfg)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    if (saved["tp"], saved["pp"]) == (ours["tp"], ours["pp"]):
+    # A stage file holds the layers of every model chunk of its pp rank: the virtual pipeline
+    # size decides which layers those are, as much as TP and PP do.
+    if (saved["tp"], saved["pp"], saved.get("vp")) == (ours["tp"], ours["pp"], ours["vp"]):
         path = files.model_file(iter_dir, tp_rank, pp_rank, ours["pp"])
         payload = files.load_torch(path, "model and optimizer of this rank")
         return payload, path, payload["model"], payload["optimizer"]
     if dist.get_rank() == 0:
-        log.info("resharding %s on load: TP%d PP%d -> TP%d PP%d (to do it once offline: "
-                 "python tools/checkpoint/convert.py --load-dir %s --save-dir NEW "
-                 "--target-tensor-parallel-size %d --target-pipeline-parallel-size %d)",
-                 iter_dir, saved["tp"], saved["pp"], ours["tp"], ours["pp"],
-                 cfg.checkpoint.load, ours["tp"], ours["pp"])
+        vp_flag = (f" --target-num-layers-per-virtual-pipeline-stage {ours['vp']}"
+                   if ours["vp"] else "")
+        log.info("resharding %s on load: TP%d PP%d VP%s -> TP%d PP%d VP%s (to do it once "
+                 "offline: python tools/checkpoint/convert.py --load-dir %s --save-dir NEW "
+                 "--target-tensor-parallel-size %d --target-pipeline-parallel-size %d%s)",
+                 iter_dir, saved["tp"], saved["pp"], saved.get("vp"), ours["tp"], ours["pp"],
+                 ours["vp"], cfg.checkpoint.load, ours["tp"], ours["pp"], vp_flag)
     full = reshard.read_full(iter_dir, with_optim=load_optim)
-    model_sd, optim_sd = reshard.shard_for(full, list(canonical_parameters(model)), tp_rank,
+    model_sd, optim_sd = reshard.shard_for(full, list(named_parameters(model)), tp_rank,
                                            ours["tp"])
     return full.common, iter_dir, model_sd, optim_sd
 
@@ -236,6 +241,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler) -> Resume:
     iter_dir = files.find_iteration_dir(c.load, iteration)
     meta_path = os.path.join(iter_dir, files.METADATA)
     meta = files.read_json(meta_path, "checkpoint metadata")
+    files.check_format(meta, meta_path)
     check_model_matches(meta, cfg, meta_path)
     load_optim = not (c.finetune or c.no_load_optim)
     payload, source, model_sd, optim_sd = _read_model_and_optim(cfg, meta, iter_dir, model,

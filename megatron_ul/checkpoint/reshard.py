@@ -2,13 +2,17 @@
 partition_dim/partition_stride, and cut them again for another TP/PP layout.
 
 SP and DP replicate parameters and (plain, replicated) optimizer state, so changing them only
-changes metadata. Parameter names carry global layer numbers, so pipeline stages are assigned by
-name: stage r of P holds layers r·L/P+1 … (r+1)·L/P, the first stage the embeddings, the last
-the final norm and output head (and, with tied embeddings, its own copy of the word embeddings).
+changes metadata. Parameter names carry 0-based global layer indices, so pipeline stages are
+assigned by name with the pipeline's own rule (pipeline.model.chunk_layer_numbers, interleaved
+chunks included): the first stage holds the embeddings, the last the final norm and output head
+and, with tied embeddings and PP > 1, its copy of the word embeddings under
+`replica.word_embeddings.weight`. Merging drops replicas (after checking they equal the table
+they copy); cutting for PP > 1 re-derives them, Adam moments included.
 """
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import uuid
@@ -16,8 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..pipeline.model import REPLICA_PREFIX, replicated_name, stage_layer_indices
 from . import files
 from .files import CheckpointError
+
+log = logging.getLogger("megatron_ul")
 
 
 def merge_tp(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
@@ -48,31 +55,40 @@ def set_vocab_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, pad], dim=0)
 
 
-def stage_layers(num_layers: int, pp: int) -> list[list[int]]:
+def model_chunks_for(num_layers: int, pp: int, vp: int | None) -> int:
+    """Model chunks per pp rank for --num-layers-per-virtual-pipeline-stage `vp` (None: 1)."""
     if num_layers % pp != 0:
         raise CheckpointError(f"--num-layers {num_layers} is not divisible by the target "
                               f"pipeline size {pp}")
-    per = num_layers // pp
-    return [list(range(r * per + 1, (r + 1) * per + 1)) for r in range(pp)]
+    if vp is None:
+        return 1
+    if pp == 1 or num_layers % (pp * vp) != 0:
+        raise CheckpointError(f"--num-layers {num_layers} does not split into {pp} pipeline "
+                              f"stages of chunks of {vp} layers; the virtual pipeline size "
+                              f"needs PP > 1 and num_layers divisible by PP x {vp}")
+    return num_layers // (pp * vp)
 
 
-def stage_names(names, pp_rank: int, pp: int, model_cfg: dict) -> list[str]:
-    """The parameter names pipeline stage `pp_rank` of `pp` holds."""
-    layers = set(stage_layers(model_cfg["num_layers"], pp)[pp_rank])
+def stage_names(names, pp_rank: int, pp: int, model_cfg: dict,
+                vp: int | None = None) -> list[str]:
+    """The parameter names pipeline stage `pp_rank` of `pp` (chunks of `vp` layers) holds,
+    from the merged (replica-free) names."""
+    chunks = model_chunks_for(model_cfg["num_layers"], pp, vp)
+    layers = set(stage_layer_indices(model_cfg["num_layers"], pp, chunks, pp_rank))
     first, last = pp_rank == 0, pp_rank == pp - 1
-    tied = not model_cfg["untie_embeddings_and_output_weights"]
     chosen = []
     for name in names:
         if name.startswith("layers."):
             keep = int(name.split(".")[1]) in layers
-        elif name.startswith("word_embeddings."):
-            keep = first or (last and tied)
-        elif name.startswith("position_embeddings."):
+        elif name.startswith(("word_embeddings.", "position_embeddings.")):
             keep = first
         else:  # final_norm, output_layer
             keep = last
         if keep:
             chosen.append(name)
+    tied = not model_cfg["untie_embeddings_and_output_weights"]
+    if last and not first and tied and "word_embeddings.weight" in names:
+        chosen.append(REPLICA_PREFIX + "word_embeddings.weight")
     return chosen
 
 
@@ -93,7 +109,9 @@ def _merge_one(shards: list, info: dict, vocab: int) -> torch.Tensor:
 
 
 def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
-    meta = files.read_json(os.path.join(iter_dir, files.METADATA), "checkpoint metadata")
+    meta_path = os.path.join(iter_dir, files.METADATA)
+    meta = files.read_json(meta_path, "checkpoint metadata")
+    files.check_format(meta, meta_path)
     layout, vocab = meta["layout"], meta["model"]["vocab_size"]
     tp, pp = layout["tp"], layout["pp"]
     if with_optim and meta.get("optimizer") == "sharded":
@@ -103,24 +121,45 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
     by_stage = [[files.load_torch(files.model_file(iter_dir, t, s, pp), "model shard")
                  for t in range(tp)] for s in range(pp)]
     params, optim_state = {}, ({} if with_optim and meta.get("optimizer") else None)
+    replicas = {}
     for name, info in meta["params"].items():
-        stage = next(s for s in range(pp) if name in by_stage[s][0]["model"])
+        stage = next((s for s in range(pp) if name in by_stage[s][0]["model"]), None)
+        if stage is None:
+            raise CheckpointError(f"{meta_path} lists {name} but no stage file of {iter_dir} "
+                                  f"holds it; the checkpoint is incomplete")
         shards = by_stage[stage]
-        params[name] = _merge_one([sh["model"][name] for sh in shards], info, vocab)
-        if optim_state is not None:
+        merged = _merge_one([sh["model"][name] for sh in shards], info, vocab)
+        (replicas if name.startswith(REPLICA_PREFIX) else params)[name] = merged
+        if optim_state is not None and not name.startswith(REPLICA_PREFIX):
             per_rank = [sh["optimizer"]["state"].get(name) for sh in shards]
             if per_rank[0] is not None:
                 optim_state[name] = {k: (_merge_one([r[k] for r in per_rank], info, vocab)
                                          if k in ("exp_avg", "exp_avg_sq") else v)
                                      for k, v in per_rank[0].items()}
+    _check_replicas(replicas, params, iter_dir)
     groups = None
-    if optim_state is not None:  # union of the stages' groups, in order
+    if optim_state is not None:  # union of the stages' groups, in order, without replicas
         groups = copy.deepcopy(by_stage[0][0]["optimizer"]["param_groups"])
         for s in range(1, pp):
             for g, other in zip(groups, by_stage[s][0]["optimizer"]["param_groups"]):
                 g["param_names"] += other["param_names"]
+        for g in groups:
+            g["param_names"] = [n for n in g["param_names"] if not n.startswith(REPLICA_PREFIX)]
     common = {k: v for k, v in by_stage[0][0].items() if k not in ("model", "optimizer")}
     return FullCheckpoint(meta, common, params, optim_state, groups)
+
+
+def _check_replicas(replicas: dict, params: dict, iter_dir: str) -> None:
+    """Tied copies equal their table after every step; say so loudly if a checkpoint's don't
+    (the first stage's table is the one kept)."""
+    for name, copy_ in replicas.items():
+        table = params.get(replicated_name(name))
+        if table is None or not torch.equal(table, copy_):
+            diff = ("missing" if table is None
+                    else f"max diff {float((table - copy_).abs().max()):.3e}")
+            log.warning("%s: the last stage's tied embedding copy %s differs from %s (%s); "
+                        "keeping the first stage's table", iter_dir, name,
+                        replicated_name(name), diff)
 
 
 def _layout_str(layout: dict) -> str:
@@ -128,7 +167,8 @@ def _layout_str(layout: dict) -> str:
 
 
 def shard_for(full: FullCheckpoint, names, tp_rank: int, tp: int) -> tuple[dict, dict | None]:
-    """(model state, optimizer state) of TP rank `tp_rank` of `tp` for parameters `names`."""
+    """(model state, optimizer state) of TP rank `tp_rank` of `tp` for parameters `names`
+    (`replica.` names get a copy of the table they replicate, Adam moments included)."""
     rows = padded_vocab(full.metadata["model"], tp)
 
     def cut(t: torch.Tensor, info: dict) -> torch.Tensor:
@@ -138,34 +178,44 @@ def shard_for(full: FullCheckpoint, names, tp_rank: int, tp: int) -> tuple[dict,
         return t.clone() if dim is None else split_tp(t, dim, info["partition_stride"],
                                                       tp)[tp_rank]
     infos = full.metadata["params"]
-    model = {n: cut(full.params[n], infos[n]) for n in names}
+    source = {n: replicated_name(n) for n in names}
+    model = {n: cut(full.params[source[n]], infos[source[n]]) for n in names}
     if full.optim_state is None:
         return model, None
-    wanted = set(names)
-    state = {n: {k: (cut(v, infos[n]) if k in ("exp_avg", "exp_avg_sq") else v)
-                 for k, v in full.optim_state[n].items()} for n in names if n in full.optim_state}
-    groups = [{**{k: v for k, v in g.items() if k != "param_names"},
-               "param_names": [n for n in g["param_names"] if n in wanted]}
-              for g in full.optim_groups]
+    state = {n: {k: (cut(v, infos[source[n]]) if k in ("exp_avg", "exp_avg_sq") else v)
+                 for k, v in full.optim_state[source[n]].items()}
+             for n in names if source[n] in full.optim_state}
+    groups = []
+    for g in full.optim_groups:
+        members = set(g["param_names"])
+        groups.append({**{k: v for k, v in g.items() if k != "param_names"},
+                       "param_names": [n for n in names if source[n] in members]})
     return model, {"state": state, "param_groups": groups}
 
 
 def target_metadata(full: FullCheckpoint, tp: int, pp: int, sp: int, dp: int,
-                    with_optim: bool) -> dict:
+                    with_optim: bool, vp: int | None = None) -> dict:
     meta = copy.deepcopy(full.metadata)
     meta["layout"] = {"tp": tp, "pp": pp, "sp": sp, "dp": dp, "world": tp * pp * sp * dp,
-                      "sequence_parallel": meta["layout"].get("sequence_parallel", False)}
+                      "sequence_parallel": meta["layout"].get("sequence_parallel", False),
+                      "vp": vp}
     rows = padded_vocab(meta["model"], tp)
-    for info in meta["params"].values():
+    params = {n: i for n, i in meta["params"].items() if not n.startswith(REPLICA_PREFIX)}
+    for name in stage_names(list(full.params), pp - 1, pp, meta["model"], vp):
+        if name.startswith(REPLICA_PREFIX):
+            params[name] = copy.deepcopy(params[replicated_name(name)])
+    for info in params.values():
         if info["vocab_padded"]:
             info["shape"][0] = rows
+    meta["params"] = params
     meta["optimizer"] = "replicated" if with_optim and full.optim_state is not None else None
     meta["rng"] = False   # per-rank RNG streams belong to the old layout
     return meta
 
 
 def convert(load_dir: str, save_dir: str, tp: int, pp: int, sp: int | None = None,
-            dp: int | None = None, with_optim: bool = True, iteration: int | None = None) -> str:
+            dp: int | None = None, with_optim: bool = True, iteration: int | None = None,
+            vp: int | None = None) -> str:
     """Write the latest (or given) iteration of `load_dir` into `save_dir` for a new layout.
     Never touches `load_dir`; refuses to replace an existing iteration in `save_dir`."""
     if os.path.abspath(load_dir) == os.path.abspath(save_dir):
@@ -177,14 +227,16 @@ def convert(load_dir: str, save_dir: str, tp: int, pp: int, sp: int | None = Non
                               f"holds no complete checkpoint")
     full = read_full(files.find_iteration_dir(load_dir, iteration), with_optim)
     old = full.metadata["layout"]
-    meta = target_metadata(full, tp, pp, sp or old["sp"], dp or old["dp"], with_optim)
-    return write_layout(full, meta, save_dir, iteration, tp, pp, with_optim)
+    model_chunks_for(full.metadata["model"]["num_layers"], pp, vp)   # refuse before writing
+    meta = target_metadata(full, tp, pp, sp or old["sp"], dp or old["dp"], with_optim, vp)
+    return write_layout(full, meta, save_dir, iteration, tp, pp, with_optim, vp)
 
 
 def write_layout(full: FullCheckpoint, meta: dict, save_dir: str, iteration: int, tp: int,
-                 pp: int, with_optim: bool) -> str:
-    """Write `full` as iteration `iteration` of `save_dir` cut for TP `tp` × PP `pp` (tmp
-    directory renamed into place, tracker last); refuses to replace an existing iteration."""
+                 pp: int, with_optim: bool, vp: int | None = None) -> str:
+    """Write `full` as iteration `iteration` of `save_dir` cut for TP `tp` × PP `pp` (chunks
+    of `vp` layers when interleaved; tmp directory renamed into place, tracker last); refuses
+    to replace an existing iteration."""
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; choose an empty --save-dir")
@@ -193,7 +245,7 @@ def write_layout(full: FullCheckpoint, meta: dict, save_dir: str, iteration: int
     os.makedirs(tmp)
     names = list(full.params)
     for s in range(pp):
-        stage = stage_names(names, s, pp, meta["model"])
+        stage = stage_names(names, s, pp, meta["model"], vp)
         for t in range(tp):
             model, optim = shard_for(full, stage, t, tp)
             files.save_torch({**full.common, "model": model,

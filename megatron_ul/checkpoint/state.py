@@ -1,7 +1,11 @@
 """What goes into a checkpoint, keyed by layout-independent names.
 
-Parameter names use the global layer number (`layers.3.mlp.fc1.weight` is layer 3 of the whole
-model whatever pipeline stage holds it), so pipeline stages and other layouts map onto them.
+Names come from pipeline.model.global_named_parameters: the 0-based global layer index
+(`layers.3.mlp.fc1.weight` is the fourth layer of the whole model whatever pipeline stage or
+model chunk holds it), i.e. the PP=1 module names, so pipeline stages and other layouts map onto
+them. The last stage's tied embedding copy is saved in its own stage file as
+`replica.word_embeddings.weight` (with its own Adam moments), so every stage file is
+self-contained; layout conversion drops it and re-derives it from `word_embeddings.weight`.
 Optimizer state is keyed by the same names, so it reshards exactly like its parameter.
 """
 from __future__ import annotations
@@ -12,27 +16,20 @@ import numpy as np
 import torch
 
 from ..mpu.random import get_rng_tracker
+from ..pipeline.model import global_named_parameters
 
 VOCAB_PADDED = ("word_embeddings.weight", "output_layer.weight")   # dim 0 is the padded vocab
 
 
-def canonical_parameters(model) -> dict[str, torch.nn.Parameter]:
+def named_parameters(model) -> dict[str, torch.nn.Parameter]:
     """{layout-independent name: parameter} for this rank's part of the model."""
-    renames = {f"layers.{i}.": f"layers.{layer.layer_number}."
-               for i, layer in enumerate(getattr(model, "layers", []))}
-    named = {}
-    for name, param in model.named_parameters():
-        if name.startswith("layers."):
-            index = name.split(".", 2)[1]
-            name = renames[f"layers.{index}."] + name.split(".", 2)[2]
-        named[name] = param
-    return named
+    return dict(global_named_parameters(model))
 
 
 def parameter_metadata(model, tp: int) -> dict[str, dict]:
     """Per name: full (unsharded) shape, partition dim and stride — enough to merge TP shards."""
     meta = {}
-    for name, p in canonical_parameters(model).items():
+    for name, p in named_parameters(model).items():
         dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel",
                                                            False) else None
         shape = list(p.shape)
@@ -45,12 +42,12 @@ def parameter_metadata(model, tp: int) -> dict[str, dict]:
 
 
 def model_state(model) -> dict[str, torch.Tensor]:
-    return {name: p.detach().cpu().clone() for name, p in canonical_parameters(model).items()}
+    return {name: p.detach().cpu().clone() for name, p in named_parameters(model).items()}
 
 
 def optimizer_state(model, optimizer) -> dict:
     """torch optimizer state re-keyed from positions to parameter names."""
-    names = {id(p): n for n, p in canonical_parameters(model).items()}
+    names = {id(p): n for n, p in named_parameters(model).items()}
     torch_state = optimizer.state_dict()
     ordered = [p for group in optimizer.param_groups for p in group["params"]]
     per_name = {names[id(ordered[index])]: {k: (v.clone() if torch.is_tensor(v) else v)
@@ -65,7 +62,7 @@ def optimizer_state(model, optimizer) -> dict:
 
 def load_optimizer_state(model, optimizer, saved: dict, source: str) -> None:
     """Inverse of optimizer_state; `source` names the file in error messages."""
-    names = {id(p): n for n, p in canonical_parameters(model).items()}
+    names = {id(p): n for n, p in named_parameters(model).items()}
     index_of, torch_groups = {}, []
     position = 0
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
@@ -80,7 +77,7 @@ def load_optimizer_state(model, optimizer, saved: dict, source: str) -> None:
             position += 1
     if len(optimizer.param_groups) != len(saved["param_groups"]):
         raise _optim_error(source, "the number of parameter groups differs")
-    params = canonical_parameters(model)
+    params = named_parameters(model)
     state = {}
     for name, s in saved["state"].items():
         if name not in index_of:

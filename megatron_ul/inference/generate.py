@@ -15,7 +15,7 @@ import torch
 from ..checkpoint import files, reshard
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.io import load_model_state
-from ..checkpoint.state import canonical_parameters
+from ..checkpoint.state import named_parameters
 from ..config import ModelConfig
 from ..model.gpt import GPTModel
 
@@ -52,7 +52,7 @@ def load_for_generation(load_dir: str, device="cpu") -> GPTModel:
     cfg = ModelConfig(**{k: v for k, v in full.metadata["model"].items() if k in known})
     cfg.attention_dropout = cfg.hidden_dropout = 0.0
     model = GPTModel(cfg, seed=0, device=device)
-    state, _ = reshard.shard_for(full, list(canonical_parameters(model)), 0, 1)
+    state, _ = reshard.shard_for(full, list(named_parameters(model)), 0, 1)
     load_model_state(model, state, files.find_iteration_dir(load_dir, iteration))
     return model.eval()
 

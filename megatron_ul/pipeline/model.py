@@ -70,12 +70,16 @@ def model_chunks(model: nn.Module) -> list[nn.Module]:
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+REPLICA_PREFIX = "replica."
 
 
 def global_named_parameters(model: nn.Module):
-    """(name, parameter) pairs with layout-independent names: chunk prefixes dropped and
-    `layers.{i}` renumbered to the global layer index, so that PP=1 and PP>1 agree.
-    The last stage's tied embedding replica is yielded under `replica.<name>`."""
+    """(name, parameter) pairs with layout-independent names — the one naming scheme of
+    equivalence tests, checkpoints, layout conversion and Hugging Face mappings.
+
+    Chunk prefixes are dropped and `layers.{i}` is renumbered to the 0-based global layer
+    index (layer_number - 1), so the names are exactly the PP=1 GPTModel's module names. The
+    last stage's tied embedding replica is yielded as `replica.word_embeddings.weight`."""
     for chunk in model_chunks(model):
         for name, p in chunk.named_parameters():
             match = _LAYER.match(name)
@@ -83,8 +87,21 @@ def global_named_parameters(model: nn.Module):
                 layer = chunk.layers[int(match.group(1))]
                 name = f"layers.{layer.layer_number - 1}." + name[match.end():]
             if getattr(p, "shared_embedding_replica", False):
-                name = "replica." + name
+                name = REPLICA_PREFIX + name
             yield name, p
+
+
+def replicated_name(name: str) -> str:
+    """The parameter a global name holds a copy of (itself unless it is a tied replica)."""
+    return name.removeprefix(REPLICA_PREFIX)
+
+
+def stage_layer_indices(num_layers: int, pipeline_size: int, chunks: int,
+                        pp_rank: int) -> list[int]:
+    """0-based global indices (as in parameter names) of every layer pp rank `pp_rank` holds,
+    over all its model chunks."""
+    return [n - 1 for c in range(chunks)
+            for n in chunk_layer_numbers(num_layers, pipeline_size, chunks, pp_rank, c)]
 
 
 def tied_embedding_weights(model: nn.Module) -> list[torch.nn.Parameter]:
