@@ -101,3 +101,32 @@ def convert_chain(rank: int, world: int, argv: list[str], tmp: str) -> dict:
                           "--load", tp2])
     out["tp1_sp4_on_load"] = run(["--ds-sequence-parallel-size", "4", "--load", src])
     return out
+
+
+def convert_pipeline_chain(rank: int, world: int, argv: list[str], tmp: str) -> dict:
+    """World 4, 4 layers, tied embeddings: train TP2·PP2 (saving at 2); convert PP2 -> PP1 and
+    PP1 -> PP2 interleaved (chunks of 1 layer) with the CLI and resume on SP2·DP2 and on
+    PP2·DP2 interleaved; also load the TP2·PP2 checkpoint directly on PP4 (reshard on load).
+    Returns the losses of each run."""
+    src, pp1, pp2v = (os.path.join(tmp, n) for n in ("tp2_pp2", "to_pp1", "to_pp2_interleaved"))
+    run = lambda flags: train(rank, world, argv + ["--train-iters", "4"] + flags)  # noqa: E731
+    out = {"original": run(["--tensor-model-parallel-size", "2",
+                            "--pipeline-model-parallel-size", "2", "--save", src,
+                            "--save-interval", "2"])}
+
+    def convert_both():
+        files.write_tracker(src, 2)
+        assert convert_cli(["--load-dir", src, "--save-dir", pp1,
+                            "--target-tensor-parallel-size", "1",
+                            "--target-pipeline-parallel-size", "1"]) == 0
+        assert convert_cli(["--load-dir", pp1, "--save-dir", pp2v,
+                            "--target-tensor-parallel-size", "1",
+                            "--target-pipeline-parallel-size", "2",
+                            "--target-num-layers-per-virtual-pipeline-stage", "1"]) == 0
+    _on_rank0(convert_both)
+    out["pp1_sp2_dp2"] = run(["--ds-sequence-parallel-size", "2", "--load", pp1])
+    out["pp2_interleaved_dp2"] = run(["--pipeline-model-parallel-size", "2",
+                                      "--num-layers-per-virtual-pipeline-stage", "1",
+                                      "--load", pp2v])
+    out["pp4_on_load"] = run(["--pipeline-model-parallel-size", "4", "--load", src])
+    return out
