@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--use-flash-attn", action="store_true",
                    help="FlashAttention-2 when importable on a GPU, else torch SDPA")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: recompute whole layers in backward; selective: core attention")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="uniform: checkpoint chunks of --recompute-num-layers layers; block: "
+                        "checkpoint the first --recompute-num-layers layers of each stage")
+    g.add_argument("--recompute-num-layers", type=int, default=1)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)

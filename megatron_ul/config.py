@@ -36,6 +36,9 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     init_method_std: float = 0.02
     use_flash_attn: bool = False
+    recompute_granularity: Optional[str] = None    # None | "full" | "selective"
+    recompute_method: Optional[str] = None         # "uniform" | "block" (with full)
+    recompute_num_layers: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -207,6 +210,8 @@ def validate(cfg: Config) -> Config:
     if m.normalization not in ("LayerNorm", "RMSNorm"):
         errors.append(f"--normalization must be LayerNorm or RMSNorm (got {m.normalization!r})")
 
+    errors += _recompute_errors(m)
+
     # --- batches -----------------------------------------------------------------------------------
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
@@ -244,3 +249,21 @@ def validate(cfg: Config) -> Config:
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return cfg
+
+
+def _recompute_errors(m: ModelConfig) -> list[str]:
+    """Megatron's rules for --recompute-granularity / --recompute-method / --recompute-num-layers."""
+    errors = []
+    if m.recompute_granularity not in (None, "full", "selective"):
+        errors.append(f"--recompute-granularity must be full or selective "
+                      f"(got {m.recompute_granularity!r})")
+    if m.recompute_method not in (None, "uniform", "block"):
+        errors.append(f"--recompute-method must be uniform or block (got {m.recompute_method!r})")
+    if m.recompute_granularity == "full" and m.recompute_method is None:
+        errors.append("--recompute-granularity full needs --recompute-method uniform or block")
+    if m.recompute_granularity != "full" and m.recompute_method is not None:
+        errors.append("--recompute-method is only used with --recompute-granularity full; "
+                      "drop it or use full granularity")
+    if m.recompute_num_layers < 1:
+        errors.append(f"--recompute-num-layers must be >= 1 (got {m.recompute_num_layers})")
+    return errors
