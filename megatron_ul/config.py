@@ -211,6 +211,7 @@ def validate(cfg: Config) -> Config:
         errors.append(f"--normalization must be LayerNorm or RMSNorm (got {m.normalization!r})")
 
     errors += _recompute_errors(m)
+    errors += _zero_errors(p)
 
     # --- batches -----------------------------------------------------------------------------------
     if t.global_batch_size is None:
@@ -231,8 +232,6 @@ def validate(cfg: Config) -> Config:
     not_yet = [(pp > 1, "--pipeline-model-parallel-size > 1 (pipeline parallelism)"),
                (p.num_layers_per_virtual_pipeline_stage is not None,
                 "--num-layers-per-virtual-pipeline-stage (interleaved pipeline)"),
-               (p.use_distributed_optimizer, "--use-distributed-optimizer (ZeRO-1)"),
-               (p.zero_stage != 0, "--zero-stage (ZeRO)"),
                (t.fp16, "--fp16 (use --bf16, or fp32)"),
                (cfg.checkpoint.save is not None or cfg.checkpoint.load is not None,
                 "--save/--load (checkpointing)")]
@@ -266,4 +265,24 @@ def _recompute_errors(m: ModelConfig) -> list[str]:
                       "drop it or use full granularity")
     if m.recompute_num_layers < 1:
         errors.append(f"--recompute-num-layers must be >= 1 (got {m.recompute_num_layers})")
+    return errors
+
+
+def _zero_errors(p: ParallelConfig) -> list[str]:
+    """--use-distributed-optimizer is ZeRO-1; --zero-stage picks 1 or 3 (FSDP2)."""
+    errors = []
+    if p.zero_stage not in (0, 1, 3):
+        errors.append(f"--zero-stage {p.zero_stage} is not available: use 1 (same as "
+                      f"--use-distributed-optimizer) or 3 (FSDP2); stage 2 is not provided")
+    if p.use_distributed_optimizer and p.zero_stage == 3:
+        errors.append("--use-distributed-optimizer (ZeRO-1) and --zero-stage 3 conflict; "
+                      "pass only one of them")
+    if p.use_distributed_optimizer and p.zero_stage == 0:
+        p.zero_stage = 1
+    if p.zero_stage == 1:
+        p.use_distributed_optimizer = True
+    if p.zero_stage == 3 and p.pipeline_model_parallel_size > 1:
+        errors.append("--zero-stage 3 with --pipeline-model-parallel-size > 1 is not supported: "
+                      "FSDP2 sharding has not been composed with the pipeline schedule yet; "
+                      "use --use-distributed-optimizer (ZeRO-1) with pipelining")
     return errors

@@ -130,6 +130,23 @@ def get_data_sequence_parallel_group():
     return _get().groups["dp_sp"]
 
 
+_dp_sp_mesh = {}
+
+
+def get_data_sequence_parallel_mesh():
+    """1-D DeviceMesh over this rank's dp_sp group, for FSDP2 (ZeRO-3). Built from the existing
+    group, so it creates no new communicator."""
+    from torch.distributed.device_mesh import DeviceMesh
+    key = id(_get())
+    if key not in _dp_sp_mesh:
+        device_type = "cuda" if dist.get_backend(get_data_sequence_parallel_group()) == "nccl" \
+            else "cpu"
+        _dp_sp_mesh.clear()
+        _dp_sp_mesh[key] = DeviceMesh.from_group(get_data_sequence_parallel_group(), device_type,
+                                                 mesh_dim_names=("dp_sp",))
+    return _dp_sp_mesh[key]
+
+
 def get_model_parallel_group():
     """TP x PP: ranks that together hold one copy of the model."""
     return _get().groups["mp"]

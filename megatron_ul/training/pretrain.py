@@ -15,6 +15,7 @@ from ..model.gpt import GPTModel
 from ..mpu import parallel_state as ps
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
+from ..optim.zero3 import shard_model
 from .data import build_datasets, build_tokenizer_for, global_batches
 from .loop import is_reporting_rank, train
 
@@ -64,7 +65,9 @@ def setup(cfg: Config) -> Trainer:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
                  model.padded_vocab_size)
-    optimizer = build_optimizer(model, cfg.train)
+    if cfg.parallel.zero_stage == 3:
+        model = shard_model(model)
+    optimizer = build_optimizer(model, cfg.train, cfg.parallel)
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
                            decay_steps=t.lr_decay_iters, decay_style=t.lr_decay_style)

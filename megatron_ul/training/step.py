@@ -41,8 +41,12 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
         # Megatron's --check-for-nan-in-loss-and-grad: stop rather than train on garbage.
         raise FloatingPointError(f"iteration {iteration}: loss is {loss}; stopping. Lower --lr, "
                                  f"raise --clip-grad's strictness or check the data")
-    reduce_gradients(params)
-    grad_norm = clip_gradients(params, clip_grad)
+    reduce_and_clip = getattr(optimizer, "reduce_and_clip_gradients", None)
+    if reduce_and_clip is not None:  # ZeRO: the optimizer owns the (sharded) gradients
+        grad_norm = reduce_and_clip(clip_grad)
+    else:
+        reduce_gradients(params)
+        grad_norm = clip_gradients(params, clip_grad)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"iteration {iteration}: grad norm is {grad_norm}; stopping")
     optimizer.step()
