@@ -1,0 +1,223 @@
+"""Per-rank memory, measured: ZeRO model state over dp_sp, Ulysses activation memory over SP,
+and the longest sequence that fits a memory cap with full recompute.
+
+    python tools/bench/bench_memory.py            # prints the tables, writes docs/memory.md
+
+All numbers are bytes of tensors a rank really holds (megatron_ul/training/memory.py), on CPU
+gloo ranks spawned here; no timing is involved.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+MIB = 2**20
+STATE_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+               "--vocab-size", "4000", "--seq-length", "256", "--micro-batch-size", "1"]
+ACT_MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8",
+             "--vocab-size", "1000", "--micro-batch-size", "1", "--position-embedding-type",
+             "rope", "--attention-dropout", "0", "--hidden-dropout", "0.1"]
+COMMON = ["--mock-data", "--train-iters", "4", "--log-interval", "100",
+          "--distributed-timeout-minutes", "5"]
+
+
+# ---- running a function on N gloo ranks -----------------------------------------------------------
+def _worker(rank, world, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, fn(rank, world, *args), None))
+    except BaseException:  # noqa: BLE001 - hand the traceback to the parent
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        from megatron_ul.initialize import shutdown
+        shutdown()
+
+
+def spawn(fn, world: int, *args) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(world):
+        rank, value, error = queue.get(timeout=1800)
+        if error:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} failed:\n{error}")
+        results[rank] = value
+    for p in procs:
+        p.join()
+    return [results[r] for r in range(world)]
+
+
+# ---- 1. model state under ZeRO 0/1/3 ----------------------------------------------------------
+def model_state_worker(rank, world, argv):
+    from megatron_ul.pipeline.schedules import forward_backward_no_pipelining
+    from megatron_ul.training.memory import model_state_bytes
+    from megatron_ul.training.pretrain import configure, setup
+    from megatron_ul.training.step import count_tokens, train_step
+    trainer = setup(configure(argv, world))
+    model, optimizer = trainer.model, trainer.optimizer
+    train_step(model, optimizer, next(trainer.train_batches), clip_grad=1.0)  # Adam state exists
+    batch = next(trainer.train_batches)  # gradients of one more step exist while we measure
+    forward_backward_no_pipelining(model, batch, count_tokens(batch, torch.device("cpu")))
+    return model_state_bytes(model, optimizer)
+
+
+def table_model_state() -> str:
+    layouts = [(1, []), (2, ["--ds-sequence-parallel-size", "2"]),
+               (4, ["--ds-sequence-parallel-size", "2"])]   # dp_sp 4 = SP2 × DP2
+    zero = {"ZeRO-0": [], "ZeRO-1": ["--use-distributed-optimizer"], "ZeRO-3": ["--zero-stage", "3"]}
+    rows = ["| ZeRO | dp_sp | params MiB | grads MiB | optimizer MiB | total MiB | total vs dp_sp=1 |",
+            "|---|---|---|---|---|---|---|"]
+    for name, flags in zero.items():
+        base = None
+        for dp_sp, layout in layouts:
+            per_rank = spawn(model_state_worker, dp_sp, COMMON + STATE_MODEL + layout + flags
+                             + ["--global-batch-size", str(dp_sp // (2 if dp_sp > 1 else 1))])
+            m = max(per_rank, key=lambda r: r["total"])   # the fullest rank
+            base = base or m["total"]
+            rows.append(f"| {name} | {dp_sp} | {m['params'] / MIB:.2f} | {m['grads'] / MIB:.2f} | "
+                        f"{m['optimizer'] / MIB:.2f} | {m['total'] / MIB:.2f} | "
+                        f"{m['total'] / base:.3f} |")
+    return "\n".join(rows)
+
+
+# ---- 2. activations per layer over SP -------------------------------------------------------------
+def _local_batch(model_cfg, seq_length: int):
+    """This SP rank's tokens/positions/labels of one fixed random sequence."""
+    from megatron_ul.mpu import parallel_state as ps
+    sp, rank = ps.get_sequence_parallel_world_size(), ps.get_sequence_parallel_rank()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model_cfg.vocab_size, (1, seq_length + 1), generator=g)
+    chunk = seq_length // sp
+    sl = slice(rank * chunk, (rank + 1) * chunk)
+    positions = torch.arange(seq_length).unsqueeze(0)
+    return tokens[:, :-1][:, sl], positions[:, sl], tokens[:, 1:][:, sl]
+
+
+def layer_activation_worker(rank, world, argv, seq_length):
+    from megatron_ul.model.rotary import rotary_cos_sin
+    from megatron_ul.training.memory import saved_activation_bytes
+    from megatron_ul.training.pretrain import configure, setup
+    cfg = configure(argv, world)
+    model = setup(cfg).model
+    tokens, positions, _ = _local_batch(cfg.model, seq_length)
+    x = model.embed(tokens, positions).detach().requires_grad_()
+    rotary = rotary_cos_sin(positions.t(), cfg.model.head_dim, cfg.model.rotary_base, x.dtype)
+    _, saved = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),
+                                      exclude=list(model.parameters()))
+    return saved
+
+
+def table_layer_activations(seq_length: int) -> str:
+    rows = ["| SP | tokens per rank | saved bytes per layer per rank (MiB) | vs SP=1 | 1/SP |",
+            "|---|---|---|---|---|"]
+    base = None
+    for sp in (1, 2, 4, 8):
+        argv = COMMON + ACT_MODEL + ["--seq-length", str(seq_length),
+                                     "--ds-sequence-parallel-size", str(sp)]
+        saved = max(spawn(layer_activation_worker, sp, argv, seq_length))
+        base = base or saved
+        rows.append(f"| {sp} | {seq_length // sp} | {saved / MIB:.3f} | {saved / base:.3f} | "
+                    f"{1 / sp:.3f} |")
+    return "\n".join(rows)
+
+
+# ---- 3. longest sequence under a cap with full recompute -----------------------------------------
+def recompute_footprint_worker(rank, world, argv, seq_length):
+    """Model state + activations saved by a full-recompute forward + one layer's recompute."""
+    from megatron_ul.training.memory import model_state_bytes, saved_activation_bytes
+    from megatron_ul.training.pretrain import configure, setup
+    cfg = configure(argv + ["--seq-length", str(seq_length)], world)
+    trainer = setup(cfg)
+    model, params = trainer.model, list(trainer.model.parameters())
+    tokens, positions, labels = _local_batch(cfg.model, seq_length)
+    loss, saved = saved_activation_bytes(lambda: model(tokens, positions, None, labels).sum(),
+                                         exclude=params)
+    loss.backward()   # gradients exist at the peak
+    trainer.optimizer.step()   # and Adam state
+    state = model_state_bytes(model, trainer.optimizer)["total"]
+    model.cfg.recompute_granularity = None   # the working set of the one layer being recomputed
+    x = model.embed(tokens, positions).detach().requires_grad_()
+    from megatron_ul.model.rotary import rotary_cos_sin
+    rotary = rotary_cos_sin(positions.t(), cfg.model.head_dim, cfg.model.rotary_base, x.dtype)
+    _, layer = saved_activation_bytes(lambda: model.layers[0](x, rotary, None), exclude=params)
+    return state + saved + layer
+
+
+def table_longest_sequence(cap_bytes: int, start: int) -> str:
+    rows = [f"| SP | longest sequence under {cap_bytes / MIB:.0f} MiB per rank | vs SP=1 | "
+            f"per-rank bytes at that length (MiB) |", "|---|---|---|---|"]
+    base = None
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    for sp in (1, 2, 4):
+        argv = COMMON + ACT_MODEL + recompute + ["--ds-sequence-parallel-size", str(sp)]
+        best, best_bytes, n = None, None, start
+        while True:  # doubling search
+            need = max(spawn(recompute_footprint_worker, sp, argv, n))
+            if need > cap_bytes:
+                break
+            best, best_bytes, n = n, need, n * 2
+        base = base or best
+        rows.append(f"| {sp} | {best} | {best / base:.2f} | {best_bytes / MIB:.1f} |")
+    return "\n".join(rows)
+
+
+def machine_info() -> str:
+    return (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, gloo on CPU")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-length", type=int, default=4096,
+                        help="fixed sequence length of the activation table")
+    parser.add_argument("--cap-mib", type=float, default=96, help="per-rank cap of table 3")
+    parser.add_argument("--start-seq", type=int, default=1024, help="first length tried")
+    parser.add_argument("--output", default=os.path.join(ROOT, "docs", "memory.md"))
+    args = parser.parse_args()
+    command = "python tools/bench/bench_memory.py " + " ".join(sys.argv[1:])
+    sections = [
+        ("Model state per rank (params + grads + Adam state) under ZeRO over dp_sp",
+         f"Model: {' '.join(STATE_MODEL)}. dp_sp 2 = SP2, dp_sp 4 = SP2 × DP2; the fullest rank "
+         f"is shown, measured after a step with gradients present.", table_model_state()),
+        ("Activation bytes saved for backward, per transformer layer, per rank",
+         f"Model: {' '.join(ACT_MODEL)}, sequence {args.seq_length}; saved-tensor hooks, "
+         f"deduplicated by storage, weights excluded.", table_layer_activations(args.seq_length)),
+        ("Longest sequence under a per-rank cap with full recompute (ZeRO-0)",
+         "Per-rank bytes = model state + activations kept by a full-recompute forward (uniform, "
+         "1 layer per checkpoint; includes the logits of the loss) + one layer's recompute "
+         "working set; lengths doubled until the cap is exceeded.",
+         table_longest_sequence(int(args.cap_mib * MIB), args.start_seq)),
+    ]
+    text = [f"# Memory, measured\n\nCommand: `{command}`  \nMachine: {machine_info()}\n"]
+    for title, note, table in sections:
+        text.append(f"## {title}\n\n{note}\n\n{table}\n")
+    out = "\n".join(text)
+    print(out)
+    with open(args.output, "w") as f:
+        f.write(out)
+
+
+if __name__ == "__main__":
+    main()
