@@ -78,7 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 compute (autocast) with fp32 master weights and loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="fp16: constant loss scale; default: dynamic scaling")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--eval-interval", type=int, default=0)
     g.add_argument("--eval-iters", type=int, default=10)
 

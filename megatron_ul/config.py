@@ -98,6 +98,11 @@ class TrainConfig:
     seed: int = 1234
     bf16: bool = False
     fp16: bool = False
+    loss_scale: Optional[float] = None             # fp16: constant scale; None = dynamic
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
     eval_interval: int = 0                         # 0 = no evaluation
     eval_iters: int = 10
 
@@ -212,6 +217,7 @@ def validate(cfg: Config) -> Config:
 
     errors += _recompute_errors(m)
     errors += _zero_errors(p)
+    errors += _loss_scale_errors(t)
 
     # --- batches -----------------------------------------------------------------------------------
     if t.global_batch_size is None:
@@ -232,7 +238,6 @@ def validate(cfg: Config) -> Config:
     not_yet = [(pp > 1, "--pipeline-model-parallel-size > 1 (pipeline parallelism)"),
                (p.num_layers_per_virtual_pipeline_stage is not None,
                 "--num-layers-per-virtual-pipeline-stage (interleaved pipeline)"),
-               (t.fp16, "--fp16 (use --bf16, or fp32)"),
                (cfg.checkpoint.save is not None or cfg.checkpoint.load is not None,
                 "--save/--load (checkpointing)")]
     for refused, what in not_yet:
@@ -285,4 +290,20 @@ def _zero_errors(p: ParallelConfig) -> list[str]:
         errors.append("--zero-stage 3 with --pipeline-model-parallel-size > 1 is not supported: "
                       "FSDP2 sharding has not been composed with the pipeline schedule yet; "
                       "use --use-distributed-optimizer (ZeRO-1) with pipelining")
+    return errors
+
+
+def _loss_scale_errors(t: TrainConfig) -> list[str]:
+    errors = []
+    for flag, value in [("--loss-scale", t.loss_scale), ("--initial-loss-scale",
+                                                          t.initial_loss_scale),
+                        ("--min-loss-scale", t.min_loss_scale)]:
+        if value is not None and value <= 0:
+            errors.append(f"{flag} must be > 0 (got {value})")
+    if t.loss_scale_window < 1 or t.hysteresis < 1:
+        errors.append(f"--loss-scale-window and --hysteresis must be >= 1 "
+                      f"(got {t.loss_scale_window}, {t.hysteresis})")
+    if t.loss_scale is not None and not t.fp16:
+        errors.append("--loss-scale only applies to --fp16; drop it (bf16 and fp32 need no "
+                      "loss scaling)")
     return errors
