@@ -16,10 +16,10 @@ from ..config import ModelConfig
 from ..mpu import parallel_state as ps
 from ..mpu.cross_entropy import vocab_parallel_cross_entropy
 from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
-from ..mpu.recompute import layers_to_checkpoint, run_layers
 from ..mpu.mappings import (copy_to_tensor_model_parallel_region,
                             gather_from_sequence_parallel_region,
                             scatter_to_sequence_parallel_region)
+from ..mpu.recompute import layers_to_checkpoint, run_layers
 from .init import normal_init
 from .norms import Norm
 from .rotary import rotary_cos_sin

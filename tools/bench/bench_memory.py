@@ -99,6 +99,7 @@ def table_model_state() -> str:
             rows.append(f"| {name} | {dp_sp} | {m['params'] / MIB:.2f} | {m['grads'] / MIB:.2f} | "
                         f"{m['optimizer'] / MIB:.2f} | {m['total'] / MIB:.2f} | "
                         f"{m['total'] / base:.3f} |")
+            print(rows[-1], flush=True)
     return "\n".join(rows)
 
 
@@ -116,14 +117,12 @@ def _local_batch(model_cfg, seq_length: int):
 
 
 def layer_activation_worker(rank, world, argv, seq_length):
-    from megatron_ul.model.rotary import rotary_cos_sin
     from megatron_ul.training.memory import saved_activation_bytes
     from megatron_ul.training.pretrain import configure, setup
     cfg = configure(argv, world)
     model = setup(cfg).model
     tokens, positions, _ = _local_batch(cfg.model, seq_length)
-    x = model.embed(tokens, positions).detach().requires_grad_()
-    rotary = rotary_cos_sin(positions.t(), cfg.model.head_dim, cfg.model.rotary_base, x.dtype)
+    x, rotary = _layer_inputs(model, cfg, tokens, positions)
     _, saved = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),
                                       exclude=list(model.parameters()))
     return saved
@@ -140,46 +139,60 @@ def table_layer_activations(seq_length: int) -> str:
         base = base or saved
         rows.append(f"| {sp} | {seq_length // sp} | {saved / MIB:.3f} | {saved / base:.3f} | "
                     f"{1 / sp:.3f} |")
+        print(rows[-1], flush=True)
     return "\n".join(rows)
 
 
 # ---- 3. longest sequence under a cap with full recompute -----------------------------------------
-def recompute_footprint_worker(rank, world, argv, seq_length):
-    """Model state + activations saved by a full-recompute forward + one layer's recompute."""
+def _layer_inputs(model, cfg, tokens, positions):
+    from megatron_ul.model.rotary import rotary_cos_sin
+    x = model.embed(tokens, positions).detach().requires_grad_()
+    return x, rotary_cos_sin(positions.t(), cfg.model.head_dim, cfg.model.rotary_base, x.dtype)
+
+
+def longest_sequence_worker(rank, world, argv, cap_bytes, start):
+    """Doubling search on this SP group; every rank measures, the fullest rank decides.
+
+    Per-rank bytes(N) = model state (measured after one small training step: params, grads,
+    Adam state) + activations a full-recompute forward keeps at length N + the saved tensors of
+    the one layer being recomputed during backward (its working set)."""
     from megatron_ul.training.memory import model_state_bytes, saved_activation_bytes
     from megatron_ul.training.pretrain import configure, setup
-    cfg = configure(argv + ["--seq-length", str(seq_length)], world)
+    cfg = configure(argv + ["--seq-length", str(start)], world)
     trainer = setup(cfg)
     model, params = trainer.model, list(trainer.model.parameters())
-    tokens, positions, labels = _local_batch(cfg.model, seq_length)
-    loss, saved = saved_activation_bytes(lambda: model(tokens, positions, None, labels).sum(),
-                                         exclude=params)
-    loss.backward()   # gradients exist at the peak
-    trainer.optimizer.step()   # and Adam state
+    tokens, positions, labels = _local_batch(cfg.model, start)
+    model(tokens, positions, None, labels).sum().backward()
+    trainer.optimizer.step()
     state = model_state_bytes(model, trainer.optimizer)["total"]
-    model.cfg.recompute_granularity = None   # the working set of the one layer being recomputed
-    x = model.embed(tokens, positions).detach().requires_grad_()
-    from megatron_ul.model.rotary import rotary_cos_sin
-    rotary = rotary_cos_sin(positions.t(), cfg.model.head_dim, cfg.model.rotary_base, x.dtype)
-    _, layer = saved_activation_bytes(lambda: model.layers[0](x, rotary, None), exclude=params)
-    return state + saved + layer
+    best, n = None, start
+    while True:
+        cfg.model.seq_length = n   # rope: no table depends on the length
+        tokens, positions, labels = _local_batch(cfg.model, n)
+        model.cfg.recompute_granularity = "full"
+        _, kept = saved_activation_bytes(lambda: model(tokens, positions, None, labels),
+                                         exclude=params)
+        x, rotary = _layer_inputs(model, cfg, tokens, positions)
+        _, layer = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),
+                                          exclude=params)
+        need = torch.tensor(float(state + kept + layer))
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)
+        if need.item() > cap_bytes:
+            return best
+        best, n = (n, need.item()), n * 2
 
 
 def table_longest_sequence(cap_bytes: int, start: int) -> str:
     rows = [f"| SP | longest sequence under {cap_bytes / MIB:.0f} MiB per rank | vs SP=1 | "
-            f"per-rank bytes at that length (MiB) |", "|---|---|---|---|"]
+            f"per-rank MiB at that length |", "|---|---|---|---|"]
     base = None
     recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
     for sp in (1, 2, 4):
         argv = COMMON + ACT_MODEL + recompute + ["--ds-sequence-parallel-size", str(sp)]
-        best, best_bytes, n = None, None, start
-        while True:  # doubling search
-            need = max(spawn(recompute_footprint_worker, sp, argv, n))
-            if need > cap_bytes:
-                break
-            best, best_bytes, n = n, need, n * 2
+        best, need = spawn(longest_sequence_worker, sp, argv, cap_bytes, start)[0]
         base = base or best
-        rows.append(f"| {sp} | {best} | {best / base:.2f} | {best_bytes / MIB:.1f} |")
+        rows.append(f"| {sp} | {best} | {best / base:.2f} | {need / MIB:.1f} |")
+        print(rows[-1], flush=True)
     return "\n".join(rows)
 
 
@@ -205,9 +218,10 @@ def main() -> None:
          f"Model: {' '.join(ACT_MODEL)}, sequence {args.seq_length}; saved-tensor hooks, "
          f"deduplicated by storage, weights excluded.", table_layer_activations(args.seq_length)),
         ("Longest sequence under a per-rank cap with full recompute (ZeRO-0)",
-         "Per-rank bytes = model state + activations kept by a full-recompute forward (uniform, "
-         "1 layer per checkpoint; includes the logits of the loss) + one layer's recompute "
-         "working set; lengths doubled until the cap is exceeded.",
+         "Per-rank bytes = model state (params, grads, Adam) + activations kept by a "
+         "full-recompute forward (uniform, 1 layer per checkpoint; includes the loss's logits) + "
+         "the saved tensors of the one layer being recomputed; the length is doubled from "
+         f"{args.start_seq} until the fullest rank exceeds the cap.",
          table_longest_sequence(int(args.cap_mib * MIB), args.start_seq)),
     ]
     text = [f"# Memory, measured\n\nCommand: `{command}`  \nMachine: {machine_info()}\n"]
