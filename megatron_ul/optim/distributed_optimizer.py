@@ -10,12 +10,13 @@ accumulates straight into it.
 
 Step. (1) Megatron-SP replicated weights: all-reduce over TP, as in grads.py. (2) Reduce-
 scatter the gradient buffer over dp_sp with SUM (the loss is already divided by the global
-token count, see training/step.py). (3) Global norm from the local shard: sum of squares of
+token count, see training/step.py), in place: the owned slice receives the sum, the rest of
+the buffer is stale until zero_grad. (3) Global norm from the local shard: sum of squares of
 the owned elements, all-reduced over dp_sp, then over the model-parallel group; TP-replicated
 parameters count only on TP rank 0 (grads._counts_once). (4) Clip the shard. (5) torch AdamW
 steps views of the owned slice, one view per (parameter ∩ shard), in Megatron's weight-decay
 groups (no decay for 1-D parameters) — element for element the same arithmetic as the
-unsharded optimizer. (6) All-gather the parameter buffer.
+unsharded optimizer. (6) All-gather the parameter buffer (in place).
 
 Checkpoint format (state_dict(), one per dp_sp rank; load on the same layout):
     {"format": "megatron_ul.zero1.v1",
@@ -59,7 +60,9 @@ class DistributedOptimizer:
         self.start, self.end = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
         self.param_buffer = torch.zeros(padded, dtype=torch.float32, device=device)
         self.grad_buffer = torch.zeros(padded, dtype=torch.float32, device=device)
-        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        # Reduce-scatter and all-gather run in place on these slices (as Megatron does):
+        # no extra shard-sized buffers.
+        self.grad_shard = self.grad_buffer[self.start:self.end]
         self.pieces = self._bind_params(named)
         self.optimizer = self._build_inner(train)
 
@@ -98,9 +101,7 @@ class DistributedOptimizer:
         """Steps (1)-(4) of the module docstring; returns the norm before clipping."""
         sequence_parallel = [p.grad for p in self.params if getattr(p, "sequence_parallel", False)]
         _all_reduce_coalesced(sequence_parallel, ps.get_tensor_model_parallel_group())
-        if self.size == 1:
-            self.grad_shard.copy_(self.grad_buffer)
-        else:
+        if self.size > 1:
             record("reduce_scatter", self.grad_buffer, self.group)
             dist.reduce_scatter_tensor(self.grad_shard, self.grad_buffer, group=self.group)
         norm = self._global_norm()
@@ -124,9 +125,9 @@ class DistributedOptimizer:
     def step(self) -> None:
         self.optimizer.step()
         if self.size > 1:
-            shard = self.param_buffer[self.start:self.end].clone()
             record("all_gather", self.param_buffer, self.group)
-            dist.all_gather_into_tensor(self.param_buffer, shard, group=self.group)
+            dist.all_gather_into_tensor(self.param_buffer, self.param_buffer[self.start:self.end],
+                                        group=self.group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero in place: the parameters' .grad must stay views of the gradient buffer."""

@@ -57,3 +57,15 @@ def test_bad_zero_flags_are_refused(flags, match):
 def test_zero_stage_1_is_the_distributed_optimizer():
     assert configure(BASE + GPT2_STYLE + ["--zero-stage", "1"], 1).parallel \
         .use_distributed_optimizer
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_zero_with_full_recompute_matches_single_process(stage):
+    """FSDP2's re-all-gather inside a recomputed layer (and ZeRO-1's views) change nothing."""
+    flags, world, _ = LAYOUTS["SP2-DP2"]
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    losses, params, _ = run_zero_layout(BASE + GPT2_STYLE + flags + STAGES[stage] + recompute,
+                                        world)
+    loss_diff, param_diff = compare(reference("gpt2-mha-learned"), (losses, params), 4, 4)
+    assert loss_diff < 1e-5 and param_diff < 1e-5
