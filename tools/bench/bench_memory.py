@@ -209,7 +209,7 @@ def main() -> None:
     parser.add_argument("--start-seq", type=int, default=1024, help="first length tried")
     parser.add_argument("--output", default=os.path.join(ROOT, "docs", "memory.md"))
     args = parser.parse_args()
-    command = "python tools/bench/bench_memory.py " + " ".join(sys.argv[1:])
+    command = " ".join(["python tools/bench/bench_memory.py", *sys.argv[1:]])
     sections = [
         ("Model state per rank (params + grads + Adam state) under ZeRO over dp_sp",
          f"Model: {' '.join(STATE_MODEL)}. dp_sp 2 = SP2, dp_sp 4 = SP2 × DP2; the fullest rank "
