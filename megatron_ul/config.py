@@ -256,7 +256,7 @@ def validate(cfg: Config) -> Config:
 
 
 def _recompute_errors(m: ModelConfig) -> list[str]:
-    """Megatron's rules for --recompute-granularity / --recompute-method / --recompute-num-layers."""
+    """Megatron's rules for --recompute-granularity, --recompute-method, --recompute-num-layers."""
     errors = []
     if m.recompute_granularity not in (None, "full", "selective"):
         errors.append(f"--recompute-granularity must be full or selective "

@@ -32,7 +32,7 @@ COMMON = ["--mock-data", "--train-iters", "4", "--log-interval", "100",
           "--distributed-timeout-minutes", "5"]
 
 
-# ---- running a function on N gloo ranks -----------------------------------------------------------
+# ---- running a function on N gloo ranks ----------------------------------------------------
 def _worker(rank, world, port, fn, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
@@ -84,16 +84,18 @@ def model_state_worker(rank, world, argv):
 
 
 def table_model_state() -> str:
-    layouts = [(1, []), (2, ["--ds-sequence-parallel-size", "2"]),
-               (4, ["--ds-sequence-parallel-size", "2"])]   # dp_sp 4 = SP2 × DP2
-    zero = {"ZeRO-0": [], "ZeRO-1": ["--use-distributed-optimizer"], "ZeRO-3": ["--zero-stage", "3"]}
-    rows = ["| ZeRO | dp_sp | params MiB | grads MiB | optimizer MiB | total MiB | total vs dp_sp=1 |",
+    sp2 = ["--ds-sequence-parallel-size", "2"]
+    layouts = [(1, [], 1), (2, sp2, 1), (4, sp2, 2)]   # (dp_sp, flags, DP): dp_sp 4 = SP2 × DP2
+    zero = {"ZeRO-0": [], "ZeRO-1": ["--use-distributed-optimizer"],
+            "ZeRO-3": ["--zero-stage", "3"]}
+    rows = ["| ZeRO | dp_sp | params MiB | grads MiB | optimizer MiB | total MiB | "
+            "total vs dp_sp=1 |",
             "|---|---|---|---|---|---|---|"]
     for name, flags in zero.items():
         base = None
-        for dp_sp, layout in layouts:
+        for dp_sp, layout, dp in layouts:
             per_rank = spawn(model_state_worker, dp_sp, COMMON + STATE_MODEL + layout + flags
-                             + ["--global-batch-size", str(dp_sp // (2 if dp_sp > 1 else 1))])
+                             + ["--global-batch-size", str(dp)])
             m = max(per_rank, key=lambda r: r["total"])   # the fullest rank
             base = base or m["total"]
             rows.append(f"| {name} | {dp_sp} | {m['params'] / MIB:.2f} | {m['grads'] / MIB:.2f} | "
@@ -103,7 +105,7 @@ def table_model_state() -> str:
     return "\n".join(rows)
 
 
-# ---- 2. activations per layer over SP -------------------------------------------------------------
+# ---- 2. activations per layer over SP ------------------------------------------------------
 def _local_batch(model_cfg, seq_length: int):
     """This SP rank's tokens/positions/labels of one fixed random sequence."""
     from megatron_ul.mpu import parallel_state as ps
@@ -213,7 +215,10 @@ def main() -> None:
     sections = [
         ("Model state per rank (params + grads + Adam state) under ZeRO over dp_sp",
          f"Model: {' '.join(STATE_MODEL)}. dp_sp 2 = SP2, dp_sp 4 = SP2 × DP2; the fullest rank "
-         f"is shown, measured after a step with gradients present.", table_model_state()),
+         f"is shown, measured after a step with gradients present. ZeRO-1 shards the Adam "
+         f"state (its fp32 master weights are the fp32 parameters themselves); ZeRO-3 (FSDP2) "
+         f"also shards parameters and gradients, so everything falls as 1/dp_sp.",
+         table_model_state()),
         ("Activation bytes saved for backward, per transformer layer, per rank",
          f"Model: {' '.join(ACT_MODEL)}, sequence {args.seq_length}; saved-tensor hooks, "
          f"deduplicated by storage, weights excluded.", table_layer_activations(args.seq_length)),
