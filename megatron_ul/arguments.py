@@ -44,6 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FlashAttention-2 when importable on a GPU, else torch SDPA")
     g.add_argument("--gelu-approximate", choices=["none", "tanh"], default="none",
                    help="tanh = GPT-2's gelu_new (for Hugging Face GPT-2 weights)")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="full: recompute whole layers in backward; selective: core attention")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="uniform: checkpoint chunks of --recompute-num-layers layers; block: "
+                        "checkpoint the first --recompute-num-layers layers of each stage")
+    g.add_argument("--recompute-num-layers", type=int, default=1)
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -74,7 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 compute (autocast) with fp32 master weights and loss scaling")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="fp16: constant loss scale; default: dynamic scaling")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=int, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--eval-interval", type=int, default=0)
     g.add_argument("--eval-iters", type=int, default=10)
 

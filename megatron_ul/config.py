@@ -38,6 +38,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     use_flash_attn: bool = False
     gelu_approximate: str = "none"                 # "tanh" = GPT-2's gelu_new
+    recompute_granularity: Optional[str] = None    # None | "full" | "selective"
+    recompute_method: Optional[str] = None         # "uniform" | "block" (with full)
+    recompute_num_layers: int = 1
 
     @property
     def head_dim(self) -> int:
@@ -97,6 +100,11 @@ class TrainConfig:
     seed: int = 1234
     bf16: bool = False
     fp16: bool = False
+    loss_scale: Optional[float] = None             # fp16: constant scale; None = dynamic
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
     eval_interval: int = 0                         # 0 = no evaluation
     eval_iters: int = 10
 
@@ -244,6 +252,10 @@ def validate(cfg: Config) -> Config:
     if m.normalization not in ("LayerNorm", "RMSNorm"):
         errors.append(f"--normalization must be LayerNorm or RMSNorm (got {m.normalization!r})")
 
+    errors += _recompute_errors(m)
+    errors += _zero_errors(p)
+    errors += _loss_scale_errors(t)
+
     # --- batches -----------------------------------------------------------------------------------
     if t.global_batch_size is None:
         t.global_batch_size = t.micro_batch_size * dp
@@ -259,16 +271,7 @@ def validate(cfg: Config) -> Config:
     if t.bf16 and t.fp16:
         errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
 
-    # --- features not built yet: refuse plainly rather than ignore -------------------------------
     errors += _pipeline_errors(cfg, dp)
-
-    not_yet = [(p.use_distributed_optimizer, "--use-distributed-optimizer (ZeRO-1)"),
-               (p.zero_stage != 0, "--zero-stage (ZeRO)"),
-               (t.fp16, "--fp16 (use --bf16, or fp32)")]
-    for refused, what in not_yet:
-        if refused:
-            errors.append(f"{what} is not implemented yet in megatron_ul; remove the flag")
-
     errors += _checkpoint_errors(cfg)
     if m.gelu_approximate not in ("none", "tanh"):
         errors.append(f"--gelu-approximate must be none or tanh (got {m.gelu_approximate!r})")
@@ -298,4 +301,58 @@ def _checkpoint_errors(cfg: Config) -> list[str]:
                       f"earlier run")
     if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):
         errors.append(f"--save {c.save} exists and is not a directory; choose another path")
+    return errors
+
+
+def _recompute_errors(m: ModelConfig) -> list[str]:
+    """Megatron's rules for --recompute-granularity, --recompute-method, --recompute-num-layers."""
+    errors = []
+    if m.recompute_granularity not in (None, "full", "selective"):
+        errors.append(f"--recompute-granularity must be full or selective "
+                      f"(got {m.recompute_granularity!r})")
+    if m.recompute_method not in (None, "uniform", "block"):
+        errors.append(f"--recompute-method must be uniform or block (got {m.recompute_method!r})")
+    if m.recompute_granularity == "full" and m.recompute_method is None:
+        errors.append("--recompute-granularity full needs --recompute-method uniform or block")
+    if m.recompute_granularity != "full" and m.recompute_method is not None:
+        errors.append("--recompute-method is only used with --recompute-granularity full; "
+                      "drop it or use full granularity")
+    if m.recompute_num_layers < 1:
+        errors.append(f"--recompute-num-layers must be >= 1 (got {m.recompute_num_layers})")
+    return errors
+
+
+def _zero_errors(p: ParallelConfig) -> list[str]:
+    """--use-distributed-optimizer is ZeRO-1; --zero-stage picks 1 or 3 (FSDP2)."""
+    errors = []
+    if p.zero_stage not in (0, 1, 3):
+        errors.append(f"--zero-stage {p.zero_stage} is not available: use 1 (same as "
+                      f"--use-distributed-optimizer) or 3 (FSDP2); stage 2 is not provided")
+    if p.use_distributed_optimizer and p.zero_stage == 3:
+        errors.append("--use-distributed-optimizer (ZeRO-1) and --zero-stage 3 conflict; "
+                      "pass only one of them")
+    if p.use_distributed_optimizer and p.zero_stage == 0:
+        p.zero_stage = 1
+    if p.zero_stage == 1:
+        p.use_distributed_optimizer = True
+    if p.zero_stage == 3 and p.pipeline_model_parallel_size > 1:
+        errors.append("--zero-stage 3 with --pipeline-model-parallel-size > 1 is not supported: "
+                      "FSDP2 sharding has not been composed with the pipeline schedule yet; "
+                      "use --use-distributed-optimizer (ZeRO-1) with pipelining")
+    return errors
+
+
+def _loss_scale_errors(t: TrainConfig) -> list[str]:
+    errors = []
+    for flag, value in [("--loss-scale", t.loss_scale), ("--initial-loss-scale",
+                                                          t.initial_loss_scale),
+                        ("--min-loss-scale", t.min_loss_scale)]:
+        if value is not None and value <= 0:
+            errors.append(f"{flag} must be > 0 (got {value})")
+    if t.loss_scale_window < 1 or t.hysteresis < 1:
+        errors.append(f"--loss-scale-window and --hysteresis must be >= 1 "
+                      f"(got {t.loss_scale_window}, {t.hysteresis})")
+    if t.loss_scale is not None and not t.fp16:
+        errors.append("--loss-scale only applies to --fp16; drop it (bf16 and fp32 need no "
+                      "loss scaling)")
     return errors

@@ -19,6 +19,7 @@ from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
 from ..mpu.mappings import (copy_to_tensor_model_parallel_region,
                             gather_from_sequence_parallel_region,
                             scatter_to_sequence_parallel_region)
+from ..mpu.recompute import layers_to_checkpoint, run_layers
 from .init import normal_init
 from .norms import Norm
 from .rotary import rotary_cos_sin
@@ -104,8 +105,9 @@ class GPTModel(nn.Module):
             dtype = x.dtype if not torch.is_autocast_enabled(x.device.type) else torch.float32
             rotary = rotary_cos_sin(position_ids.t(), self.cfg.head_dim, self.cfg.rotary_base,
                                     dtype)
-        for layer in self.layers:
-            x = layer(x, rotary, attention_mask)
+        plan = layers_to_checkpoint(len(self.layers), self.cfg.recompute_granularity,
+                                    self.cfg.recompute_method, self.cfg.recompute_num_layers)
+        x = run_layers(self.layers, x, plan if self.training else [], rotary, attention_mask)
         if not self.post_process:
             return x
         logits = self.logits(self.final_norm(x))

@@ -55,7 +55,8 @@ class SelfAttention(nn.Module):
         backend = select_backend(cfg.use_flash_attn,
                                  torch.device(device) if device else torch.device("cpu"))
         self.core = DistributedAttention(ps.get_sequence_parallel_world_size(), backend,
-                                         ps.get_sequence_parallel_group())
+                                         ps.get_sequence_parallel_group(),
+                                         recompute=cfg.recompute_granularity == "selective")
         self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x, rotary=None, attention_mask=None):

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from ..mpu.mappings import ulysses_all_to_all
+from ..mpu.recompute import checkpoint
 from .attention import local_attention
 
 
@@ -30,15 +31,20 @@ def kv_replication_factor(kv_heads: int, sp: int) -> int:
 class DistributedAttention:
     """Callable: (q [N/SP, b, hq, d], k, v [N/SP, b, hk, d]) -> [N/SP, b, hq, d]."""
 
-    def __init__(self, sp_size: int, backend: str, group=None):
+    def __init__(self, sp_size: int, backend: str, group=None, recompute: bool = False):
         self.sp, self.backend, self.group = sp_size, backend, group
+        self.recompute = recompute   # selective recompute: keep only q, k, v of the core
+
+    def _attend(self, q, k, v, dropout_p, attention_mask):
+        run = lambda q_, k_, v_: local_attention(  # noqa: E731
+            q_, k_, v_, backend=self.backend, dropout_p=dropout_p, attention_mask=attention_mask)
+        return checkpoint(run, q, k, v) if self.recompute else run(q, k, v)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float,
                  attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         sp = self.sp
         if sp == 1:
-            return local_attention(q, k, v, backend=self.backend, dropout_p=dropout_p,
-                                   attention_mask=attention_mask)
+            return self._attend(q, k, v, dropout_p, attention_mask)
         s, b, hq, d = q.shape
         r = kv_replication_factor(k.shape[2], sp)
         if r > 1:
@@ -50,7 +56,6 @@ class DistributedAttention:
         # all-to-all #1: scatter heads (dim 2), gather sequence (dim 0) -> [N, b, H/SP, d]
         full = ulysses_all_to_all(packed, scatter_dim=2, gather_dim=0, group=self.group)
         q_full, k_full, v_full = full.split([hq // sp, hk // sp, hk // sp], dim=2)
-        out = local_attention(q_full, k_full, v_full, backend=self.backend, dropout_p=dropout_p,
-                              attention_mask=attention_mask)
+        out = self._attend(q_full, k_full, v_full, dropout_p, attention_mask)
         # all-to-all #2: scatter sequence (dim 0), gather heads (dim 2) -> [N/SP, b, hq, d]
         return ulysses_all_to_all(out, scatter_dim=0, gather_dim=2, group=self.group)

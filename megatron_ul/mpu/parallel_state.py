@@ -30,6 +30,7 @@ class _State:
 
 
 _state: _State | None = None
+_dp_sp_mesh = None   # DeviceMesh over dp_sp, built on first use (ZeRO-3)
 
 
 def _grid(world: int, tp: int, sp: int, pp: int) -> torch.Tensor:
@@ -96,8 +97,8 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    global _state
-    _state = None
+    global _state, _dp_sp_mesh
+    _state, _dp_sp_mesh = None, None
 
 
 def _get() -> _State:
@@ -128,6 +129,18 @@ def get_pipeline_model_parallel_group():
 def get_data_sequence_parallel_group():
     """DP x SP: gradient reduction and ZeRO sharding (parameters are replicated over both)."""
     return _get().groups["dp_sp"]
+
+
+def get_data_sequence_parallel_mesh():
+    """1-D DeviceMesh over this rank's dp_sp group, for FSDP2 (ZeRO-3). Built from the existing
+    group, so it creates no new communicator."""
+    global _dp_sp_mesh
+    if _dp_sp_mesh is None:
+        from torch.distributed.device_mesh import DeviceMesh
+        group = get_data_sequence_parallel_group()
+        device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+        _dp_sp_mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_sp",))
+    return _dp_sp_mesh
 
 
 def get_model_parallel_group():

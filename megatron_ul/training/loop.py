@@ -7,6 +7,7 @@ import torch
 
 from ..config import Config
 from ..mpu import parallel_state as ps
+from ..optim.precision import build_grad_scaler
 from .metrics import MetricsLogger
 from .step import evaluate_loss, train_step
 
@@ -14,8 +15,8 @@ log = logging.getLogger("megatron_ul")
 
 
 def autocast_dtype(cfg: Config):
-    # bf16: compute in bf16 under autocast; parameters, gradients and the optimizer stay fp32.
-    return torch.bfloat16 if cfg.train.bf16 else None
+    # bf16/fp16: compute under autocast; parameters, gradients and the optimizer stay fp32.
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
 
 
 def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches=None,
@@ -29,13 +30,15 @@ def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches
     losses = []
     model.train()
     dtype = autocast_dtype(cfg)
+    grad_scaler = build_grad_scaler(cfg.train)   # fp16 only
     try:
         for iteration in range(start_iteration + 1, cfg.train.train_iters + 1):
             lr = scheduler.lr
             loss, grad_norm = train_step(model, optimizer, next(train_batches),
                                          clip_grad=cfg.train.clip_grad, autocast_dtype=dtype,
-                                         iteration=iteration)
-            scheduler.step()
+                                         iteration=iteration, grad_scaler=grad_scaler)
+            if grad_scaler is None or not grad_scaler.last_step_skipped:
+                scheduler.step()   # Megatron does not advance the schedule on a skipped step
             losses.append(loss)
             metrics.iteration(iteration, loss, lr, grad_norm)
             if (valid_batches is not None and cfg.train.eval_interval

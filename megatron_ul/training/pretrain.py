@@ -16,10 +16,10 @@ from ..config import Config, ConfigError, validate
 from ..data.gpt_dataset import parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
 from ..model.gpt import GPTModel
-from ..mpu import parallel_state as ps
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
 from ..pipeline.model import build_pipeline_model
+from ..optim.zero3 import shard_model
 from .data import build_datasets, build_tokenizer_for, global_batches
 from .exit import RunControl
 from .loop import is_reporting_rank, train
@@ -94,7 +94,9 @@ def setup(cfg: Config) -> Trainer:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
                  model.padded_vocab_size)
-    optimizer = build_optimizer(model, cfg.train)
+    if cfg.parallel.zero_stage == 3:
+        model = shard_model(model)
+    optimizer = build_optimizer(model, cfg.train, cfg.parallel)
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
                            decay_steps=t.lr_decay_iters, decay_style=t.lr_decay_style)

@@ -42,19 +42,30 @@ def schedule_for(model):
 
 
 def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
-               autocast_dtype=None, iteration: int = 0) -> tuple[float, float]:
+               autocast_dtype=None, iteration: int = 0, grad_scaler=None) -> tuple[float, float]:
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
     num_tokens = count_tokens(micro_batches, device)
-    loss_sum = schedule_for(model)(model, micro_batches, num_tokens, autocast_dtype)
+    # fp16: backpropagate loss · scale; dividing the token count by a power of two is exact.
+    divisor = num_tokens / grad_scaler.scale if grad_scaler is not None else num_tokens
+    loss_sum = schedule_for(model)(model, micro_batches, divisor, autocast_dtype)
     loss = global_mean_loss(loss_sum, num_tokens)
     if not math.isfinite(loss):
         # Megatron's --check-for-nan-in-loss-and-grad: stop rather than train on garbage.
         raise FloatingPointError(f"iteration {iteration}: loss is {loss}; stopping. Lower --lr, "
                                  f"raise --clip-grad's strictness or check the data")
-    reduce_gradients(params)
+    if grad_scaler is not None and not grad_scaler.unscale_and_check(params, iteration):
+        optimizer.zero_grad(set_to_none=True)   # fp16 overflow: skip the step (logged)
+        return loss, float("nan")
+    # Tied embedding copies (first and last pipeline stage) sum their gradients; sums commute,
+    # so this may come before or after the dp_sp reduction.
     allreduce_embedding_grads(model)
-    grad_norm = clip_gradients(params, clip_grad)
+    reduce_and_clip = getattr(optimizer, "reduce_and_clip_gradients", None)
+    if reduce_and_clip is not None:  # ZeRO: the optimizer owns the (sharded) gradients
+        grad_norm = reduce_and_clip(clip_grad)
+    else:
+        reduce_gradients(params)
+        grad_norm = clip_gradients(params, clip_grad)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"iteration {iteration}: grad norm is {grad_norm}; stopping")
     optimizer.step()

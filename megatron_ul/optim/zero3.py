@@ -1,0 +1,105 @@
+"""ZeRO-3 over the DP×SP group (--zero-stage 3) with PyTorch FSDP2, composed with our TP.
+
+`shard_model` applies `fully_shard` to every transformer layer and then to the root (the
+embeddings, final norm and head) on a 1-D DeviceMesh over the dp_sp ranks. Parameters become
+DTensors sharded on dim 0 over dp_sp; a TP-sharded parameter is, to FSDP2, just a smaller
+local tensor, so TP needs nothing from it. FSDP2 all-gathers a layer's parameters for its
+forward and backward and reduce-scatters its gradients; we set the divide factor to 1 and
+force plain SUM collectives (gloo has no PREMUL_SUM), so the reduction is a SUM over dp_sp,
+the project's convention (training/step.py).
+
+What FSDP2 does not know, `Zero3Optimizer` adds: Megatron-SP replicated weights' gradient
+shards are all-reduced over TP, and the clipping norm is computed from the local gradient
+shards (dp_sp all-reduce, then the model-parallel group; TP-replicated parameters counted on
+TP rank 0 only). The update is plain torch AdamW on the DTensor shards.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from ..config import TrainConfig
+from ..mpu import parallel_state as ps
+from .grads import _all_reduce_coalesced, _counts_once
+
+# Attributes our parallel layers hang on parameters; FSDP2 makes new Parameter objects.
+_PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
+                     "sequence_parallel", "shared_embedding_replica")
+
+
+def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+    """fully_shard each transformer layer, then the root, over the dp_sp mesh (in place)."""
+    mesh = ps.get_data_sequence_parallel_mesh()
+    saved = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
+             for name, p in model.named_parameters()}
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    for module in [model, *model.layers]:
+        module.set_gradient_divide_factor(1.0)   # SUM over dp_sp, not the mean
+        # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.
+        module.set_force_sum_reduction_for_comms(True)
+    for name, p in model.named_parameters():
+        for attribute, value in saved[name].items():
+            setattr(p, attribute, value)
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Zero3Optimizer:
+    """torch AdamW over the FSDP2 shards, plus the reduction and clipping FSDP2 leaves to us."""
+
+    def __init__(self, model: torch.nn.Module, train: TrainConfig):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in self.params if p.dim() != 1]
+        no_decay = [p for p in self.params if p.dim() == 1]
+        groups = [{"params": decay, "weight_decay": train.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        self.optimizer = torch.optim.AdamW(groups, lr=train.lr, eps=train.adam_eps,
+                                           betas=(train.adam_beta1, train.adam_beta2),
+                                           foreach=True)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @torch.no_grad()
+    def reduce_and_clip_gradients(self, max_norm: float) -> float:
+        with_grad = [p for p in self.params if p.grad is not None]
+        sequence_parallel = [_local(p.grad) for p in with_grad
+                             if getattr(p, "sequence_parallel", False)]
+        _all_reduce_coalesced(sequence_parallel, ps.get_tensor_model_parallel_group())
+        sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
+        for p in with_grad:
+            if _counts_once(p):
+                sq += _local(p.grad).double().pow(2).sum()
+        for group in (ps.get_data_sequence_parallel_group(), ps.get_model_parallel_group()):
+            if dist.get_world_size(group) > 1:
+                dist.all_reduce(sq, group=group)
+        norm = math.sqrt(sq.item())
+        if max_norm > 0 and math.isfinite(norm):
+            coeff = max_norm / (norm + 1e-6)
+            if coeff < 1.0:
+                for p in with_grad:
+                    _local(p.grad).mul_(coeff)
+        return norm
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """torch AdamW's state over the DTensor shards (each rank holds its shards)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)

@@ -1,0 +1,242 @@
+"""Per-rank memory, measured: ZeRO model state over dp_sp, Ulysses activation memory over SP,
+and the longest sequence that fits a memory cap with full recompute.
+
+    python tools/bench/bench_memory.py            # prints the tables, writes docs/memory.md
+
+All numbers are bytes of tensors a rank really holds (megatron_ul/training/memory.py), on CPU
+gloo ranks spawned here; no timing is involved.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import sys
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+MIB = 2**20
+STATE_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+               "--vocab-size", "4000", "--seq-length", "256", "--micro-batch-size", "1"]
+ACT_MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8",
+             "--vocab-size", "1000", "--micro-batch-size", "1", "--position-embedding-type",
+             "rope", "--attention-dropout", "0", "--hidden-dropout", "0.1"]
+COMMON = ["--mock-data", "--train-iters", "4", "--log-interval", "100",
+          "--distributed-timeout-minutes", "5"]
+
+
+# ---- running a function on N gloo ranks ----------------------------------------------------
+def _worker(rank, world, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, fn(rank, world, *args), None))
+    except BaseException:  # noqa: BLE001 - hand the traceback to the parent
+        queue.put((rank, None, traceback.format_exc()))
+    finally:
+        from megatron_ul.initialize import shutdown
+        shutdown()
+
+
+def spawn(fn, world: int, *args) -> list:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(world):
+        rank, value, error = queue.get(timeout=1800)
+        if error:
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} failed:\n{error}")
+        results[rank] = value
+    for p in procs:
+        p.join()
+    return [results[r] for r in range(world)]
+
+
+# ---- 1. model state under ZeRO 0/1/3 ----------------------------------------------------------
+def model_state_worker(rank, world, argv):
+    from megatron_ul.pipeline.schedules import forward_backward_no_pipelining
+    from megatron_ul.training.memory import model_state_bytes
+    from megatron_ul.training.pretrain import configure, setup
+    from megatron_ul.training.step import count_tokens, train_step
+    trainer = setup(configure(argv, world))
+    model, optimizer = trainer.model, trainer.optimizer
+    train_step(model, optimizer, next(trainer.train_batches), clip_grad=1.0)  # Adam state exists
+    batch = next(trainer.train_batches)  # gradients of one more step exist while we measure
+    forward_backward_no_pipelining(model, batch, count_tokens(batch, torch.device("cpu")))
+    return model_state_bytes(model, optimizer)
+
+
+def table_model_state() -> str:
+    sp2 = ["--ds-sequence-parallel-size", "2"]
+    layouts = [(1, [], 1), (2, sp2, 1), (4, sp2, 2)]   # (dp_sp, flags, DP): dp_sp 4 = SP2 × DP2
+    zero = {"ZeRO-0": [], "ZeRO-1": ["--use-distributed-optimizer"],
+            "ZeRO-3": ["--zero-stage", "3"]}
+    rows = ["| ZeRO | dp_sp | params MiB | grads MiB | optimizer MiB | total MiB | "
+            "total vs dp_sp=1 |",
+            "|---|---|---|---|---|---|---|"]
+    for name, flags in zero.items():
+        base = None
+        for dp_sp, layout, dp in layouts:
+            per_rank = spawn(model_state_worker, dp_sp, COMMON + STATE_MODEL + layout + flags
+                             + ["--global-batch-size", str(dp)])
+            m = max(per_rank, key=lambda r: r["total"])   # the fullest rank
+            base = base or m["total"]
+            rows.append(f"| {name} | {dp_sp} | {m['params'] / MIB:.2f} | {m['grads'] / MIB:.2f} | "
+                        f"{m['optimizer'] / MIB:.2f} | {m['total'] / MIB:.2f} | "
+                        f"{m['total'] / base:.3f} |")
+            print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
+# ---- 2. activations per layer over SP ------------------------------------------------------
+def _local_batch(model_cfg, seq_length: int):
+    """This SP rank's tokens/positions/labels of one fixed random sequence."""
+    from megatron_ul.mpu import parallel_state as ps
+    sp, rank = ps.get_sequence_parallel_world_size(), ps.get_sequence_parallel_rank()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model_cfg.vocab_size, (1, seq_length + 1), generator=g)
+    chunk = seq_length // sp
+    sl = slice(rank * chunk, (rank + 1) * chunk)
+    positions = torch.arange(seq_length).unsqueeze(0)
+    return tokens[:, :-1][:, sl], positions[:, sl], tokens[:, 1:][:, sl]
+
+
+def layer_activation_worker(rank, world, argv, seq_length):
+    from megatron_ul.training.memory import saved_activation_bytes
+    from megatron_ul.training.pretrain import configure, setup
+    cfg = configure(argv, world)
+    model = setup(cfg).model
+    tokens, positions, _ = _local_batch(cfg.model, seq_length)
+    x, rotary = _layer_inputs(model, cfg, tokens, positions)
+    _, saved = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),
+                                      exclude=list(model.parameters()))
+    return saved
+
+
+def table_layer_activations(seq_length: int) -> str:
+    rows = ["| SP | tokens per rank | saved bytes per layer per rank (MiB) | vs SP=1 | 1/SP |",
+            "|---|---|---|---|---|"]
+    base = None
+    for sp in (1, 2, 4, 8):
+        argv = COMMON + ACT_MODEL + ["--seq-length", str(seq_length),
+                                     "--ds-sequence-parallel-size", str(sp)]
+        saved = max(spawn(layer_activation_worker, sp, argv, seq_length))
+        base = base or saved
+        rows.append(f"| {sp} | {seq_length // sp} | {saved / MIB:.3f} | {saved / base:.3f} | "
+                    f"{1 / sp:.3f} |")
+        print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
+# ---- 3. longest sequence under a cap with full recompute -----------------------------------------
+def _layer_inputs(model, cfg, tokens, positions):
+    from megatron_ul.model.rotary import rotary_cos_sin
+    x = model.embed(tokens, positions).detach().requires_grad_()
+    return x, rotary_cos_sin(positions.t(), cfg.model.head_dim, cfg.model.rotary_base, x.dtype)
+
+
+def longest_sequence_worker(rank, world, argv, cap_bytes, start):
+    """Doubling search on this SP group; every rank measures, the fullest rank decides.
+
+    Per-rank bytes(N) = model state (measured after one small training step: params, grads,
+    Adam state) + activations a full-recompute forward keeps at length N + the saved tensors of
+    the one layer being recomputed during backward (its working set)."""
+    from megatron_ul.training.memory import model_state_bytes, saved_activation_bytes
+    from megatron_ul.training.pretrain import configure, setup
+    cfg = configure(argv + ["--seq-length", str(start)], world)
+    trainer = setup(cfg)
+    model, params = trainer.model, list(trainer.model.parameters())
+    tokens, positions, labels = _local_batch(cfg.model, start)
+    model(tokens, positions, None, labels).sum().backward()
+    trainer.optimizer.step()
+    state = model_state_bytes(model, trainer.optimizer)["total"]
+    best, n = None, start
+    while True:
+        cfg.model.seq_length = n   # rope: no table depends on the length
+        tokens, positions, labels = _local_batch(cfg.model, n)
+        model.cfg.recompute_granularity = "full"
+        _, kept = saved_activation_bytes(lambda: model(tokens, positions, None, labels),
+                                         exclude=params)
+        x, rotary = _layer_inputs(model, cfg, tokens, positions)
+        _, layer = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),
+                                          exclude=params)
+        need = torch.tensor(float(state + kept + layer))
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)
+        if need.item() > cap_bytes:
+            return best
+        best, n = (n, need.item()), n * 2
+
+
+def table_longest_sequence(cap_bytes: int, start: int) -> str:
+    rows = [f"| SP | longest sequence under {cap_bytes / MIB:.0f} MiB per rank | vs SP=1 | "
+            f"per-rank MiB at that length |", "|---|---|---|---|"]
+    base = None
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    for sp in (1, 2, 4):
+        argv = COMMON + ACT_MODEL + recompute + ["--ds-sequence-parallel-size", str(sp)]
+        best, need = spawn(longest_sequence_worker, sp, argv, cap_bytes, start)[0]
+        base = base or best
+        rows.append(f"| {sp} | {best} | {best / base:.2f} | {need / MIB:.1f} |")
+        print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
+def machine_info() -> str:
+    return (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, gloo on CPU")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-length", type=int, default=4096,
+                        help="fixed sequence length of the activation table")
+    parser.add_argument("--cap-mib", type=float, default=96, help="per-rank cap of table 3")
+    parser.add_argument("--start-seq", type=int, default=1024, help="first length tried")
+    parser.add_argument("--output", default=os.path.join(ROOT, "docs", "memory.md"))
+    args = parser.parse_args()
+    command = " ".join(["python tools/bench/bench_memory.py", *sys.argv[1:]])
+    sections = [
+        ("Model state per rank (params + grads + Adam state) under ZeRO over dp_sp",
+         f"Model: {' '.join(STATE_MODEL)}. dp_sp 2 = SP2, dp_sp 4 = SP2 × DP2; the fullest rank "
+         f"is shown, measured after a step with gradients present. ZeRO-1 shards the Adam "
+         f"state (its fp32 master weights are the fp32 parameters themselves); ZeRO-3 (FSDP2) "
+         f"also shards parameters and gradients, so everything falls as 1/dp_sp.",
+         table_model_state()),
+        ("Activation bytes saved for backward, per transformer layer, per rank",
+         f"Model: {' '.join(ACT_MODEL)}, sequence {args.seq_length}; saved-tensor hooks, "
+         f"deduplicated by storage, weights excluded.", table_layer_activations(args.seq_length)),
+        ("Longest sequence under a per-rank cap with full recompute (ZeRO-0)",
+         "Per-rank bytes = model state (params, grads, Adam) + activations kept by a "
+         "full-recompute forward (uniform, 1 layer per checkpoint; includes the loss's logits) + "
+         "the saved tensors of the one layer being recomputed; the length is doubled from "
+         f"{args.start_seq} until the fullest rank exceeds the cap.",
+         table_longest_sequence(int(args.cap_mib * MIB), args.start_seq)),
+    ]
+    text = [f"# Memory, measured\n\nCommand: `{command}`  \nMachine: {machine_info()}\n"]
+    for title, note, table in sections:
+        text.append(f"## {title}\n\n{note}\n\n{table}\n")
+    out = "\n".join(text)
+    print(out)
+    with open(args.output, "w") as f:
+        f.write(out)
+
+
+if __name__ == "__main__":
+    main()
