@@ -97,6 +97,7 @@ class TrainConfig:
     fp16: bool = False
     eval_interval: int = 0                         # 0 = no evaluation
     eval_iters: int = 10
+    dry_run: bool = False                          # print layout + memory estimate, then exit
 
 
 @dataclass
