@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="0: iteration time; 1: + forward, backward, all-to-all, gradient "
+                        "reduction, optimizer; 2: + per-layer-call all-to-all counts")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-GPU peak TFLOP/s for MFU (default: known GPU names, e.g. "
+                        "A100 312, H100/H200 989 bf16 dense)")
     return p
 
 
