@@ -10,6 +10,8 @@ import contextlib
 
 import torch
 
+from ..training.timers import timer
+
 
 def micro_batch_loss_sum(model, batch: dict) -> torch.Tensor:
     """Sum over this rank's tokens of the masked per-token loss of one micro-batch."""
@@ -28,9 +30,11 @@ def forward_backward_no_pipelining(model, micro_batches: list[dict], num_tokens:
     for batch in micro_batches:
         autocast = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype
                     else contextlib.nullcontext())
-        with autocast, (torch.no_grad() if forward_only else contextlib.nullcontext()):
+        with timer("forward"), autocast, (torch.no_grad() if forward_only
+                                          else contextlib.nullcontext()):
             loss_sum = micro_batch_loss_sum(model, batch)
         if not forward_only:
-            (loss_sum / num_tokens).backward()
+            with timer("backward"):
+                (loss_sum / num_tokens).backward()
         total += loss_sum.detach().float()
     return total

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from ..mpu import parallel_state as ps
 from ..optim.grads import clip_gradients, reduce_gradients
 from ..pipeline.schedules import forward_backward_no_pipelining
+from .timers import timer
 
 
 def count_tokens(micro_batches: list[dict], device) -> torch.Tensor:
@@ -41,11 +42,14 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
         # Megatron's --check-for-nan-in-loss-and-grad: stop rather than train on garbage.
         raise FloatingPointError(f"iteration {iteration}: loss is {loss}; stopping. Lower --lr, "
                                  f"raise --clip-grad's strictness or check the data")
-    reduce_gradients(params)
-    grad_norm = clip_gradients(params, clip_grad)
+    with timer("grad-reduce"):
+        reduce_gradients(params)
+    with timer("grad-clip", level=2):
+        grad_norm = clip_gradients(params, clip_grad)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"iteration {iteration}: grad norm is {grad_norm}; stopping")
-    optimizer.step()
+    with timer("optimizer"):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 
