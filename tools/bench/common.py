@@ -102,3 +102,37 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def timed_training(rank, world, argv: list[str], warmup: int, iters: int, timing: bool):
+    """Train with pretrain_gpt.py's flags on this rank; returns (seconds per iteration,
+    {phase: seconds per iteration}) measured after `warmup` iterations. With timing on, the
+    phases of --timing-log-level 1 are timed (forward, backward, all-to-all, ...)."""
+    import time
+
+    from megatron_ul.mpu.mappings import set_all_to_all_timer
+    from megatron_ul.training.pretrain import configure, setup
+    from megatron_ul.training.step import train_step
+    from megatron_ul.training.timers import Timers, set_timers
+
+    cfg = configure(argv, world)
+    trainer = setup(cfg)
+    timers = Timers(1)
+    if timing:
+        set_timers(timers)
+        set_all_to_all_timer(lambda: timers("all-to-all"))
+
+    def step():
+        train_step(trainer.model, trainer.optimizer, next(trainer.train_batches),
+                   clip_grad=cfg.train.clip_grad)
+
+    for _ in range(warmup):
+        step()
+    timers.pop()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    per_iter = (time.perf_counter() - start) / iters
+    set_timers(None)
+    set_all_to_all_timer(None)
+    return per_iter, {name: s / iters for name, s in timers.pop()[0].items()}
