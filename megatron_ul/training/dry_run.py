@@ -31,10 +31,7 @@ def describe(cfg: Config) -> str:
 
 def dry_run(cfg: Config) -> int:
     print(describe(cfg), flush=True)
-    print(f"dry run: configuration is valid; estimated {est_gib(cfg):.1f} GiB per GPU "
-          f"(+ CUDA context); not training", flush=True)
+    print(f"dry run: configuration is valid; estimated "
+          f"{estimate_config(cfg).total_bytes / GiB:.1f} GiB per GPU (+ CUDA context); "
+          f"not training", flush=True)
     return 0
-
-
-def est_gib(cfg: Config) -> float:
-    return estimate_config(cfg).total_bytes / GiB
