@@ -90,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--eval-interval", type=int, default=0)
     g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--dry-run", action="store_true",
+                   help="validate, print the resolved layout and a per-GPU memory estimate, exit "
+                        "(with --world-size N for the planned launch)")
+    g.add_argument("--world-size", type=int, default=None,
+                   help="planned number of processes, for --dry-run outside a launcher")
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true", help="random tokens; needs --vocab-size")
@@ -126,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
+                   help="0: iteration time; 1: + forward, backward, all-to-all, gradient "
+                        "reduction, optimizer; 2: + per-layer-call all-to-all counts")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="per-GPU peak TFLOP/s for MFU (default: known GPU names, e.g. "
+                        "A100 312, H100/H200 989 bf16 dense)")
     return p
 
 
@@ -142,6 +153,10 @@ def parse_args(argv=None, world_size: int | None = None) -> Config:
         # Megatron only honours --num-query-groups with --group-query-attention; be explicit.
         build_parser().error("--num-query-groups needs --group-query-attention")
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+    if ns.world_size is not None:
+        if not ns.dry_run:
+            build_parser().error("--world-size is only for --dry-run (launchers set the world)")
+        world = ns.world_size
     model = _take(ModelConfig, ns, add_bias_linear=not ns.disable_bias_linear,
                   num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
                   vocab_size=ns.vocab_size or 0)

@@ -107,6 +107,7 @@ class TrainConfig:
     hysteresis: int = 2
     eval_interval: int = 0                         # 0 = no evaluation
     eval_iters: int = 10
+    dry_run: bool = False                          # print layout + memory estimate, then exit
 
 
 @dataclass
@@ -142,6 +143,8 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 1
     tensorboard_dir: Optional[str] = None
+    timing_log_level: int = 0                      # 0 iteration time, 1 + phases, 2 + per op
+    peak_tflops: Optional[float] = None            # per-GPU peak for MFU; default by GPU name
 
 
 @dataclass
@@ -268,6 +271,10 @@ def validate(cfg: Config) -> Config:
                       f"(got {t.lr_decay_style!r})")
     if t.lr_decay_iters is None:
         t.lr_decay_iters = t.train_iters
+    if cfg.logging.timing_log_level not in (0, 1, 2):
+        errors.append(f"--timing-log-level must be 0, 1 or 2 (got {cfg.logging.timing_log_level})")
+    if cfg.logging.peak_tflops is not None and cfg.logging.peak_tflops <= 0:
+        errors.append(f"--peak-tflops must be > 0 (got {cfg.logging.peak_tflops})")
     if t.bf16 and t.fp16:
         errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
 

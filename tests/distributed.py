@@ -6,12 +6,14 @@ killed when the whole run exceeds `timeout` and the test fails with what each ra
 from __future__ import annotations
 
 import datetime
+import io
 import os
 import queue as queue_module
 import socket
 import time
 import traceback
 
+import torch
 import torch.multiprocessing as mp
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=90)
@@ -32,7 +34,11 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        # Send plain bytes: tensors put on the queue directly travel as shared-memory handles
+        # that vanish if this process exits before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -68,7 +74,7 @@ def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:
                                   f"finished ranks: {sorted(results)}")
                 continue
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:  # the other ranks will time out or fail; do not wait for them
                 errors.append(f"rank {rank}:\n{payload}")
     finally:

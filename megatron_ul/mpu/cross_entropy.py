@@ -38,7 +38,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         picked = _all_reduce(picked.masked_fill(outside, 0.0), group)
 
-        exp = shifted.exp()
+        exp = shifted.exp_()  # `shifted` is not needed any more: no second vocab-sized buffer
         sum_exp = _all_reduce(exp.sum(dim=-1), group)
         loss = sum_exp.log() - picked
 
@@ -50,8 +50,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         softmax, local_target, outside = ctx.saved_tensors
         grad = softmax  # saved buffer is not needed afterwards: update in place
-        onehot = torch.zeros_like(grad).scatter_(-1, local_target.unsqueeze(-1), 1.0)
-        grad.sub_(onehot * (~outside).unsqueeze(-1).to(grad.dtype))
+        # softmax - onehot(target) on the rank holding the target, without a vocab-sized
+        # one-hot tensor: subtract 1 at the target column only (adding -0 elsewhere is exact).
+        minus_one = -(~outside).unsqueeze(-1).to(grad.dtype)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), minus_one)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad, None, None
 

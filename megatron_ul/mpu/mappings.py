@@ -12,6 +12,16 @@ import torch.distributed as dist
 from . import parallel_state as ps
 from .comm_stats import record
 
+# Optional timer around the Ulysses all-to-all (set by training/metrics.py for
+# --timing-log-level >= 1): a callable returning a context manager, or None (the default: one
+# branch per all-to-all).
+_all_to_all_timer = None
+
+
+def set_all_to_all_timer(timer_factory) -> None:
+    global _all_to_all_timer
+    _all_to_all_timer = timer_factory
+
 
 def _size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
@@ -75,7 +85,11 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> tor
     send = torch.stack(x.chunk(world, dim=scatter_dim), dim=0).contiguous()
     recv = torch.empty_like(send)
     record("all_to_all", send, group)
-    dist.all_to_all_single(recv, send, group=group)
+    if _all_to_all_timer is None:
+        dist.all_to_all_single(recv, send, group=group)
+    else:
+        with _all_to_all_timer():
+            dist.all_to_all_single(recv, send, group=group)
     return torch.cat(recv.unbind(0), dim=gather_dim)
 
 

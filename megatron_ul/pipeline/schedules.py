@@ -25,6 +25,7 @@ import torch
 from ..mpu import parallel_state as ps
 from .model import model_chunks
 from .p2p import StageCommunicator
+from ..training.timers import timer
 
 
 def micro_batch_loss_sum(model, batch: dict) -> torch.Tensor:
@@ -47,11 +48,12 @@ def forward_backward_no_pipelining(model, micro_batches: list[dict], num_tokens:
     device_type = num_tokens.device.type
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
     for batch in micro_batches:
-        with _autocast(device_type, autocast_dtype), (
+        with timer("forward"), _autocast(device_type, autocast_dtype), (
                 torch.no_grad() if forward_only else contextlib.nullcontext()):
             loss_sum = micro_batch_loss_sum(model, batch)
         if not forward_only:
-            (loss_sum / num_tokens).backward()
+            with timer("backward"):
+                (loss_sum / num_tokens).backward()
         total += loss_sum.detach().float()
     return total
 
@@ -120,7 +122,7 @@ def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tenso
         if op == "F":
             inp = None if chunk.pre_process else comm.recv_forward().requires_grad_(
                 not forward_only)
-            with _autocast(device.type, autocast_dtype), (
+            with timer("forward"), _autocast(device.type, autocast_dtype), (
                     torch.no_grad() if forward_only else contextlib.nullcontext()):
                 out = chunk(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                             labels=batch["labels"] if chunk.post_process else None,
@@ -137,7 +139,8 @@ def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tenso
         else:
             inp, out = saved.pop((c, i))
             grad = None if chunk.post_process else comm.recv_backward()
-            torch.autograd.backward(out, grad_tensors=grad)
+            with timer("backward"):
+                torch.autograd.backward(out, grad_tensors=grad)
             if not chunk.pre_process:
                 comm.send_backward(inp.grad)
     comm.wait_sends()

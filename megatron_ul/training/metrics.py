@@ -1,13 +1,20 @@
-"""Console and TensorBoard metrics: loss, learning rate, grad norm, tokens/s, TFLOP/s.
+"""Console and TensorBoard metrics: loss, learning rate, grad norm, tokens/s, TFLOP/s per
+rank, MFU, peak memory, the per-iteration time split and an ETA.
 
 TensorBoard tags follow Megatron-LM ('lm loss', 'learning-rate', 'grad-norm').
 """
 from __future__ import annotations
 
 import logging
+import resource
 import time
+from typing import Optional
+
+import torch
 
 from ..config import Config, ModelConfig
+from ..mpu.mappings import set_all_to_all_timer
+from .timers import Timers, set_timers
 
 log = logging.getLogger("megatron_ul")
 
@@ -31,41 +38,115 @@ def flops_per_token(m: ModelConfig, padded_vocab: int) -> float:
     return 3.0 * forward
 
 
+# Dense bf16 tensor-core peaks, TFLOP/s per GPU (vendor datasheets; sparsity excluded).
+KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+PHASES = ("forward", "backward", "all-to-all", "grad-reduce", "optimizer", "grad-clip")
+
+
+def peak_tflops(cfg: Config) -> Optional[float]:
+    """--peak-tflops, else the table entry whose name appears in the CUDA device name."""
+    if cfg.logging.peak_tflops:
+        return cfg.logging.peak_tflops
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().upper()
+    # "H100 PCIe" peaks lower (756) than SXM; only SXM-class names match the table.
+    if "PCIE" in name:
+        return None
+    return next((peak for key, peak in KNOWN_PEAK_TFLOPS.items() if key in name), None)
+
+
+def peak_memory_gib() -> tuple[float, str]:
+    """(peak GiB, what it measures): CUDA allocator peak on a GPU, else the process's max RSS."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.cuda.max_memory_allocated() / 2**30, "allocated"
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30, "max RSS"
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(seconds, 0))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
 class MetricsLogger:
-    """Accumulates per-iteration figures and reports every --log-interval iterations."""
+    """Accumulates per-iteration figures and reports every --log-interval iterations; installs
+    the phase timers (--timing-log-level) for the duration of training."""
 
     def __init__(self, cfg: Config, padded_vocab: int, is_reporting_rank: bool):
         self.cfg, self.reporting = cfg, is_reporting_rank
         self.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
         self.flops_per_iter = flops_per_token(cfg.model, padded_vocab) * self.tokens_per_iter
+        self.peak = peak_tflops(cfg)
         self.writer = None
         if is_reporting_rank and cfg.logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir)
-        self._window_start, self._window_iters = time.perf_counter(), 0
+        self.timers = None
+        if cfg.logging.timing_log_level >= 1:
+            self.timers = Timers(cfg.logging.timing_log_level,
+                                 "cuda" if torch.cuda.is_available() else "cpu")
+            set_timers(self.timers)
+            set_all_to_all_timer(lambda: self.timers("all-to-all"))
+        self._start = self._window_start = time.perf_counter()
+        self._window_iters = self._iters_done = 0
 
     def iteration(self, it: int, loss: float, lr: float, grad_norm: float) -> None:
         self._window_iters += 1
+        self._iters_done += 1
         if it % self.cfg.logging.log_interval != 0 and it != self.cfg.train.train_iters:
             return
-        elapsed = time.perf_counter() - self._window_start
-        per_iter = elapsed / self._window_iters
-        tokens_per_s = self.tokens_per_iter / per_iter
-        tflops_per_rank = self.flops_per_iter / per_iter / self.cfg.parallel.world_size / 1e12
+        now = time.perf_counter()
+        per_iter = (now - self._window_start) / self._window_iters
+        scalars = self._scalars(loss, lr, grad_norm, per_iter)
+        split = self._time_split(self._window_iters)
+        eta = (now - self._start) / self._iters_done * (self.cfg.train.train_iters - it)
         if self.reporting:
-            log.info("iteration %6d/%6d | lm loss %.6E | lr %.3E | grad norm %.3f | "
-                     "%.1f ms/iter | tokens/s %.0f | TFLOP/s per rank %.3f",
-                     it, self.cfg.train.train_iters, loss, lr, grad_norm, per_iter * 1e3,
-                     tokens_per_s, tflops_per_rank)
-            if self.writer is not None:
-                for tag, value in [("lm loss", loss), ("learning-rate", lr),
-                                   ("grad-norm", grad_norm), ("tokens-per-sec", tokens_per_s),
-                                   ("tflops-per-rank", tflops_per_rank),
-                                   ("iteration-time", per_iter)]:
-                    self.writer.add_scalar(tag, value, it)
-                self.writer.flush()
+            self._log(it, scalars, split, eta)
         self._window_start, self._window_iters = time.perf_counter(), 0
 
+    def _scalars(self, loss, lr, grad_norm, per_iter) -> dict[str, float]:
+        tflops = self.flops_per_iter / per_iter / self.cfg.parallel.world_size / 1e12
+        memory, _ = peak_memory_gib()
+        scalars = {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
+                   "tokens-per-sec": self.tokens_per_iter / per_iter,
+                   "tflops-per-rank": tflops, "iteration-time": per_iter,
+                   "peak-memory-gib": memory}
+        if self.peak:
+            scalars["mfu"] = tflops / self.peak
+        return scalars
+
+    def _time_split(self, iters: int) -> dict[str, float]:
+        """Milliseconds per iteration of each timed phase (empty with --timing-log-level 0)."""
+        if self.timers is None:
+            return {}
+        seconds, calls = self.timers.pop()
+        split = {name: seconds[name] / iters * 1e3 for name in PHASES if name in seconds}
+        if self.timers.log_level >= 2 and "all-to-all" in calls:
+            split["all-to-all calls"] = calls["all-to-all"] / iters
+        return split
+
+    def _log(self, it: int, scalars: dict, split: dict, eta: float) -> None:
+        _, memory_kind = peak_memory_gib()
+        mfu = f" | MFU {scalars['mfu']:.1%}" if "mfu" in scalars else ""
+        log.info("iteration %6d/%6d | lm loss %.6E | lr %.3E | grad norm %.3f | "
+                 "%.1f ms/iter | tokens/s %.0f | TFLOP/s per rank %.3f%s | peak mem %.2f GiB "
+                 "(%s) | ETA %s", it, self.cfg.train.train_iters, scalars["lm loss"],
+                 scalars["learning-rate"], scalars["grad-norm"], scalars["iteration-time"] * 1e3,
+                 scalars["tokens-per-sec"], scalars["tflops-per-rank"], mfu,
+                 scalars["peak-memory-gib"], memory_kind, format_eta(eta))
+        if split:
+            log.info("    time split (ms/iter): %s", " | ".join(
+                f"{name} {value:.1f}" for name, value in split.items()))
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, it)
+            for name, value in split.items():
+                self.writer.add_scalar(f"time/{name}-ms", value, it)
+            self.writer.flush()
+
     def close(self) -> None:
+        if self.timers is not None:
+            set_timers(None)
+            set_all_to_all_timer(None)
         if self.writer is not None:
             self.writer.close()

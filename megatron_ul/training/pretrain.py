@@ -120,6 +120,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if cfg.train.dry_run:
+        from .dry_run import dry_run
+        return dry_run(cfg)
     try:
         setup(cfg).train()
     except CheckpointError as e:

@@ -11,6 +11,7 @@ from ..mpu import parallel_state as ps
 from ..optim.grads import clip_gradients, reduce_gradients
 from ..pipeline.model import allreduce_embedding_grads, model_chunks
 from ..pipeline.schedules import get_forward_backward_func
+from .timers import timer
 
 
 def count_tokens(micro_batches: list[dict], device) -> torch.Tensor:
@@ -62,13 +63,17 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     allreduce_embedding_grads(model)
     reduce_and_clip = getattr(optimizer, "reduce_and_clip_gradients", None)
     if reduce_and_clip is not None:  # ZeRO: the optimizer owns the (sharded) gradients
-        grad_norm = reduce_and_clip(clip_grad)
+        with timer("grad-reduce"):
+            grad_norm = reduce_and_clip(clip_grad)
     else:
-        reduce_gradients(params)
-        grad_norm = clip_gradients(params, clip_grad)
+        with timer("grad-reduce"):
+            reduce_gradients(params)
+        with timer("grad-clip", level=2):
+            grad_norm = clip_gradients(params, clip_grad)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"iteration {iteration}: grad norm is {grad_norm}; stopping")
-    optimizer.step()
+    with timer("optimizer"):
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm
 

@@ -1,0 +1,86 @@
+"""The memory estimator against what a model really holds on CPU (fp32): parameter count
+exactly, parameter + gradient + Adam bytes and the bytes each layer keeps for backward within
+15%, single rank and Ulysses SP2; plus the GPU-count search."""
+import functools
+
+import pytest
+
+from megatron_ul.model.gpt import GPTModel  # noqa: F401  (import check: estimator mirrors it)
+from megatron_ul.training import memory_estimator as me
+from megatron_ul.training.pretrain import configure
+from tests.distributed import run_distributed
+from tests.training.memory_measure import measure_many
+
+BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
+        "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--attention-dropout", "0"]
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
+         "--num-query-groups", "2", "--position-embedding-type", "rope",
+         "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+CASES = {  # name -> (flags, world)
+    "gpt-dropout-off": (["--hidden-dropout", "0"], 1),
+    "gpt-dropout-on": (["--hidden-dropout", "0.1"], 1),
+    "llama-gqa-rope": (["--hidden-dropout", "0"] + LLAMA, 1),
+    "gpt-sp2": (["--hidden-dropout", "0", "--ds-sequence-parallel-size", "2"], 2),
+    "llama-sp2": (["--hidden-dropout", "0", "--ds-sequence-parallel-size", "2"] + LLAMA, 2),
+}
+# The CPU dropout kernel keeps a float mask (CUDA keeps a bool one).
+CPU_FP32 = me.Precision(bf16=False, dropout_mask_bytes=4)
+
+
+@functools.lru_cache(maxsize=None)
+def measured(world: int) -> dict:
+    names = [n for n, (_, w) in CASES.items() if w == world]
+    results = run_distributed(measure_many, world, [BASE + CASES[n][0] for n in names])
+    return dict(zip(names, results[0]))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_estimate_matches_measurement(name):
+    flags, world = CASES[name]
+    got = measured(world)[name]
+    cfg = configure(BASE + flags, world)
+    layout = me.layout_from_config(cfg)
+    est = me.estimate(cfg.model, layout, precision=CPU_FP32)
+    assert est.params_per_rank == got["params"]
+    state = got["param_bytes"] + got["grad_bytes"] + got["optimizer_bytes"]
+    est_state = est.parameter_bytes + est.gradient_bytes + est.optimizer_bytes
+    assert abs(est_state - state) / state < 0.15
+    per_layer = me.layer_activation_bytes(cfg.model, layout, CPU_FP32)
+    for layer in ("layer0", "layer1"):
+        error = abs(per_layer - got["saved"][layer]) / got["saved"][layer]
+        print(f"{name} {layer}: measured {got['saved'][layer]} estimated {per_layer:.0f} "
+              f"({error:.1%})")
+        assert error < 0.15, f"{name} {layer}: {error:.1%} off"
+    total = sum(got["saved"].values())
+    assert abs(est.activation_bytes - total) / total < 0.15
+
+
+def test_smallest_fitting_layout_grows_ulysses_until_it_fits():
+    cfg = configure(["--mock-data", "--vocab-size", "50257", "--num-layers", "24",
+                     "--hidden-size", "2048", "--num-attention-heads", "16",
+                     "--seq-length", "131072", "--max-position-embeddings", "131072",
+                     "--bf16"], 1)
+    layout = me.layout_from_config(cfg)
+    single = me.estimate(cfg.model, layout, precision=me.Precision(bf16=True))
+    assert single.total_bytes > 80 * me.GiB  # a 1.2B model at 128K does not fit one GPU
+    found = me.smallest_fitting_layout(cfg.model, layout, 80, precision=me.Precision(bf16=True))
+    assert found is not None
+    fitting, est = found
+    assert est.total_bytes <= 78 * me.GiB and fitting.sp > 1
+    smaller = [s for s in range(1, fitting.sp) if 16 % s == 0]
+    for sp in smaller:  # nothing with fewer GPUs fits
+        too_small = me.estimate(cfg.model, me.Layout(sp=sp), precision=me.Precision(bf16=True))
+        assert too_small.total_bytes > 78 * me.GiB
+
+
+def test_zero_and_recompute_shrink_what_they_should():
+    cfg = configure(BASE + ["--hidden-dropout", "0"], 1)
+    layout = me.Layout(dp=4, sp=2, micro_batch_size=2)
+    plain = me.estimate(cfg.model, layout)
+    zero3 = me.estimate(cfg.model, layout, zero_stage=3)
+    assert zero3.optimizer_bytes == pytest.approx(plain.optimizer_bytes / 8)
+    assert zero3.gradient_bytes == pytest.approx(plain.gradient_bytes / 8)
+    assert zero3.parameter_bytes == pytest.approx(plain.parameter_bytes / 8)
+    full = me.estimate(cfg.model, layout, recompute="full")
+    assert full.activation_bytes < plain.activation_bytes

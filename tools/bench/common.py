@@ -1,0 +1,138 @@
+"""Shared by the benchmarks: spawn gloo ranks (one thread each), machine info, and writing a
+benchmark's section of docs/benchmarks.md (each benchmark owns the text between its markers)."""
+from __future__ import annotations
+
+import os
+import platform
+import queue as queue_module
+import socket
+import sys
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+DOCS = os.path.join(REPO_ROOT, "docs", "benchmarks.md")
+HEADER = ("# Benchmarks\n\nEach section is written by the script named in it "
+          "(`--write-docs`); numbers are from one run on the machine described.\n")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        results.put((rank, True, fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 - report to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        from megatron_ul.mpu import parallel_state
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 1800.0) -> list:
+    """fn(rank, world, *args) on `world` spawned gloo ranks; results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        while len(out) < world:
+            try:
+                rank, ok, payload = results.get(timeout=timeout)
+            except queue_module.Empty:
+                raise RuntimeError(f"benchmark ranks timed out after {timeout}s") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return [out[r] for r in range(world)]
+
+
+def machine_info() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, "
+            f"torch {torch.__version__}, {platform.system()} {platform.release()}")
+
+
+def write_section(name: str, body: str) -> None:
+    """Replace (or append) the section between this benchmark's markers in docs/benchmarks.md."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    text = open(DOCS).read() if os.path.exists(DOCS) else HEADER
+    block = f"{start}\n{body.rstrip()}\n{end}"
+    if start in text and end in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    with open(DOCS, "w") as f:
+        f.write(text)
+
+
+def command_line() -> str:
+    return "python " + " ".join([os.path.relpath(sys.argv[0], REPO_ROOT)] + sys.argv[1:])
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def timed_training(rank, world, argv: list[str], warmup: int, iters: int, timing: bool):
+    """Train with pretrain_gpt.py's flags on this rank; returns (seconds per iteration,
+    {phase: seconds per iteration}) measured after `warmup` iterations. With timing on, the
+    phases of --timing-log-level 1 are timed (forward, backward, all-to-all, ...)."""
+    import time
+
+    from megatron_ul.mpu.mappings import set_all_to_all_timer
+    from megatron_ul.training.pretrain import configure, setup
+    from megatron_ul.training.step import train_step
+    from megatron_ul.training.timers import Timers, set_timers
+
+    cfg = configure(argv, world)
+    trainer = setup(cfg)
+    timers = Timers(1)
+    if timing:
+        set_timers(timers)
+        set_all_to_all_timer(lambda: timers("all-to-all"))
+
+    def step():
+        train_step(trainer.model, trainer.optimizer, next(trainer.train_batches),
+                   clip_grad=cfg.train.clip_grad)
+
+    for _ in range(warmup):
+        step()
+    timers.pop()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    per_iter = (time.perf_counter() - start) / iters
+    set_timers(None)
+    set_all_to_all_timer(None)
+    return per_iter, {name: s / iters for name, s in timers.pop()[0].items()}
