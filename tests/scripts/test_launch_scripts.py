@@ -1,27 +1,20 @@
 """Every launch script's pretrain_gpt.py arguments pass configuration validation and --dry-run
-at the script's own world size, so the scripts cannot rot.
-
-Flags that other work has not landed yet (ZeRO, activation recomputation) are the one allowed
-gap: if validation refuses a script *only* because of them ("not implemented yet", or an
-unknown flag from PENDING_FLAGS), the rest of its arguments are still validated with those flags
-removed, and the test is skipped with the reason; it passes by itself once they land.
-"""
+at the script's own world size, so the scripts cannot rot."""
 import glob
 import os
 import subprocess
 
 import pytest
 
-from megatron_ul.arguments import build_parser
-from megatron_ul.config import ConfigError
 from megatron_ul.training.dry_run import describe
 from megatron_ul.training.pretrain import configure
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.sh"))
                  + glob.glob(os.path.join(ROOT, "scripts", "slurm", "*.sbatch")))
-SCRIPTS = [s for s in SCRIPTS if os.path.basename(s) != "common.sh"]
-PENDING_FLAGS = {"--zero-stage": 1, "--recompute-granularity": 1, "--recompute-method": 1}
+# Helpers and the install/test wrappers launch no training.
+SCRIPTS = [s for s in SCRIPTS
+           if os.path.basename(s) not in ("common.sh", "install.sh", "test.sh")]
 
 
 def script_arguments(path: str) -> tuple[int, list[str]]:
@@ -31,35 +24,6 @@ def script_arguments(path: str) -> tuple[int, list[str]]:
     out = subprocess.run(["bash", path], env=env, capture_output=True, text=True, timeout=30,
                          check=True).stdout.splitlines()
     return int(out[0]), out[1:]
-
-
-def without_pending(argv: list[str]) -> tuple[list[str], list[str]]:
-    kept, removed, i = [], [], 0
-    while i < len(argv):
-        if argv[i] in PENDING_FLAGS:
-            width = 1 + PENDING_FLAGS[argv[i]]
-            removed += argv[i:i + width]
-            i += width
-        else:
-            kept.append(argv[i])
-            i += 1
-    return kept, removed
-
-
-def pending_reason(argv: list[str], world: int) -> str | None:
-    """Why this argument list cannot validate yet, if only pending flags are in the way."""
-    _, unknown = build_parser().parse_known_args(argv)
-    _, removed = without_pending(argv)
-    if unknown:
-        assert set(unknown) <= set(removed), f"unknown arguments {unknown}"
-        return f"flags not in this build yet: {' '.join(unknown)}"
-    try:
-        configure(argv, world_size=world)
-    except ConfigError as e:
-        problems = str(e).splitlines()[1:]
-        assert all("not implemented yet" in p for p in problems), str(e)
-        return "refused until implemented: " + "; ".join(p.strip() for p in problems)
-    return None
 
 
 def test_every_expected_script_exists():
@@ -74,14 +38,10 @@ def test_script_arguments_pass_dry_run(path):
     if os.path.basename(path) == "demo_cpu.sh":  # its data is built by the script itself
         data = argv.index("--data-path")
         argv[data:data + 6] = ["--mock-data", "--vocab-size", "2000"]
-    reason = pending_reason(argv, world)
-    checked = without_pending(argv)[0] if reason else argv
-    cfg = configure(checked + ["--dry-run"], world_size=world)
+    cfg = configure(argv + ["--dry-run"], world_size=world)
     assert cfg.parallel.world_size == world
     text = describe(cfg)
     assert f"world {world} =" in text and "memory estimate per GPU" in text
-    if reason:
-        pytest.skip(f"{os.path.basename(path)}: {reason}; the rest validates")
 
 
 def test_dry_run_prints_layout_and_exits_without_distributed(capsys):
