@@ -4,7 +4,7 @@ Layout (Megatron-LM's, plus a metadata file and per-rank RNG files):
     DIR/latest_checkpointed_iteration.txt
     DIR/iter_0000100/metadata.json
     DIR/iter_0000100/mp_rank_00[_000]/model_optim_rng.pt     one per (tp, pp), written by dp0/sp0
-    DIR/iter_0000100/mp_rank_00[_000]/distrib_optim_000.pt   per dp_sp rank (sharded optimizers)
+                                                             (ZeRO state gathered into it)
     DIR/iter_0000100/rng/rank_00000.pt                        one per global rank
 A save in progress lives in DIR/iter_0000100.tmp-<uuid> and is renamed into place when complete;
 an iteration being replaced is first renamed to DIR/iter_0000100.old-<uuid>.
@@ -40,12 +40,6 @@ def mp_rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int) -> str:
 
 def model_file(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
     return os.path.join(iter_dir, mp_rank_dir_name(tp_rank, pp_rank, pp_size), MODEL_FILE)
-
-
-def sharded_optim_file(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int,
-                       dp_sp_rank: int) -> str:
-    return os.path.join(iter_dir, mp_rank_dir_name(tp_rank, pp_rank, pp_size),
-                        f"distrib_optim_{dp_sp_rank:03d}.pt")
 
 
 def rng_file(iter_dir: str, global_rank: int) -> str:

@@ -3,8 +3,9 @@ another layout (resharded on load).
 
 Save protocol (every step survives a kill -9 of any process at any moment):
  1. rank 0 draws a save id and broadcasts it; every rank writes (and fsyncs) its files into
-    DIR/iter_N.tmp-<id>: the model and optimizer from the dp0/sp0 rank of each (tp, pp), sharded
-    optimizer state (ZeRO) from every dp_sp rank, and every rank's RNG states;
+    DIR/iter_N.tmp-<id>: the model and optimizer from the dp0/sp0 rank of each (tp, pp) (ZeRO
+    state is first gathered over dp_sp into the same name-keyed form: checkpoint/zero.py), and
+    every rank's RNG states;
  2. barrier; rank 0 writes metadata.json, fsyncs the directories and renames the tmp directory
     into place (an existing iter_N is first renamed aside and deleted only afterwards);
  3. rank 0 points latest_checkpointed_iteration.txt at N (tmp file + os.replace), last.
@@ -17,7 +18,6 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass
 
-import torch
 import torch.distributed as dist
 
 from ..config import Config
@@ -25,8 +25,9 @@ from ..mpu import parallel_state as ps
 from . import files, reshard
 from .files import CheckpointError
 from .files import FORMAT
-from .state import (load_optimizer_state, model_state, named_parameters, optimizer_state,
-                    parameter_metadata, rng_state, set_rng_state)
+from .state import named_parameters, parameter_metadata, rng_state, set_rng_state
+from .zero import (checkpoint_model_state, checkpoint_optimizer_state,
+                   load_checkpoint_model_state, load_checkpoint_optimizer_state)
 
 log = logging.getLogger("megatron_ul")
 
@@ -62,35 +63,30 @@ def consumed_valid_samples(cfg: Config, iteration: int) -> int:
         if t.eval_interval else 0
 
 
-def _is_sharded(optimizer) -> bool:
-    """ZeRO-style optimizers expose sharded_state_dict(): each dp_sp rank saves its own shard."""
-    return hasattr(optimizer, "sharded_state_dict")
-
-
 def _agree_on_save_id() -> str:
     token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)
     return token[0]
 
 
-def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str):
+def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str,
+                      grad_scaler=None):
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     pp = ps.get_pipeline_model_parallel_world_size()
     save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
     writer = ps.get_data_parallel_rank() == 0 and ps.get_sequence_parallel_rank() == 0
+    # Collective over dp_sp under ZeRO (gathers one parameter at a time); None off the writer.
+    model_sd = checkpoint_model_state(model)
+    optim_sd = checkpoint_optimizer_state(model, optimizer) if save_optim else None
     if writer:
         payload = {"iteration": iteration, "checkpoint_version": 3.0,
-                   "model": model_state(model),
-                   "optimizer": (optimizer_state(model, optimizer)
-                                 if save_optim and not _is_sharded(optimizer) else None),
+                   "model": model_sd, "optimizer": optim_sd,
+                   "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
                    "opt_param_scheduler": scheduler.state_dict(),
                    "consumed_samples": iteration * cfg.train.global_batch_size,
                    "consumed_valid_samples": consumed_valid_samples(cfg, iteration),
                    "args": asdict(cfg)}
         files.save_torch(payload, files.model_file(tmp, tp_rank, pp_rank, pp))
-    if save_optim and _is_sharded(optimizer):
-        files.save_torch(optimizer.sharded_state_dict(), files.sharded_optim_file(
-            tmp, tp_rank, pp_rank, pp, ps.get_data_sequence_parallel_rank()))
     files.save_torch(rng_state(), files.rng_file(tmp, dist.get_rank()))
     # Each pipeline stage knows its own parameters; rank 0 records them all.
     mine = parameter_metadata(model, ps.get_tensor_model_parallel_world_size()) \
@@ -117,22 +113,25 @@ def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) 
         shutil.rmtree(aside)
 
 
-def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int) -> str:
+def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
+                    grad_scaler=None) -> str:
     """Collective over all ranks. Returns the iteration directory. optimizer=None saves the
-    weights only."""
+    weights only; grad_scaler is the fp16 loss scaler (optim/precision.py), if any."""
     save_dir = cfg.checkpoint.save
     if dist.get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
     save_id = _agree_on_save_id()
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     tmp = f"{final}.tmp-{save_id}"
-    params = _write_rank_files(cfg, model, optimizer, scheduler, iteration, tmp)
+    params = _write_rank_files(cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler)
     dist.barrier()
     if dist.get_rank() == 0:
         meta = {"format": FORMAT, "iteration": iteration, "layout": _layout(cfg),
                 "model": asdict(cfg.model), "params": params,
+                # ZeRO state is stored gathered, like plain AdamW's: loads on any layout
                 "optimizer": (None if cfg.checkpoint.no_save_optim or optimizer is None else
-                              "sharded" if _is_sharded(optimizer) else "replicated"),
+                              "replicated"),
+                "zero_stage": cfg.parallel.zero_stage,
                 "rng": True}
         files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
         _publish(save_dir, tmp, final, save_id, iteration)
@@ -165,9 +164,7 @@ def load_model_state(model, state: dict, source: str) -> None:
         if tuple(state[name].shape) != tuple(p.shape):
             raise CheckpointError(f"{source}: {name} has shape {tuple(state[name].shape)} in the "
                                   f"checkpoint but {tuple(p.shape)} in this model")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(state[name])
+    load_checkpoint_model_state(model, state)   # ZeRO-3: each rank keeps its chunk
 
 
 def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
@@ -199,20 +196,22 @@ def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> 
     if meta.get("optimizer") is None:
         raise CheckpointError(f"{source}: the checkpoint holds no optimizer state (saved with "
                               f"--no-save-optim, or imported); pass --no-load-optim or --finetune")
-    if meta["optimizer"] == "sharded" or _is_sharded(optimizer):
-        same = meta["layout"] == _layout(cfg) and meta["optimizer"] == "sharded" \
-            and _is_sharded(optimizer)
-        if not same:
-            raise CheckpointError(f"{source}: sharded (ZeRO) optimizer state loads only on the "
-                                  f"layout and optimizer it was saved with "
-                                  f"({meta['layout']}); pass --no-load-optim to start afresh")
-        path = files.sharded_optim_file(iter_dir, ps.get_tensor_model_parallel_rank(),
-                                        ps.get_pipeline_model_parallel_rank(),
-                                        meta["layout"]["pp"], ps.get_data_sequence_parallel_rank())
-        load = getattr(optimizer, "load_sharded_state_dict", optimizer.load_state_dict)
-        load(files.load_torch(path, "sharded optimizer state"))
+    if meta["optimizer"] != "replicated":
+        raise CheckpointError(f"{source}: unknown optimizer state kind {meta['optimizer']!r}; "
+                              f"pass --no-load-optim to start the optimizer afresh")
+    # Name-keyed full state whatever optimizer saved it; ZeRO ranks keep their shard.
+    load_checkpoint_optimizer_state(model, optimizer, optim_sd, source)
+
+
+def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
+    saved = payload.get("grad_scaler")
+    if grad_scaler is None:
         return
-    load_optimizer_state(model, optimizer, optim_sd, source)
+    if saved is None:
+        log.warning("%s holds no fp16 loss-scaler state (saved without --fp16); the scale "
+                    "starts from --initial-loss-scale / --loss-scale", source)
+        return
+    grad_scaler.load_state_dict(saved)
 
 
 def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
@@ -229,7 +228,7 @@ def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
                                        "this rank's RNG states"))
 
 
-def load_checkpoint(cfg: Config, model, optimizer, scheduler) -> Resume:
+def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) -> Resume:
     """Collective-free: each rank reads what it needs. Returns where training resumes."""
     c = cfg.checkpoint
     iteration = files.read_tracker(c.load)
@@ -253,6 +252,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler) -> Resume:
     if load_optim:
         _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
     scheduler.load_state_dict(payload["opt_param_scheduler"])
+    _load_grad_scaler(grad_scaler, payload, source)
     if not c.no_load_rng:
         _load_rng(cfg, meta, iter_dir)
     if dist.get_rank() == 0:

@@ -1,8 +1,9 @@
 """Layout conversion: merge tensor-parallel shards into full tensors by each parameter's
 partition_dim/partition_stride, and cut them again for another TP/PP layout.
 
-SP and DP replicate parameters and (plain, replicated) optimizer state, so changing them only
-changes metadata. Parameter names carry 0-based global layer indices, so pipeline stages are
+SP and DP replicate parameters and optimizer state in the checkpoint (ZeRO-1/3 state is saved
+gathered, name-keyed, like plain AdamW's: checkpoint/zero.py), so changing them only changes
+metadata. Parameter names carry 0-based global layer indices, so pipeline stages are
 assigned by name with the pipeline's own rule (pipeline.model.chunk_layer_numbers, interleaved
 chunks included): the first stage holds the embeddings, the last the final norm and output head
 and, with tied embeddings and PP > 1, its copy of the word embeddings under
@@ -114,10 +115,6 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
     files.check_format(meta, meta_path)
     layout, vocab = meta["layout"], meta["model"]["vocab_size"]
     tp, pp = layout["tp"], layout["pp"]
-    if with_optim and meta.get("optimizer") == "sharded":
-        raise CheckpointError(f"{iter_dir}: its optimizer state is sharded (ZeRO) and cannot be "
-                              f"resharded yet; load on the saved layout ({_layout_str(layout)}) "
-                              f"or pass --no-load-optim / --no-optim")
     by_stage = [[files.load_torch(files.model_file(iter_dir, t, s, pp), "model shard")
                  for t in range(tp)] for s in range(pp)]
     params, optim_state = {}, ({} if with_optim and meta.get("optimizer") else None)
@@ -160,10 +157,6 @@ def _check_replicas(replicas: dict, params: dict, iter_dir: str) -> None:
             log.warning("%s: the last stage's tied embedding copy %s differs from %s (%s); "
                         "keeping the first stage's table", iter_dir, name,
                         replicated_name(name), diff)
-
-
-def _layout_str(layout: dict) -> str:
-    return f"TP{layout['tp']} SP{layout['sp']} PP{layout['pp']} DP{layout['dp']}"
 
 
 def shard_for(full: FullCheckpoint, names, tp_rank: int, tp: int) -> tuple[dict, dict | None]:

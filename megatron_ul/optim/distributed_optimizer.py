@@ -26,6 +26,8 @@ Checkpoint format (state_dict(), one per dp_sp rank; load on the same layout):
                optimizer's parameter order (start/end are flat-buffer indices),
      "optimizer": torch AdamW state_dict over those pieces (exp_avg, exp_avg_sq, step)}
 The master weights are the model parameters: save them with the model as usual.
+Training checkpoints do not use this per-rank format: checkpoint/zero.py gathers the moments
+into the per-parameter form plain AdamW checkpoints use, so they load on any layout.
 """
 from __future__ import annotations
 

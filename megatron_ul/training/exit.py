@@ -18,8 +18,10 @@ log = logging.getLogger("megatron_ul")
 class RunControl:
     """Called after every iteration; saves checkpoints and decides whether to stop."""
 
-    def __init__(self, cfg: Config, model, optimizer, scheduler, start_iteration: int = 0):
+    def __init__(self, cfg: Config, model, optimizer, scheduler, start_iteration: int = 0,
+                 grad_scaler=None):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
+        self.grad_scaler = grad_scaler
         self.iteration = self.last_saved = start_iteration
         self.started = time.monotonic()
         self.signal_received = False
@@ -58,7 +60,8 @@ class RunControl:
         return stop
 
     def save(self) -> None:
-        save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.iteration)
+        save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.iteration,
+                        grad_scaler=self.grad_scaler)
         self.last_saved = self.iteration
 
     def finish(self) -> None:

@@ -20,17 +20,19 @@ def autocast_dtype(cfg: Config):
 
 
 def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches=None,
-          start_iteration: int = 0, after_iteration=None) -> list[float]:
+          start_iteration: int = 0, after_iteration=None, grad_scaler=None) -> list[float]:
     """Run to --train-iters; returns the per-iteration global loss (same on every rank).
 
     after_iteration(iteration) -> bool (checkpointing and exit conditions) stops early on True.
+    grad_scaler: the fp16 loss scaler (restored from a checkpoint); built here when None.
     """
     metrics = MetricsLogger(cfg, model.padded_vocab_size,
                             is_reporting_rank=is_reporting_rank())
     losses = []
     model.train()
     dtype = autocast_dtype(cfg)
-    grad_scaler = build_grad_scaler(cfg.train)   # fp16 only
+    if grad_scaler is None:
+        grad_scaler = build_grad_scaler(cfg.train)   # fp16 only
     try:
         for iteration in range(start_iteration + 1, cfg.train.train_iters + 1):
             lr = scheduler.lr

@@ -19,6 +19,7 @@ from ..model.gpt import GPTModel
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
 from ..pipeline.model import build_pipeline_model
+from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from .data import build_datasets, build_tokenizer_for, global_batches
 from .exit import RunControl
@@ -74,12 +75,14 @@ class Trainer:
     train_batches: Iterator
     valid_batches: Optional[Iterator]
     start_iteration: int = 0
+    grad_scaler: Optional[GradScaler] = None   # fp16 only; checkpointed with the model
 
     def train(self) -> list[float]:
         control = RunControl(self.cfg, self.model, self.optimizer, self.scheduler,
-                             self.start_iteration)
+                             self.start_iteration, grad_scaler=self.grad_scaler)
         losses = train(self.cfg, self.model, self.optimizer, self.scheduler, self.train_batches,
-                       self.valid_batches, self.start_iteration, control.after_iteration)
+                       self.valid_batches, self.start_iteration, control.after_iteration,
+                       grad_scaler=self.grad_scaler)
         control.finish()
         return losses
 
@@ -100,8 +103,9 @@ def setup(cfg: Config) -> Trainer:
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
                            decay_steps=t.lr_decay_iters, decay_style=t.lr_decay_style)
-    resume = (load_checkpoint(cfg, model, optimizer, scheduler) if cfg.checkpoint.load
-              else Resume())
+    grad_scaler = build_grad_scaler(cfg.train)
+    resume = (load_checkpoint(cfg, model, optimizer, scheduler, grad_scaler)
+              if cfg.checkpoint.load else Resume())
     tokenizer = build_tokenizer_for(cfg)
     eod = tokenizer.eod if tokenizer is not None else None
     train_ds, valid_ds, _ = build_datasets(cfg)
@@ -109,7 +113,7 @@ def setup(cfg: Config) -> Trainer:
     valid_batches = (global_batches(cfg, valid_ds, device, eod, resume.consumed_valid_samples)
                      if valid_ds is not None else None)
     return Trainer(cfg, model, optimizer, scheduler, train_batches, valid_batches,
-                   resume.iteration)
+                   resume.iteration, grad_scaler)
 
 
 def main(argv=None) -> int:

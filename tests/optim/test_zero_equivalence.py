@@ -45,6 +45,27 @@ def test_zero_matches_single_process(model, layout, stage):
             assert held <= full / dp_sp * 1.05 + 4096, (held, full)
 
 
+PIPELINES = {  # GPT-2 style (tied embeddings: the last stage's copy is in the optimizer too)
+    "PP2-DP2": ["--pipeline-model-parallel-size", "2"],
+    "PP2-SP2-interleaved": ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                            "--num-layers-per-virtual-pipeline-stage", "1",
+                            "--ds-sequence-parallel-size", "2"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(PIPELINES))
+def test_zero1_with_pipeline_matches_single_process(layout):
+    """ZeRO-1 shards each pipeline stage's parameters over that stage's dp_sp group."""
+    flags = PIPELINES[layout]
+    layers = flags[flags.index("--num-layers"):][:2] if "--num-layers" in flags else []
+    ref = run_layout(BASE + GPT2_STYLE + layers, 1)
+    losses, params, _ = run_zero_layout(BASE + GPT2_STYLE + flags + STAGES["zero1"], 4)
+    loss_diff, param_diff = compare(ref, (losses, params), 4, 4)
+    print(f"ZeRO-1 {layout}: max loss diff {loss_diff:.2e}, max param rel diff {param_diff:.2e}")
+    assert loss_diff < 1e-5 and param_diff < 1e-5
+
+
 @pytest.mark.parametrize("flags,match", [
     (["--zero-stage", "2"], "--zero-stage 2"),
     (["--use-distributed-optimizer", "--zero-stage", "3"], "conflict"),

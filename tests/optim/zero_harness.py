@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch.distributed.tensor import DTensor
 
 from megatron_ul.mpu import parallel_state as ps
+from megatron_ul.pipeline.model import global_named_parameters
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
 from tests.training.equivalence import merge_tp_shards
@@ -15,7 +16,8 @@ def train_and_collect_full(rank: int, world: int, argv: list[str]) -> dict:
     trainer = setup(configure(argv, world))
     losses = trainer.train()
     shards = {}
-    for name, p in trainer.model.named_parameters():
+    # Global names (layer numbers, not per-stage indices), so pipeline stages merge.
+    for name, p in global_named_parameters(trainer.model):
         full = p.full_tensor() if isinstance(p, DTensor) else p
         shards[name] = (full.detach().clone(), getattr(p, "partition_dim", None),
                         getattr(p, "partition_stride", 1))

@@ -1,0 +1,197 @@
+"""ZeRO state in the layout-independent checkpoint form, so ZeRO-1, ZeRO-3 and plain AdamW
+checkpoints are interchangeable and reshard like any other (tools/checkpoint/convert.py).
+
+On save, every dp_sp rank takes part in gathering, ONE parameter at a time, the full fp32
+exp_avg / exp_avg_sq (and step) of each parameter of its (tp, pp) part — the name-keyed form
+state.optimizer_state writes for the plain optimizer — and the dp0/sp0 rank writes it with the
+model. ZeRO-3 (FSDP2) parameters are DTensors: the model is saved as full tensors too. On load,
+every rank reads the name-keyed state (resharded over TP/PP first when needed) and keeps its own
+shard: ZeRO-1 its pieces of the flat buffer, ZeRO-3 its DTensor chunks. Loading needs no
+collectives.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..mpu import parallel_state as ps
+from .state import load_optimizer_state, named_parameters, optimizer_state
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _zero1(optimizer) -> bool:
+    from ..optim.distributed_optimizer import DistributedOptimizer
+    return isinstance(optimizer, DistributedOptimizer)
+
+
+def _is_dp_sp_root() -> bool:
+    return dist.get_rank(ps.get_data_sequence_parallel_group()) == 0
+
+
+# ---- save ----------------------------------------------------------------------------------
+def checkpoint_model_state(model) -> dict[str, torch.Tensor] | None:
+    """{name: full CPU tensor} on the dp_sp root, None elsewhere. Collective over dp_sp when
+    parameters are DTensors (ZeRO-3): gathered one at a time."""
+    params = named_parameters(model)
+    if not _is_dp_sp_root() and not any(isinstance(p, DTensor) for p in params.values()):
+        return None
+    out = {}
+    for name, p in params.items():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = full.detach().cpu().clone()
+    return out if _is_dp_sp_root() else None
+
+
+def checkpoint_optimizer_state(model, optimizer) -> dict | None:
+    """The name-keyed optimizer state of this (tp, pp) part on the dp_sp root, None elsewhere.
+    Collective over dp_sp for ZeRO-1 and ZeRO-3."""
+    if _zero1(optimizer):
+        return _gather_zero1(model, optimizer)
+    if not _is_dp_sp_root() and not any(isinstance(p, DTensor) for p in
+                                        named_parameters(model).values()):
+        return None    # plain AdamW: replicated over dp_sp, the root has it all
+    state = optimizer_state(model, optimizer)
+    for per_param in state["state"].values():       # ZeRO-3: DTensor moments, one at a time
+        for key, value in per_param.items():
+            if isinstance(value, DTensor):
+                per_param[key] = value.full_tensor().cpu()
+    return state if _is_dp_sp_root() else None
+
+
+def _gather_zero1(model, optimizer) -> dict | None:
+    """Reduce (SUM of disjoint pieces, zeros elsewhere: exact) each parameter's two moments onto
+    the dp_sp root; all ranks loop over the parameters in the same (buffer) order."""
+    group = optimizer.group
+    root = dist.get_global_rank(group, 0)
+    names = {id(p): n for n, p in named_parameters(model).items()}
+    inner = optimizer.optimizer
+    piece_state = {(name, lo): inner.state.get(piece, {}) for (name, _, _, lo, _), piece in
+                   zip(optimizer.pieces, _inner_params(optimizer))}
+    step = next((s["step"] for s in piece_state.values() if "step" in s), None)
+    pieces_of = {}
+    for name, p, offset, lo, hi in optimizer.pieces:
+        pieces_of.setdefault(id(p), []).append((offset, lo, hi, piece_state[(name, lo)]))
+    gathered = {}
+    for p in optimizer.params:
+        both = torch.zeros(2, p.numel(), dtype=torch.float32, device=p.device)
+        held = False
+        for start, lo, hi, s in pieces_of.get(id(p), []):
+            if "exp_avg" in s:
+                held = True
+                for row, key in enumerate(MOMENTS):
+                    both[row, lo - start:hi - start] = s[key]
+        flags = torch.tensor([float(held)], device=p.device)
+        if optimizer.size > 1:
+            dist.reduce(both, dst=root, group=group)
+            dist.reduce(flags, dst=root, group=group)
+        if flags.item() > 0:
+            gathered[names[id(p)]] = {"step": step.clone() if torch.is_tensor(step) else step,
+                                      **{k: both[i].view_as(p).cpu().clone()
+                                         for i, k in enumerate(MOMENTS)}}
+    if not _is_dp_sp_root():
+        return None
+    return {"state": gathered, "param_groups": _zero1_groups(model, optimizer)}
+
+
+def _inner_params(optimizer) -> list[torch.Tensor]:
+    """The inner AdamW's piece tensors in optimizer.pieces order (decay group, then no-decay:
+    see DistributedOptimizer._build_inner)."""
+    decay, no_decay = optimizer.optimizer.param_groups
+    it_decay, it_no = iter(decay["params"]), iter(no_decay["params"])
+    return [next(it_no) if p.dim() == 1 else next(it_decay) for _, p, _, _, _ in optimizer.pieces]
+
+
+def _zero1_groups(model, optimizer) -> list[dict]:
+    """Plain AdamW's two groups (decay: dim != 1, no decay: 1-D), named by parameter."""
+    params = named_parameters(model)
+    groups = []
+    for group, one_d in zip(optimizer.optimizer.param_groups, (False, True)):
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        names = [n for n, p in params.items() if p.requires_grad and (p.dim() == 1) == one_d]
+        groups.append({**hyper, "param_names": names})
+    return groups
+
+
+# ---- load ----------------------------------------------------------------------------------
+def load_checkpoint_model_state(model, state: dict) -> None:
+    """Copy full tensors into the parameters; a DTensor keeps only its own chunk. Shapes and
+    names must already have been checked."""
+    with torch.no_grad():
+        for name, p in named_parameters(model).items():
+            full = state[name]
+            if isinstance(p, DTensor):
+                p.to_local().copy_(_my_chunk(full, p))
+            else:
+                p.copy_(full)
+
+
+def _my_chunk(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's local part of `full` laid out like `like` (no communication)."""
+    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements,
+                             src_data_rank=None).to_local()
+
+
+def load_checkpoint_optimizer_state(model, optimizer, saved: dict, source: str) -> None:
+    """Each rank keeps its shard of the name-keyed state `saved` (of this rank's part)."""
+    if _zero1(optimizer):
+        _load_zero1(model, optimizer, saved, source)
+        return
+    params = named_parameters(model)
+    if any(isinstance(p, DTensor) for p in params.values()):
+        state = {n: ({k: (_as_dtensor(v, params[n]) if k in MOMENTS else v)
+                      for k, v in s.items()} if n in params else s)
+                 for n, s in saved["state"].items()}
+        saved = {**saved, "state": state}
+    load_optimizer_state(model, optimizer, saved, source)
+
+
+def _as_dtensor(full: torch.Tensor, like: torch.Tensor):
+    if not isinstance(like, DTensor) or full.shape != like.shape:
+        return full      # a shape mismatch is reported by load_optimizer_state
+    chunk = _my_chunk(full, like)
+    return DTensor.from_local(chunk, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def _load_zero1(model, optimizer, saved: dict, source: str) -> None:
+    """Validate the name-keyed state against the model (names, groups, shapes) with the plain
+    loader's checks, then cut every piece this rank owns out of its parameter's moments."""
+    names = {id(p): n for n, p in named_parameters(model).items()}
+    _check_zero1(model, optimizer, saved, source)
+    inner = optimizer.optimizer
+    state, index = {}, {}
+    for position, p in enumerate(q for g in inner.param_groups for q in g["params"]):
+        index[id(p)] = position
+    for (_, p, offset, lo, hi), piece in zip(optimizer.pieces, _inner_params(optimizer)):
+        s = saved["state"].get(names[id(p)])
+        if s is None:
+            continue
+        state[index[id(piece)]] = {
+            "step": s["step"].clone() if torch.is_tensor(s["step"]) else s["step"],
+            **{k: s[k].reshape(-1)[lo - offset:hi - offset].clone() for k in MOMENTS}}
+    groups = []
+    for group, saved_group in zip(inner.param_groups, saved["param_groups"]):
+        hyper = {k: v for k, v in saved_group.items() if k != "param_names"}
+        groups.append({**hyper, "params": [index[id(q)] for q in group["params"]]})
+    inner.load_state_dict({"state": state, "param_groups": groups})
+
+
+def _check_zero1(model, optimizer, saved: dict, source: str) -> None:
+    from .state import _optim_error
+    ours = _zero1_groups(model, optimizer)
+    if len(ours) != len(saved["param_groups"]):
+        raise _optim_error(source, "the number of parameter groups differs")
+    for group, saved_group in zip(ours, saved["param_groups"]):
+        if sorted(group["param_names"]) != sorted(saved_group["param_names"]):
+            diff = set(group["param_names"]) ^ set(saved_group["param_names"])
+            raise _optim_error(source, f"parameter groups differ ({sorted(diff)[:4]})")
+    params = named_parameters(model)
+    for name, s in saved["state"].items():
+        if name not in params:
+            raise _optim_error(source, f"state for unknown parameter {name}")
+        for key in MOMENTS:
+            if key in s and s[key].shape != params[name].shape:
+                raise _optim_error(source, f"{name}.{key} has shape {tuple(s[key].shape)}, the "
+                                           f"model {tuple(params[name].shape)}")
