@@ -114,4 +114,4 @@ class GPTModel(nn.Module):
         if labels is None:
             return logits
         loss = vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size)
-        return loss.t()
+        return loss.t().contiguous()  # a fresh tensor: FSDP2 warns about returned views

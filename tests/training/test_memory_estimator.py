@@ -5,7 +5,6 @@ import functools
 
 import pytest
 
-from megatron_ul.model.gpt import GPTModel  # noqa: F401  (import check: estimator mirrors it)
 from megatron_ul.training import memory_estimator as me
 from megatron_ul.training.pretrain import configure
 from tests.distributed import run_distributed
