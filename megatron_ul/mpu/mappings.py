@@ -81,8 +81,9 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> tor
         # An equal-split all-to-all would not complain; it would silently compute garbage.
         raise ValueError(f"all-to-all: dim {scatter_dim} of size {x.shape[scatter_dim]} "
                          f"is not divisible by the group size {world}")
-    # [world, ...chunk] so that chunk j is contiguous block j of the send buffer.
-    send = torch.stack(x.chunk(world, dim=scatter_dim), dim=0).contiguous()
+    # [world, ...chunk] so that chunk j is contiguous block j of the send buffer (no copy when
+    # scatter_dim is 0 and x is contiguous).
+    send = x.unflatten(scatter_dim, (world, -1)).movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
     record("all_to_all", send, group)
     if _all_to_all_timer is None:
@@ -90,7 +91,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> tor
     else:
         with _all_to_all_timer():
             dist.all_to_all_single(recv, send, group=group)
-    return torch.cat(recv.unbind(0), dim=gather_dim)
+    # Chunks from ranks 0..world-1 laid end to end along gather_dim (a view when it is 0).
+    return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
 # ---- autograd functions ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 import pytest
 
 from megatron_ul.mpu import parallel_state as ps
-from tests.distributed import run_distributed
+from tests.distributed import RankFailure, run_distributed
 
 
 def _groups(rank, world, tp, sp, pp):
@@ -50,5 +50,5 @@ def _bad_world(rank, world):
 
 
 def test_world_not_divisible_is_an_error():
-    with pytest.raises(AssertionError, match="not divisible by TP\\*SP\\*PP"):
+    with pytest.raises(RankFailure, match="not divisible by TP\\*SP\\*PP"):
         run_distributed(_bad_world, 2)

@@ -11,16 +11,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import sys
-import traceback
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from common import run_ranks  # noqa: E402  (tools/bench/common.py: spawns gloo ranks)
 
 MIB = 2**20
 STATE_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -30,43 +28,6 @@ ACT_MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads
              "rope", "--attention-dropout", "0", "--hidden-dropout", "0.1"]
 COMMON = ["--mock-data", "--train-iters", "4", "--log-interval", "100",
           "--distributed-timeout-minutes", "5"]
-
-
-# ---- running a function on N gloo ranks ----------------------------------------------------
-def _worker(rank, world, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    try:
-        queue.put((rank, fn(rank, world, *args), None))
-    except BaseException:  # noqa: BLE001 - hand the traceback to the parent
-        queue.put((rank, None, traceback.format_exc()))
-    finally:
-        from megatron_ul.initialize import shutdown
-        shutdown()
-
-
-def spawn(fn, world: int, *args) -> list:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in range(world):
-        rank, value, error = queue.get(timeout=1800)
-        if error:
-            for p in procs:
-                p.kill()
-            raise RuntimeError(f"rank {rank} failed:\n{error}")
-        results[rank] = value
-    for p in procs:
-        p.join()
-    return [results[r] for r in range(world)]
 
 
 # ---- 1. model state under ZeRO 0/1/3 ----------------------------------------------------------
@@ -94,7 +55,7 @@ def table_model_state() -> str:
     for name, flags in zero.items():
         base = None
         for dp_sp, layout, dp in layouts:
-            per_rank = spawn(model_state_worker, dp_sp, COMMON + STATE_MODEL + layout + flags
+            per_rank = run_ranks(model_state_worker, dp_sp, COMMON + STATE_MODEL + layout + flags
                              + ["--global-batch-size", str(dp)])
             m = max(per_rank, key=lambda r: r["total"])   # the fullest rank
             base = base or m["total"]
@@ -137,7 +98,7 @@ def table_layer_activations(seq_length: int) -> str:
     for sp in (1, 2, 4, 8):
         argv = COMMON + ACT_MODEL + ["--seq-length", str(seq_length),
                                      "--ds-sequence-parallel-size", str(sp)]
-        saved = max(spawn(layer_activation_worker, sp, argv, seq_length))
+        saved = max(run_ranks(layer_activation_worker, sp, argv, seq_length))
         base = base or saved
         rows.append(f"| {sp} | {seq_length // sp} | {saved / MIB:.3f} | {saved / base:.3f} | "
                     f"{1 / sp:.3f} |")
@@ -191,7 +152,7 @@ def table_longest_sequence(cap_bytes: int, start: int) -> str:
     recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
     for sp in (1, 2, 4):
         argv = COMMON + ACT_MODEL + recompute + ["--ds-sequence-parallel-size", str(sp)]
-        best, need = spawn(longest_sequence_worker, sp, argv, cap_bytes, start)[0]
+        best, need = run_ranks(longest_sequence_worker, sp, argv, cap_bytes, start)[0]
         base = base or best
         rows.append(f"| {sp} | {best} | {best / base:.2f} | {need / MIB:.1f} |")
         print(rows[-1], flush=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import socket
 import sys
 import time
 
@@ -24,7 +23,7 @@ if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+from common import run_ranks  # noqa: E402  (tools/bench/common.py: spawns gloo ranks)
 
 DOCS_PATH = os.path.join(REPO_ROOT, "docs", "pipeline.md")
 BENCH_START, BENCH_END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -77,10 +76,8 @@ def _instrument_waits(counter: dict) -> None:
     StageCommunicator._recv, StageCommunicator.wait_sends = timed(recv), timed(wait)
 
 
-def _worker(rank, world, port, flags, iters, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+def _measure_rank(rank, world, flags, iters):
+    """(wall seconds, seconds blocked on neighbours) over `iters` forward-backward passes."""
     import torch.distributed as dist
     from megatron_ul.initialize import initialize_distributed, shutdown
     from megatron_ul.training.data import build_datasets, global_batches
@@ -104,25 +101,13 @@ def _worker(rank, world, port, flags, iters, queue):
                 walls.append(time.perf_counter() - start)
                 blocked.append(counter["blocked"])
             model.zero_grad(set_to_none=True)
-        queue.put((rank, sum(walls), sum(blocked)))
+        return sum(walls), sum(blocked)
     finally:
         shutdown()
 
 
 def measure(flags: list[str], world: int, iters: int) -> list[tuple[float, float]]:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, flags, iters, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = dict((r, (w, b)) for r, w, b in (queue.get(timeout=900) for _ in range(world)))
-    for p in procs:
-        p.join()
-    return [results[r] for r in range(world)]
+    return run_ranks(_measure_rank, world, flags, iters)
 
 
 def table(args) -> str:

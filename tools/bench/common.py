@@ -2,72 +2,27 @@
 benchmark's section of docs/benchmarks.md (each benchmark owns the text between its markers)."""
 from __future__ import annotations
 
+import datetime
 import os
 import platform
-import queue as queue_module
-import socket
 import sys
-import traceback
 
 import torch
-import torch.multiprocessing as mp
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
+
+from megatron_ul.local_ranks import run_on_local_ranks  # noqa: E402  (needs REPO_ROOT on sys.path)
 DOCS = os.path.join(REPO_ROOT, "docs", "benchmarks.md")
 HEADER = ("# Benchmarks\n\nEach section is written by the script named in it "
           "(`--write-docs`); numbers are from one run on the machine described.\n")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, fn, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        results.put((rank, True, fn(rank, world, *args)))
-    except BaseException:  # noqa: BLE001 - report to the parent
-        results.put((rank, False, traceback.format_exc()))
-    finally:
-        from megatron_ul.mpu import parallel_state
-        parallel_state.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def run_ranks(fn, world: int, *args, timeout: float = 1800.0) -> list:
-    """fn(rank, world, *args) on `world` spawned gloo ranks; results in rank order."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, fn, args, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < world:
-            try:
-                rank, ok, payload = results.get(timeout=timeout)
-            except queue_module.Empty:
-                raise RuntimeError(f"benchmark ranks timed out after {timeout}s") from None
-            if not ok:
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return [out[r] for r in range(world)]
+    """fn(rank, world, *args) on `world` spawned gloo ranks, one thread each; rank order."""
+    return run_on_local_ranks(fn, world, *args, timeout=timeout,
+                              collective_timeout=datetime.timedelta(minutes=30))
 
 
 def machine_info() -> str:

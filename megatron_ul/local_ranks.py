@@ -1,0 +1,97 @@
+"""Run a function on N gloo ranks on loopback, one thread each, with timeouts everywhere.
+
+Used by the multi-rank tests and the CPU benchmarks. A collective that never completes fails
+through gloo's timeout; a rank that hangs anyway is killed when the whole run exceeds
+`timeout`, and the caller gets a RankFailure with what each rank reported.
+"""
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+
+import torch
+import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=90)
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or hung; the message holds its traceback or what is known."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, fn, args, queue, collective_timeout) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=collective_timeout)
+        result = fn(rank, world, *args)
+        # Send plain bytes: tensors put on the queue directly travel as shared-memory handles
+        # that vanish if this process exits before the parent reads them.
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        from megatron_ul.mpu import parallel_state
+        parallel_state.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_on_local_ranks(fn, world: int, *args, timeout: float = 300.0,
+                       collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> list:
+    """fn(rank, world, *args) on `world` spawned ranks; returns the results in rank order.
+
+    fn must be a module-level function (it is pickled by reference) and returns something
+    torch.save can write."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, world, port, fn, args, queue, collective_timeout))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results, errors = {}, []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world and not errors:
+            try:
+                rank, status, payload = queue.get(timeout=1.0)
+            except queue_module.Empty:
+                dead = [r for r, p in enumerate(procs)
+                        if p.exitcode is not None and r not in results]
+                if dead:
+                    errors.append(f"ranks {dead} died (exit codes "
+                                  f"{[procs[r].exitcode for r in dead]}) without reporting")
+                elif time.monotonic() > deadline:
+                    errors.append(f"distributed run timed out after {timeout}s; "
+                                  f"finished ranks: {sorted(results)}")
+                continue
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:  # the other ranks will time out or fail; do not wait for them
+                errors.append(f"rank {rank}:\n{payload}")
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RankFailure("\n".join(errors))
+    return [results[r] for r in range(world)]
