@@ -14,8 +14,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Pretrain a GPT with tensor, sequence (Ulysses), pipeline and data "
                     "parallelism.", allow_abbrev=False)
+    _add_model_args(p.add_argument_group("model"))
+    _add_parallel_args(p.add_argument_group("parallelism"))
+    _add_training_args(p.add_argument_group("training"))
+    _add_data_args(p.add_argument_group("data"))
+    _add_checkpoint_args(p.add_argument_group("checkpointing"))
+    _add_logging_args(p.add_argument_group("logging"))
+    return p
 
-    g = p.add_argument_group("model")
+
+def _add_model_args(g) -> None:
     g.add_argument("--num-layers", type=int, default=2)
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--ffn-hidden-size", type=int, default=None)
@@ -51,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint the first --recompute-num-layers layers of each stage")
     g.add_argument("--recompute-num-layers", type=int, default=1)
 
-    g = p.add_argument_group("parallelism")
+
+def _add_parallel_args(g) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
                    help="DeepSpeed-Ulysses sequence-parallel degree")
@@ -64,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--zero-stage", type=int, default=0)
 
-    g = p.add_argument_group("training")
+
+def _add_training_args(g) -> None:
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--train-iters", type=int, default=10)
@@ -96,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--world-size", type=int, default=None,
                    help="planned number of processes, for --dry-run outside a launcher")
 
-    g = p.add_argument_group("data")
+
+def _add_data_args(g) -> None:
     g.add_argument("--mock-data", action="store_true", help="random tokens; needs --vocab-size")
     g.add_argument("--data-path", nargs="*", default=[],
                    help="dataset prefixes, or 'weight prefix' pairs to blend")
@@ -111,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
 
-    g = p.add_argument_group("checkpointing")
+
+def _add_checkpoint_args(g) -> None:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
@@ -128,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save at the end of the current iteration and exit 0")
 
-    g = p.add_argument_group("logging")
+
+def _add_logging_args(g) -> None:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2],
@@ -137,7 +150,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="per-GPU peak TFLOP/s for MFU (default: known GPU names, e.g. "
                         "A100 312, H100/H200 989 bf16 dense)")
-    return p
 
 
 def _take(cls, ns: argparse.Namespace, **overrides):

@@ -218,43 +218,8 @@ def validate(cfg: Config) -> Config:
                       f"processes or change the parallel sizes")
     dp = max(world // (tp * sp * pp), 1)
 
-    # --- attention heads: TP splits heads, Ulysses splits them again --------------------------
-    heads, groups = m.num_attention_heads, m.query_groups
-    if m.num_query_groups is not None and heads % groups != 0:
-        errors.append(f"--num-attention-heads {heads} is not divisible by --num-query-groups "
-                      f"{groups}; choose a number of query groups that divides the heads")
-    if heads % (tp * sp) != 0:
-        errors.append(f"--num-attention-heads {heads} is not divisible by "
-                      f"--tensor-model-parallel-size × --ds-sequence-parallel-size = {tp}×{sp}: "
-                      f"Ulysses gives each rank whole heads; pick TP·SP that divides {heads}")
-    if groups % tp != 0:
-        errors.append(f"--num-query-groups {groups} is not divisible by "
-                      f"--tensor-model-parallel-size {tp}: each TP rank needs whole kv groups; "
-                      f"use a TP size that divides {groups}")
-    if m.kv_channels is None and m.hidden_size % heads != 0:
-        errors.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
-                      f"{heads}; change one of them or set --kv-channels")
-    if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
-        errors.append(f"rope needs an even head dimension (got {m.head_dim})")
-
-    # --- sequence ------------------------------------------------------------------------------
-    seq_divisor = sp * (tp if p.sequence_parallel else 1)
-    if m.seq_length % seq_divisor != 0:
-        flags = ("--ds-sequence-parallel-size × --tensor-model-parallel-size (with "
-                 "--sequence-parallel)" if p.sequence_parallel else "--ds-sequence-parallel-size")
-        errors.append(f"--seq-length {m.seq_length} is not divisible by {flags} = {seq_divisor}; "
-                      f"use a sequence length that is a multiple of {seq_divisor}")
-    if m.max_position_embeddings is None:
-        m.max_position_embeddings = m.seq_length
-    if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < m.seq_length:
-        errors.append(f"--max-position-embeddings {m.max_position_embeddings} is smaller than "
-                      f"--seq-length {m.seq_length}")
-    if m.position_embedding_type not in ("learned_absolute", "rope"):
-        errors.append(f"--position-embedding-type must be learned_absolute or rope "
-                      f"(got {m.position_embedding_type!r})")
-    if m.normalization not in ("LayerNorm", "RMSNorm"):
-        errors.append(f"--normalization must be LayerNorm or RMSNorm (got {m.normalization!r})")
-
+    errors += _attention_errors(m, tp, sp)
+    errors += _sequence_errors(m, p, tp, sp)
     errors += _recompute_errors(m)
     errors += _zero_errors(p)
     errors += _loss_scale_errors(t)
@@ -292,6 +257,51 @@ def validate(cfg: Config) -> Config:
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     return cfg
+
+
+def _attention_errors(m: ModelConfig, tp: int, sp: int) -> list[str]:
+    """TP splits the heads and Ulysses splits them again: every rank needs whole heads."""
+    errors = []
+    heads, groups = m.num_attention_heads, m.query_groups
+    if m.num_query_groups is not None and heads % groups != 0:
+        errors.append(f"--num-attention-heads {heads} is not divisible by --num-query-groups "
+                      f"{groups}; choose a number of query groups that divides the heads")
+    if heads % (tp * sp) != 0:
+        errors.append(f"--num-attention-heads {heads} is not divisible by "
+                      f"--tensor-model-parallel-size × --ds-sequence-parallel-size = {tp}×{sp}: "
+                      f"Ulysses gives each rank whole heads; pick TP·SP that divides {heads}")
+    if groups % tp != 0:
+        errors.append(f"--num-query-groups {groups} is not divisible by "
+                      f"--tensor-model-parallel-size {tp}: each TP rank needs whole kv groups; "
+                      f"use a TP size that divides {groups}")
+    if m.kv_channels is None and m.hidden_size % heads != 0:
+        errors.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+                      f"{heads}; change one of them or set --kv-channels")
+    if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
+        errors.append(f"rope needs an even head dimension (got {m.head_dim})")
+    return errors
+
+
+def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> list[str]:
+    """Every SP rank (and TP rank under Megatron-SP) holds an equal slice of each sequence."""
+    errors = []
+    seq_divisor = sp * (tp if p.sequence_parallel else 1)
+    if m.seq_length % seq_divisor != 0:
+        flags = ("--ds-sequence-parallel-size × --tensor-model-parallel-size (with "
+                 "--sequence-parallel)" if p.sequence_parallel else "--ds-sequence-parallel-size")
+        errors.append(f"--seq-length {m.seq_length} is not divisible by {flags} = {seq_divisor}; "
+                      f"use a sequence length that is a multiple of {seq_divisor}")
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < m.seq_length:
+        errors.append(f"--max-position-embeddings {m.max_position_embeddings} is smaller than "
+                      f"--seq-length {m.seq_length}")
+    if m.position_embedding_type not in ("learned_absolute", "rope"):
+        errors.append(f"--position-embedding-type must be learned_absolute or rope "
+                      f"(got {m.position_embedding_type!r})")
+    if m.normalization not in ("LayerNorm", "RMSNorm"):
+        errors.append(f"--normalization must be LayerNorm or RMSNorm (got {m.normalization!r})")
+    return errors
 
 
 def _checkpoint_errors(cfg: Config) -> list[str]:
