@@ -17,6 +17,27 @@ TINY = ["--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", 
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
+def assert_continues_the_curve(out: dict) -> None:
+    """out = {"original": 4 losses, name: the 2 losses of a run resumed at iteration 2}."""
+    original = out.pop("original")
+    assert len(original) == 4
+    for name, resumed in out.items():
+        diff = max(abs(a - b) for a, b in zip(resumed, original[2:]))
+        print(f"{name}: original {original[2:]} resumed {resumed} max diff {diff:.2e}")
+        assert len(resumed) == 2 and diff < 1e-5, name
+
+
+def assert_bitwise_resume(results: list[dict], layouts) -> None:
+    """Per layout, the run resumed at iteration 2 repeats the uninterrupted losses exactly."""
+    for layout in layouts:
+        full, resumed = results[0][layout]
+        print(f"{layout}: uninterrupted {full}\n  resumed at 2 {resumed}")
+        assert len(full) == 4 and len(resumed) == 2
+        assert resumed == full[2:], layout       # bitwise: float equality
+    for r in results:                            # every rank reports the same losses
+        assert r == results[0]
+
+
 def train(rank: int, world: int, argv: list[str]) -> list[float]:
     losses = setup(configure(argv, world)).train()
     ps.destroy_model_parallel()

@@ -7,7 +7,8 @@ import os
 import pytest
 import torch
 
-from tests.checkpoint.runs import NO_DROPOUT, TINY, convert_pipeline_chain
+from tests.checkpoint.runs import (NO_DROPOUT, TINY, assert_continues_the_curve,
+                                   convert_pipeline_chain)
 from tests.distributed import run_distributed
 from tests.training.equivalence import run_layout
 
@@ -43,12 +44,7 @@ def test_bad_virtual_pipeline_target_is_refused_before_writing(tmp_path, single_
 
 def test_pipeline_conversions_continue_the_loss_curve(tmp_path):
     out = run_distributed(convert_pipeline_chain, 4, FOUR_LAYERS, str(tmp_path))[0]
-    original = out.pop("original")
-    assert len(original) == 4
-    for name, resumed in out.items():
-        diff = max(abs(a - b) for a, b in zip(resumed, original[2:]))
-        print(f"{name}: original {original[2:]} resumed {resumed} max diff {diff:.2e}")
-        assert len(resumed) == 2 and diff < 1e-5, name
+    assert_continues_the_curve(out)
 
 
 def _logits(model, tokens, vocab):

@@ -1,7 +1,7 @@
 """Exact resume: a run resumed from iteration k reproduces the uninterrupted run's per-step
 losses bit for bit (fp32, dropout on, so RNG streams must be restored on every rank), on
 TP/SP/DP layouts and on pipelines (TP2·PP2, and interleaved PP2 with SP2)."""
-from tests.checkpoint.runs import TINY, resume_on_layouts
+from tests.checkpoint.runs import TINY, assert_bitwise_resume, resume_on_layouts
 from tests.distributed import run_distributed
 
 LAYOUTS = {
@@ -17,10 +17,4 @@ LAYOUTS = {
 
 def test_resume_is_bitwise_identical(tmp_path):
     results = run_distributed(resume_on_layouts, 4, TINY, LAYOUTS, str(tmp_path))
-    for layout in LAYOUTS:
-        full, resumed = results[0][layout]
-        print(f"{layout}: uninterrupted {full}\n  resumed at 2 {resumed}")
-        assert len(full) == 4 and len(resumed) == 2
-        assert resumed == full[2:], layout       # bitwise: float equality
-    for r in results:                            # every rank reports the same losses
-        assert r == results[0]
+    assert_bitwise_resume(results, LAYOUTS)

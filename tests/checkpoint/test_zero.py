@@ -5,7 +5,8 @@ like plain AdamW's: checkpoint/zero.py)."""
 import pytest
 
 from megatron_ul.optim.precision import GradScaler
-from tests.checkpoint.runs import NO_DROPOUT, TINY, resume_on_layouts
+from tests.checkpoint.runs import (NO_DROPOUT, TINY, assert_bitwise_resume,
+                                   resume_on_layouts)
 from tests.checkpoint.zero_runs import SP2, TP2_SP2, ZERO1, ZERO3, fp16_resume, \
     zero_across_layouts
 from tests.distributed import run_distributed
@@ -16,13 +17,7 @@ LAYOUTS = {"ZeRO1-SP2-DP2": ZERO1 + SP2, "ZeRO3-SP2-DP2": ZERO3 + SP2,
 
 def test_zero_resume_is_bitwise_identical(tmp_path):
     results = run_distributed(resume_on_layouts, 4, TINY, LAYOUTS, str(tmp_path))
-    for layout in LAYOUTS:
-        full, resumed = results[0][layout]
-        print(f"{layout}: uninterrupted {full}\n  resumed at 2 {resumed}")
-        assert len(full) == 4 and len(resumed) == 2
-        assert resumed == full[2:], layout       # bitwise: float equality
-    for r in results:
-        assert r == results[0]
+    assert_bitwise_resume(results, LAYOUTS)
 
 
 def test_zero_state_loads_on_other_layouts_and_optimizers(tmp_path):
