@@ -352,10 +352,6 @@ def _zero_errors(p: ParallelConfig) -> list[str]:
         p.zero_stage = 1
     if p.zero_stage == 1:
         p.use_distributed_optimizer = True
-    if p.zero_stage == 3 and p.pipeline_model_parallel_size > 1:
-        errors.append("--zero-stage 3 with --pipeline-model-parallel-size > 1 is not supported: "
-                      "FSDP2 sharding has not been composed with the pipeline schedule yet; "
-                      "use --use-distributed-optimizer (ZeRO-1) with pipelining")
     return errors
 
 

@@ -1,7 +1,12 @@
 """ZeRO-3 over the DP×SP group (--zero-stage 3) with PyTorch FSDP2, composed with our TP.
 
 `shard_model` applies `fully_shard` to every transformer layer and then to the root (the
-embeddings, final norm and head) on a 1-D DeviceMesh over the dp_sp ranks. Parameters become
+embeddings, final norm and head) on a 1-D DeviceMesh over the dp_sp ranks. Under pipelining
+every model chunk (GPTModel) of the PipelineStageModel is its own FSDP root: the schedule runs
+one chunk's forward or backward at a time (several forwards before their backwards, which
+FSDP2 supports), and each backward reduce-scatters into the accumulated gradient shards. The
+tied embedding copies on the first and last stage are sharded identically (same dp_sp
+coordinates), so pipeline/model.py sums their local shards over the embedding group. Parameters become
 DTensors sharded on dim 0 over dp_sp; a TP-sharded parameter is, to FSDP2, just a smaller
 local tensor, so TP needs nothing from it. FSDP2 all-gathers a layer's parameters for its
 forward and backward and reduce-scatters its gradients; we set the divide factor to 1 and
@@ -24,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
 from ..mpu import parallel_state as ps
+from ..pipeline.model import model_chunks
 from .grads import _all_reduce_coalesced, _counts_once
 
 # Attributes our parallel layers hang on parameters; FSDP2 makes new Parameter objects.
@@ -32,17 +38,19 @@ _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride
 
 
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
-    """fully_shard each transformer layer, then the root, over the dp_sp mesh (in place)."""
+    """fully_shard each transformer layer, then each model chunk as a root, over the dp_sp
+    mesh (in place); a PipelineStageModel itself stays a plain container."""
     mesh = ps.get_data_sequence_parallel_mesh()
     saved = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
              for name, p in model.named_parameters()}
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    for module in [model, *model.layers]:
-        module.set_gradient_divide_factor(1.0)   # SUM over dp_sp, not the mean
-        # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.
-        module.set_force_sum_reduction_for_comms(True)
+    for chunk in model_chunks(model):
+        for layer in chunk.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(chunk, mesh=mesh)
+        for module in [chunk, *chunk.layers]:
+            module.set_gradient_divide_factor(1.0)   # SUM over dp_sp, not the mean
+            # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.
+            module.set_force_sum_reduction_for_comms(True)
     for name, p in model.named_parameters():
         for attribute, value in saved[name].items():
             setattr(p, attribute, value)

@@ -12,6 +12,7 @@ import re
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import Config
 from ..model.gpt import GPTModel
@@ -116,12 +117,15 @@ def tied_embedding_weights(model: nn.Module) -> list[torch.nn.Parameter]:
 
 def allreduce_embedding_grads(model: nn.Module) -> None:
     """Megatron's _allreduce_embedding_grads: sum the tied table's gradient over the first and
-    last stage so both copies take the same optimizer step."""
+    last stage so both copies take the same optimizer step. Under ZeRO-3 the gradients are
+    FSDP2 DTensor shards; both copies are sharded alike over their dp_sp groups, so summing the
+    local shards is summing the tables."""
     if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
         return
     group = ps.get_embedding_group()
     for weight in tied_embedding_weights(model):
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        record("all_reduce", weight.grad, group)
-        dist.all_reduce(weight.grad, group=group)
+        grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
+        record("all_reduce", grad, group)
+        dist.all_reduce(grad, group=group)

@@ -62,3 +62,17 @@ def test_zero1_pipeline_resume_is_bitwise_identical(tmp_path):
         full, resumed = results[0][layout]
         print(f"{layout}: uninterrupted {full}\n  resumed at 2 {resumed}")
         assert resumed == full[2:], layout
+
+
+ZERO3_PIPELINES = {"ZeRO3-PP2-DP2": ZERO3 + ["--pipeline-model-parallel-size", "2"],
+                   "ZeRO3-PP2-interleaved-SP2": ZERO3 + SP2 + [
+                       "--num-layers", "4", "--pipeline-model-parallel-size", "2",
+                       "--num-layers-per-virtual-pipeline-stage", "1"]}
+
+
+@pytest.mark.slow
+def test_zero3_pipeline_resume_is_bitwise_identical(tmp_path):
+    """FSDP2 per model chunk: each stage's DTensor parameters and moments (the tied embedding
+    copy included) are gathered on save and re-sharded on load."""
+    results = run_distributed(resume_on_layouts, 4, TINY, ZERO3_PIPELINES, str(tmp_path))
+    assert_bitwise_resume(results, ZERO3_PIPELINES)

@@ -75,6 +75,12 @@ def test_bad_zero_flags_are_refused(flags, match):
         configure(BASE + GPT2_STYLE + flags, 1)
 
 
+def test_zero3_with_pipelining_is_accepted():
+    cfg = configure(BASE + GPT2_STYLE + ["--zero-stage", "3", "--pipeline-model-parallel-size",
+                                         "2"], 2)
+    assert cfg.parallel.zero_stage == 3 and cfg.parallel.pipeline_model_parallel_size == 2
+
+
 def test_zero_stage_1_is_the_distributed_optimizer():
     assert configure(BASE + GPT2_STYLE + ["--zero-stage", "1"], 1).parallel \
         .use_distributed_optimizer
@@ -89,4 +95,27 @@ def test_zero_with_full_recompute_matches_single_process(stage):
     losses, params, _ = run_zero_layout(BASE + GPT2_STYLE + flags + STAGES[stage] + recompute,
                                         world)
     loss_diff, param_diff = compare(reference("gpt2-mha-learned"), (losses, params), 4, 4)
+    assert loss_diff < 1e-5 and param_diff < 1e-5
+
+
+ZERO3_PIPELINES = {  # name -> (model, flags): the layouts ZeRO-3 (FSDP2) composes with PP
+    "gpt2-PP2-DP2": ("gpt2-mha-learned", PIPELINES["PP2-DP2"]),
+    "llama-PP2-SP2-interleaved": ("llama-gqa-rope", PIPELINES["PP2-SP2-interleaved"]),
+}
+
+
+@pytest.mark.parametrize("layout", [  # the tied-embedding case is fast: cached reference
+    pytest.param(name, marks=() if name == "gpt2-PP2-DP2" else pytest.mark.slow)
+    for name in ZERO3_PIPELINES])
+def test_zero3_with_pipeline_matches_single_process(layout):
+    """Each model chunk is its own FSDP2 root over its stage's dp_sp group; the schedule's
+    several forwards before backwards and the tied embedding's shard all-reduce change
+    nothing."""
+    model, flags = ZERO3_PIPELINES[layout]
+    model_flags, heads, groups = MODELS[model]
+    layers = flags[flags.index("--num-layers"):][:2] if "--num-layers" in flags else []
+    ref = run_layout(BASE + model_flags + layers, 1) if layers else reference(model)
+    losses, params, _ = run_zero_layout(BASE + model_flags + flags + STAGES["zero3"], 4)
+    loss_diff, param_diff = compare(ref, (losses, params), heads, groups)
+    print(f"ZeRO-3 {layout}: max loss diff {loss_diff:.2e}, max param rel diff {param_diff:.2e}")
     assert loss_diff < 1e-5 and param_diff < 1e-5
