@@ -15,10 +15,8 @@ from torch import nn
 from ..config import ModelConfig
 from ..mpu import parallel_state as ps
 from ..mpu.cross_entropy import vocab_parallel_cross_entropy
-from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding
-from ..mpu.mappings import (copy_to_tensor_model_parallel_region,
-                            gather_from_sequence_parallel_region,
-                            scatter_to_sequence_parallel_region)
+from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, sequence_parallel_linear
+from ..mpu.mappings import copy_to_tensor_model_parallel_region, scatter_to_sequence_parallel_region
 from ..mpu.recompute import layers_to_checkpoint, run_layers
 from .init import normal_init
 from .norms import Norm
@@ -83,11 +81,9 @@ class GPTModel(nn.Module):
         """[s, b, h] -> [s, b, padded_vocab/TP]."""
         if not self.share_embeddings:
             return self.output_layer(x)
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
-        else:
-            x = copy_to_tensor_model_parallel_region(x)
-        return F.linear(x, self.word_embeddings.weight)
+        if self.sequence_parallel:  # keeps only the [s/TP, b, h] shard for backward
+            return sequence_parallel_linear(x, self.word_embeddings.weight)
+        return F.linear(copy_to_tensor_model_parallel_region(x), self.word_embeddings.weight)
 
     def forward(self, tokens: Optional[torch.Tensor], position_ids: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None,

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import parallel_state as ps
-from .mappings import (copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+from .mappings import (_all_gather, _reduce_scatter, copy_to_tensor_model_parallel_region,
                        gather_from_tensor_model_parallel_region,
                        reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region)
@@ -47,10 +47,48 @@ def _zeros(n: int, device, dtype, sequence_parallel: bool) -> nn.Parameter:
     return param
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """Y = all_gather(X) A^T + b for a Megatron-SP input X [s/TP, b, in], as Megatron-LM's
+    LinearWithGradAccumulationAndAsyncCommunication: only the local shard is saved for backward
+    (not the gathered [s, b, in], TP× larger); backward gathers it again for the weight
+    gradient and reduce-scatters the input gradient (each TP rank holds a partial one)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        group = ps.get_tensor_model_parallel_group()
+        ctx.input_dtype = x.dtype
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            # Autocast would cast the gathered input anyway; casting the shard first is exact
+            # and halves what is gathered and saved.
+            x = x.to(torch.get_autocast_dtype(device))
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(_all_gather(x, 0, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        group = ps.get_tensor_model_parallel_group()
+        total = _all_gather(x, 0, group).to(grad.dtype)
+        grad_input = grad.matmul(weight.to(grad.dtype)).to(ctx.input_dtype)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t().mm(total.reshape(-1, total.shape[-1])).to(weight.dtype)
+        grad_bias = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias else None
+        return _reduce_scatter(grad_input, 0, group), grad_weight, grad_bias
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor,
+                             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear on the all-gathered Megatron-SP input, saving only the local shard."""
+    return _SequenceParallelLinear.apply(x, weight, bias)
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b with A split by columns (output features) across TP.
 
-    Input: [s, b, in] (with sequence_parallel: [s/TP, b, in], all-gathered here).
+    Input: [s, b, in] (with sequence_parallel: [s/TP, b, in], all-gathered here; only the
+    shard is kept for backward).
     Output: [s, b, out/TP], or [s, b, out] with gather_output.
     """
 
@@ -71,10 +109,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
+            y = sequence_parallel_linear(x, self.weight, self.bias)
         else:
-            x = copy_to_tensor_model_parallel_region(x)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(copy_to_tensor_model_parallel_region(x), self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
 
 

@@ -43,7 +43,9 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     if x.shape[dim] % world != 0:
         raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} into {world} equal parts")
     rank = dist.get_rank(group)
-    return x.chunk(world, dim=dim)[rank].contiguous()
+    # A copy, not a view: a dim-0 chunk is already contiguous, and a view saved for backward
+    # (e.g. by the first norm under Megatron-SP) would keep the whole unsplit tensor alive.
+    return x.chunk(world, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
 def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:

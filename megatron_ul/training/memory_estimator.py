@@ -13,8 +13,10 @@ Transformer Models", counted tensor by tensor for *this* implementation (what au
 for backward in model/transformer.py), in units of one [s, b, h] tensor:
   s = N / SP on the Ulysses side (each rank holds N/SP tokens between layers), with the
   norms and dropouts ÷TP again under --sequence-parallel; tensors inside the TP region
-  (QKV output, attention output, MLP hidden) ÷TP. Note the column-parallel linears keep the
-  *all-gathered* input under Megatron-SP (Megatron-LM keeps the shard and re-gathers).
+  (QKV output, attention output, MLP hidden) ÷TP. Under Megatron-SP the column-parallel
+  linears (QKV, fc1, the output head) keep only their [s/TP, b, h] input shard and all-gather
+  it again in backward, as Megatron-LM does. GQA's k and v are not repeated up to the query
+  heads (SDPA's enable_gqa).
 With a fused attention kernel (flash / SDPA) nothing of size N² is kept; without one
 (--attention-kernel math) the scores and probabilities, a/(TP·SP) heads × N² per sample, are.
 Pipelining with 1F1B keeps min(PP, micro-batches) micro-batches of L/PP layers alive on the
@@ -123,13 +125,13 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
     ffn = s * b * m.ffn_size / tp
     mlp = (4 if m.swiglu else 2) * ffn       # GELU: its input and output; SwiGLU: [gate; up],
     #                                          silu(gate) and the product
-    # GQA: the local kernel gets k and v repeated up to the query heads.
-    repeated_kv = 2 * s * b * (heads - groups) * d / tp
-    elements = (sbh                          # QKV linear input (norm output, TP-replicated)
-                + qkv + repeated_kv        # q, k, v kept by the attention kernel
+    # Column-parallel linear inputs: TP-replicated, or the local shard under Megatron-SP.
+    linear_in = norm_region
+    elements = (linear_in                    # QKV linear input (norm output)
+                + qkv                        # q, k, v kept by the attention kernel
                 + attn_out                   # attention output kept by the kernel
                 + attn_out                   # projection input (re-laid-out output)
-                + sbh                        # fc1 input
+                + linear_in                  # fc1 input
                 + mlp)
     # The two norm inputs; PyTorch's RMSNorm also keeps its normalised input (and a per-token
     # rsqrt), which apex's fused kernel does not: counted, erring on the safe side.
@@ -153,7 +155,7 @@ def head_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision) 
     norm_region = sbh / (layout.tp if layout.sequence_parallel else 1)
     act = 2 if precision.bf16 else 4
     softmax = s * layout.micro_batch_size * m.padded_vocab_size(layout.tp) / layout.tp * 4
-    return norm_region * 4 + sbh * act + softmax
+    return norm_region * 4 + norm_region * act + softmax  # output-layer input: see linear_in
 
 
 def activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,

@@ -1,6 +1,7 @@
 """The memory estimator against what a model really holds on CPU (fp32): parameter count
 exactly, parameter + gradient + Adam bytes and the bytes each layer keeps for backward within
-15%, single rank and Ulysses SP2; plus the GPU-count search."""
+15%, single rank, Ulysses SP2 and TP2 with and without Megatron-SP; that Megatron-SP's
+column-parallel linears keep only their input shard; plus the GPU-count search."""
 import functools
 
 import pytest
@@ -22,6 +23,9 @@ CASES = {  # name -> (flags, world)
     "llama-gqa-rope": (["--hidden-dropout", "0"] + LLAMA, 1),
     "gpt-sp2": (["--hidden-dropout", "0", "--ds-sequence-parallel-size", "2"], 2),
     "llama-sp2": (["--hidden-dropout", "0", "--ds-sequence-parallel-size", "2"] + LLAMA, 2),
+    "gpt-tp2": (["--hidden-dropout", "0", "--tensor-model-parallel-size", "2"], 2),
+    "gpt-tp2-megatron-sp": (["--hidden-dropout", "0", "--tensor-model-parallel-size", "2",
+                             "--sequence-parallel"], 2),
 }
 # The CPU dropout kernel keeps a float mask (CUDA keeps a bool one).
 CPU_FP32 = me.Precision(bf16=False, dropout_mask_bytes=4)
@@ -53,6 +57,21 @@ def test_estimate_matches_measurement(name):
         assert error < 0.15, f"{name} {layer}: {error:.1%} off"
     total = sum(got["saved"].values())
     assert abs(est.activation_bytes - total) / total < 0.15
+
+
+def test_megatron_sp_linears_keep_only_their_input_shard():
+    """TP2: --sequence-parallel must save, per layer, the TP-split norm inputs AND the two
+    column-parallel linear inputs (QKV, fc1) as [s/2, b, h] shards. Gathering the linear inputs
+    for backward (what F.linear after an all-gather does) would save only the first part."""
+    plain, megatron_sp = (measured(2)[n]["saved"] for n in ("gpt-tp2", "gpt-tp2-megatron-sp"))
+    s, b, h, tp = 256, 2, 64, 2
+    half_sbh_fp32 = s * b * h * 4 * (1 - 1 / tp)
+    norm_inputs_saving = 2 * half_sbh_fp32       # the two LayerNorm inputs
+    linear_inputs_saving = 2 * half_sbh_fp32     # the QKV and fc1 inputs
+    for layer in ("layer0", "layer1"):
+        saving = plain[layer] - megatron_sp[layer]
+        print(f"{layer}: TP2 {plain[layer]} B, TP2 + --sequence-parallel {megatron_sp[layer]} B")
+        assert saving >= norm_inputs_saving + 0.9 * linear_inputs_saving, (layer, saving)
 
 
 def test_smallest_fitting_layout_grows_ulysses_until_it_fits():
