@@ -8,8 +8,9 @@ the wire under the usual ring / pairwise algorithms) and prints them next to the
     paper's 4Nh/P message per rank, of which (P-1)/P leaves the rank;
   Megatron-SP forward: two all-gathers and two reduce-scatters of [N, h]: the paper's 4Nh,
     of which (P-1)/P leaves each rank.
-Backward mirrors forward (inverse all-to-all; all-gather <-> reduce-scatter), so it doubles
-both. The ratio Megatron-SP / Ulysses should be P.
+Backward mirrors forward (inverse all-to-all; all-gather <-> reduce-scatter); Megatron-SP's
+column-parallel linears also re-gather their saved input shard (as Megatron-LM does), so its
+backward is 1.5x its forward. The forward ratio Megatron-SP / Ulysses should be P.
 
     python tools/bench/bench_comm_volume.py [--seq-length 4096 --hidden-size 512] [--write-docs]
 """
