@@ -9,7 +9,7 @@ import pytest
 from megatron_ul.training import memory_estimator as me
 from megatron_ul.training.pretrain import configure
 from tests.distributed import run_distributed
-from tests.training.memory_measure import measure_many
+from megatron_ul.training.memory_probe import measure_many
 
 BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
         "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2",

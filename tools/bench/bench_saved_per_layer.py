@@ -4,7 +4,7 @@ and GQA changes touch. Prints a Markdown table (no timing).
 
     python tools/bench/bench_saved_per_layer.py
 
-Uses the measurement of tests/training/memory_measure.py (saved_tensors_hooks, each storage
+Uses the measurement of megatron_ul/training/memory_probe.py (saved_tensors_hooks, each storage
 counted once, parameters excluded), the ground truth tests/training/test_memory_estimator.py
 checks the estimator against. To compare with an older commit, run this script from that
 commit's tree (`git archive <commit> | tar -x -C DIR`, copy this file, run it there).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from common import command_line, machine_info, markdown_table, run_ranks
 
-from tests.training.memory_measure import measure_many
+from megatron_ul.training.memory_probe import measure_many
 
 MODEL = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
          "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2",

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from megatron_ul.mpu import parallel_state as ps
-
-from megatron_ul.initialize import initialize_distributed
-from megatron_ul.optim import build_optimizer
-from megatron_ul.training.data import global_batches
-from megatron_ul.training.data import build_datasets
-from megatron_ul.training.pretrain import build_model, configure
-from megatron_ul.pipeline.schedules import micro_batch_loss_sum
+from ..initialize import initialize_distributed
+from ..mpu import parallel_state as ps
+from ..optim import build_optimizer
+from ..pipeline.schedules import micro_batch_loss_sum
+from .data import build_datasets, global_batches
+from .pretrain import build_model, configure
 
 
 class SavedTensorMeter:
