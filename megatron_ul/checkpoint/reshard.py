@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..mpu.layers import tp_slice
 from ..pipeline.model import REPLICA_PREFIX, replicated_name, stage_layer_indices
 from . import files
 from .files import CheckpointError
@@ -38,9 +39,7 @@ def split_tp(full: torch.Tensor, dim: int, stride: int, tp: int) -> list[torch.T
     if full.shape[dim] % (tp * stride) != 0:
         raise CheckpointError(f"dimension {dim} of size {full.shape[dim]} cannot be split over "
                               f"TP {tp} (stride {stride}); choose a TP size that divides it")
-    blocks = full.chunk(stride, dim=dim)
-    return [torch.cat([b.chunk(tp, dim=dim)[r] for b in blocks], dim=dim).contiguous()
-            for r in range(tp)]
+    return [tp_slice(full, dim, stride, tp, r).contiguous() for r in range(tp)]
 
 
 def padded_vocab(model_cfg: dict, tp: int) -> int:

@@ -26,16 +26,21 @@ from .mappings import (_all_gather, _reduce_scatter, copy_to_tensor_model_parall
 InitMethod = Callable[[torch.Tensor], None]
 
 
+def tp_slice(full: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> torch.Tensor:
+    """TP rank `rank`'s slice of `full` along `dim`. With stride s, the dimension is s blocks
+    laid end to end (e.g. SwiGLU's [gate; up]) and each rank takes its chunk of every block.
+    checkpoint/reshard.py uses the same rule to re-split saved weights."""
+    blocks = full.chunk(stride, dim=dim)
+    return torch.cat([b.chunk(tp, dim=dim)[rank] for b in blocks], dim=dim)
+
+
 def _shard(full: torch.Tensor, dim: int, device, dtype, stride: int = 1) -> nn.Parameter:
-    """This rank's slice of `full` along `dim`. With stride s, the dimension is s blocks laid end
-    to end (e.g. SwiGLU's [gate; up]) and each rank takes its chunk of every block."""
+    """This rank's slice of `full` (see tp_slice) as a parameter tagged with its partitioning."""
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     if full.shape[dim] % (tp * stride) != 0:
         raise ValueError(f"dimension {dim} of size {full.shape[dim]} is not divisible by "
                          f"TP×stride = {tp}×{stride}")
-    blocks = full.chunk(stride, dim=dim)
-    part = torch.cat([b.chunk(tp, dim=dim)[rank] for b in blocks], dim=dim)
-    part = part.to(device=device, dtype=dtype).contiguous()
+    part = tp_slice(full, dim, stride, tp, rank).to(device=device, dtype=dtype).contiguous()
     param = nn.Parameter(part)
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
     return param

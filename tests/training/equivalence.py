@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megatron_ul.checkpoint.reshard import merge_tp
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.pipeline.model import global_named_parameters
 from megatron_ul.training.pretrain import configure, setup
@@ -59,9 +60,7 @@ def merge_tp_shards(per_rank: list[dict]) -> dict[str, torch.Tensor]:
         if dim is None:
             full[name] = tensor
             continue
-        parts = [by_tp[t][name][0].chunk(stride, dim=dim) for t in range(tp)]
-        full[name] = torch.cat([torch.cat([parts[t][s] for t in range(tp)], dim=dim)
-                                for s in range(stride)], dim=dim)
+        full[name] = merge_tp([by_tp[t][name][0] for t in range(tp)], dim, stride)
     for name in [n for n in by_tp[0] if n.startswith("replica.")]:
         for t in range(tp):
             assert torch.equal(by_tp[t][name][0], by_tp[t][name[len("replica."):]][0]), \
