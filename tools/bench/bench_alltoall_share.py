@@ -11,8 +11,7 @@ the share includes that imbalance; the column 'cores' says when ranks outnumber 
 import argparse
 import os
 
-from common import (command_line, machine_info, markdown_table, run_ranks, timed_training,
-                    write_section)
+from common import markdown_table, report, run_ranks, timed_training
 
 
 def main(argv=None):
@@ -42,13 +41,10 @@ def main(argv=None):
             print(rows[-1], flush=True)
     table = markdown_table(["SP", "N", "ms/iter", "forward ms", "backward ms",
                             "all-to-all ms", "all-to-all share", "cores"], rows)
-    body = (f"## All-to-all share of an iteration\n\n{a.layers} layers, hidden {a.hidden}, "
-            f"{a.heads} heads, micro-batch 1, fp32, dropout off; {a.iters} iterations after one "
-            f"warm-up, rank 0's timers.\n\nMachine: {machine_info()}\n\n"
-            f"Command: `{command_line()}`\n\n{table}\n")
-    print(body)
-    if a.write_docs:
-        write_section("alltoall-share", body)
+    report("alltoall-share", "All-to-all share of an iteration",
+           f"{a.layers} layers, hidden {a.hidden}, {a.heads} heads, micro-batch 1, fp32, dropout "
+           f"off; {a.iters} iterations after one warm-up, rank 0's timers.", table,
+           write_docs=a.write_docs)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from common import command_line, machine_info, markdown_table, run_ranks, write_section
+from common import markdown_table, report, run_ranks
 
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.transformer import TransformerLayer
@@ -76,14 +76,10 @@ def main(argv=None):
         ["P", "Ulysses fwd MiB", "formula 4Nh/P·(P-1)/P", "Ulysses bwd MiB",
          "Megatron-SP fwd MiB", "formula 4Nh·(P-1)/P", "Megatron-SP bwd MiB",
          "ratio (fwd+bwd)", "Ulysses ops", "Megatron-SP ops"], rows)
-    body = (f"## Communication volume per layer (Ulysses vs Megatron-SP)\n\n"
-            f"Bytes sent per rank by every collective in one transformer layer (fp32, "
-            f"N = {n}, h = {h}, {args.heads} heads, micro-batch 1), counted by "
-            f"`mpu/comm_stats.py`.\n\nMachine: {machine_info()}\n\n"
-            f"Command: `{command_line()}`\n\n{table}\n")
-    print(body)
-    if args.write_docs:
-        write_section("comm-volume", body)
+    report("comm-volume", "Communication volume per layer (Ulysses vs Megatron-SP)",
+           f"Bytes sent per rank by every collective in one transformer layer (fp32, N = {n}, "
+           f"h = {h}, {args.heads} heads, micro-batch 1), counted by `mpu/comm_stats.py`.",
+           table, write_docs=args.write_docs)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ machine does not decide the ratio.
 """
 import argparse
 
-from common import (command_line, machine_info, markdown_table, run_ranks, timed_training,
-                    write_section)
+from common import markdown_table, report, run_ranks, timed_training
 
 
 def main(argv=None):
@@ -39,13 +38,10 @@ def main(argv=None):
         rows.append([n, f"{tokens_per_s[1]:.0f}", f"{tokens_per_s[2]:.0f}",
                      f"{tokens_per_s[2] / tokens_per_s[1]:.2f}×"])
     table = markdown_table(["N", "SP=1 tokens/s", "SP=2 tokens/s", "speed-up"], rows)
-    body = (f"## Ulysses SP scaling on CPU\n\n{a.layers} layers, hidden {a.hidden}, {a.heads} "
-            f"heads, micro-batch 1, fp32, dropout off, one thread per rank (gloo); {a.iters} "
-            f"iterations after one warm-up.\n\nMachine: {machine_info()}\n\n"
-            f"Command: `{command_line()}`\n\n{table}\n")
-    print(body)
-    if a.write_docs:
-        write_section("sp-scaling", body)
+    report("sp-scaling", "Ulysses SP scaling on CPU",
+           f"{a.layers} layers, hidden {a.hidden}, {a.heads} heads, micro-batch 1, fp32, dropout "
+           f"off, one thread per rank (gloo); {a.iters} iterations after one warm-up.", table,
+           write_docs=a.write_docs)
 
 
 if __name__ == "__main__":

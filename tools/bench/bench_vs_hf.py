@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from common import command_line, machine_info, markdown_table, write_section
+from common import markdown_table, report
 
 from megatron_ul.config import ModelConfig
 from megatron_ul.initialize import _free_port
@@ -108,18 +108,14 @@ def main(argv=None):
             for name in runners]
     table = markdown_table(["model", "median wall ms/step", "tokens/s (wall)",
                             "median CPU ms/step", "tokens/s (CPU time)"], rows)
-    body = (f"## Training throughput vs Hugging Face GPT-2\n\n"
-            f"{a.layers} layers, hidden {a.hidden}, {a.heads} heads, sequence {a.seq}, "
-            f"batch {a.batch}, vocab {a.vocab}; fp32, SDPA, dropout off, AdamW (foreach), "
-            f"clip 1.0; {a.threads} thread(s); {a.rounds} alternating rounds of "
-            f"{a.steps_per_round} steps after one warm-up step each.\n\n"
-            f"Machine: {machine_info()}\n\nCommand: `{command_line()}`\n\n{table}\n\n"
-            f"**megatron_ul / HF tokens/s: {hf / ours:.2f}× by wall clock, "
-            f"{hf_cpu / ours_cpu:.2f}× by process CPU time** (with one thread, CPU time is "
-            f"the work done and is not inflated by other load on a shared machine)\n")
-    print(body)
-    if a.write_docs:
-        write_section("vs-hf", body)
+    report("vs-hf", "Training throughput vs Hugging Face GPT-2",
+           f"{a.layers} layers, hidden {a.hidden}, {a.heads} heads, sequence {a.seq}, batch "
+           f"{a.batch}, vocab {a.vocab}; fp32, SDPA, dropout off, AdamW (foreach), clip 1.0; "
+           f"{a.threads} thread(s); {a.rounds} alternating rounds of {a.steps_per_round} steps "
+           f"after one warm-up step each.", table,
+           f"**megatron_ul / HF tokens/s: {hf / ours:.2f}× by wall clock, "
+           f"{hf_cpu / ours_cpu:.2f}× by process CPU time** (with one thread, CPU time is the "
+           f"work done and is not inflated by other load on a shared machine)", a.write_docs)
 
 
 if __name__ == "__main__":

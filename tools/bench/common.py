@@ -49,6 +49,20 @@ def write_section(name: str, body: str) -> None:
         f.write(text)
 
 
+def report(section: str, title: str, setup: str, table: str, conclusion: str = "",
+           write_docs: bool = False) -> str:
+    """Print a benchmark's section (title, setup, machine, command, table, conclusion) and,
+    with write_docs, put it between the section's markers in docs/benchmarks.md."""
+    body = (f"## {title}\n\n{setup}\n\nMachine: {machine_info()}\n\n"
+            f"Command: `{command_line()}`\n\n{table}\n")
+    if conclusion:
+        body += f"\n{conclusion}\n"
+    print(body)
+    if write_docs:
+        write_section(section, body)
+    return body
+
+
 def command_line() -> str:
     return "python " + " ".join([os.path.relpath(sys.argv[0], REPO_ROOT)] + sys.argv[1:])
 
