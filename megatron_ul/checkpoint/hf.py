@@ -55,6 +55,13 @@ def _split_qkv(qkv: torch.Tensor, groups: int, q_per_group: int, head_dim: int):
     return q, per[:, q_per_group].reshape(-1, *tail), per[:, q_per_group + 1].reshape(-1, *tail)
 
 
+# Per-layer GPT-2 tensors with a weight and a bias: (their name, ours, transposed?). GPT-2's
+# Conv1D stores linear weights [in, out]; ours are [out, in]. Serves import and export.
+GPT2_LAYER_NAMES = [("ln_1", "input_norm", False), ("ln_2", "post_attention_norm", False),
+                    ("attn.c_proj", "attention.proj", True), ("mlp.c_fc", "mlp.fc1", True),
+                    ("mlp.c_proj", "mlp.fc2", True)]
+
+
 def gpt2_to_ours(sd: dict, m: dict) -> dict:
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     heads = m["num_attention_heads"]
@@ -67,12 +74,9 @@ def gpt2_to_ours(sd: dict, m: dict) -> dict:
         b = sd[hf + "attn.c_attn.bias"]
         out[ours + "attention.qkv.weight"] = _fuse_qkv(*w.chunk(3, dim=0), heads)
         out[ours + "attention.qkv.bias"] = _fuse_qkv(*b.chunk(3, dim=0), heads)
-        for their, mine in [("ln_1", "input_norm"), ("ln_2", "post_attention_norm")]:
-            out[ours + mine + ".weight"] = sd[hf + their + ".weight"]
-            out[ours + mine + ".bias"] = sd[hf + their + ".bias"]
-        for their, mine in [("attn.c_proj", "attention.proj"), ("mlp.c_fc", "mlp.fc1"),
-                            ("mlp.c_proj", "mlp.fc2")]:
-            out[ours + mine + ".weight"] = sd[hf + their + ".weight"].t()
+        for their, mine, transpose in GPT2_LAYER_NAMES:
+            weight = sd[hf + their + ".weight"]
+            out[ours + mine + ".weight"] = weight.t() if transpose else weight
             out[ours + mine + ".bias"] = sd[hf + their + ".bias"]
     return {k: v.float().contiguous() for k, v in out.items()}
 
@@ -97,12 +101,9 @@ def ours_to_gpt2(p: dict, m: dict) -> tuple[dict, dict]:
         sd[hf + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
         sd[hf + "attn.c_attn.bias"] = torch.cat(_split_qkv(p[ours + "attention.qkv.bias"],
                                                            heads, 1, d))
-        for their, mine in [("ln_1", "input_norm"), ("ln_2", "post_attention_norm")]:
-            sd[hf + their + ".weight"] = p[ours + mine + ".weight"]
-            sd[hf + their + ".bias"] = p[ours + mine + ".bias"]
-        for their, mine in [("attn.c_proj", "attention.proj"), ("mlp.c_fc", "mlp.fc1"),
-                            ("mlp.c_proj", "mlp.fc2")]:
-            sd[hf + their + ".weight"] = p[ours + mine + ".weight"].t()
+        for their, mine, transpose in GPT2_LAYER_NAMES:
+            weight = p[ours + mine + ".weight"]
+            sd[hf + their + ".weight"] = weight.t() if transpose else weight
             sd[hf + their + ".bias"] = p[ours + mine + ".bias"]
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
               "n_layer": m["num_layers"], "n_embd": m["hidden_size"], "n_head": heads,
