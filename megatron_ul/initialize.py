@@ -16,7 +16,8 @@ from .mpu.random import model_parallel_seed
 log = logging.getLogger(__name__)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that is free right now (for single-node rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,7 +55,7 @@ def initialize_distributed(cfg: Config) -> torch.device:
     if not dist.is_initialized():
         if world == 1:  # plain `python pretrain_gpt.py`: a one-process group on loopback
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
     p = cfg.parallel
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.ds_sequence_parallel_size,

@@ -10,24 +10,19 @@ import datetime
 import io
 import os
 import queue as queue_module
-import socket
 import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
+from .initialize import free_port
+
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=90)
 
 
 class RankFailure(RuntimeError):
     """A rank raised, died or hung; the message holds its traceback or what is known."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, fn, args, queue, collective_timeout) -> None:

@@ -19,7 +19,7 @@ import torch
 from common import markdown_table, report
 
 from megatron_ul.config import ModelConfig
-from megatron_ul.initialize import _free_port
+from megatron_ul.initialize import free_port
 from megatron_ul.model.gpt import GPTModel
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
@@ -27,7 +27,7 @@ from megatron_ul.training.step import train_step
 
 
 def build_ours(a):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     ps.initialize_model_parallel(1, 1, 1)
     model_parallel_seed(1, "cpu")
