@@ -16,8 +16,9 @@ from .timers import timer
 
 def count_tokens(micro_batches: list[dict], device) -> torch.Tensor:
     """Loss-bearing tokens in the whole global batch (summed over DP and SP ranks)."""
-    local = sum(float(mb["loss_mask"].sum()) for mb in micro_batches)
-    total = torch.tensor(local, dtype=torch.float32, device=device)
+    # Summed on the device (no host sync per micro-batch), in fp64 so large counts stay exact.
+    local = torch.stack([mb["loss_mask"].sum(dtype=torch.float64) for mb in micro_batches]).sum()
+    total = local.to(device=device, dtype=torch.float32)
     group = ps.get_data_sequence_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
