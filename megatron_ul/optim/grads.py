@@ -58,8 +58,8 @@ def _counts_once(p: torch.nn.Parameter) -> bool:
 def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
     """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
     grads = [p.grad for p in params if p.grad is not None and _counts_once(p)]
-    device = grads[0].device if grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
+    # the parameters' device even when this rank counts no gradient (the reduction needs it)
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for g in grads:
         sq += g.detach().double().pow(2).sum()
     group = ps.get_model_parallel_group()
