@@ -19,7 +19,7 @@ class ModelConfig:
     num_layers: int = 2
     hidden_size: int = 64
     num_attention_heads: int = 4
-    ffn_hidden_size: Optional[int] = None          # default 4h (8h/3 rounded to 64 with SwiGLU)
+    ffn_hidden_size: Optional[int] = None          # default 4h (8h/3 rounded down to 64: SwiGLU)
     num_query_groups: Optional[int] = None         # GQA; None means MHA (= num_attention_heads)
     kv_channels: Optional[int] = None              # per-head dim; default hidden / heads
     seq_length: int = 128
@@ -52,10 +52,11 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        if self.ffn_hidden_size:
+        if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        if self.swiglu:  # Megatron: keep the MLP's parameter count close to the 4h GELU MLP
-            return int(math.ceil(4 * self.hidden_size * 2 / 3 / 64) * 64)
+        if self.swiglu:  # Megatron-LM's rule: about the 4h GELU MLP's parameter count,
+            # rounded DOWN to a multiple of 64 (hidden 4096 -> 10880)
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
         return 4 * self.hidden_size
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
@@ -219,6 +220,7 @@ def validate(cfg: Config) -> Config:
     dp = max(world // (tp * sp * pp), 1)
 
     errors += _attention_errors(m, tp, sp)
+    errors += _mlp_errors(m, tp)
     errors += _sequence_errors(m, p, tp, sp)
     errors += _recompute_errors(m)
     errors += _zero_errors(p)
@@ -280,6 +282,23 @@ def _attention_errors(m: ModelConfig, tp: int, sp: int) -> list[str]:
     if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
         errors.append(f"rope needs an even head dimension (got {m.head_dim})")
     return errors
+
+
+def _mlp_errors(m: ModelConfig, tp: int) -> list[str]:
+    """The MLP's hidden width is split over TP: every rank needs an equal, non-empty slice."""
+    if m.ffn_hidden_size is not None:
+        flag = f"--ffn-hidden-size {m.ffn_hidden_size}"
+        fix = f"use a multiple of {tp}"
+    else:
+        flag = (f"the default FFN width {m.ffn_size} (from --hidden-size {m.hidden_size}"
+                f"{' with --swiglu' if m.swiglu else ''})")
+        fix = "set --ffn-hidden-size"
+    if m.ffn_size < 1:
+        return [f"{flag} must be >= 1; {fix}"]
+    if m.ffn_size % tp != 0:
+        return [f"{flag} is not divisible by --tensor-model-parallel-size {tp}: each TP rank "
+                f"holds an equal slice of the MLP; {fix}"]
+    return []
 
 
 def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> list[str]:
