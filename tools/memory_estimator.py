@@ -19,7 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megatron_ul.arguments import parse_args  # noqa: E402
-from megatron_ul.config import ConfigError, validate  # noqa: E402
+from megatron_ul.config import ConfigError, resolve, validate  # noqa: E402
 from megatron_ul.training import memory_estimator as me  # noqa: E402
 
 
@@ -39,25 +39,14 @@ def own_flags() -> argparse.ArgumentParser:
 
 
 def load_config(rest: list[str]):
-    """Validated Config; features validate() still refuses (ZeRO, PP) are estimated anyway."""
+    """The resolved, validated Config of pretrain_gpt.py's flags (mock data unless data given)."""
     extra = [] if "--mock-data" in rest or "--data-path" in rest else ["--mock-data"]
     if "--world-size" in rest and "--dry-run" not in rest:
         extra.append("--dry-run")  # pretrain accepts --world-size only when not launching
     cfg = parse_args(rest + extra)
     if not cfg.model.vocab_size:
         cfg.model.vocab_size = 50257
-    try:
-        validate(cfg)
-    except ConfigError as e:
-        problems = [line for line in str(e).splitlines()[1:] if "not implemented yet" not in line]
-        if problems:
-            raise
-        cfg.model.max_position_embeddings = cfg.model.max_position_embeddings or \
-            cfg.model.seq_length
-        dp = max(cfg.parallel.data_parallel_size, 1)
-        cfg.train.global_batch_size = cfg.train.global_batch_size or \
-            cfg.train.micro_batch_size * dp
-    return cfg
+    return validate(resolve(cfg))
 
 
 def table(rows) -> str:
