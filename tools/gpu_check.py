@@ -72,7 +72,7 @@ GPU = Mode("cuda",
             "--micro-batch-size", "2", "--global-batch-size", "4"], 6,
            ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
             "--vocab-size", "50257", "--position-embedding-type", "rope"],
-           (8192, 32768), 65536, 1 << 20, 8 * 60)
+           (8192, 32768), 65536, 1 << 20, 7 * 60)
 CPU = Mode("cpu",
            ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
             "--num-query-groups", "2", "--seq-length", "32", "--vocab-size", "1000",
