@@ -80,3 +80,28 @@ def test_token_count_is_exact_past_fp32s_integers(monkeypatch):
     n = 2**24 + 1   # the first integer fp32 cannot hold
     batches = [{"loss_mask": torch.ones(1, 2**23)}, {"loss_mask": torch.ones(1, 2**23 + 1)}]
     assert int(step_module.count_tokens(batches, torch.device("cpu")).item()) == n
+
+
+def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
+    """Barriers and object collectives (checkpoint saves) then use this rank's GPU instead of
+    guessing one from the global rank."""
+    from megatron_ul import initialize
+    seen = {}
+
+    def init_process_group(backend, **kwargs):
+        seen.update(kwargs, backend=backend)
+        raise Handed
+
+    current = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: current.update(device=i))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["device"])
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setenv("RANK", "13")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(Handed):
+        initialize.initialize_distributed(Config())
+    assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 5)
