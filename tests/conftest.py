@@ -1,12 +1,6 @@
-"""Shared pytest configuration: the repository root is importable and slow tests are opt-in."""
-import os
-import sys
-
+"""Shared pytest configuration: slow tests are opt-in (pytest.ini puts the repository root on
+the import path, so tests import megatron_ul, tools and tests without installing anything)."""
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 def pytest_addoption(parser):
