@@ -1,6 +1,11 @@
 """Shared pytest configuration: slow tests are opt-in (pytest.ini puts the repository root on
 the import path, so tests import megatron_ul, tools and tests without installing anything)."""
+import os
+import sys
+
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_addoption(parser):
