@@ -29,13 +29,18 @@ class Flag:
     enabled_by: Optional[str] = None
 
 
+def sections() -> list[tuple[str, type, str]]:
+    """(attribute of Config, its dataclass, its title in --help) for each config section."""
+    hints = typing.get_type_hints(Config)
+    return [(s.name, hints[s.name], s.metadata.get("title", s.name)) for s in fields(Config)]
+
+
 def flags() -> list[Flag]:
     """Every flag, in the order of the config sections and their fields."""
     out = []
-    for section in fields(Config):
-        cls = section.default_factory  # type: ignore[misc]
+    for name, cls, _ in sections():
         hints = typing.get_type_hints(cls)
-        out += [_flag(section.name, f, hints[f.name]) for f in fields(cls)]
+        out += [_flag(name, f, hints[f.name]) for f in fields(cls)]
     return out
 
 
@@ -71,8 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Pretrain a GPT with tensor, sequence (Ulysses), pipeline and data "
                     "parallelism.", allow_abbrev=False, argument_default=argparse.SUPPRESS)
-    groups = {s.name: p.add_argument_group(s.metadata.get("title", s.name))
-              for s in fields(Config)}
+    groups = {name: p.add_argument_group(title) for name, _, title in sections()}
     switches = set()
     for fl in flags():
         g = groups[fl.section]
@@ -105,7 +109,7 @@ def parse_args(argv=None, world_size: int | None = None) -> Config:
     """
     parser = build_parser()
     given = vars(parser.parse_args(argv))
-    values: dict[str, dict[str, Any]] = {s.name: {} for s in fields(Config)}
+    values: dict[str, dict[str, Any]] = {name: {} for name, _, _ in sections()}
     for fl in flags():
         dest = f"{fl.section}.{fl.field}"
         if fl.enabled_by and not given.get(_dest_of(fl.enabled_by), False):
@@ -120,5 +124,4 @@ def parse_args(argv=None, world_size: int | None = None) -> Config:
     else:
         values["parallel"]["world_size"] = (world_size if world_size is not None
                                             else int(os.environ.get("WORLD_SIZE", "1")))
-    return Config(**{s.name: s.default_factory(**values[s.name])  # type: ignore[misc]
-                     for s in fields(Config)})
+    return Config(**{name: cls(**values[name]) for name, cls, _ in sections()})

@@ -232,6 +232,7 @@ class Config:
     @property
     def num_micro_batches(self) -> int:
         t, dp = self.train, self.parallel.data_parallel_size
+        assert t.global_batch_size is not None, "resolve() the config first"
         return t.global_batch_size // (t.micro_batch_size * dp)
 
 

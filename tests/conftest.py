@@ -1,12 +1,11 @@
-"""Shared pytest configuration: the repository root is importable and slow tests are opt-in."""
+"""Shared pytest configuration: slow tests are opt-in (pytest.ini puts the repository root on
+the import path, so tests import megatron_ul, tools and tests without installing anything)."""
 import os
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 def pytest_addoption(parser):

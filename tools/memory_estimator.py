@@ -3,7 +3,7 @@
 
 Takes pretrain_gpt.py's flags (model, parallel sizes, --zero-stage, --bf16, batch sizes) plus:
 
-    python tools/memory_estimator.py --num-layers 32 --hidden-size 4096 \
+    python -m tools.memory_estimator --num-layers 32 --hidden-size 4096 \
         --num-attention-heads 32 --seq-length 131072 --max-position-embeddings 131072 \
         --vocab-size 50257 --mock-data --bf16 --world-size 32 \
         --ds-sequence-parallel-size 32 --zero-stage 3 --recompute full --gpu-memory-gb 80
@@ -13,14 +13,11 @@ smallest world size (raising the Ulysses degree, then data parallelism under ZeR
 estimate fits. Formulas and what they leave out: megatron_ul/training/memory_estimator.py.
 """
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_ul.arguments import parse_args  # noqa: E402
-from megatron_ul.config import ConfigError, resolve, validate  # noqa: E402
-from megatron_ul.training import memory_estimator as me  # noqa: E402
+from megatron_ul.arguments import parse_args
+from megatron_ul.config import ConfigError, resolve, validate
+from megatron_ul.training import memory_estimator as me
 
 
 def own_flags() -> argparse.ArgumentParser:

@@ -63,7 +63,8 @@ def _check_data_files(data_path: list[str]) -> None:
 def build_model(cfg: Config, device) -> GPTModel:
     if cfg.parallel.pipeline_model_parallel_size > 1:
         return build_pipeline_model(cfg, device)  # this rank's model chunks
-    return GPTModel(cfg.model, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+    return GPTModel(cfg.model, seed=cfg.train.seed,
+                    sequence_parallel=cfg.parallel.sequence_parallel,
                     device=device)
 
 
