@@ -12,9 +12,9 @@
      while the time budget lasts): tokens/s, TFLOP/s, MFU, peak memory
      (torch.cuda.max_memory_allocated) next to the memory estimator's figure for the same run.
 
-    python tools/gpu_check.py                  # on a GPU; --write-docs puts the tables in
+    python -m tools.gpu_check                  # on a GPU; --write-docs puts the tables in
                                                # docs/benchmarks.md
-    python tools/gpu_check.py --cpu            # reduced mode: tiny models, short sequences
+    python -m tools.gpu_check --cpu            # reduced mode: tiny models, short sequences
                                                # (what the test suite runs)
 
 Exit status 1 when a correctness check fails. Runs as one process (a one-rank process group).
@@ -24,25 +24,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tools", "bench"))
+import torch
 
-import torch  # noqa: E402
-
-from common import markdown_table, report  # noqa: E402  (tools/bench/common.py)
-from megatron_ul.model import attention  # noqa: E402
-from megatron_ul.mpu import parallel_state as ps  # noqa: E402
-from megatron_ul.training.loop import autocast_dtype  # noqa: E402
-from megatron_ul.training.memory_estimator import GiB, estimate_config  # noqa: E402
-from megatron_ul.training.metrics import flops_per_token, peak_memory_gib, peak_tflops  # noqa
-from megatron_ul.training.pretrain import configure, setup  # noqa: E402
-from megatron_ul.training.step import train_step  # noqa: E402
+from megatron_ul.model import attention
+from megatron_ul.mpu import parallel_state as ps
+from megatron_ul.training.loop import autocast_dtype
+from megatron_ul.training.memory_estimator import GiB, estimate_config
+from megatron_ul.training.metrics import flops_per_token, peak_memory_gib, peak_tflops
+from megatron_ul.training.pretrain import configure, setup
+from megatron_ul.training.step import train_step
+from tools.bench.common import markdown_table, report
 
 HALF_PRECISION_LOSS_TOLERANCE = 2e-2   # as tests/optim/test_precision.py (fp16 vs fp32)
 COMMON = ["--mock-data", "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "42",

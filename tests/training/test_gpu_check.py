@@ -11,8 +11,8 @@ from tests.conftest import ROOT, STAND_INS
 def test_gpu_check_cpu_mode_passes_and_reports():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([STAND_INS, ROOT]),
                **{FLASH_ON_CPU_ENV: "1"}, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "gpu_check.py"), "--cpu"],
-                         env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "tools.gpu_check", "--cpu"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     for check in ("bf16, torch SDPA flash kernel vs fp32", "bf16, flash-attn 2 vs fp32",
