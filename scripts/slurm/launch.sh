@@ -63,7 +63,7 @@ started_at=$(latest_iteration)
 ended_by_slurm=
 trap 'ended_by_slurm=1; echo "batch script: SIGTERM from Slurm, waiting for the ranks to save"' TERM
 srun --kill-on-bad-exit=1 --ntasks-per-node="$GPUS_PER_NODE" --cpus-per-task="$CPUS_PER_TASK" \
-    python -u pretrain_gpt.py "${PRETRAIN_ARGS[@]}" &
+    "${PYTHON:-python}" -u pretrain_gpt.py "${PRETRAIN_ARGS[@]}" &
 srun_pid=$!
 while true; do
     wait "$srun_pid" && status=0 || status=$?

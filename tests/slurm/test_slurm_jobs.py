@@ -6,7 +6,7 @@ two slurmd nodes on this host), with a small model on CPU (gloo), SP=2 across th
     by a higher-priority job saves each time, is requeued, resumes, and its per-iteration losses
     equal the uninterrupted run's, bit for bit;
 (c) a job killed at its time limit (no warning, no --exit-duration-in-mins) leaves its last
-    checkpoint loadable: a resubmission resumes from it;
+    checkpoint loadable: a resubmission on another layout (TP 2 instead of SP 2) resumes from it;
 (d) one rank SIGKILLed: the whole job fails within seconds (not after the collective timeout),
     and a resubmission resumes from the last complete checkpoint, repeating the lost iterations
     exactly.
@@ -222,7 +222,8 @@ def test_killed_rank_fails_fast_and_resubmission_resumes(cluster, workdir, refer
 
 def test_time_limit_kill_leaves_a_loadable_checkpoint(cluster, time_limit_run):
     """(c) no warning and no --exit-duration-in-mins: Slurm ends the job at its time limit
-    (SIGTERM, then SIGKILL after KillWait); the ranks save on SIGTERM; a resubmission resumes."""
+    (SIGTERM, then SIGKILL after KillWait); the ranks save on SIGTERM; a resubmission with
+    another layout (TP=2 SP=1 instead of SP=2) reshards the checkpoint on load and resumes."""
     run = time_limit_run
     info = run.wait({"TIMEOUT", "COMPLETED", "FAILED", "CANCELLED"}, timeout=240)
     log = run.log()
@@ -233,12 +234,13 @@ def test_time_limit_kill_leaves_a_loadable_checkpoint(cluster, time_limit_run):
     print(f"(c) killed at its 1-minute limit after iteration {max(losses)}; last checkpoint {saved}")
     assert saved == max(losses), "the SIGTERM at the time limit saves the last iteration"
 
-    run.submit(env={"TRAIN_ITERS": str(saved + 3)}, sbatch=["--time=5"])
+    run.submit(env={"TRAIN_ITERS": str(saved + 3), "TP": "2"}, sbatch=["--time=5"])
     info = run.wait({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     TIMES["(c) time limit + resubmitted"] = time.monotonic() - run.started
     log = run.log()
     assert info["JobState"] == "COMPLETED", log
     assert f"loaded checkpoint {run.dir}/checkpoints/iter_{saved:07d} at iteration {saved}" in log
+    assert "world 2 = PP 1 × DP 1 × SP 1 × TP 2" in log and "resharding" in log, log
     resumed = run.losses()
     assert sorted(resumed) == [saved + 1, saved + 2, saved + 3], log
     # the weights were loaded, not re-initialised: the loss continues from where it was
