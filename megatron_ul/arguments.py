@@ -138,7 +138,8 @@ def _add_checkpoint_args(g) -> None:
     g.add_argument("--exit-duration-in-mins", type=float, default=None,
                    help="exit (saving first with --save) after this many minutes of training")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM, save at the end of the current iteration and exit 0")
+                   help="on SIGTERM or SIGUSR1 (Slurm's --signal time-limit warning), save at the "
+                        "end of the current iteration and exit 0")
 
 
 def _add_logging_args(g) -> None:
