@@ -83,7 +83,7 @@ def cluster():
 def workdir(tmp_path_factory, cluster):
     d = tmp_path_factory.mktemp("slurm-runs")
     write_corpus(str(d / "corpus.jsonl"))
-    subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(d / "corpus.jsonl"),
+    subprocess.run([sys.executable, "-m", "tools.preprocess_data", "--input", str(d / "corpus.jsonl"),
                     "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
                     "--append-eod", "--output-prefix", str(d / "counting"), "--workers", "1"],
                    cwd=ROOT, check=True, capture_output=True)
