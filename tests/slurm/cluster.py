@@ -119,8 +119,8 @@ PreemptMode=REQUEUE
 JobRequeue=1
 {nodes}
 # Jobs in "priority" preempt (requeue, after GraceTime) jobs in "batch"; nothing preempts them.
-PartitionName=batch Nodes={node_list} Default=YES MaxTime=INFINITE State=UP PriorityTier=1 GraceTime={grace_time}
-PartitionName=priority Nodes={node_list} Default=NO MaxTime=INFINITE State=UP PriorityTier=2 PreemptMode=OFF
+PartitionName=batch Nodes={node_list} Default=YES PriorityTier=1 GraceTime={grace_time}
+PartitionName=priority Nodes={node_list} PriorityTier=2 PreemptMode=OFF
 """
 
 
@@ -210,7 +210,8 @@ class SlurmCluster:
                             f"--pid-file={self.dir}/munged.pid",
                             f"--log-file={self.dir}/munged.log",
                             f"--seed-file={self.dir}/munged.seed"], "munged.out")
-        self._wait_for(lambda: os.path.exists(f"{self.dir}/munge.socket") or proc.poll() is not None,
+        socket_path = os.path.join(self.dir, "munge.socket")
+        self._wait_for(lambda: os.path.exists(socket_path) or proc.poll() is not None,
                        "munged's socket", 15)
         if proc.poll() is not None:
             raise SlurmUnavailable("munged exited: " + self.read("munged.out")

@@ -83,8 +83,9 @@ def cluster():
 def workdir(tmp_path_factory, cluster):
     d = tmp_path_factory.mktemp("slurm-runs")
     write_corpus(str(d / "corpus.jsonl"))
-    subprocess.run([sys.executable, "-m", "tools.preprocess_data", "--input", str(d / "corpus.jsonl"),
-                    "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+    subprocess.run([sys.executable, "-m", "tools.preprocess_data",
+                    "--input", str(d / "corpus.jsonl"), "--tokenizer-type", "NullTokenizer",
+                    "--vocab-size", str(VOCAB),
                     "--append-eod", "--output-prefix", str(d / "counting"), "--workers", "1"],
                    cwd=ROOT, check=True, capture_output=True)
     return d
@@ -123,7 +124,8 @@ class Run:
         pattern = re.compile(rf"iteration +{iteration}/")
         while not pattern.search(self.log(job)):
             state = self.cluster.state(job or self.jobs[-1])
-            assert time.monotonic() < deadline, f"no iteration {iteration}; {state}\n{self.log(job)}"
+            assert time.monotonic() < deadline, \
+                f"no iteration {iteration}; {state}\n{self.log(job)}"
             time.sleep(0.1)
 
     def wait(self, states, job=None, timeout: float = 300) -> dict:
@@ -231,7 +233,8 @@ def test_time_limit_kill_leaves_a_loadable_checkpoint(cluster, time_limit_run):
     assert "DUE TO TIME LIMIT" in log and "exiting at iteration" in log, log
     losses = run.losses()
     saved = run.tracker()
-    print(f"(c) killed at its 1-minute limit after iteration {max(losses)}; last checkpoint {saved}")
+    print(f"(c) killed at its 1-minute limit after iteration {max(losses)}; "
+          f"last checkpoint {saved}")
     assert saved == max(losses), "the SIGTERM at the time limit saves the last iteration"
 
     run.submit(env={"TRAIN_ITERS": str(saved + 3), "TP": "2"}, sbatch=["--time=5"])
