@@ -80,6 +80,6 @@ echo "ranks exited with status $status; latest complete iteration: $(latest_iter
 if [[ $status == 0 && -z "$ended_by_slurm" && -n "$train_iters" && "${AUTO_REQUEUE:-1}" == 1 ]] \
         && (( started_at < $(latest_iteration) && $(latest_iteration) < train_iters )); then
     echo "stopped at iteration $(latest_iteration) of $train_iters: requeueing job $SLURM_JOB_ID"
-    scontrol requeue "$SLURM_JOB_ID"
+    scontrol requeue "$SLURM_JOB_ID" || echo "requeue refused: sbatch the script again to resume"
 fi
 exit "$status"
