@@ -203,7 +203,7 @@ def test_killed_rank_fails_fast_and_resubmission_resumes(cluster, workdir, refer
     print(f"(d) job failed {failed_after:.1f} s after the SIGKILL (collective timeout 60 s); "
           f"logged up to iteration {max(before)}, last checkpoint {saved}")
     assert info["JobState"] == "FAILED", run.log()
-    assert failed_after < 30, "the job must fail well within the 60 s collective timeout"
+    assert failed_after < 60, "the job must fail within the 60 s collective timeout, not hang"
     assert "task 1: Killed" in run.log() and 20 <= saved <= max(before)
 
     run.submit()
