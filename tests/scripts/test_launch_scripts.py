@@ -12,9 +12,9 @@ from megatron_ul.training.pretrain import configure
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.sh"))
                  + glob.glob(os.path.join(ROOT, "scripts", "slurm", "*.sbatch")))
-# Helpers and the install/test wrappers launch no training.
+# Helpers and the install/test/lint wrappers launch no training.
 SCRIPTS = [s for s in SCRIPTS
-           if os.path.basename(s) not in ("common.sh", "install.sh", "test.sh")]
+           if os.path.basename(s) not in ("common.sh", "install.sh", "test.sh", "lint.sh")]
 
 
 def script_arguments(path: str) -> tuple[int, list[str]]:
