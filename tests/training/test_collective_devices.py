@@ -4,6 +4,8 @@ fp16 step or every --exit-signal-handler run on GPUs.
 
 No GPU here: the parameters live on the `meta` device instead, which differs from the CPU just
 as `cuda` does; the collective is replaced by a recorder that notes the device and stops."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -57,12 +59,11 @@ def test_exit_flags_are_reduced_on_the_parameters_device(handed):
     assert handed == [(META, torch.float32)]
 
 
-def test_grad_norm_is_reduced_on_the_parameters_device_even_without_gradients(handed,
-                                                                               monkeypatch):
-    monkeypatch.setattr(grads_module.ps, "get_model_parallel_group", lambda: None)
+def test_grad_norm_is_reduced_on_the_parameters_device_even_without_gradients(handed):
+    dims = SimpleNamespace(mp_group=None, tp_rank=0)      # the model-parallel group
     p = torch.nn.Parameter(torch.zeros(4, device=META))   # no .grad on this rank
     with pytest.raises(Handed):
-        grads_module.global_grad_norm([p])
+        grads_module.global_grad_norm([p], dims)
     assert handed == [(META, torch.float64)]
 
 
