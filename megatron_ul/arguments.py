@@ -58,6 +58,32 @@ def _add_model_args(g) -> None:
                    help="uniform: checkpoint chunks of --recompute-num-layers layers; block: "
                         "checkpoint the first --recompute-num-layers layers of each stage")
     g.add_argument("--recompute-num-layers", type=int, default=1)
+    _add_long_context_args(g)
+
+
+def _window_size(text: str) -> tuple:
+    """'LEFT,RIGHT' (Megatron-core's TransformerConfig.window_size tuple)."""
+    try:
+        left, right = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--window-size takes LEFT,RIGHT, e.g. 4096,0 (got {text!r})") from None
+    return left, right
+
+
+def _add_long_context_args(g) -> None:
+    g.add_argument("--tiled-loss-chunk-size", type=int, default=None,
+                   help="compute the output layer and loss over chunks of this many tokens of "
+                        "the rank's sequence, never holding the full logits")
+    g.add_argument("--tiled-mlp-chunk-size", type=int, default=None,
+                   help="run the MLP over chunks of this many tokens, recomputed in backward "
+                        "(ALST's tiled MLP)")
+    g.add_argument("--activation-checkpoint-cpu-offload", action="store_true",
+                   help="with --recompute-granularity full: keep the checkpointed layer inputs "
+                        "in host memory until backward (ALST's name)")
+    g.add_argument("--window-size", type=_window_size, default=None,
+                   help="sliding-window attention LEFT,RIGHT: token i sees tokens i-LEFT..i "
+                        "(RIGHT must be 0; Megatron-core's window_size)")
 
 
 def _add_parallel_args(g) -> None:

@@ -41,10 +41,22 @@ class ModelConfig:
     recompute_granularity: Optional[str] = None    # None | "full" | "selective"
     recompute_method: Optional[str] = None         # "uniform" | "block" (with full)
     recompute_num_layers: int = 1
+    # Long sequences (docs/long_context.md). Chunk sizes count tokens of this rank's sequence.
+    tiled_loss_chunk_size: Optional[int] = None    # output layer + loss over sequence chunks
+    tiled_mlp_chunk_size: Optional[int] = None     # MLP over sequence chunks, recomputed
+    activation_checkpoint_cpu_offload: bool = False  # full-recompute layer inputs to host
+    window_size: Optional[tuple] = None            # (left, right) sliding window; right = 0
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_window(self) -> Optional[int]:
+        """Keys a query sees before itself under --window-size (None: unlimited)."""
+        if self.window_size is None or self.window_size[0] < 0:
+            return None
+        return self.window_size[0]
 
     @property
     def query_groups(self) -> int:
@@ -221,6 +233,7 @@ def validate(cfg: Config) -> Config:
     errors += _attention_errors(m, tp, sp)
     errors += _sequence_errors(m, p, tp, sp)
     errors += _recompute_errors(m)
+    errors += _long_context_errors(cfg)
     errors += _zero_errors(p)
     errors += _loss_scale_errors(t)
 
@@ -336,6 +349,34 @@ def _recompute_errors(m: ModelConfig) -> list[str]:
                       "drop it or use full granularity")
     if m.recompute_num_layers < 1:
         errors.append(f"--recompute-num-layers must be >= 1 (got {m.recompute_num_layers})")
+    return errors
+
+
+def _long_context_errors(cfg: Config) -> list[str]:
+    """Tiled loss/MLP chunk sizes, activation offload and the sliding window."""
+    m, errors = cfg.model, []
+    for flag, value in [("--tiled-loss-chunk-size", m.tiled_loss_chunk_size),
+                        ("--tiled-mlp-chunk-size", m.tiled_mlp_chunk_size)]:
+        if value is not None and value < 1:
+            errors.append(f"{flag} must be >= 1 token (got {value}); omit it to run untiled")
+    if m.activation_checkpoint_cpu_offload:
+        if m.recompute_granularity != "full":
+            errors.append("--activation-checkpoint-cpu-offload moves the inputs that full "
+                          "recompute keeps to host memory: it needs --recompute-granularity full")
+        if cfg.parallel.zero_stage == 3:
+            errors.append("--activation-checkpoint-cpu-offload is not supported with --zero-stage "
+                          "3 (FSDP2's hooks do not see the offloaded recompute); use ZeRO-1")
+    if m.window_size is not None:
+        if len(m.window_size) != 2:
+            errors.append(f"--window-size takes LEFT,RIGHT (got {m.window_size!r})")
+        else:
+            left, right = m.window_size
+            if right != 0:
+                errors.append(f"--window-size {left},{right}: a causal GPT sees no later "
+                              f"tokens, RIGHT must be 0")
+            if left < 0 and left != -1:
+                errors.append(f"--window-size {left},{right}: LEFT must be >= 0, or -1 for an "
+                              f"unlimited window")
     return errors
 
 

@@ -21,6 +21,7 @@ from ..mpu.recompute import layers_to_checkpoint, run_layers
 from .init import normal_init
 from .norms import Norm
 from .rotary import rotary_cos_sin
+from .tiled_loss import tiled_logits_loss
 from .transformer import TransformerLayer, dropout
 
 
@@ -106,8 +107,15 @@ class GPTModel(nn.Module):
         x = run_layers(self.layers, x, plan if self.training else [], rotary, attention_mask)
         if not self.post_process:
             return x
-        logits = self.logits(self.final_norm(x))
+        x = self.final_norm(x)
         if labels is None:
-            return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size)
-        return loss.t().contiguous()  # a fresh tensor: FSDP2 warns about returned views
+            return self.logits(x)
+        return self.loss(x, labels.t()).t().contiguous()  # fresh: FSDP2 warns about views
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss [s, b] of final hidden states x [s, b, h] (÷TP under Megatron-SP)."""
+        chunk = self.cfg.tiled_loss_chunk_size
+        if chunk is None or chunk >= x.shape[0]:
+            return vocab_parallel_cross_entropy(self.logits(x), labels, self.cfg.vocab_size)
+        gathered = ps.get_tensor_model_parallel_world_size() if self.sequence_parallel else 1
+        return tiled_logits_loss(self.logits, x, labels, self.cfg.vocab_size, chunk, gathered)
