@@ -21,6 +21,7 @@ from .attention import select_backend
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
 from .rotary import apply_rotary
+from .tiled_mlp import tiled_mlp
 from .ulysses import DistributedAttention
 
 
@@ -78,6 +79,7 @@ class MLP(nn.Module):
                  num_layers: int, device, dtype):
         super().__init__()
         self.swiglu, self.gelu_approximate = cfg.swiglu, cfg.gelu_approximate
+        self.chunk_tokens = cfg.tiled_mlp_chunk_size
         ffn = cfg.ffn_size
         # SwiGLU's fc1 is [gate; up]: stride 2 gives each TP rank matching halves of both.
         self.fc1 = ColumnParallelLinear(
@@ -92,6 +94,11 @@ class MLP(nn.Module):
             dtype=dtype)
 
     def forward(self, x):
+        if self.chunk_tokens is not None:
+            return tiled_mlp(self._dense, x, self.chunk_tokens)
+        return self._dense(x)
+
+    def _dense(self, x):
         h = self.fc1(x)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)
