@@ -57,7 +57,8 @@ class SelfAttention(nn.Module):
                                  torch.device(device) if device else torch.device("cpu"))
         self.core = DistributedAttention(ps.get_sequence_parallel_world_size(), backend,
                                          ps.get_sequence_parallel_group(),
-                                         recompute=cfg.recompute_granularity == "selective")
+                                         recompute=cfg.recompute_granularity == "selective",
+                                         window=cfg.attention_window)
         self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x, rotary=None, attention_mask=None):

@@ -2,6 +2,7 @@
 the same ranks, and report the largest loss and gradient differences (shard by shard)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megatron_ul.arguments import parse_args
@@ -45,7 +46,8 @@ def loss_and_grads(cfg, autocast_dtype=None, attention_mask_fn=None):
 
 def compare_runs(rank, world, base_argv, option_argv, sizes, autocast_dtype=None,
                  attention_mask_fn=None, option_mask_fn=None):
-    """(max |loss diff| / max |loss|, max over params of max|grad diff| / max|grad|)."""
+    """(max |loss diff| / max |loss|, max over params of max|grad diff| / max|grad|) between
+    base_argv and base_argv + option_argv (each with its own attention mask function)."""
     tp, sp = sizes
     ps.initialize_model_parallel(tp, sp, 1)
     base = validate(parse_args(base_argv, world))
@@ -56,3 +58,8 @@ def compare_runs(rank, world, base_argv, option_argv, sizes, autocast_dtype=None
     grad_diff = max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
                     for n, g in ref_grads.items())
     return loss_diff, grad_diff
+
+
+def slow_except(default: set, names) -> list:
+    """Parameter names, those outside `default` marked slow (run with --run-slow)."""
+    return [n if n in default else pytest.param(n, marks=pytest.mark.slow) for n in names]
