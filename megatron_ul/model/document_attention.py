@@ -12,9 +12,10 @@ all-to-all on the full sequence.
 document.
 
 Backends:
-  flash: flash_attn_varlen_func (documents) or flash_attn_func (window only), with
-    window_size=(LEFT, 0), on q/k/v laid out [b·N, h, d].
-  sdpa (CPU and fallback): an autograd Function that runs SDPA per document (is_causal, the
+  flash (when attention.flash_attn_refusal allows the call: CUDA, fp16/bf16, flash-attn
+    importable): flash_attn_varlen_func with cu_seqlens (documents) or flash_attn_func (window
+    only), window_size=(LEFT, 0), q/k/v packed [b·N, h, d].
+  sdpa (CPU, fp32, and every other fallback): an autograd Function that runs SDPA per document (is_causal, the
     fused kernel keeps O(L) per document) or, with a window, per block of queries against
     the keys the window can reach; backward recomputes block by block and adds into dq/dk/dv.
     Memory is O(N·h·d) plus one block's scores, never O(N²).
@@ -28,11 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..mpu.random import _device_rng_get, _device_rng_set, get_rng_tracker
-
-try:  # optional (a CUDA build); only the flash backend uses it
-    from flash_attn import flash_attn_func, flash_attn_varlen_func  # type: ignore
-except Exception:  # noqa: BLE001
-    flash_attn_func = flash_attn_varlen_func = None
+from .attention import _announce_once, _flash_attn_module, flash_attn_refusal, require_one_dtype
 
 WINDOW_QUERY_BLOCK = 512   # queries per block on the windowed CPU path (scores: block × (block+LEFT))
 
@@ -145,16 +142,17 @@ class _BlockwiseAttention(torch.autograd.Function):
 # ---- flash-attn ----------------------------------------------------------------------------
 def _flash(q, k, v, documents, window, dropout_p, scale):
     n, b = q.shape[:2]
+    flash_attn = _flash_attn_module()
     window_size = (window, 0) if window is not None else (-1, -1)
     if documents is None:
-        out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+        out = flash_attn.flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                               dropout_p=dropout_p, softmax_scale=scale, causal=True,
                               window_size=window_size)
         return out.transpose(0, 1)
     packed = [t.transpose(0, 1).reshape(b * n, *t.shape[2:]) for t in (q, k, v)]
-    cu = documents.cu_seqlens.to(device=q.device, dtype=torch.int32)
+    cu = documents.cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     longest = documents.max_seqlen
-    out = flash_attn_varlen_func(*packed, cu, cu, longest, longest, dropout_p=dropout_p,
+    out = flash_attn.flash_attn_varlen_func(*packed, cu, cu, longest, longest, dropout_p=dropout_p,
                                  softmax_scale=scale, causal=True, window_size=window_size)
     return out.reshape(b, n, *out.shape[1:]).transpose(0, 1)
 
@@ -172,8 +170,14 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bac
     if documents is not None and documents.seq_length != n:
         raise ValueError(f"document offsets are for sequences of {documents.seq_length} tokens, "
                          f"attention got {n}")
+    require_one_dtype(q, k, v)
+    use_flash = backend == "flash" and flash_attn_refusal(q.device, q.dtype) is None
+    what = ("documents" if documents is not None else "") + (
+        f"{' + ' if documents is not None else ''}window {window}" if window is not None else "")
+    _announce_once(f"{what}: " + ("flash-attn 2 (varlen / window_size)" if use_flash else
+                                  "memory-linear blockwise SDPA"))
     with get_rng_tracker().fork():   # attention dropout: a per-(TP, SP)-rank stream
-        if backend == "flash":
+        if use_flash:
             return _flash(q, k, v, documents, window, dropout_p, softmax_scale)
         offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
         return _BlockwiseAttention.apply(q, k, v, _blocks(offsets, n, window), window,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_ul.arguments import parse_args
-from megatron_ul.config import validate
+from megatron_ul.config import resolve, validate
 from megatron_ul.model.gpt import GPTModel
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
@@ -50,8 +50,8 @@ def compare_runs(rank, world, base_argv, option_argv, sizes, autocast_dtype=None
     base_argv and base_argv + option_argv (each with its own attention mask function)."""
     tp, sp = sizes
     ps.initialize_model_parallel(tp, sp, 1)
-    base = validate(parse_args(base_argv, world))
-    option = validate(parse_args(base_argv + option_argv, world))
+    base = validate(resolve(parse_args(base_argv, world)))
+    option = validate(resolve(parse_args(base_argv + option_argv, world)))
     ref_loss, ref_grads = loss_and_grads(base, autocast_dtype, attention_mask_fn)
     loss, grads = loss_and_grads(option, autocast_dtype, option_mask_fn or attention_mask_fn)
     loss_diff = float((loss - ref_loss).abs().max() / ref_loss.abs().max())

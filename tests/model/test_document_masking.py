@@ -39,7 +39,7 @@ def _cases(rank, world, layout):
         out[name] = compare_runs(rank, world, MODEL + flags + extra, [], sizes,
                                  attention_mask_fn=dense, option_mask_fn=documents)
     # the window: written into the dense reference mask, a flag on the O(N) path
-    out["window"] = compare_runs(rank, world, MODEL + flags + LLAMA, ["--window-size", "4,0"],
+    out["window"] = compare_runs(rank, world, MODEL + flags + LLAMA, ["--window-size", "4", "0"],
                                  sizes, attention_mask_fn=functools.partial(dense, window=4),
                                  option_mask_fn=documents)
     return out
@@ -59,13 +59,13 @@ DOCS = (BASE + LLAMA + ["--num-attention-heads", "8", "--tokenizer-type", "NullT
 TRAIN_LAYOUTS = {
     "TP2-SP2": (["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2"], 4),
     "SP2-PP2": (["--ds-sequence-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4),
-    "SP2-window": (["--ds-sequence-parallel-size", "2", "--window-size", "6,0"], 2),
+    "SP2-window": (["--ds-sequence-parallel-size", "2", "--window-size", "6", "0"], 2),
 }
 
 
 @functools.lru_cache(maxsize=None)
 def single_process(window: bool):
-    return run_layout(DOCS + (["--window-size", "6,0"] if window else []), 1)
+    return run_layout(DOCS + (["--window-size", "6", "0"] if window else []), 1)
 
 
 @pytest.mark.parametrize("layout", slow_except({"TP2-SP2"}, TRAIN_LAYOUTS))
