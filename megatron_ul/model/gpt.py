@@ -17,6 +17,7 @@ from ..mpu import parallel_state as ps
 from ..mpu.cross_entropy import vocab_parallel_cross_entropy
 from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, sequence_parallel_linear
 from ..mpu.mappings import copy_to_tensor_model_parallel_region, scatter_to_sequence_parallel_region
+from ..mpu.offload import HostOffloader
 from ..mpu.recompute import layers_to_checkpoint, run_layers
 from .init import normal_init
 from .norms import Norm
@@ -69,6 +70,14 @@ class GPTModel(nn.Module):
                     sequence_parallel=sequence_parallel, device=device, dtype=dtype)
 
     # ---- pieces ---------------------------------------------------------------------------------
+    def _offloader(self, device) -> Optional[HostOffloader]:
+        """--activation-checkpoint-cpu-offload: one HostOffloader per model chunk."""
+        if not self.cfg.activation_checkpoint_cpu_offload:
+            return None
+        if getattr(self, "offloader", None) is None:
+            self.offloader = HostOffloader(device)
+        return self.offloader
+
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """tokens, position_ids [b, s] -> [s, b, h] (÷TP on s under Megatron-SP)."""
         x = self.word_embeddings(tokens.t())
@@ -103,7 +112,8 @@ class GPTModel(nn.Module):
             rotary = rotary_cos_sin(position_ids.t(), self.cfg.head_dim, self.cfg.rotary_base)
         plan = layers_to_checkpoint(len(self.layers), self.cfg.recompute_granularity,
                                     self.cfg.recompute_method, self.cfg.recompute_num_layers)
-        x = run_layers(self.layers, x, plan if self.training else [], rotary, attention_mask)
+        x = run_layers(self.layers, x, plan if self.training else [], rotary, attention_mask,
+                       offloader=self._offloader(x.device))
         if not self.post_process:
             return x
         x = self.final_norm(x)
