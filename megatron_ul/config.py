@@ -479,10 +479,6 @@ def _long_context_errors(cfg: Config) -> list[str]:
         if m.recompute_granularity != "full":
             errors.append("--activation-checkpoint-cpu-offload moves the inputs that full "
                           "recompute keeps to host memory: it needs --recompute-granularity full")
-        if cfg.parallel.zero_stage == 3:
-            errors.append("--activation-checkpoint-cpu-offload is not supported with "
-                          "--zero-stage 3 (FSDP2's hooks do not see the offloaded recompute); "
-                          "use ZeRO-1")
     if m.window_size is not None:
         if len(m.window_size) != 2:
             errors.append(f"--window-size takes two numbers, LEFT RIGHT, e.g. 4096 0 (got "

@@ -46,3 +46,10 @@ def test_every_offloaded_input_is_prefetched_then_fetched():
 def test_offload_needs_full_recompute():
     with pytest.raises(ConfigError, match="--activation-checkpoint-cpu-offload"):
         configure(DROPOUT_ON + OFFLOAD, 1)
+
+
+@pytest.mark.slow
+def test_offload_is_bit_identical_under_zero3():
+    from tests.optim.zero_harness import run_zero_layout
+    argv = DROPOUT_ON + FULL + ["--ds-sequence-parallel-size", "2", "--zero-stage", "3"]
+    assert_identical(run_zero_layout(argv, 2)[:2], run_zero_layout(argv + OFFLOAD, 2)[:2])
