@@ -75,3 +75,20 @@ def test_document_masking_training_matches_single_process(layout):
     loss_diff, param_diff = compare(ref, run_layout(DOCS + flags, world), 8, 2)
     print(f"{layout}: loss diff {loss_diff:.2e}, param diff {param_diff:.2e}")
     assert loss_diff < 1e-5 and param_diff < 1e-5
+
+
+def _flash_cases(rank, world):
+    import flash_attn   # the stand-in (fixture): counts its calls in this rank
+    diffs = compare_runs(rank, world, MODEL + LLAMA + ["--ds-sequence-parallel-size", "2",
+                                                       "--window-size", "6", "0"],
+                         ["--use-flash-attn"], (1, 2), autocast_dtype=torch.bfloat16,
+                         attention_mask_fn=documents)
+    return diffs, flash_attn.calls["flash_attn_varlen_func"]
+
+
+def test_flash_varlen_path_under_ulysses(flash_attn_stand_in):
+    """SP2, bf16, documents + window: flash_attn_varlen_func (strict stand-in) after the
+    all-to-all gives the memory-linear SDPA path's losses and gradients (bf16 rounding)."""
+    for (loss_diff, grad_diff), calls in run_distributed(_flash_cases, 2):
+        assert calls == 2   # one varlen call per layer (the backward differentiates it)
+        assert loss_diff < 2e-2 and grad_diff < 5e-2, (loss_diff, grad_diff)
