@@ -15,9 +15,9 @@ Backends:
   flash (when attention.flash_attn_refusal allows the call: CUDA, fp16/bf16, flash-attn
     importable): flash_attn_varlen_func with cu_seqlens (documents) or flash_attn_func (window
     only), window_size=(LEFT, 0), q/k/v packed [b·N, h, d].
-  sdpa (CPU, fp32, and every other fallback): an autograd Function that runs SDPA per document (is_causal, the
-    fused kernel keeps O(L) per document) or, with a window, per block of queries against
-    the keys the window can reach; backward recomputes block by block and adds into dq/dk/dv.
+  sdpa (CPU, fp32, and every other fallback): an autograd Function that runs SDPA per
+    document (is_causal, the fused kernel keeps O(L) per document) or, with a window, per
+    block of queries against the keys the window can reach; backward recomputes block by block and adds into dq/dk/dv.
     Memory is O(N·h·d) plus one block's scores, never O(N²).
 """
 from __future__ import annotations
@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from ..mpu.random import _device_rng_get, _device_rng_set, get_rng_tracker
 from .attention import _announce_once, _flash_attn_module, flash_attn_refusal, require_one_dtype
 
-WINDOW_QUERY_BLOCK = 512   # queries per block on the windowed CPU path (scores: block × (block+LEFT))
+# queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
+WINDOW_QUERY_BLOCK = 512
 
 
 @dataclass

@@ -47,6 +47,7 @@ class OffloadedTensor:
                  previous: Optional["OffloadedTensor"]):
         self.offloader, self.previous = offloader, previous
         self.on_device: Optional[torch.Tensor] = None
+        self.host: Optional[torch.Tensor]
         stream = offloader.stream
         if stream is None:
             self.host = x                    # CPU: already host memory, no copy
@@ -79,6 +80,7 @@ class OffloadedTensor:
         """The tensor on its device (waits for the copy); prefetches the previous handle."""
         self.prefetch()
         x = self.on_device
+        assert x is not None, "fetched twice"
         if self.offloader.stream is not None:
             current = torch.cuda.current_stream(self.offloader.device)
             current.wait_event(self.ready)
@@ -91,16 +93,15 @@ class OffloadedTensor:
 
 
 def _rng_states(device_type: str) -> tuple:
-    states = (torch.get_rng_state(), get_rng_tracker().get_states())
-    if device_type == "cuda":
-        states += (_device_rng_get("cuda"),)
-    return states
+    """(CPU generator, tracker streams, CUDA generator or None)."""
+    cuda = _device_rng_get("cuda") if device_type == "cuda" else None
+    return torch.get_rng_state(), get_rng_tracker().get_states(), cuda
 
 
 def _set_rng_states(states: tuple, device_type: str) -> None:
     torch.set_rng_state(states[0])
     get_rng_tracker().set_states(states[1])
-    if device_type == "cuda":
+    if states[2] is not None:
         _device_rng_set(states[2], "cuda")
 
 
@@ -131,7 +132,8 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         finally:
             _set_rng_states(current, device_type)
         torch.autograd.backward(out, grad_out)
-        return (None, None, None, x.grad if ctx.input_requires_grad else None) + (None,) * len(ctx.args)
+        grad_x = x.grad if ctx.input_requires_grad else None
+        return (None, None, None, grad_x) + (None,) * len(ctx.args)
 
 
 def offloaded_checkpoint(function, offloader: HostOffloader, chain: list, x: torch.Tensor,

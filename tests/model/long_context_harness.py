@@ -34,7 +34,8 @@ def _batch(cfg, seed: int = 0):
 
 def loss_and_grads(cfg, autocast_dtype=None, attention_mask_fn=None):
     model_parallel_seed(cfg.train.seed)
-    model = GPTModel(cfg.model, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel)
+    model = GPTModel(cfg.model, seed=cfg.train.seed,
+                     sequence_parallel=cfg.parallel.sequence_parallel)
     tokens, positions, labels, mask = _batch(cfg)
     mask_arg = attention_mask_fn(cfg) if attention_mask_fn else None
     with (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype

@@ -43,7 +43,7 @@ def _saved_bytes(rank, world):
             mlp = MLP(cfg, "mlp", 0, False, 1, None, torch.float32)
             x = torch.randn(256, 1, 16, requires_grad=True)
             _, saved[swiglu, chunk] = saved_activation_bytes(
-                lambda: mlp(x), exclude=list(mlp.parameters()) + [x])
+                lambda mlp=mlp, x=x: mlp(x), exclude=list(mlp.parameters()) + [x])
     return saved
 
 

@@ -1,10 +1,8 @@
 """--activation-checkpoint-cpu-offload changes where the full-recompute layer inputs wait, not
 results: with dropout ON, per-step losses and final parameters are bit-identical to plain full
 recompute; every offloaded input is fetched once, after the next one prefetched it."""
-import functools
 
 import pytest
-import torch
 
 from megatron_ul.config import ConfigError
 from megatron_ul.training.pretrain import configure
