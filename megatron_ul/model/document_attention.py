@@ -17,8 +17,8 @@ Backends:
     only), window_size=(LEFT, 0), q/k/v packed [b·N, h, d].
   sdpa (CPU, fp32, and every other fallback): an autograd Function that runs SDPA per
     document (is_causal, the fused kernel keeps O(L) per document) or, with a window, per
-    block of queries against the keys the window can reach; backward recomputes block by block and adds into dq/dk/dv.
-    Memory is O(N·h·d) plus one block's scores, never O(N²).
+    block of queries against the keys the window can reach; backward recomputes block by
+    block and adds into dq/dk/dv. Memory is O(N·h·d) plus one block's scores, never O(N²).
 """
 from __future__ import annotations
 
