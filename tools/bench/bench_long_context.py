@@ -128,8 +128,8 @@ def main() -> None:
     else:
         names = list(FEATURES)
         plan = ([(names[0], 1, n) for n in (4096, 8192, 16384)]
-                + [(name, 1, n) for name in names[1:4] for n in (16384, 65536)]
-                + [(names[4], 1, 65536), (names[2], 2, 32768)]
+                + [(names[1], 1, 65536), (names[2], 1, 16384)]
+                + [(name, 1, 65536) for name in names[2:]]
                 + [(name, 2, 131072) for name in names[2:]])
     rows = []
     for name, sp, seq in plan:
