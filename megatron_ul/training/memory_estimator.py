@@ -26,7 +26,8 @@ the full-recompute layer inputs to host memory (reported as host_bytes); two sta
 (the one being recomputed and the one prefetched). Document masking and sliding windows add
 nothing of size N² (O(N) offsets).
 Pipelining with 1F1B keeps min(PP, micro-batches) micro-batches of L/PP layers alive on the
-first stage. The loss's short-lived logits copy (or tiled chunk) is counted as its own row.
+first stage. The loss's short-lived logits copy (or tiled chunk) and the gradients alive while a
+layer backpropagates (8 [s, b, h] tensors) are counted as their own rows.
 Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU), and the
 backward's other short-lived gradient buffers.
 """
@@ -71,17 +72,21 @@ class MemoryEstimate:
     activation_bytes: float
     host_bytes: float = 0.0        # offloaded activations, in host memory (not in total)
     loss_working_bytes: float = 0.0  # the loss's short-lived logits copy (or tiled chunk)
+    backward_working_bytes: float = 0.0  # gradients alive while one layer backpropagates
 
     @property
     def total_bytes(self) -> float:
         return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
-                + self.activation_bytes + self.loss_working_bytes)
+                + self.activation_bytes + self.loss_working_bytes
+                + self.backward_working_bytes)
 
     def rows(self) -> list[tuple[str, float]]:
         return [("parameters", self.parameter_bytes), ("gradients", self.gradient_bytes),
                 ("optimizer state", self.optimizer_bytes),
                 ("activations", self.activation_bytes),
-                ("loss working set", self.loss_working_bytes), ("total", self.total_bytes)] + (
+                ("loss working set", self.loss_working_bytes),
+                ("backward working set", self.backward_working_bytes),
+                ("total", self.total_bytes)] + (
                     [("host memory (offloaded)", self.host_bytes)] if self.host_bytes else [])
 
     def describe(self) -> str:
@@ -183,6 +188,18 @@ def _logits_bytes(m: ModelConfig, layout: Layout, rows: float) -> float:
     return rows * layout.micro_batch_size * m.padded_vocab_size(layout.tp) / layout.tp * 4
 
 
+def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
+    """Gradients alive at once while one layer backpropagates, in units of [s, b, h]: the
+    incoming, residual and norm-input gradients in the fp32 residual stream (3), and dq, dk,
+    dv, the attention output's and the MLP input's gradients in the activation dtype (5).
+    On CPU (fp32) the benchmark measures about this much above the kept activations."""
+    s = m.seq_length / layout.sp
+    sbh = s * layout.micro_batch_size * m.hidden_size
+    norm_region = sbh / (layout.tp if layout.sequence_parallel else 1)
+    act = 2 if precision.bf16 else 4
+    return 3 * norm_region * 4 + 5 * sbh / layout.tp * act
+
+
 def loss_working_bytes(m: ModelConfig, layout: Layout) -> float:
     """The loss's short-lived buffers on the last stage: untiled, the output layer's logits
     and the shifted copy the softmax is made of coexist in forward (the copy is kept); tiled,
@@ -230,7 +247,8 @@ def estimate(m: ModelConfig, layout: Layout, *, zero_stage: int = 0, recompute: 
                 * layer_activation_bytes(m, layout, precision, "full"))
     return MemoryEstimate(params, param_bytes, grad_bytes, optimizer_bytes,
                           activation_bytes(m, layout, precision, recompute), host,
-                          loss_working_bytes(m, layout))
+                          loss_working_bytes(m, layout),
+                          backward_working_bytes(m, layout, precision))
 
 
 def layout_from_config(cfg: Config) -> Layout:
