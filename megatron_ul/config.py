@@ -84,10 +84,30 @@ class ModelConfig:
                    "checkpoint the first --recompute-num-layers layers of each stage")
     recompute_num_layers: int = flag(1, help="layers per recomputed chunk (see "
                                              "--recompute-method)")
+    # Long sequences (docs/long_context.md); chunk sizes count tokens of this rank's sequence.
+    tiled_loss_chunk_size: Optional[int] = flag(
+        None, help="compute the output layer and loss over chunks of this many tokens, never "
+                   "holding the full logits; backward recomputes one chunk at a time")
+    tiled_mlp_chunk_size: Optional[int] = flag(
+        None, help="run the MLP over chunks of this many tokens, each recomputed in backward "
+                   "(ALST's tiled MLP)")
+    activation_checkpoint_cpu_offload: bool = flag(
+        False, help="with --recompute-granularity full: keep each checkpointed layer input in "
+                    "host memory until backward (ALST's name)")
+    window_size: Optional[list[int]] = flag(
+        None, help="sliding-window attention LEFT RIGHT: token i sees tokens i-LEFT..i of its "
+                   "document (RIGHT must be 0; -1 = unlimited; Megatron-core's window_size)")
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_window(self) -> Optional[int]:
+        """Keys a query sees before itself under --window-size (None: unlimited)."""
+        if self.window_size is None or self.window_size[0] < 0:
+            return None
+        return self.window_size[0]
 
     @property
     def query_groups(self) -> int:
@@ -287,6 +307,7 @@ def validate(cfg: Config) -> Config:
     errors += _mlp_errors(m, tp)
     errors += _sequence_errors(m, p, tp, sp)
     errors += _recompute_errors(m)
+    errors += _long_context_errors(cfg)
     errors += _zero_errors(p)
     errors += _loss_scale_errors(t)
     errors += _batch_errors(t, dp)
@@ -468,6 +489,30 @@ def _recompute_errors(m: ModelConfig) -> list[str]:
                       "drop it or use full granularity")
     if m.recompute_num_layers < 1:
         errors.append(f"--recompute-num-layers must be >= 1 (got {m.recompute_num_layers})")
+    return errors
+
+
+def _long_context_errors(cfg: Config) -> list[str]:
+    """Tiled loss/MLP chunk sizes, activation offload and the sliding window."""
+    m, errors = cfg.model, []
+    for name, value in [("--tiled-loss-chunk-size", m.tiled_loss_chunk_size),
+                        ("--tiled-mlp-chunk-size", m.tiled_mlp_chunk_size)]:
+        if value is not None and value < 1:
+            errors.append(f"{name} must be >= 1 token (got {value}); omit it to run untiled")
+    if m.activation_checkpoint_cpu_offload:
+        if m.recompute_granularity != "full":
+            errors.append("--activation-checkpoint-cpu-offload moves the inputs that full "
+                          "recompute keeps to host memory: it needs --recompute-granularity full")
+    if m.window_size is not None:
+        if len(m.window_size) != 2:
+            errors.append(f"--window-size takes two numbers, LEFT RIGHT, e.g. 4096 0 (got "
+                          f"{' '.join(map(str, m.window_size))})")
+        elif m.window_size[1] != 0:
+            errors.append(f"--window-size {m.window_size[0]} {m.window_size[1]}: a causal GPT "
+                          f"sees no later tokens, RIGHT must be 0")
+        elif m.window_size[0] < -1:
+            errors.append(f"--window-size {m.window_size[0]} 0: LEFT must be >= 0, or -1 for "
+                          f"an unlimited window")
     return errors
 
 

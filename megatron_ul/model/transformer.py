@@ -23,6 +23,7 @@ from .attention import select_backend
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
 from .rotary import apply_rotary
+from .tiled_mlp import tiled_mlp
 from .ulysses import DistributedAttention
 
 
@@ -60,7 +61,7 @@ class SelfAttention(nn.Module):
                                  torch.device(device) if device else torch.device("cpu"))
         self.core = DistributedAttention(dims.sp, backend, dims.sp_group,
                                          recompute=cfg.recompute_granularity == "selective",
-                                         timers=timers)
+                                         timers=timers, window=cfg.attention_window)
         self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x, rotary=None, attention_mask=None):
@@ -83,6 +84,7 @@ class MLP(nn.Module):
         super().__init__()
         tp_group = (dims or ps.get_parallel_dims()).tp_group
         self.swiglu, self.gelu_approximate = cfg.swiglu, cfg.gelu_approximate
+        self.chunk_tokens = cfg.tiled_mlp_chunk_size
         ffn = cfg.ffn_size
         # SwiGLU's fc1 is [gate; up]: stride 2 gives each TP rank matching halves of both.
         self.fc1 = ColumnParallelLinear(
@@ -97,6 +99,11 @@ class MLP(nn.Module):
             dtype=dtype, tp_group=tp_group)
 
     def forward(self, x):
+        if self.chunk_tokens is not None:
+            return tiled_mlp(self._dense, x, self.chunk_tokens)
+        return self._dense(x)
+
+    def _dense(self, x):
         h = self.fc1(x)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)

@@ -49,11 +49,28 @@ def describe(cfg: Config) -> str:
         f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision {precision}, "
         f"{activation_bytes}-byte activations; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
-        "attention: " + planned_attention(m.use_flash_attn, activation_dtype,
-                                          cfg.data.reset_attention_mask),
+        "attention: " + planned_attention(m.use_flash_attn, activation_dtype, has_mask=False)
+        + (" (per document, varlen)" if cfg.data.reset_attention_mask else ""),
+        "long context: " + long_context(cfg),
         "memory estimate per GPU: " + est.describe(),
     ]
     return "\n".join(lines)
+
+
+def long_context(cfg: Config) -> str:
+    """The long-sequence options in effect (docs/long_context.md)."""
+    m, d = cfg.model, cfg.data
+    parts = [f"tiled loss {m.tiled_loss_chunk_size} tokens/chunk" if m.tiled_loss_chunk_size
+             else "loss untiled",
+             f"tiled MLP {m.tiled_mlp_chunk_size} tokens/chunk" if m.tiled_mlp_chunk_size
+             else "MLP untiled"]
+    if m.activation_checkpoint_cpu_offload:
+        parts.append("full-recompute layer inputs offloaded to host")
+    if d.reset_attention_mask:
+        parts.append("document masking (O(N) cu_seqlens)")
+    if m.attention_window is not None:
+        parts.append(f"sliding window {m.attention_window}")
+    return "; ".join(parts)
 
 
 def dry_run(cfg: Config) -> int:
