@@ -260,13 +260,26 @@ def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> t
     meta = {"format": files.FORMAT, "iteration": 0, "model": model,
             "layout": {"tp": 1, "pp": 1, "sp": 1, "dp": 1, "world": 1,
                        "sequence_parallel": False, "vp": None},
-            "params": {n: reshard.param_info(n, t.shape, model) for n, t in params.items()},
+            "params": reshard.layout_table({"model": model}, 1, 1, None),
             "optimizer": None, "rng": False, "source": f"hugging face {config['model_type']}"}
     common = {"iteration": 0, "checkpoint_version": 3.0, "opt_param_scheduler": {"num_steps": 0},
               "consumed_samples": 0, "consumed_valid_samples": 0, "args": {}}
+    _check_names(params, meta["params"], hf_dir)
     full = reshard.FullCheckpoint(meta, common, params, None, None)
     target = reshard.target_metadata(full, tp, pp, 1, 1, with_optim=False)
     return reshard.write_layout(full, target, save_dir, 0, tp, pp, with_optim=False), model
+
+
+def _check_names(params: dict, table: dict, hf_dir: str) -> None:
+    """The mapped tensors must be exactly the model's parameters, shaped as the table says
+    (vocabulary rows are padded later)."""
+    missing, extra = set(table) - set(params), set(params) - set(table)
+    bad = [n for n in set(params) & set(table) if not table[n]["vocab_padded"]
+           and list(params[n].shape) != table[n]["shape"]]
+    if missing or extra or bad:
+        raise CheckpointError(f"{hf_dir}: the mapped weights do not fit the model: missing "
+                              f"{sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}, "
+                              f"wrong shape {sorted(bad)[:4]}")
 
 
 def export_checkpoint(load_dir: str, hf_dir: str, kind: str | None = None) -> str:

@@ -25,7 +25,8 @@ from ..mpu import parallel_state as ps
 from . import files, reshard
 from .files import CheckpointError
 from .files import FORMAT
-from .state import named_parameters, parameter_metadata, rng_state, set_rng_state
+from ..pipeline.param_table import local_parameter_table
+from .state import named_parameters, rng_state, set_rng_state
 from .zero import (checkpoint_model_state, checkpoint_optimizer_state,
                    load_checkpoint_model_state, load_checkpoint_optimizer_state)
 
@@ -89,7 +90,7 @@ def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, 
         files.save_torch(payload, files.model_file(tmp, tp_rank, pp_rank, pp))
     files.save_torch(rng_state(), files.rng_file(tmp, dist.get_rank()))
     # Each pipeline stage knows its own parameters; rank 0 records them all.
-    mine = parameter_metadata(model, ps.get_tensor_model_parallel_world_size()) \
+    mine = local_parameter_table(model, ps.get_tensor_model_parallel_world_size(), pp_rank) \
         if writer and tp_rank == 0 else {}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -187,7 +188,8 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
                  iter_dir, saved["tp"], saved["pp"], saved.get("vp"), ours["tp"], ours["pp"],
                  ours["vp"], cfg.checkpoint.load, ours["tp"], ours["pp"], vp_flag)
     full = reshard.read_full(iter_dir, with_optim=load_optim)
-    model_sd, optim_sd = reshard.shard_for(full, list(named_parameters(model)), tp_rank,
+    table = reshard.layout_table(meta, ours["tp"], ours["pp"], ours["vp"])
+    model_sd, optim_sd = reshard.shard_for(full, table, list(named_parameters(model)), tp_rank,
                                            ours["tp"])
     return full.common, iter_dir, model_sd, optim_sd
 

@@ -8,6 +8,7 @@ This is the only module that creates process groups.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 from dataclasses import dataclass
 
@@ -99,6 +100,22 @@ def model_parallel_is_initialized() -> bool:
 def destroy_model_parallel() -> None:
     global _state, _dp_sp_mesh
     _state, _dp_sp_mesh = None, None
+
+
+@contextlib.contextmanager
+def single_rank_view():
+    """Within the block, the grid is one rank with no groups (sizes 1, ranks 0), whatever was
+    initialised before: to build a model's TP1/PP1 modules on the meta device, e.g. for the
+    parameter table of a layout this process is not running (pipeline/param_table.py)."""
+    global _state
+    saved = _state
+    names = ("tp", "sp", "dp", "pp", "dp_sp", "tp_sp", "mp", "embedding")
+    _state = _State(1, 1, 1, 1, dict.fromkeys(_AXES, 0), dict.fromkeys(names),
+                    {n: [0] for n in names}, [])
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def _get() -> _State:
