@@ -139,6 +139,14 @@ def _add_checkpoint_args(g) -> None:
                    help="exit (saving first with --save) after this many minutes of training")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save at the end of the current iteration and exit 0")
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   dest="override_opt_param_scheduler", action="store_true",
+                   help="on resume, use this run's --lr/--min-lr/warmup/decay flags instead of "
+                        "the checkpoint's LR schedule")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   dest="use_checkpoint_opt_param_scheduler", action="store_true",
+                   help="on resume, continue the checkpoint's LR schedule whatever this run's "
+                        "--lr/--min-lr/warmup/decay flags say")
 
 
 def _add_logging_args(g) -> None:

@@ -137,6 +137,8 @@ class CheckpointConfig:
     exit_interval: Optional[int] = None            # save (with --save) and exit at this iteration
     exit_duration_in_mins: Optional[float] = None  # save and exit after this wall time
     exit_signal_handler: bool = False              # SIGTERM: save at the end of the iteration, exit 0
+    override_opt_param_scheduler: bool = False     # resume: this run's LR schedule flags win
+    use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's LR schedule wins
 
 
 @dataclass
@@ -316,6 +318,9 @@ def _checkpoint_errors(cfg: Config) -> list[str]:
     if c.load is not None and not os.path.isdir(c.load) and c.load != c.save:
         errors.append(f"--load {c.load}: no such directory; pass the --save directory of an "
                       f"earlier run")
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                      "conflict: pass the one that says whose LR schedule wins")
     if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):
         errors.append(f"--save {c.save} exists and is not a directory; choose another path")
     return errors

@@ -12,6 +12,7 @@ Save protocol (every step survives a kill -9 of any process at any moment):
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -33,14 +34,21 @@ from .zero import (checkpoint_model_state, checkpoint_optimizer_state,
 log = logging.getLogger("megatron_ul")
 
 # ModelConfig fields that decide parameter shapes or the function the weights compute.
-SHAPE_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+MODEL_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "num_attention_heads": "--num-attention-heads",
                 "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
                 "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size",
                 "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
                 "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
                 "position_embedding_type": "--position-embedding-type",
-                "normalization": "--normalization"}
+                "normalization": "--normalization", "norm_epsilon": "--norm-epsilon",
+                "gelu_approximate": "--gelu-approximate"}
+ROPE_FIELDS = {"rotary_base": "--rotary-base"}     # compared when both use rotary embeddings
+# LRSchedule hyper-parameters and the flags that set them (Megatron's
+# OptimizerParamScheduler checks the same ones on load).
+SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup_steps": "--lr-warmup-iters",
+                  "decay_steps": "--lr-decay-iters (default --train-iters)",
+                  "decay_style": "--lr-decay-style"}
 
 
 @dataclass
@@ -64,6 +72,33 @@ def consumed_valid_samples(cfg: Config, iteration: int) -> int:
         if t.eval_interval else 0
 
 
+def special_token_ids(cfg: Config) -> dict:
+    """bos/eos ids of the run's tokenizer, recorded for exports (Hugging Face configs carry
+    them). GPT-2's BPE has one end-of-text id for both; SentencePiece its own bos and eos;
+    without a tokenizer (mock data) Megatron's NullTokenizer convention, vocab_size - 1."""
+    d = cfg.data
+    return _special_token_ids(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
+                              cfg.model.vocab_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _special_token_ids(kind, vocab_file, merge_file, tokenizer_model, vocab_size) -> dict:
+    from ..data.tokenizers import build_tokenizer
+    eod = vocab_size - 1
+    bos = None
+    if kind is not None:
+        try:
+            tokenizer = build_tokenizer(kind, vocab_file=vocab_file, merge_file=merge_file,
+                                        tokenizer_model=tokenizer_model, vocab_size=vocab_size)
+            eod = tokenizer.eod
+            processor = getattr(tokenizer, "processor", None)     # SentencePiece
+            bos = processor.bos_id() if processor is not None else None
+        except (OSError, ValueError, ImportError) as e:
+            log.warning("cannot record bos/eos ids: tokenizer %s (%s)", kind, e)
+            return {}
+    return {"bos_token_id": bos if bos is not None and bos >= 0 else eod, "eos_token_id": eod}
+
+
 def _agree_on_save_id() -> str:
     token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(token, src=0)
@@ -71,7 +106,7 @@ def _agree_on_save_id() -> str:
 
 
 def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str,
-                      grad_scaler=None):
+                      grad_scaler, position: Resume):
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     pp = ps.get_pipeline_model_parallel_world_size()
     save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
@@ -84,8 +119,8 @@ def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, 
                    "model": model_sd, "optimizer": optim_sd,
                    "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
                    "opt_param_scheduler": scheduler.state_dict(),
-                   "consumed_samples": iteration * cfg.train.global_batch_size,
-                   "consumed_valid_samples": consumed_valid_samples(cfg, iteration),
+                   "consumed_samples": position.consumed_samples,
+                   "consumed_valid_samples": position.consumed_valid_samples,
                    "args": asdict(cfg)}
         files.save_torch(payload, files.model_file(tmp, tp_rank, pp_rank, pp))
     files.save_torch(rng_state(), files.rng_file(tmp, dist.get_rank()))
@@ -115,16 +150,22 @@ def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) 
 
 
 def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
-                    grad_scaler=None) -> str:
+                    grad_scaler=None, position: Resume | None = None) -> str:
     """Collective over all ranks. Returns the iteration directory. optimizer=None saves the
-    weights only; grad_scaler is the fp16 loss scaler (optim/precision.py), if any."""
+    weights only; grad_scaler is the fp16 loss scaler (optim/precision.py), if any; `position`
+    the true data position (samples consumed across batch-size changes; the training loop
+    keeps it), by default iteration × the current global batch."""
+    if position is None:
+        position = Resume(iteration, iteration * cfg.train.global_batch_size,
+                          consumed_valid_samples(cfg, iteration))
     save_dir = cfg.checkpoint.save
     if dist.get_rank() == 0:
         os.makedirs(save_dir, exist_ok=True)
     save_id = _agree_on_save_id()
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     tmp = f"{final}.tmp-{save_id}"
-    params = _write_rank_files(cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler)
+    params = _write_rank_files(cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler,
+                               position)
     dist.barrier()
     if dist.get_rank() == 0:
         meta = {"format": FORMAT, "iteration": iteration, "layout": _layout(cfg),
@@ -133,6 +174,7 @@ def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
                 "optimizer": (None if cfg.checkpoint.no_save_optim or optimizer is None else
                               "replicated"),
                 "zero_stage": cfg.parallel.zero_stage,
+                "special_tokens": special_token_ids(cfg),
                 "rng": True}
         files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
         _publish(save_dir, tmp, final, save_id, iteration)
@@ -143,8 +185,11 @@ def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
 
 def check_model_matches(meta: dict, cfg: Config, path: str) -> None:
     saved, ours = meta["model"], asdict(cfg.model)
+    checked = dict(MODEL_FIELDS)
+    if saved.get("position_embedding_type") == ours["position_embedding_type"] == "rope":
+        checked.update(ROPE_FIELDS)
     diffs = [f"{flag}: checkpoint {saved.get(field)!r}, this run {ours[field]!r}"
-             for field, flag in SHAPE_FIELDS.items() if saved.get(field) != ours[field]]
+             for field, flag in checked.items() if saved.get(field, ours[field]) != ours[field]]
     if (ours["position_embedding_type"] == "learned_absolute"
             and saved.get("max_position_embeddings") != ours["max_position_embeddings"]):
         diffs.append(f"--max-position-embeddings: checkpoint "
@@ -205,6 +250,26 @@ def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> 
     load_checkpoint_optimizer_state(model, optimizer, optim_sd, source)
 
 
+def _load_scheduler(cfg: Config, scheduler, saved: dict, source: str) -> None:
+    """Megatron's rule: a resume whose schedule flags differ from the checkpoint's is refused
+    unless --override-opt_param-scheduler (this run's flags win) or
+    --use-checkpoint-opt_param-scheduler (the checkpoint's schedule wins) says which."""
+    c = cfg.checkpoint
+    ours = scheduler.state_dict()
+    if c.override_opt_param_scheduler:
+        saved = {"num_steps": saved["num_steps"]}
+    elif not c.use_checkpoint_opt_param_scheduler:
+        diffs = [f"{flag}: checkpoint {saved[k]!r}, this run {ours[k]!r}"
+                 for k, flag in SCHEDULE_FLAGS.items() if k in saved and saved[k] != ours[k]]
+        if diffs:
+            raise CheckpointError(
+                f"{source}: the checkpoint's learning-rate schedule differs from this run's "
+                f"flags:\n  " + "\n  ".join(diffs) + "\npass --override-opt_param-scheduler to "
+                f"use this run's flags, or --use-checkpoint-opt_param-scheduler to continue the "
+                f"checkpoint's schedule")
+    scheduler.load_state_dict(saved)
+
+
 def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
     saved = payload.get("grad_scaler")
     if grad_scaler is None:
@@ -253,7 +318,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
         return Resume()
     if load_optim:
         _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
-    scheduler.load_state_dict(payload["opt_param_scheduler"])
+    _load_scheduler(cfg, scheduler, payload["opt_param_scheduler"], source)
     _load_grad_scaler(grad_scaler, payload, source)
     if not c.no_load_rng:
         _load_rng(cfg, meta, iter_dir)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import shutil
 import uuid
 from dataclasses import dataclass, fields
 
@@ -63,6 +64,28 @@ def layout_table(meta: dict, tp: int, pp: int, vp: int | None) -> dict[str, dict
         return parameter_table(model_config(meta), tp, pp, vp)
     except ValueError as e:
         raise CheckpointError(f"target layout: {e}") from None
+
+
+def check_target_layout(meta: dict, tp: int, pp: int, sp: int, dp: int, vp: int | None,
+                        sequence_parallel: bool = False) -> None:
+    """Refuse a target layout the trainer would refuse, with the trainer's own validation
+    (config.validate), before anything is written."""
+    from ..config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, validate
+    cfg = Config(model=model_config(meta),
+                 parallel=ParallelConfig(tensor_model_parallel_size=tp,
+                                         ds_sequence_parallel_size=sp,
+                                         pipeline_model_parallel_size=pp,
+                                         sequence_parallel=sequence_parallel,
+                                         world_size=tp * sp * pp * dp,
+                                         num_layers_per_virtual_pipeline_stage=vp),
+                 # any batch the interleaved schedule accepts: only the layout is judged here
+                 train=TrainConfig(global_batch_size=dp * pp), data=DataConfig(mock_data=True))
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        raise CheckpointError(f"the target layout TP{tp} PP{pp} SP{sp} DP{dp}"
+                              f"{f' VP{vp}' if vp else ''} would be refused by the trainer "
+                              f"(the --target-* flags set these):\n{e}") from None
 
 
 def saved_table(meta: dict) -> dict[str, dict]:
@@ -192,9 +215,14 @@ def convert(load_dir: str, save_dir: str, tp: int, pp: int, sp: int | None = Non
     if iteration is None:
         raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; {load_dir} "
                               f"holds no complete checkpoint")
-    full = read_full(files.find_iteration_dir(load_dir, iteration), with_optim)
-    old = full.metadata["layout"]
-    meta = target_metadata(full, tp, pp, sp or old["sp"], dp or old["dp"], with_optim, vp)
+    iter_dir = files.find_iteration_dir(load_dir, iteration)
+    meta_path = os.path.join(iter_dir, files.METADATA)
+    old = files.read_json(meta_path, "checkpoint metadata")
+    files.check_format(old, meta_path)
+    sp, dp = sp or old["layout"]["sp"], dp or old["layout"]["dp"]
+    check_target_layout(old, tp, pp, sp, dp, vp, old["layout"].get("sequence_parallel", False))
+    full = read_full(iter_dir, with_optim)
+    meta = target_metadata(full, tp, pp, sp, dp, with_optim, vp)
     return write_layout(full, meta, save_dir, iteration, tp, pp, with_optim, vp)
 
 
@@ -209,15 +237,19 @@ def write_layout(full: FullCheckpoint, meta: dict, save_dir: str, iteration: int
     os.makedirs(save_dir, exist_ok=True)
     tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
     os.makedirs(tmp)
-    table = meta["params"]
-    for s in range(pp):
-        stage = stage_parameter_names(table, s)
-        for t in range(tp):
-            model, optim = shard_for(full, table, stage, t, tp)
-            files.save_torch({**full.common, "model": model,
-                              "optimizer": optim if with_optim else None},
-                             files.model_file(tmp, t, s, pp))
-    files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
+    try:
+        table = meta["params"]
+        for s in range(pp):
+            stage = stage_parameter_names(table, s)
+            for t in range(tp):
+                model, optim = shard_for(full, table, stage, t, tp)
+                files.save_torch({**full.common, "model": model,
+                                  "optimizer": optim if with_optim else None},
+                                 files.model_file(tmp, t, s, pp))
+        files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)   # a failed conversion leaves nothing behind
+        raise
     os.rename(tmp, final)
     files.fsync_dir(save_dir)
     files.write_tracker(save_dir, iteration)

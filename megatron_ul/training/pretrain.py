@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
@@ -76,10 +76,13 @@ class Trainer:
     valid_batches: Optional[Iterator]
     start_iteration: int = 0
     grad_scaler: Optional[GradScaler] = None   # fp16 only; checkpointed with the model
+    resume: Optional[Resume] = None            # data position loaded from the checkpoint
 
     def train(self) -> list[float]:
+        position = replace(self.resume) if self.resume else None
         control = RunControl(self.cfg, self.model, self.optimizer, self.scheduler,
-                             self.start_iteration, grad_scaler=self.grad_scaler)
+                             self.start_iteration, grad_scaler=self.grad_scaler,
+                             position=position)
         losses = train(self.cfg, self.model, self.optimizer, self.scheduler, self.train_batches,
                        self.valid_batches, self.start_iteration, control.after_iteration,
                        grad_scaler=self.grad_scaler)
@@ -113,7 +116,7 @@ def setup(cfg: Config) -> Trainer:
     valid_batches = (global_batches(cfg, valid_ds, device, eod, resume.consumed_valid_samples)
                      if valid_ds is not None else None)
     return Trainer(cfg, model, optimizer, scheduler, train_batches, valid_batches,
-                   resume.iteration, grad_scaler)
+                   resume.iteration, grad_scaler, resume)
 
 
 def main(argv=None) -> int:
