@@ -139,6 +139,12 @@ def _add_checkpoint_args(g) -> None:
                    help="exit (saving first with --save) after this many minutes of training")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM, save at the end of the current iteration and exit 0")
+    g.add_argument("--keep-last-n-checkpoints", type=int, default=None,
+                   help="after each save, delete all but the newest N complete iterations "
+                        "(default: keep all)")
+    g.add_argument("--remove-unfinished-checkpoints", action="store_true",
+                   help="after each save, delete what interrupted saves and cleanups left "
+                        "(iter_*.tmp-*, .old-*, .del-*); this job holds the directory's lock")
     g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
                    dest="override_opt_param_scheduler", action="store_true",
                    help="on resume, use this run's --lr/--min-lr/warmup/decay flags instead of "

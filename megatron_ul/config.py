@@ -137,6 +137,8 @@ class CheckpointConfig:
     exit_interval: Optional[int] = None            # save (with --save) and exit at this iteration
     exit_duration_in_mins: Optional[float] = None  # save and exit after this wall time
     exit_signal_handler: bool = False              # SIGTERM: save at the end of the iteration, exit 0
+    keep_last_n_checkpoints: Optional[int] = None  # delete older complete iterations (opt-in)
+    remove_unfinished_checkpoints: bool = False    # delete what killed saves left (opt-in)
     override_opt_param_scheduler: bool = False     # resume: this run's LR schedule flags win
     use_checkpoint_opt_param_scheduler: bool = False  # resume: the checkpoint's LR schedule wins
 
@@ -309,7 +311,8 @@ def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> lis
 def _checkpoint_errors(cfg: Config) -> list[str]:
     c, errors = cfg.checkpoint, []
     for name, value in [("--save-interval", c.save_interval), ("--exit-interval", c.exit_interval),
-                        ("--exit-duration-in-mins", c.exit_duration_in_mins)]:
+                        ("--exit-duration-in-mins", c.exit_duration_in_mins),
+                        ("--keep-last-n-checkpoints", c.keep_last_n_checkpoints)]:
         if value is not None and value <= 0:
             errors.append(f"{name} must be > 0 (got {value})")
     if c.save_interval is not None and c.save is None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import shutil
 import uuid
 from dataclasses import asdict, dataclass
 
@@ -99,10 +98,32 @@ def _special_token_ids(kind, vocab_file, merge_file, tokenizer_model, vocab_size
     return {"bos_token_id": bos if bos is not None and bos >= 0 else eod, "eos_token_id": eod}
 
 
-def _agree_on_save_id() -> str:
-    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    return token[0]
+def _on_rank0(action) -> object:
+    """Run `action` on rank 0 and broadcast its result, or re-raise its CheckpointError on
+    every rank (so that no rank is left waiting in a collective)."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", action())
+        except CheckpointError as e:
+            box[0] = ("error", str(e))
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
+
+
+def claim_save_dir(cfg: Config) -> None:
+    """Collective: rank 0 takes the --save directory's lock (files.claim_save_dir) so that a
+    second job saving into it fails at start-up, naming the holder."""
+    _on_rank0(lambda: files.claim_save_dir(cfg.checkpoint.save))
+
+
+def _begin_save(save_dir: str) -> str:
+    """Rank 0: the directory's lock, then a fresh save id."""
+    files.claim_save_dir(save_dir)
+    return uuid.uuid4().hex[:12]
 
 
 def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str,
@@ -114,6 +135,30 @@ def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, 
     # Collective over dp_sp under ZeRO (gathers one parameter at a time); None off the writer.
     model_sd = checkpoint_model_state(model)
     optim_sd = checkpoint_optimizer_state(model, optimizer) if save_optim else None
+    records, error = {}, None
+    try:
+        records = _write_files(cfg, model_sd, optim_sd, scheduler, iteration, tmp, grad_scaler,
+                               position, writer, tp_rank, pp_rank, pp)
+    except CheckpointError as e:
+        error = str(e)
+    # Each pipeline stage knows its own parameters; rank 0 records them all, with every
+    # rank's file records; an error on any rank fails the save on every rank.
+    mine = local_parameter_table(model, ps.get_tensor_model_parallel_world_size(), pp_rank) \
+        if writer and tp_rank == 0 else {}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, records, error))
+    errors = [e for _, _, e in gathered if e]
+    if errors:
+        raise CheckpointError(f"saving iteration {iteration} failed (the previous checkpoint "
+                              f"is untouched):\n  " + "\n  ".join(errors[:4]))
+    return ({name: info for part, _, _ in gathered for name, info in part.items()},
+            {rel: record for _, part, _ in gathered for rel, record in part.items()})
+
+
+def _write_files(cfg, model_sd, optim_sd, scheduler, iteration, tmp, grad_scaler, position,
+                 writer, tp_rank, pp_rank, pp) -> dict:
+    """This rank's files; {path relative to the iteration directory: file record}."""
+    written = {}
     if writer:
         payload = {"iteration": iteration, "checkpoint_version": 3.0,
                    "model": model_sd, "optimizer": optim_sd,
@@ -122,31 +167,50 @@ def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, 
                    "consumed_samples": position.consumed_samples,
                    "consumed_valid_samples": position.consumed_valid_samples,
                    "args": asdict(cfg)}
-        files.save_torch(payload, files.model_file(tmp, tp_rank, pp_rank, pp))
-    files.save_torch(rng_state(), files.rng_file(tmp, dist.get_rank()))
-    # Each pipeline stage knows its own parameters; rank 0 records them all.
-    mine = local_parameter_table(model, ps.get_tensor_model_parallel_world_size(), pp_rank) \
-        if writer and tp_rank == 0 else {}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return {name: info for part in gathered for name, info in part.items()}
+        path = files.model_file(tmp, tp_rank, pp_rank, pp)
+        written[os.path.relpath(path, tmp)] = files.save_torch(payload, path)
+    path = files.rng_file(tmp, dist.get_rank())
+    written[os.path.relpath(path, tmp)] = files.save_torch(rng_state(), path)
+    return written
 
 
 def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) -> None:
     """Rank 0: make the complete tmp directory the iteration, then move the tracker."""
-    for root, dirs, _ in os.walk(tmp):
-        for d in dirs:
-            files.fsync_dir(os.path.join(root, d))
-    files.fsync_dir(tmp)
-    aside = None
-    if os.path.exists(final):  # never overwrite: move the old copy aside, delete it last
-        aside = f"{final}.old-{save_id}"
-        os.rename(final, aside)
-    os.rename(tmp, final)
-    files.fsync_dir(save_dir)
-    files.write_tracker(save_dir, iteration)
+    try:
+        for root, dirs, _ in os.walk(tmp):
+            for d in dirs:
+                files.fsync_dir(os.path.join(root, d))
+        files.fsync_dir(tmp)
+        aside = None
+        if os.path.exists(final):  # never overwrite: move the old copy aside, delete it last
+            aside = f"{final}.old-{save_id}"
+            os.rename(final, aside)
+        os.rename(tmp, final)
+        files.fsync_dir(save_dir)
+        files.write_tracker(save_dir, iteration)
+    except OSError as e:
+        raise CheckpointError(f"{e.filename or save_dir}: publishing iteration {iteration} "
+                              f"failed ({e.strerror or e})") from e
     if aside is not None:
-        shutil.rmtree(aside)
+        files.remove_dir(aside, save_id)
+
+
+def _tidy(cfg: Config, save_id: str, iteration: int) -> None:
+    """Rank 0, after a save completed, holding the lock: opt-in retention and removal of what
+    killed saves left behind."""
+    c, save_dir = cfg.checkpoint, cfg.checkpoint.save
+    if c.remove_unfinished_checkpoints:
+        for d in files.stale_temporaries(save_dir):
+            log.info("removing %s (left by an interrupted save or cleanup)", d)
+            files.rmtree_quietly(d)
+    if c.keep_last_n_checkpoints:
+        complete = files.complete_iterations(save_dir)
+        for old in complete[:-c.keep_last_n_checkpoints]:
+            if old != iteration:
+                path = os.path.join(save_dir, files.iteration_dir_name(old))
+                log.info("removing %s (--keep-last-n-checkpoints %d)", path,
+                         c.keep_last_n_checkpoints)
+                files.remove_dir(path, save_id)
 
 
 def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
@@ -159,28 +223,42 @@ def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
         position = Resume(iteration, iteration * cfg.train.global_batch_size,
                           consumed_valid_samples(cfg, iteration))
     save_dir = cfg.checkpoint.save
-    if dist.get_rank() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-    save_id = _agree_on_save_id()
+    save_id = _on_rank0(lambda: _begin_save(save_dir))
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     tmp = f"{final}.tmp-{save_id}"
-    params = _write_rank_files(cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler,
-                               position)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        meta = {"format": FORMAT, "iteration": iteration, "layout": _layout(cfg),
-                "model": asdict(cfg.model), "params": params,
-                # ZeRO state is stored gathered, like plain AdamW's: loads on any layout
-                "optimizer": (None if cfg.checkpoint.no_save_optim or optimizer is None else
-                              "replicated"),
-                "zero_stage": cfg.parallel.zero_stage,
-                "special_tokens": special_token_ids(cfg),
-                "rng": True}
+    try:
+        params, records = _write_rank_files(cfg, model, optimizer, scheduler, iteration, tmp,
+                                            grad_scaler, position)
+    except CheckpointError:
+        if dist.get_rank() == 0:
+            files.rmtree_quietly(tmp)
+        raise
+    _on_rank0(lambda: _finish_save(cfg, model, optimizer, iteration, tmp, final, save_id,
+                                   params, records))
+    return final
+
+
+def _finish_save(cfg: Config, model, optimizer, iteration: int, tmp: str, final: str,
+                 save_id: str, params: dict, records: dict) -> None:
+    """Rank 0, after every rank has written its files: metadata, publication, tidying."""
+    save_dir = cfg.checkpoint.save
+    meta = {"format": FORMAT, "iteration": iteration, "layout": _layout(cfg),
+            "model": asdict(cfg.model), "params": params,
+            # ZeRO state is stored gathered, like plain AdamW's: loads on any layout
+            "optimizer": (None if cfg.checkpoint.no_save_optim or optimizer is None else
+                          "replicated"),
+            "zero_stage": cfg.parallel.zero_stage,
+            "special_tokens": special_token_ids(cfg),
+            "files": records, "rng": True}
+    try:
         files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
         _publish(save_dir, tmp, final, save_id, iteration)
-        log.info("saved checkpoint at iteration %d to %s", iteration, final)
-    dist.barrier()
-    return final
+    except CheckpointError:
+        if os.path.isdir(tmp):
+            files.rmtree_quietly(tmp)
+        raise
+    log.info("saved checkpoint at iteration %d to %s", iteration, final)
+    _tidy(cfg, save_id, iteration)
 
 
 def check_model_matches(meta: dict, cfg: Config, path: str) -> None:
@@ -222,7 +300,8 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
     # size decides which layers those are, as much as TP and PP do.
     if (saved["tp"], saved["pp"], saved.get("vp")) == (ours["tp"], ours["pp"], ours["vp"]):
         path = files.model_file(iter_dir, tp_rank, pp_rank, ours["pp"])
-        payload = files.load_torch(path, "model and optimizer of this rank")
+        payload = files.load_torch(path, "model and optimizer of this rank",
+                                   files.expected_record(meta, iter_dir, path))
         return payload, path, payload["model"], payload["optimizer"]
     if dist.get_rank() == 0:
         vp_flag = (f" --target-num-layers-per-virtual-pipeline-stage {ours['vp']}"
@@ -291,8 +370,9 @@ def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
             log.warning("layout differs from the checkpoint's: RNG streams start from --seed "
                         "(dropout masks will not continue the original run's)")
     else:
-        set_rng_state(files.load_torch(files.rng_file(iter_dir, dist.get_rank()),
-                                       "this rank's RNG states"))
+        path = files.rng_file(iter_dir, dist.get_rank())
+        set_rng_state(files.load_torch(path, "this rank's RNG states",
+                                       files.expected_record(meta, iter_dir, path)))
 
 
 def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) -> Resume:

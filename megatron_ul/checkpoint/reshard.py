@@ -121,7 +121,7 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
     layout, vocab = meta["layout"], meta["model"]["vocab_size"]
     tp, pp = layout["tp"], layout["pp"]
     table = saved_table(meta)
-    by_stage = [[files.load_torch(files.model_file(iter_dir, t, s, pp), "model shard")
+    by_stage = [[_load_shard(meta, iter_dir, files.model_file(iter_dir, t, s, pp))
                  for t in range(tp)] for s in range(pp)]
     params, optim_state = {}, ({} if with_optim and meta.get("optimizer") else None)
     replicas = {}
@@ -150,6 +150,10 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
             g["param_names"] = [n for n in g["param_names"] if not table[n]["replica_of"]]
     common = {k: v for k, v in by_stage[0][0].items() if k not in ("model", "optimizer")}
     return FullCheckpoint(meta, common, params, optim_state, groups)
+
+
+def _load_shard(meta: dict, iter_dir: str, path: str) -> dict:
+    return files.load_torch(path, "model shard", files.expected_record(meta, iter_dir, path))
 
 
 def _check_replicas(replicas: dict, params: dict, table: dict, iter_dir: str) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from ..arguments import parse_args
 from ..checkpoint.files import CheckpointError
-from ..checkpoint.io import Resume, load_checkpoint
+from ..checkpoint.io import Resume, claim_save_dir, load_checkpoint
 from ..config import Config, ConfigError, validate
 from ..data.gpt_dataset import parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
@@ -93,6 +93,8 @@ class Trainer:
 def setup(cfg: Config) -> Trainer:
     """Initialize distributed state and build everything training needs."""
     device = initialize_distributed(cfg)
+    if cfg.checkpoint.save:
+        claim_save_dir(cfg)   # a second job saving into the same directory stops here
     if torch.distributed.get_rank() != 0 and not is_reporting_rank():
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
     model = build_model(cfg, device)
