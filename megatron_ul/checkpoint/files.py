@@ -1,6 +1,7 @@
 """Checkpoint paths, the tracker file, and durable file writes.
 
-Layout (Megatron-LM's, plus a metadata file and per-rank RNG files):
+Layout (Megatron-LM's directory and file naming; the contents are our own — see
+checkpoint/megatron_lm.py for Megatron-LM's legacy format):
     DIR/latest_checkpointed_iteration.txt
     DIR/iter_0000100/metadata.json
     DIR/iter_0000100/mp_rank_00[_000]/model_optim_rng.pt     one per (tp, pp), written by dp0/sp0
@@ -95,8 +96,14 @@ def save_torch(obj, path: str) -> dict:
 
 def expected_record(meta: dict, iter_dir: str, path: str) -> Optional[dict]:
     """The record metadata.json holds for `path` (None for checkpoints written before files
-    were recorded)."""
-    return (meta.get("files") or {}).get(os.path.relpath(path, iter_dir))
+    were recorded); CheckpointError when metadata lists files but not this one."""
+    if "files" not in meta:
+        return None
+    record = meta["files"].get(os.path.relpath(path, iter_dir))
+    if record is None:
+        raise CheckpointError(f"{path}: not among the files {os.path.join(iter_dir, METADATA)} "
+                              f"records; the checkpoint is inconsistent")
+    return record
 
 
 def load_torch(path: str, what: str, expected: Optional[dict] = None):

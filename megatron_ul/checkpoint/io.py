@@ -1,14 +1,17 @@
-"""Save and load training checkpoints: crash-safe, exact to the bit on resume, and loadable on
-another layout (resharded on load).
+"""Save and load training checkpoints: crash-safe, checksummed, exact to the bit on resume, and
+loadable on another layout (resharded on load).
 
 Save protocol (every step survives a kill -9 of any process at any moment):
- 1. rank 0 draws a save id and broadcasts it; every rank writes (and fsyncs) its files into
-    DIR/iter_N.tmp-<id>: the model and optimizer from the dp0/sp0 rank of each (tp, pp) (ZeRO
-    state is first gathered over dp_sp into the same name-keyed form: checkpoint/zero.py), and
-    every rank's RNG states;
- 2. barrier; rank 0 writes metadata.json, fsyncs the directories and renames the tmp directory
-    into place (an existing iter_N is first renamed aside and deleted only afterwards);
- 3. rank 0 points latest_checkpointed_iteration.txt at N (tmp file + os.replace), last.
+ 1. rank 0 takes the save directory's lock (files.claim_save_dir), draws a save id and
+    broadcasts it; every rank writes (and fsyncs) its files into DIR/iter_N.tmp-<id>: the model
+    and optimizer from the dp0/sp0 rank of each (tp, pp) (ZeRO state is first gathered over
+    dp_sp into the same name-keyed form: checkpoint/zero.py), and every rank's RNG states;
+ 2. every rank reports its files' sizes and SHA-256 (or its error: then all ranks fail the
+    save together); rank 0 writes metadata.json, fsyncs the directories and renames the tmp
+    directory into place (an existing iter_N is first renamed aside and deleted only
+    afterwards, through a `.del-` rename);
+ 3. rank 0 points latest_checkpointed_iteration.txt at N (tmp file + os.replace), last, then
+    applies the opt-in retention and clean-up.
 """
 from __future__ import annotations
 

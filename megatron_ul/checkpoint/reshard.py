@@ -242,15 +242,16 @@ def write_layout(full: FullCheckpoint, meta: dict, save_dir: str, iteration: int
     tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
     os.makedirs(tmp)
     try:
-        table = meta["params"]
+        table, records = meta["params"], {}
         for s in range(pp):
             stage = stage_parameter_names(table, s)
             for t in range(tp):
                 model, optim = shard_for(full, table, stage, t, tp)
-                files.save_torch({**full.common, "model": model,
-                                  "optimizer": optim if with_optim else None},
-                                 files.model_file(tmp, t, s, pp))
-        files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
+                path = files.model_file(tmp, t, s, pp)
+                records[os.path.relpath(path, tmp)] = files.save_torch(
+                    {**full.common, "model": model, "optimizer": optim if with_optim else None},
+                    path)
+        files.write_json_durably(os.path.join(tmp, files.METADATA), {**meta, "files": records})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)   # a failed conversion leaves nothing behind
         raise
