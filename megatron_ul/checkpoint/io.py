@@ -310,7 +310,7 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
         vp_flag = (f" --target-num-layers-per-virtual-pipeline-stage {ours['vp']}"
                    if ours["vp"] else "")
         log.info("resharding %s on load: TP%d PP%d VP%s -> TP%d PP%d VP%s (to do it once "
-                 "offline: python tools/checkpoint/convert.py --load-dir %s --save-dir NEW "
+                 "offline: python -m tools.checkpoint.convert --load-dir %s --save-dir NEW "
                  "--target-tensor-parallel-size %d --target-pipeline-parallel-size %d%s)",
                  iter_dir, saved["tp"], saved["pp"], saved.get("vp"), ours["tp"], ours["pp"],
                  ours["vp"], cfg.checkpoint.load, ours["tp"], ours["pp"], vp_flag)
@@ -347,8 +347,8 @@ def _load_scheduler(cfg: Config, scheduler, saved: dict, source: str) -> None:
             raise CheckpointError(
                 f"{source}: the checkpoint's learning-rate schedule differs from this run's "
                 f"flags:\n  " + "\n  ".join(diffs) + "\npass --override-opt_param-scheduler to "
-                f"use this run's flags, or --use-checkpoint-opt_param-scheduler to continue the "
-                f"checkpoint's schedule")
+                "use this run's flags, or --use-checkpoint-opt_param-scheduler to continue the "
+                "checkpoint's schedule")
     scheduler.load_state_dict(saved)
 
 

@@ -70,7 +70,8 @@ def check_target_layout(meta: dict, tp: int, pp: int, sp: int, dp: int, vp: int 
                         sequence_parallel: bool = False) -> None:
     """Refuse a target layout the trainer would refuse, with the trainer's own validation
     (config.validate), before anything is written."""
-    from ..config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, validate
+    from ..config import (Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, resolve,
+                          validate)
     cfg = Config(model=model_config(meta),
                  parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                          ds_sequence_parallel_size=sp,
@@ -81,7 +82,7 @@ def check_target_layout(meta: dict, tp: int, pp: int, sp: int, dp: int, vp: int 
                  # any batch the interleaved schedule accepts: only the layout is judged here
                  train=TrainConfig(global_batch_size=dp * pp), data=DataConfig(mock_data=True))
     try:
-        validate(cfg)
+        validate(resolve(cfg))
     except ConfigError as e:
         raise CheckpointError(f"the target layout TP{tp} PP{pp} SP{sp} DP{dp}"
                               f"{f' VP{vp}' if vp else ''} would be refused by the trainer "

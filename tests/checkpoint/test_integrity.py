@@ -35,7 +35,7 @@ def _load_error(argv) -> str:
 def test_a_flipped_byte_is_named_and_not_loaded(saved, victim):
     path = os.path.join(saved, "iter_0000002", victim)
     data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0x01          # inside the tensor data: torch.load alone would not see it
+    data[len(data) // 2] ^= 0x01    # inside the tensor data: torch.load alone would not see it
     open(path, "wb").write(bytes(data))
     message = _load_error(ARGV + ["--load", saved])
     assert path in message and "corrupt" in message and "SHA-256" in message

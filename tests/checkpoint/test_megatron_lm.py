@@ -77,7 +77,7 @@ def test_megatron_views_of_fused_tensors_import_to_the_right_pieces(tmp_path, si
         normalization="RMSNorm", norm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
         untie_embeddings_and_output_weights=True, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=1)
-    per_rank_q, per_rank_g = heads // tp * hn, groups // tp
+    per_rank_g = groups // tp
     iter_dir = tmp_path / "meg" / "iter_0000005"
     for r in range(tp):
         encoder = {}
@@ -87,7 +87,8 @@ def test_megatron_views_of_fused_tensors_import_to_the_right_pieces(tmp_path, si
                 q_per_group = heads // groups * hn
                 rows += [t["q"][group * q_per_group:(group + 1) * q_per_group],
                          t["k"][group * hn:(group + 1) * hn], t["v"][group * hn:(group + 1) * hn]]
-            cut = lambda x: x.chunk(tp, dim=0)[r]  # noqa: E731
+            def cut(x, r=r):
+                return x.chunk(tp, dim=0)[r]
             encoder.update({
                 f"layers.{i}.input_layernorm.weight": t["n1"],            # Megatron-DeepSpeed
                 f"layers.{i}.self_attention.query_key_value.weight": torch.cat(rows),

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Import legacy Megatron-LM / Megatron-DeepSpeed checkpoints into megatron_ul, and export back.
 
-    python tools/checkpoint/megatron_lm.py import --load-dir MEGATRON_CKPT --save-dir OURS \
+    python -m tools.checkpoint.megatron_lm import --load-dir MEGATRON_CKPT --save-dir OURS \
         [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P] \
         [--true-vocab-size V] [--trust-pickle]
-    python tools/checkpoint/megatron_lm.py export --load-dir OURS --save-dir MEGATRON_CKPT \
+    python -m tools.checkpoint.megatron_lm export --load-dir OURS --save-dir MEGATRON_CKPT \
         [--target-tensor-parallel-size T] [--target-pipeline-parallel-size P]
 
 Reads and writes Megatron-LM's legacy GPT checkpoints (iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt,
@@ -16,13 +16,10 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from megatron_ul.checkpoint import files  # noqa: E402
-from megatron_ul.checkpoint.files import CheckpointError  # noqa: E402
-from megatron_ul.checkpoint.hf import model_flags  # noqa: E402
-from megatron_ul.checkpoint.megatron_lm import (export_megatron, import_megatron,  # noqa: E402
-                                                megatron_flags)
+from megatron_ul.checkpoint import files
+from megatron_ul.checkpoint.files import CheckpointError
+from megatron_ul.checkpoint.hf import model_flags
+from megatron_ul.checkpoint.megatron_lm import export_megatron, import_megatron, megatron_flags
 
 
 def main(argv=None) -> int:
