@@ -8,6 +8,7 @@ into PP·v blocks of n layers and virtual stage (model chunk) c on pp rank r hol
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -15,9 +16,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import Config
+from ..model.chunks import model_chunks
 from ..model.gpt import GPTModel
 from ..mpu import parallel_state as ps
 from ..mpu.comm_stats import record
+from ..mpu.parallel_state import ParallelDims
+from ..timers import NO_TIMERS, Timers
 
 
 def num_model_chunks(cfg: Config) -> int:
@@ -60,16 +64,18 @@ class PipelineStageModel(nn.Module):
         self.padded_vocab_size = chunks[0].padded_vocab_size
 
 
-def build_pipeline_model(cfg: Config, device) -> PipelineStageModel:
+def build_pipeline_model(cfg: Config, device, timers: Timers = NO_TIMERS,
+                         dims: Optional[ParallelDims] = None) -> PipelineStageModel:
     """This rank's model chunks."""
     return PipelineStageModel(build_stage_chunks(
         cfg.model, cfg.train.seed, cfg.parallel.sequence_parallel,
         ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
-        num_model_chunks(cfg), device))
+        num_model_chunks(cfg), device, timers, dims))
 
 
 def build_stage_chunks(model_cfg, seed: int, sequence_parallel: bool, pp: int, rank: int,
-                       chunks: int, device) -> list[GPTModel]:
+                       chunks: int, device, timers: Timers = NO_TIMERS,
+                       dims: Optional[ParallelDims] = None) -> list[GPTModel]:
     """The model chunks of pp rank `rank` (of `pp`, `chunks` chunks each) — the one rule that
     places layers, embeddings and heads on stages (pipeline/param_table.py reads it too). The
     tied output copy on the last stage is marked as a replica so the gradient norm counts the
@@ -82,15 +88,11 @@ def build_stage_chunks(model_cfg, seed: int, sequence_parallel: bool, pp: int, r
                          pre_process=pre, post_process=post,
                          layer_numbers=chunk_layer_numbers(model_cfg.num_layers, pp, chunks,
                                                            rank, c),
-                         device=device)
+                         device=device, timers=timers, dims=dims)
         if post and not pre and hasattr(chunk, "word_embeddings"):
             chunk.word_embeddings.weight.shared_embedding_replica = True
         out.append(chunk)
     return out
-
-
-def model_chunks(model: nn.Module) -> list[nn.Module]:
-    return list(model.chunks) if isinstance(model, PipelineStageModel) else [model]
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
