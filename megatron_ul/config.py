@@ -222,6 +222,21 @@ class CheckpointConfig:
     exit_signal_handler: bool = flag(
         False, help="on SIGTERM or SIGUSR1 (Slurm's --signal time-limit warning), save at the "
                     "end of the current iteration and exit 0")
+    keep_last_n_checkpoints: Optional[int] = flag(
+        None, help="after each save, delete all but the newest N complete iterations "
+                   "(default: keep all)")
+    remove_unfinished_checkpoints: bool = flag(
+        False, help="after each save, delete what interrupted saves and cleanups left "
+                    "(iter_*.tmp-*, .old-*, .del-*); the job holds the directory's lock")
+    override_opt_param_scheduler: bool = flag(
+        False, names=("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
+        help="on resume, use this run's --lr/--min-lr/warmup/decay flags instead of the "
+             "checkpoint's LR schedule")
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False, names=("--use-checkpoint-opt_param-scheduler",
+                      "--use-checkpoint-opt-param-scheduler"),
+        help="on resume, continue the checkpoint's LR schedule whatever this run's "
+             "--lr/--min-lr/warmup/decay flags say")
 
 
 @dataclass
@@ -460,7 +475,8 @@ def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> lis
 def _checkpoint_errors(cfg: Config) -> list[str]:
     c, errors = cfg.checkpoint, []
     for name, value in [("--save-interval", c.save_interval), ("--exit-interval", c.exit_interval),
-                        ("--exit-duration-in-mins", c.exit_duration_in_mins)]:
+                        ("--exit-duration-in-mins", c.exit_duration_in_mins),
+                        ("--keep-last-n-checkpoints", c.keep_last_n_checkpoints)]:
         if value is not None and value <= 0:
             errors.append(f"{name} must be > 0 (got {value})")
     if c.save_interval is not None and c.save is None:
@@ -469,6 +485,9 @@ def _checkpoint_errors(cfg: Config) -> list[str]:
     if c.load is not None and not os.path.isdir(c.load) and c.load != c.save:
         errors.append(f"--load {c.load}: no such directory; pass the --save directory of an "
                       f"earlier run")
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                      "conflict: pass the one that says whose LR schedule wins")
     if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):
         errors.append(f"--save {c.save} exists and is not a directory; choose another path")
     return errors

@@ -73,7 +73,7 @@ class GPTModel(nn.Module):
             if not self.share_embeddings:
                 self.output_layer = ColumnParallelLinear(
                     cfg.hidden_size, self.padded_vocab_size,
-                    normal_init(std, seed, "output_layer"), bias=False,
+                    normal_init(std, seed, "output_layer"), bias=False, vocab_padded=True,
                     sequence_parallel=sequence_parallel, device=device, dtype=dtype,
                     tp_group=dims.tp_group)
 

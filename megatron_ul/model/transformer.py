@@ -16,6 +16,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..mpu import parallel_state as ps
 from ..mpu.layers import ColumnParallelLinear, RowParallelLinear
+from ..mpu.param_spec import FUSED_GATE_UP, FUSED_QKV
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.random import get_rng_tracker
 from ..timers import NO_TIMERS, Timers
@@ -50,7 +51,8 @@ class SelfAttention(nn.Module):
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, normal_init(cfg.init_method_std, seed, key + ".qkv"),
-            bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
+            bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, fused=FUSED_QKV,
+            device=device,
             dtype=dtype, tp_group=dims.tp_group)
         self.proj = RowParallelLinear(
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
@@ -90,7 +92,8 @@ class MLP(nn.Module):
         self.fc1 = ColumnParallelLinear(
             cfg.hidden_size, ffn * (2 if cfg.swiglu else 1),
             normal_init(cfg.init_method_std, seed, key + ".fc1"), bias=cfg.add_bias_linear,
-            sequence_parallel=sequence_parallel, stride=2 if cfg.swiglu else 1, device=device,
+            sequence_parallel=sequence_parallel, stride=2 if cfg.swiglu else 1,
+            fused=FUSED_GATE_UP if cfg.swiglu else None, device=device,
             dtype=dtype, tp_group=tp_group)
         self.fc2 = RowParallelLinear(
             ffn, cfg.hidden_size, scaled_normal_init(cfg.init_method_std, num_layers, seed,

@@ -12,6 +12,7 @@ module-level getters below (Megatron's names) read the same object, the one run'
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 from dataclasses import dataclass
@@ -194,6 +195,27 @@ def model_parallel_is_initialized() -> bool:
 def destroy_model_parallel() -> None:
     global _state
     _state = None
+
+
+def single_rank_dims() -> ParallelDims:
+    """A grid of one rank with no groups (sizes 1, coordinates 0)."""
+    names = ("tp", "sp", "dp", "pp", "dp_sp", "tp_sp", "mp", "embedding")
+    return ParallelDims(1, 1, 1, 1, dict.fromkeys(_AXES, 0), dict.fromkeys(names),
+                        {n: [0] for n in names}, [])
+
+
+@contextlib.contextmanager
+def single_rank_view():
+    """Within the block the process-wide grid is single_rank_dims(), whatever was initialised
+    before: to build a model's TP1/PP1 modules on the meta device, e.g. for the parameter table
+    of a layout this process is not running (pipeline/param_table.py)."""
+    global _state
+    saved = _state
+    _state = single_rank_dims()
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def get_parallel_dims() -> ParallelDims:
