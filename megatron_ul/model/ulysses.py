@@ -10,6 +10,10 @@ split evenly over SP, each kv head is replicated (repeat_interleave: head j's co
 adjacent, so query head i still meets kv head i // group) by the smallest factor r that makes
 kv_heads·r divisible by SP. Each rank then receives lcm(kv_heads, SP)/SP kv heads, the fewest
 that cover its query heads.
+
+Hybrid Ulysses × ring (--context-parallel-size R): the all-to-all gathers this ring rank's
+local sequence (N/R tokens) instead of the whole one, and ring attention (ring_attention.py)
+runs across the R ring ranks in place of local attention.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 from ..mpu.mappings import ulysses_all_to_all
 from ..mpu.recompute import checkpoint
 from .attention import local_attention
+from .ring_attention import Ring, ring_attention
 
 
 def kv_replication_factor(kv_heads: int, sp: int) -> int:
@@ -31,11 +36,17 @@ def kv_replication_factor(kv_heads: int, sp: int) -> int:
 class DistributedAttention:
     """Callable: (q [N/SP, b, hq, d], k, v [N/SP, b, hk, d]) -> [N/SP, b, hq, d]."""
 
-    def __init__(self, sp_size: int, backend: str, group=None, recompute: bool = False):
+    def __init__(self, sp_size: int, backend: str, group=None, recompute: bool = False,
+                 ring: Optional[Ring] = None):
         self.sp, self.backend, self.group = sp_size, backend, group
         self.recompute = recompute   # selective recompute: keep only q, k, v of the core
+        self.ring = ring if ring is not None and ring.size > 1 else None
 
     def _attend(self, q, k, v, dropout_p, attention_mask):
+        if self.ring is not None:
+            # Saves only q, k, v, out and the log-sum-exp already: nothing to recompute.
+            # config.validate refuses attention dropout with a ring.
+            return ring_attention(q, k, v, self.ring, attention_mask=attention_mask)
         run = lambda q_, k_, v_: local_attention(  # noqa: E731
             q_, k_, v_, backend=self.backend, dropout_p=dropout_p, attention_mask=attention_mask)
         return checkpoint(run, q, k, v) if self.recompute else run(q, k, v)

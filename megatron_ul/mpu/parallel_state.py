@@ -1,9 +1,11 @@
 """The rank grid and every process group.
 
-world = PP x DP x SP x TP with TP varying fastest, then SP, then DP, then PP:
-    rank = tp + TP * (sp + SP * (dp + DP * pp))
-TP and SP are the chattiest axes, so they sit on the closest ranks (same node).
-Each group is a slice of `torch.arange(world).view(PP, DP, SP, TP)` along some axes.
+world = PP x DP x CP x SP x TP with TP varying fastest, then SP (Ulysses), CP (ring), DP, PP:
+    rank = tp + TP * (sp + SP * (cp + CP * (dp + DP * pp)))
+The chattiest axes sit on the closest ranks: TP and the Ulysses all-to-all within a node, the
+ring's neighbour-to-neighbour p2p next (Megatron-LM also puts CP between TP and DP).
+A sequence is split over SP x CP ranks; parameters are replicated over DP x CP x SP.
+Each group is a slice of `torch.arange(world).view(PP, DP, CP, SP, TP)` along some axes.
 This is the only module that creates process groups.
 """
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-_AXES = ("pp", "dp", "sp", "tp")
+_AXES = ("pp", "dp", "cp", "sp", "tp")
 
 
 @dataclass
@@ -23,6 +25,7 @@ class _State:
     sp: int
     dp: int
     pp: int
+    cp: int
     coords: dict            # axis -> this rank's coordinate
     groups: dict            # name -> ProcessGroup (or None when size 1 and world 1)
     group_ranks: dict       # name -> list of global ranks in this rank's group
@@ -33,9 +36,9 @@ _state: _State | None = None
 _dp_sp_mesh = None   # DeviceMesh over dp_sp, built on first use (ZeRO-3)
 
 
-def _grid(world: int, tp: int, sp: int, pp: int) -> torch.Tensor:
-    dp = world // (tp * sp * pp)
-    return torch.arange(world).view(pp, dp, sp, tp)
+def _grid(world: int, tp: int, sp: int, pp: int, cp: int = 1) -> torch.Tensor:
+    dp = world // (tp * sp * pp * cp)
+    return torch.arange(world).view(pp, dp, cp, sp, tp)
 
 
 def _groups_varying(grid: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]]:
@@ -52,23 +55,29 @@ def _groups_varying(grid: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               sequence_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
-                              timeout: datetime.timedelta | None = None) -> None:
+                              timeout: datetime.timedelta | None = None,
+                              context_parallel_size: int = 1) -> None:
     """Build every group. Must be called on all ranks after init_process_group."""
     global _state
     world = dist.get_world_size()
     rank = dist.get_rank()
     tp, sp, pp = tensor_model_parallel_size, sequence_parallel_size, pipeline_model_parallel_size
-    if world % (tp * sp * pp) != 0:
-        raise ValueError(f"world size {world} is not divisible by TP*SP*PP = {tp}*{sp}*{pp}")
-    grid = _grid(world, tp, sp, pp)
+    cp = context_parallel_size
+    if world % (tp * sp * pp * cp) != 0:
+        raise ValueError(f"world size {world} is not divisible by TP*SP*CP*PP = "
+                         f"{tp}*{sp}*{cp}*{pp}")
+    grid = _grid(world, tp, sp, pp, cp)
     dp = grid.shape[1]
     where = (grid == rank).nonzero()[0].tolist()
     coords = dict(zip(_AXES, where))
 
     layouts = {
         "tp": ("tp",), "sp": ("sp",), "dp": ("dp",), "pp": ("pp",),
-        "dp_sp": ("dp", "sp"),      # parameters are replicated over both: grads reduce here
-        "tp_sp": ("sp", "tp"),      # one model replica's data-parallel-free slice (checks)
+        "cp": ("cp",),              # the ring: k/v blocks travel between its ranks
+        "sp_cp": ("cp", "sp"),      # all ranks that split one sequence
+        # parameters are replicated over DP, CP and SP: grads reduce here (and ZeRO shards)
+        "dp_sp": ("dp", "cp", "sp"),
+        "tp_sp": ("cp", "sp", "tp"),  # one model replica's data-parallel-free slice (checks)
         "mp": ("pp", "tp"),         # model-parallel: clipping norms, consistency checks
     }
     groups, group_ranks = {}, {}
@@ -80,7 +89,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
             if rank in ranks:
                 groups[name], group_ranks[name] = group, ranks
 
-    # Embedding group: first and last pipeline stage of each (dp, sp, tp) column, for tied
+    # Embedding group: first and last pipeline stage of each (dp, cp, sp, tp) column, for tied
     # input/output embeddings.
     embedding_ranks = None
     for pp_ranks in _groups_varying(grid, ("pp",)):
@@ -89,7 +98,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         if rank in ranks:
             groups["embedding"], embedding_ranks = group, ranks
     group_ranks["embedding"] = embedding_ranks or []
-    _state = _State(tp, sp, dp, pp, coords, groups, group_ranks, embedding_ranks or [])
+    _state = _State(tp, sp, dp, pp, cp, coords, groups, group_ranks, embedding_ranks or [])
 
 
 def model_parallel_is_initialized() -> bool:
@@ -122,12 +131,19 @@ def get_data_parallel_group():
     return _get().groups["dp"]
 
 
+def get_context_parallel_group():
+    """The ring-attention group: ranks that hold different chunk pairs of one sequence and the
+    same Ulysses coordinate."""
+    return _get().groups["cp"]
+
+
 def get_pipeline_model_parallel_group():
     return _get().groups["pp"]
 
 
 def get_data_sequence_parallel_group():
-    """DP x SP: gradient reduction and ZeRO sharding (parameters are replicated over both)."""
+    """DP x CP x SP: gradient reduction and ZeRO sharding (parameters are replicated over
+    all three)."""
     return _get().groups["dp_sp"]
 
 
@@ -177,6 +193,32 @@ def get_sequence_parallel_rank() -> int:
     return _get().coords["sp"]
 
 
+def get_context_parallel_world_size() -> int:
+    return _get().cp
+
+
+def get_context_parallel_rank() -> int:
+    return _get().coords["cp"]
+
+
+def get_context_parallel_next_rank() -> int:
+    """Global rank of the next ring neighbour (k/v blocks go there)."""
+    ranks = _get().group_ranks["cp"]
+    return ranks[(get_context_parallel_rank() + 1) % len(ranks)]
+
+
+def get_context_parallel_prev_rank() -> int:
+    ranks = _get().group_ranks["cp"]
+    return ranks[(get_context_parallel_rank() - 1) % len(ranks)]
+
+
+def get_sequence_split() -> tuple[int, int]:
+    """(rank, size) of this rank among all that split one sequence: Ulysses x ring, with the
+    Ulysses coordinate varying fastest (see data/batches.py for the token layout)."""
+    s = _get()
+    return s.coords["sp"] + s.sp * s.coords["cp"], s.sp * s.cp
+
+
 def get_data_parallel_world_size() -> int:
     return _get().dp
 
@@ -194,12 +236,12 @@ def get_pipeline_model_parallel_rank() -> int:
 
 
 def get_data_sequence_parallel_world_size() -> int:
-    return _get().dp * _get().sp
+    return _get().dp * _get().cp * _get().sp
 
 
 def get_data_sequence_parallel_rank() -> int:
     s = _get()
-    return s.coords["sp"] + s.sp * s.coords["dp"]
+    return s.coords["sp"] + s.sp * (s.coords["cp"] + s.cp * s.coords["dp"])
 
 
 def is_pipeline_first_stage() -> bool:

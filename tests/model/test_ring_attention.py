@@ -1,0 +1,110 @@
+"""Ring attention (load-balanced chunks r and 2R-1-r) equals plain causal attention on the full
+sequence, forward and backward, for MHA and GQA, with and without a document mask; and it
+composes with Ulysses (hybrid U×R) inside DistributedAttention."""
+import math
+
+import torch
+
+from megatron_ul.model.ring_attention import Ring, local_chunk_positions, ring_attention
+from megatron_ul.model.ulysses import DistributedAttention
+from megatron_ul.mpu import comm_stats
+from megatron_ul.mpu import parallel_state as ps
+from megatron_ul.mpu.random import model_parallel_seed
+from tests.distributed import run_distributed
+
+N, B, D = 32, 2, 4
+CASES = [(4, 4), (4, 2), (4, 1)]  # (query heads, kv heads)
+
+
+def reference_attention(q, k, v, mask=None):
+    """Causal softmax attention written out; mask [b, 1, N, N] True = masked (incl. causal)."""
+    hq, hk = q.shape[2], k.shape[2]
+    kv_of = torch.arange(hq) // (hq // hk)
+    k, v = k[:, :, kv_of], v[:, :, kv_of]
+    scores = torch.einsum("nbhd,mbhd->bhnm", q, k) / math.sqrt(q.shape[-1])
+    if mask is None:
+        mask = ~torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
+    probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
+    return torch.einsum("bhnm,mbhd->nbhd", probs, v)
+
+
+def document_mask():
+    """Documents of lengths 5, 14, 13 (batch 0) and one document (batch 1), causal."""
+    doc = torch.zeros(B, N, dtype=torch.long)
+    doc[0, 5:19], doc[0, 19:] = 1, 2
+    same = doc.unsqueeze(2) == doc.unsqueeze(1)
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    return (~(same & causal)).unsqueeze(1)
+
+
+def _inputs(hq, hk):
+    g = torch.Generator().manual_seed(hq * 100 + hk)
+    return [torch.randn(N, B, h, D, generator=g, dtype=torch.float64) for h in (hq, hk, hk)]
+
+
+def _compare(attend, positions, hq, hk, mask, label):
+    full = [t.requires_grad_() for t in _inputs(hq, hk)]
+    mine = [t.detach()[positions].clone().requires_grad_() for t in full]
+    out = attend(*mine)
+    ref = reference_attention(*full, mask=mask)
+    torch.testing.assert_close(out, ref.detach()[positions], msg=f"forward {label}")
+    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7),
+                          dtype=torch.float64)
+    (out * weights[positions]).sum().backward()
+    (ref * weights).sum().backward()
+    for name, a, b in zip("qkv", mine, full):
+        torch.testing.assert_close(a.grad, b.grad[positions], msg=f"grad {name} {label}")
+
+
+def _check_ring(rank, world):
+    ps.initialize_model_parallel(1, 1, 1, context_parallel_size=world)
+    ring = Ring.from_parallel_state()
+    positions = local_chunk_positions(ring.rank, ring.size, N)
+    for mask in (None, document_mask()):
+        for hq, hk in CASES:
+            _compare(lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=mask),
+                     positions, hq, hk, mask, f"R={world} hq={hq} hk={hk} mask={mask is not None}")
+    return True
+
+
+def test_ring_attention_matches_full_attention_r2_r4():
+    assert all(run_distributed(_check_ring, 2))
+    assert all(run_distributed(_check_ring, 4))
+
+
+def _check_hybrid(rank, world):
+    ulysses = 2
+    ps.initialize_model_parallel(1, ulysses, 1, context_parallel_size=world // ulysses)
+    model_parallel_seed(0)
+    split_rank, split = ps.get_sequence_split()
+    ring = Ring.from_parallel_state()
+    attention = DistributedAttention(ulysses, "sdpa", ps.get_sequence_parallel_group(), ring=ring)
+    local = local_chunk_positions(ring.rank, ring.size, N)
+    positions = local.chunk(ulysses)[ps.get_sequence_parallel_rank()]
+    for hq, hk in CASES:   # kv heads 1 < U: replicated before the all-to-all
+        _compare(lambda q, k, v: attention(q, k, v, dropout_p=0.0), positions, hq, hk, None,
+                 f"U2xR{world // ulysses} hq={hq} hk={hk}")
+    return True
+
+
+def test_hybrid_ulysses_ring_matches_full_attention_u2r2():
+    assert all(run_distributed(_check_hybrid, 4))
+
+
+def _count_ring_bytes(rank, world):
+    ps.initialize_model_parallel(1, 1, 1, context_parallel_size=world)
+    ring = Ring.from_parallel_state()
+    q, k, v = (t.requires_grad_() for t in _inputs(4, 2))
+    with comm_stats.count_communication() as counts:
+        out = ring_attention(q[:N // world], k[:N // world], v[:N // world], ring)
+        forward = counts["p2p"]["bytes"]
+        out.sum().backward()
+    return forward, counts["p2p"]["bytes"] - forward
+
+
+def test_ring_sends_each_kv_block_r_minus_1_times_and_dkv_r_times():
+    world = 4
+    kv_bytes = 2 * (N // world) * B * 2 * D * 8     # k and v, float64
+    for forward, backward in run_distributed(_count_ring_bytes, world):
+        assert forward == (world - 1) * kv_bytes
+        assert backward == (world - 1) * kv_bytes + world * kv_bytes
