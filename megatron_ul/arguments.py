@@ -64,6 +64,9 @@ def _add_parallel_args(g) -> None:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--ds-sequence-parallel-size", type=int, default=1,
                    help="DeepSpeed-Ulysses sequence-parallel degree")
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="ring-attention degree across Ulysses groups: the sequence is split "
+                        "over ds-sequence-parallel-size × context-parallel-size ranks")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true",

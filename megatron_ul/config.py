@@ -67,6 +67,7 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     ds_sequence_parallel_size: int = 1             # the Ulysses degree (Megatron-DeepSpeed's name)
+    context_parallel_size: int = 1                 # the ring degree (Megatron-LM's name)
     pipeline_model_parallel_size: int = 1
     sequence_parallel: bool = False                # Megatron-SP over the TP group
     distributed_backend: Optional[str] = None      # nccl on GPU, gloo on CPU
@@ -79,6 +80,7 @@ class ParallelConfig:
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_model_parallel_size * self.ds_sequence_parallel_size
+                                   * self.context_parallel_size
                                    * self.pipeline_model_parallel_size)
 
 
@@ -199,8 +201,10 @@ def validate(cfg: Config) -> Config:
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
     tp, sp, pp, world = (p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
                          p.pipeline_model_parallel_size, p.world_size)
+    cp = p.context_parallel_size
 
     for name, value in [("--tensor-model-parallel-size", tp), ("--ds-sequence-parallel-size", sp),
+                        ("--context-parallel-size", cp),
                         ("--pipeline-model-parallel-size", pp), ("--num-layers", m.num_layers),
                         ("--hidden-size", m.hidden_size), ("--num-attention-heads",
                                                            m.num_attention_heads),
@@ -211,15 +215,18 @@ def validate(cfg: Config) -> Config:
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
 
-    if world % (tp * sp * pp) != 0:
+    model_parallel = tp * sp * cp * pp
+    if world % model_parallel != 0:
         errors.append(f"world size {world} is not divisible by --tensor-model-parallel-size × "
-                      f"--ds-sequence-parallel-size × --pipeline-model-parallel-size = "
-                      f"{tp}×{sp}×{pp} = {tp * sp * pp}; launch a multiple of {tp * sp * pp} "
+                      f"--ds-sequence-parallel-size × --context-parallel-size × "
+                      f"--pipeline-model-parallel-size = {tp}×{sp}×{cp}×{pp} = "
+                      f"{model_parallel}; launch a multiple of {model_parallel} "
                       f"processes or change the parallel sizes")
-    dp = max(world // (tp * sp * pp), 1)
+    dp = max(world // model_parallel, 1)
 
     errors += _attention_errors(m, tp, sp)
     errors += _sequence_errors(m, p, tp, sp)
+    errors += _ring_errors(m, p, tp, sp, cp)
     errors += _recompute_errors(m)
     errors += _zero_errors(p)
     errors += _loss_scale_errors(t)
@@ -301,6 +308,27 @@ def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> lis
                       f"(got {m.position_embedding_type!r})")
     if m.normalization not in ("LayerNorm", "RMSNorm"):
         errors.append(f"--normalization must be LayerNorm or RMSNorm (got {m.normalization!r})")
+    return errors
+
+
+def _ring_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int, cp: int) -> list[str]:
+    """Ring attention (--context-parallel-size R): each ring rank holds two of 2R chunks,
+    which its U Ulysses ranks split evenly (and TP again under Megatron-SP)."""
+    if cp == 1:
+        return []
+    errors = []
+    divisor = math.lcm(2 * sp * cp, sp * cp * (tp if p.sequence_parallel else 1))
+    if m.seq_length % divisor != 0:
+        flags = "2 × --ds-sequence-parallel-size × --context-parallel-size"
+        if p.sequence_parallel and tp > 1:
+            flags += " (and × --tensor-model-parallel-size with --sequence-parallel)"
+        errors.append(f"--seq-length {m.seq_length} is not divisible by {flags} = {divisor}: "
+                      f"each ring rank holds two equal chunks of 2·{cp} that its {sp} Ulysses "
+                      f"ranks split evenly; use a sequence length that is a multiple of {divisor}")
+    if m.attention_dropout > 0:
+        errors.append(f"--attention-dropout {m.attention_dropout} is not supported with "
+                      f"--context-parallel-size {cp} (ring attention has no dropout); pass "
+                      f"--attention-dropout 0")
     return errors
 
 

@@ -1,7 +1,7 @@
 """Ring attention over the context-parallel (CP) group, causal and load-balanced.
 
 The sequence is cut into 2R chunks; ring rank c holds chunks c and 2R-1-c (its "local
-sequence", L = N/R tokens, in increasing global order). Each of R steps attends the local
+sequence", L = N/R tokens, in increasing global order; mpu/sequence_layout.py). Each of R steps attends the local
 queries to one rank's k/v block while that block travels on to the next rank (p2p, overlapped
 with the step's compute). Partial results merge with the log-sum-exp rule:
 
@@ -35,17 +35,9 @@ import torch
 import torch.distributed as dist
 
 from ..mpu.comm_stats import record
+from ..mpu.sequence_layout import ring_local_positions
 
 KV_TAG, DKV_TAG = 11, 12   # distinct from the pipeline's tags; two streams share each link
-
-
-def local_chunk_positions(ring_rank: int, ring_size: int, seq_length: int) -> torch.Tensor:
-    """Global token indices of a ring rank's local sequence: chunks r and 2R-1-r."""
-    chunk = seq_length // (2 * ring_size)
-    first = torch.arange(ring_rank * chunk, (ring_rank + 1) * chunk)
-    second = torch.arange((2 * ring_size - 1 - ring_rank) * chunk,
-                          (2 * ring_size - ring_rank) * chunk)
-    return torch.cat([first, second])
 
 
 @dataclass(frozen=True)
@@ -285,6 +277,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     positions = None
     if attention_mask is not None:
         seq = length * ring.size
-        positions = torch.stack([local_chunk_positions(r, ring.size, seq)
+        positions = torch.stack([ring_local_positions(r, ring.size, seq)
                                  for r in range(ring.size)]).to(attention_mask.device)
     return _RingAttention.apply(q, k, v, ring, scale, attention_mask, positions)

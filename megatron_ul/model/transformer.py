@@ -20,6 +20,7 @@ from ..mpu.random import get_rng_tracker
 from .attention import select_backend
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
+from .ring_attention import Ring
 from .rotary import apply_rotary
 from .ulysses import DistributedAttention
 
@@ -56,7 +57,8 @@ class SelfAttention(nn.Module):
                                  torch.device(device) if device else torch.device("cpu"))
         self.core = DistributedAttention(ps.get_sequence_parallel_world_size(), backend,
                                          ps.get_sequence_parallel_group(),
-                                         recompute=cfg.recompute_granularity == "selective")
+                                         recompute=cfg.recompute_granularity == "selective",
+                                         ring=Ring.from_parallel_state())
         self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x, rotary=None, attention_mask=None):

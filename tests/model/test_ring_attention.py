@@ -5,11 +5,12 @@ import math
 
 import torch
 
-from megatron_ul.model.ring_attention import Ring, local_chunk_positions, ring_attention
+from megatron_ul.model.ring_attention import Ring, ring_attention
 from megatron_ul.model.ulysses import DistributedAttention
 from megatron_ul.mpu import comm_stats
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
+from megatron_ul.mpu.sequence_layout import rank_positions, ring_local_positions
 from tests.distributed import run_distributed
 
 N, B, D = 32, 2, 4
@@ -59,28 +60,40 @@ def _compare(attend, positions, hq, hk, mask, label):
 def _check_ring(rank, world):
     ps.initialize_model_parallel(1, 1, 1, context_parallel_size=world)
     ring = Ring.from_parallel_state()
-    positions = local_chunk_positions(ring.rank, ring.size, N)
+    positions = ring_local_positions(ring.rank, ring.size, N)
     for mask in (None, document_mask()):
         for hq, hk in CASES:
             _compare(lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=mask),
                      positions, hq, hk, mask, f"R={world} hq={hq} hk={hk} mask={mask is not None}")
-    return True
+    return _count_ring_bytes(ring, world)
 
 
-def test_ring_attention_matches_full_attention_r2_r4():
-    assert all(run_distributed(_check_ring, 2))
-    assert all(run_distributed(_check_ring, 4))
+def _count_ring_bytes(ring, world):
+    q, k, v = (t[:N // world].clone().requires_grad_() for t in _inputs(4, 2))
+    with comm_stats.count_communication() as counts:
+        out = ring_attention(q, k, v, ring)
+        forward = counts["p2p"]["bytes"]
+        out.sum().backward()
+    return forward, counts["p2p"]["bytes"] - forward
+
+
+def test_ring_attention_matches_full_attention_and_sends_what_it_should_r4():
+    """Also: each k/v block is sent R-1 times forward; backward sends it R-1 times again plus
+    its dk/dv accumulator R times (one last hop home)."""
+    world = 4
+    kv_bytes = 2 * (N // world) * B * 2 * D * 8     # k and v, float64
+    for forward, backward in run_distributed(_check_ring, world):
+        assert forward == (world - 1) * kv_bytes
+        assert backward == (world - 1) * kv_bytes + world * kv_bytes
 
 
 def _check_hybrid(rank, world):
     ulysses = 2
     ps.initialize_model_parallel(1, ulysses, 1, context_parallel_size=world // ulysses)
     model_parallel_seed(0)
-    split_rank, split = ps.get_sequence_split()
     ring = Ring.from_parallel_state()
     attention = DistributedAttention(ulysses, "sdpa", ps.get_sequence_parallel_group(), ring=ring)
-    local = local_chunk_positions(ring.rank, ring.size, N)
-    positions = local.chunk(ulysses)[ps.get_sequence_parallel_rank()]
+    positions = rank_positions(N, ps.get_sequence_parallel_rank(), ulysses, ring.rank, ring.size)
     for hq, hk in CASES:   # kv heads 1 < U: replicated before the all-to-all
         _compare(lambda q, k, v: attention(q, k, v, dropout_p=0.0), positions, hq, hk, None,
                  f"U2xR{world // ulysses} hq={hq} hk={hk}")
@@ -89,22 +102,3 @@ def _check_hybrid(rank, world):
 
 def test_hybrid_ulysses_ring_matches_full_attention_u2r2():
     assert all(run_distributed(_check_hybrid, 4))
-
-
-def _count_ring_bytes(rank, world):
-    ps.initialize_model_parallel(1, 1, 1, context_parallel_size=world)
-    ring = Ring.from_parallel_state()
-    q, k, v = (t.requires_grad_() for t in _inputs(4, 2))
-    with comm_stats.count_communication() as counts:
-        out = ring_attention(q[:N // world], k[:N // world], v[:N // world], ring)
-        forward = counts["p2p"]["bytes"]
-        out.sum().backward()
-    return forward, counts["p2p"]["bytes"] - forward
-
-
-def test_ring_sends_each_kv_block_r_minus_1_times_and_dkv_r_times():
-    world = 4
-    kv_bytes = 2 * (N // world) * B * 2 * D * 8     # k and v, float64
-    for forward, backward in run_distributed(_count_ring_bytes, world):
-        assert forward == (world - 1) * kv_bytes
-        assert backward == (world - 1) * kv_bytes + world * kv_bytes

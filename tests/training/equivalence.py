@@ -33,7 +33,7 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
     trainer = setup(cfg)
     losses = trainer.train()
     shards = {}
-    if ps.get_data_parallel_rank() == 0 and ps.get_sequence_parallel_rank() == 0:
+    if ps.get_data_sequence_parallel_rank() == 0:   # DP, CP and SP coordinate 0
         # Global names (layer numbers, not per-stage indices), so pipeline stages merge.
         for name, p in global_named_parameters(trainer.model):
             shards[name] = (p.detach().clone(), getattr(p, "partition_dim", None),
