@@ -28,6 +28,8 @@ fused kernel returning the log-sum-exp would replace `_block_forward`/`_block_ba
 from __future__ import annotations
 
 import math
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +40,34 @@ from ..mpu.comm_stats import record
 from ..mpu.sequence_layout import ring_local_positions
 
 KV_TAG, DKV_TAG = 11, 12   # distinct from the pipeline's tags; two streams share each link
+
+# Optional time split (benchmarks): CPU seconds in block kernels, wall seconds blocked on p2p.
+_times: Optional[dict] = None
+
+
+@contextmanager
+def measure_ring_time():
+    """with measure_ring_time() as t: ... -> t == {"compute_cpu_s": .., "exposed_wait_s": ..}
+    for this rank: kernel work (thread CPU time, robust to oversubscribed cores) and the wall
+    time spent waiting for k/v or dk/dv that had not arrived (communication not hidden)."""
+    global _times
+    previous, _times = _times, {"compute_cpu_s": 0.0, "exposed_wait_s": 0.0}
+    try:
+        yield _times
+    finally:
+        _times = previous
+
+
+@contextmanager
+def _timed(key: str, clock):
+    if _times is None:
+        yield
+        return
+    start = clock()
+    try:
+        yield
+    finally:
+        _times[key] += clock() - start
 
 
 @dataclass(frozen=True)
@@ -65,8 +95,9 @@ class Ring:
 
 
 def _wait(requests: list) -> None:
-    for r in requests:
-        r.wait()
+    with _timed("exposed_wait_s", time.perf_counter):
+        for r in requests:
+            r.wait()
 
 
 # ---- which (query rows, key columns) each step computes ----------------------------------------
@@ -210,8 +241,9 @@ class _RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.size
             bmask = _block_mask(mask, positions, ring, src, block)
             if bmask is None or not bool(bmask.all()):
-                o, l = _block_forward(_flat(_row_view(qg, group, block.rows)),
-                                      *_kv_block(kv, block.cols), scale, block, bmask, group)
+                with _timed("compute_cpu_s", time.thread_time):
+                    o, l = _block_forward(_flat(_row_view(qg, group, block.rows)),
+                                          *_kv_block(kv, block.cols), scale, block, bmask, group)
                 rows_out = _row_view(out, group, block.rows)      # views: merged in place
                 rows_lse = _row_view(lse, group, block.rows)
                 _merge(rows_out, rows_lse, o.view(rows_out.shape), l.view(rows_lse.shape))
@@ -247,9 +279,10 @@ class _RingAttention(torch.autograd.Function):
                 dkv, dkv_in = dkv_in, dkv
             if bmask is None or not bool(bmask.all()):
                 rows = lambda t: _flat(_row_view(t, group, block.rows))  # noqa: E731
-                dq_b, dk_b, dv_b = _block_backward(
-                    rows(qg), *_kv_block(kv, block.cols), rows(dog), rows(lse), rows(delta),
-                    scale, block, bmask, group)
+                with _timed("compute_cpu_s", time.thread_time):
+                    dq_b, dk_b, dv_b = _block_backward(
+                        rows(qg), *_kv_block(kv, block.cols), rows(dog), rows(lse), rows(delta),
+                        scale, block, bmask, group)
                 _row_view(dq, group, block.rows).add_(dq_b.view(
                     _row_view(dq, group, block.rows).shape))
                 dkv[0][:, :, block.cols].add_(dk_b)
