@@ -10,14 +10,17 @@ def describe(cfg: Config) -> str:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, sp, pp, dp = (p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
                       p.pipeline_model_parallel_size, p.data_parallel_size)
+    cp = p.context_parallel_size
     est = estimate_config(cfg)
     zero = getattr(p, "zero_stage", 0)
     lines = [
-        f"world {p.world_size} = TP {tp} × SP {sp} × PP {pp} × DP {dp}"
+        f"world {p.world_size} = TP {tp} × SP {sp}{f' × CP {cp}' if cp > 1 else ''} × PP {pp} "
+        f"× DP {dp}"
         f"{' (Megatron-SP on)' if p.sequence_parallel else ''}",
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.query_groups} kv groups), ffn {m.ffn_size}, seq {m.seq_length} "
-        f"({m.seq_length // sp} tokens per Ulysses rank), padded vocab "
+        f"({m.seq_length // (sp * cp)} tokens per "
+        f"{'Ulysses × ring' if cp > 1 else 'Ulysses'} rank), padded vocab "
         f"{m.padded_vocab_size(tp)}",
         f"batch: micro {t.micro_batch_size} × {cfg.num_micro_batches} micro-batches × DP {dp} "
         f"= global {t.global_batch_size} ({t.global_batch_size * m.seq_length} tokens/iter)",

@@ -76,3 +76,17 @@ def test_every_ring_rank_computes_the_same_number_of_causal_scores():
     causal = torch.ones(n, n).tril()
     work = [int(causal[ring_local_positions(r, ring, n)].sum()) for r in range(ring)]
     assert len(set(work)) == 1
+
+
+def test_estimator_counts_ring_ranks_as_sequence_and_zero_ranks():
+    from megatron_ul.config import ModelConfig
+    from megatron_ul.training.memory_estimator import Layout, estimate
+    m = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=4096,
+                    vocab_size=1000, attention_dropout=0.0)
+    ulysses, hybrid = Layout(sp=4), Layout(sp=2, cp=2)
+    assert hybrid.world == ulysses.world == 4
+    a, b = estimate(m, ulysses, zero_stage=1), estimate(m, hybrid, zero_stage=1)
+    assert a.optimizer_bytes == b.optimizer_bytes            # ZeRO shards over DP×CP×SP
+    # same tokens per rank; the ring also keeps its fp32 output (s·b·h more elements)
+    extra = 4096 / 4 * 256 * 4
+    assert b.activation_bytes - a.activation_bytes == 2 * extra   # two layers
