@@ -47,11 +47,13 @@ _times: Optional[dict] = None
 
 @contextmanager
 def measure_ring_time():
-    """with measure_ring_time() as t: ... -> t == {"compute_cpu_s": .., "exposed_wait_s": ..}
-    for this rank: kernel work (thread CPU time, robust to oversubscribed cores) and the wall
-    time spent waiting for k/v or dk/dv that had not arrived (communication not hidden)."""
+    """with measure_ring_time() as t: ... -> t == {"compute_cpu_s": .., "exposed_wait_s": ..,
+    "forward_blocks": ..} for this rank: kernel work (thread CPU time, robust to oversubscribed
+    cores), the wall time spent waiting for k/v or dk/dv that had not arrived (communication
+    not hidden), and how many forward blocks were computed (masked-out ones are skipped)."""
     global _times
-    previous, _times = _times, {"compute_cpu_s": 0.0, "exposed_wait_s": 0.0}
+    previous, _times = _times, {"compute_cpu_s": 0.0, "exposed_wait_s": 0.0,
+                                "forward_blocks": 0}
     try:
         yield _times
     finally:
@@ -241,6 +243,8 @@ class _RingAttention(torch.autograd.Function):
             src = (ring.rank - step) % ring.size
             bmask = _block_mask(mask, positions, ring, src, block)
             if bmask is None or not bool(bmask.all()):
+                if _times is not None:
+                    _times["forward_blocks"] += 1
                 with _timed("compute_cpu_s", time.thread_time):
                     o, l = _block_forward(_flat(_row_view(qg, group, block.rows)),
                                           *_kv_block(kv, block.cols), scale, block, bmask, group)

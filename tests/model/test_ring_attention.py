@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from megatron_ul.model.ring_attention import Ring, ring_attention
+from megatron_ul.model.ring_attention import Ring, measure_ring_time, ring_attention
 from megatron_ul.model.ulysses import DistributedAttention
 from megatron_ul.mpu import comm_stats
 from megatron_ul.mpu import parallel_state as ps
@@ -29,10 +29,13 @@ def reference_attention(q, k, v, mask=None):
     return torch.einsum("bhnm,mbhd->nbhd", probs, v)
 
 
-def document_mask():
-    """Documents of lengths 5, 14, 13 (batch 0) and one document (batch 1), causal."""
+def document_mask(starts=(5, 19), batch_rows=(0,)):
+    """Causal, and no attention across documents starting at `starts` (in the batch rows
+    given; the other rows hold one document)."""
     doc = torch.zeros(B, N, dtype=torch.long)
-    doc[0, 5:19], doc[0, 19:] = 1, 2
+    for row in batch_rows:
+        for start in starts:
+            doc[row, start:] += 1
     same = doc.unsqueeze(2) == doc.unsqueeze(1)
     causal = torch.ones(N, N, dtype=torch.bool).tril()
     return (~(same & causal)).unsqueeze(1)
@@ -65,7 +68,20 @@ def _check_ring(rank, world):
         for hq, hk in CASES:
             _compare(lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=mask),
                      positions, hq, hk, mask, f"R={world} hq={hq} hk={hk} mask={mask is not None}")
+    if world == 2:
+        return _count_skipped_blocks(ring)
     return _count_ring_bytes(ring, world)
+
+
+def _count_skipped_blocks(ring):
+    """R = 2, chunks of 8: documents [0, 8), [8, 24), [24, 32) exclude both ranks' second
+    block (rank 0's tokens 24.. never see 8..23; rank 1's 8..23 never see 0..7)."""
+    mask = document_mask(starts=(8, 24), batch_rows=range(B))
+    positions = ring_local_positions(ring.rank, ring.size, N)
+    with measure_ring_time() as times:
+        _compare(lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=mask),
+                 positions, 4, 2, mask, "R=2 document-aligned mask")
+    return times["forward_blocks"]
 
 
 def _count_ring_bytes(ring, world):
@@ -75,6 +91,10 @@ def _count_ring_bytes(ring, world):
         forward = counts["p2p"]["bytes"]
         out.sum().backward()
     return forward, counts["p2p"]["bytes"] - forward
+
+
+def test_ring_attention_skips_blocks_a_document_mask_excludes_r2():
+    assert run_distributed(_check_ring, 2) == [1, 1]
 
 
 def test_ring_attention_matches_full_attention_and_sends_what_it_should_r4():
