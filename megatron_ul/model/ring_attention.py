@@ -1,9 +1,10 @@
 """Ring attention over the context-parallel (CP) group, causal and load-balanced.
 
 The sequence is cut into 2R chunks; ring rank c holds chunks c and 2R-1-c (its "local
-sequence", L = N/R tokens, in increasing global order; mpu/sequence_layout.py). Each of R steps attends the local
-queries to one rank's k/v block while that block travels on to the next rank (p2p, overlapped
-with the step's compute). Partial results merge with the log-sum-exp rule:
+sequence", L = N/R tokens, in increasing global order; mpu/sequence_layout.py). Each of R
+steps attends the local queries to one rank's k/v block while that block travels on to the
+next rank (p2p, overlapped with the step's compute). Partial results merge with the
+log-sum-exp rule:
 
     lse = logaddexp(lse_a, lse_b),   out = out_a·exp(lse_a - lse) + out_b·exp(lse_b - lse)
 
@@ -75,7 +76,7 @@ def _timed(key: str, clock):
 @dataclass(frozen=True)
 class Ring:
     """This rank's place in the ring: its group, coordinate and neighbours (global ranks)."""
-    group: object
+    group: Optional[dist.ProcessGroup]
     rank: int
     size: int
     next_rank: int
@@ -184,7 +185,8 @@ def _grouped_queries(q: torch.Tensor, hk: int) -> torch.Tensor:
     i // g."""
     length, b, hq, d = q.shape
     g = hq // hk
-    return q.to(_accumulation_dtype(q.dtype)).permute(1, 2, 0, 3).reshape(b, hk, g, length, d).reshape(b, hk, g * length, d)
+    grouped = q.to(_accumulation_dtype(q.dtype)).permute(1, 2, 0, 3)     # [b, hq, L, d]
+    return grouped.reshape(b, hk, g * length, d)
 
 
 def _ungrouped(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -246,11 +248,12 @@ class _RingAttention(torch.autograd.Function):
                 if _times is not None:
                     _times["forward_blocks"] += 1
                 with _timed("compute_cpu_s", time.thread_time):
-                    o, l = _block_forward(_flat(_row_view(qg, group, block.rows)),
+                    block_out, block_lse = _block_forward(_flat(_row_view(qg, group, block.rows)),
                                           *_kv_block(kv, block.cols), scale, block, bmask, group)
                 rows_out = _row_view(out, group, block.rows)      # views: merged in place
                 rows_lse = _row_view(lse, group, block.rows)
-                _merge(rows_out, rows_lse, o.view(rows_out.shape), l.view(rows_lse.shape))
+                _merge(rows_out, rows_lse, block_out.view(rows_out.shape),
+                       block_lse.view(rows_lse.shape))
             _wait(pending)
             if pending:
                 kv, spare = spare, kv
@@ -282,11 +285,12 @@ class _RingAttention(torch.autograd.Function):
                 _wait(dkv_pending)
                 dkv, dkv_in = dkv_in, dkv
             if bmask is None or not bool(bmask.all()):
-                rows = lambda t: _flat(_row_view(t, group, block.rows))  # noqa: E731
+                q_b, do_b, lse_b, delta_b = (_flat(_row_view(t, group, block.rows))
+                                             for t in (qg, dog, lse, delta))
                 with _timed("compute_cpu_s", time.thread_time):
                     dq_b, dk_b, dv_b = _block_backward(
-                        rows(qg), *_kv_block(kv, block.cols), rows(dog), rows(lse), rows(delta),
-                        scale, block, bmask, group)
+                        q_b, *_kv_block(kv, block.cols), do_b, lse_b, delta_b, scale, block,
+                        bmask, group)
                 _row_view(dq, group, block.rows).add_(dq_b.view(
                     _row_view(dq, group, block.rows).shape))
                 dkv[0][:, :, block.cols].add_(dk_b)

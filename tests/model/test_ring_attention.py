@@ -66,7 +66,7 @@ def _check_ring(rank, world):
     positions = ring_local_positions(ring.rank, ring.size, N)
     for mask in (None, document_mask()):
         for hq, hk in CASES:
-            _compare(lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=mask),
+            _compare(lambda q, k, v, m=mask: ring_attention(q, k, v, ring, attention_mask=m),
                      positions, hq, hk, mask, f"R={world} hq={hq} hk={hk} mask={mask is not None}")
     if world == 2:
         return _count_skipped_blocks(ring)

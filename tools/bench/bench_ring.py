@@ -10,7 +10,7 @@
    compute, exposed communication (all-to-all time + time blocked waiting for ring blocks), and
    the ring's causal load balance: max/min over ranks of the block-kernel CPU time.
 
-    python tools/bench/bench_ring.py [--seq-length 4096 --hidden-size 512] [--write-docs]
+    python -m tools.bench.bench_ring [--seq-length 4096 --hidden-size 512] [--write-docs]
 """
 import argparse
 import time
@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from common import markdown_table, report, run_ranks
+from tools.bench.common import markdown_table, report, run_ranks
 
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.ring_attention import Ring, measure_ring_time
