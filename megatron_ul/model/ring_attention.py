@@ -320,4 +320,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
         seq = length * ring.size
         positions = torch.stack([ring_local_positions(r, ring.size, seq)
                                  for r in range(ring.size)]).to(attention_mask.device)
-    return _RingAttention.apply(q, k, v, ring, scale, attention_mask, positions)
+    # The block kernel chooses its own precision (fp32 accumulation for half types): autocast
+    # would run the forward's matmuls in bf16 and the backward's (outside autocast) in fp32,
+    # and exp(S - lse) would then not be the forward's probabilities.
+    with torch.autocast(q.device.type, enabled=False):
+        return _RingAttention.apply(q, k, v, ring, scale, attention_mask, positions)

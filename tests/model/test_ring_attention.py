@@ -69,8 +69,29 @@ def _check_ring(rank, world):
             _compare(lambda q, k, v, m=mask: ring_attention(q, k, v, ring, attention_mask=m),
                      positions, hq, hk, mask, f"R={world} hq={hq} hk={hk} mask={mask is not None}")
     if world == 2:
+        _check_half_precision(ring, positions)
         return _count_skipped_blocks(ring)
     return _count_ring_bytes(ring, world)
+
+
+def _check_half_precision(ring, positions):
+    """bf16 inputs under autocast: bf16 output and gradients, fp32-accurate up to bf16
+    rounding (the kernel accumulates in fp32 whatever autocast says)."""
+    full = [t.float().bfloat16().float().requires_grad_() for t in _inputs(4, 2)]
+    mine = [t.detach()[positions].bfloat16().requires_grad_() for t in full]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ring_attention(*mine, ring)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out.float() * weights).sum().backward()
+    ref = reference_attention(*full)
+    assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in mine)
+    torch.testing.assert_close(out.float(), ref.detach()[positions], atol=2e-2, rtol=2e-2)
+    full_weights = torch.zeros(ref.shape)
+    full_weights[positions] = weights   # the other ranks' outputs do not enter this loss...
+    (ref * full_weights).sum().backward()
+    # ...so only this rank's dq is comparable (dk, dv also collect the other ranks' queries)
+    torch.testing.assert_close(mine[0].grad.float(), full[0].grad[positions], atol=2e-2,
+                               rtol=2e-2)
 
 
 def _count_skipped_blocks(ring):
