@@ -12,6 +12,11 @@ MODELS = {  # name -> (flags, query heads, kv groups)
     "llama-gqa-rope": (LLAMA_GQA, 8, 2),
     # one kv head: fewer kv heads than Ulysses ranks, replicated before the all-to-all
     "llama-mqa-rope": (LLAMA_GQA[:4] + ["1"] + LLAMA_GQA[5:], 8, 1),
+    # document masking (--reset-attention-mask): a 16-token vocabulary whose EOD (15, the
+    # NullTokenizer's) ends a document every 16 tokens or so; the ring slices the mask per block
+    "gpt2-documents": (GPT2_STYLE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "16",
+                                     "--reset-attention-mask", "--reset-position-ids",
+                                     "--eod-mask-loss"], 4, 4),
     # two query heads: Ulysses alone stops at 2 sequence ranks; U2 × R4 gives 8
     "gpt2-2-heads": (["--num-attention-heads", "2"], 2, 2),
 }
@@ -29,12 +34,13 @@ def _sizes(tp=1, sp=1, cp=1, pp=1):
 
 
 FAST = [  # (model, layout name, flags, world): under ~60 s together on a quiet 2-core machine
-    ("gpt2-mha-learned", "R2", _sizes(cp=2), 2),
+    ("gpt2-documents", "R2", _sizes(cp=2), 2),
     ("llama-gqa-rope", "R4", _sizes(cp=4), 4),
     ("llama-mqa-rope", "U2-R2", _sizes(sp=2, cp=2), 4),
 ]
 SLOW = [
-    *[(m, "R2", _sizes(cp=2), 2) for m in ("llama-gqa-rope",)],
+    *[(m, "R2", _sizes(cp=2), 2) for m in ("gpt2-mha-learned", "llama-gqa-rope")],
+    ("gpt2-documents", "U2-R2", _sizes(sp=2, cp=2), 4),
     *[(m, "R4", _sizes(cp=4), 4) for m in ("gpt2-mha-learned",)],
     *[(m, "U2-R2", _sizes(sp=2, cp=2), 4) for m in ("gpt2-mha-learned", "llama-gqa-rope")],
     *[(m, "U2-R2-DP2", _sizes(sp=2, cp=2), 8) for m in ("gpt2-mha-learned", "llama-gqa-rope")],
