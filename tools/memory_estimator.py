@@ -83,8 +83,8 @@ def main(argv=None) -> int:
             return 1
         fit, fit_est = found
         print(f"\nsmallest fit in {ours.gpu_memory_gb} GB: {fit.world} GPUs = TP {fit.tp} × "
-              f"SP {fit.sp}{ring} × PP {fit.pp} × DP {fit.dp} ({fit_est.total_bytes / me.GiB:.1f} GiB "
-              f"per GPU)")
+              f"SP {fit.sp}{ring} × PP {fit.pp} × DP {fit.dp} "
+              f"({fit_est.total_bytes / me.GiB:.1f} GiB per GPU)")
     return 0
 
 
