@@ -71,7 +71,9 @@ def _check_ring(rank, world):
     if world == 2:
         _check_half_precision(ring, positions)
         return _count_skipped_blocks(ring)
-    return _count_ring_bytes(ring, world)
+    sent = _count_ring_bytes(ring, world)
+    ps.destroy_model_parallel()      # the same ranks again as Ulysses 2 × ring R/2
+    return sent, _check_hybrid(rank, world)
 
 
 def _check_half_precision(ring, positions):
@@ -118,14 +120,15 @@ def test_ring_attention_skips_blocks_a_document_mask_excludes_r2():
     assert run_distributed(_check_ring, 2) == [1, 1]
 
 
-def test_ring_attention_matches_full_attention_and_sends_what_it_should_r4():
+def test_ring_r4_and_hybrid_u2r2_match_full_attention_and_send_what_they_should():
     """Also: each k/v block is sent R-1 times forward; backward sends it R-1 times again plus
     its dk/dv accumulator R times (one last hop home)."""
     world = 4
     kv_bytes = 2 * (N // world) * B * 2 * D * 8     # k and v, float64
-    for forward, backward in run_distributed(_check_ring, world):
+    for (forward, backward), hybrid_ok in run_distributed(_check_ring, world):
         assert forward == (world - 1) * kv_bytes
         assert backward == (world - 1) * kv_bytes + world * kv_bytes
+        assert hybrid_ok
 
 
 def _check_hybrid(rank, world):
@@ -139,7 +142,3 @@ def _check_hybrid(rank, world):
         _compare(lambda q, k, v: attention(q, k, v, dropout_p=0.0), positions, hq, hk, None,
                  f"U2xR{world // ulysses} hq={hq} hk={hk}")
     return True
-
-
-def test_hybrid_ulysses_ring_matches_full_attention_u2r2():
-    assert all(run_distributed(_check_hybrid, 4))
