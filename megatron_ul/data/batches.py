@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from ..mpu.sequence_layout import rank_positions
+from .sequence_layout import rank_positions
 
 
 class PretrainingSampler:
@@ -92,7 +92,7 @@ def build_micro_batch(texts: torch.Tensor, sp_rank: int = 0, sp_size: int = 1, e
 
     Labels are shifted before slicing, so rank r gets tokens and labels for
     positions [r * N / sp, (r + 1) * N / sp) with GLOBAL position ids. With a ring
-    (``cp_size`` > 1) the rank holds the load-balanced tokens of mpu/sequence_layout.py
+    (``cp_size`` > 1) the rank holds the load-balanced tokens of data/sequence_layout.py
     instead (its Ulysses slice of chunks cp_rank and 2·cp_size-1-cp_rank).
     Loss mask, position resets and the document attention mask follow
     Megatron's get_ltor_masks_and_position_ids, computed on the full sequence.

@@ -1,7 +1,7 @@
 """Ring attention over the context-parallel (CP) group, causal and load-balanced.
 
 The sequence is cut into 2R chunks; ring rank c holds chunks c and 2R-1-c (its "local
-sequence", L = N/R tokens, in increasing global order; mpu/sequence_layout.py). Each of R
+sequence", L = N/R tokens, in increasing global order; data/sequence_layout.py). Each of R
 steps attends the local queries to one rank's k/v block while that block travels on to the
 next rank (p2p, overlapped with the step's compute). Partial results merge with the
 log-sum-exp rule:
@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..mpu.comm_stats import record
-from ..mpu.sequence_layout import ring_local_positions
+from ..mpu.parallel_state import ParallelDims
+from ..data.sequence_layout import ring_local_positions
 
 KV_TAG, DKV_TAG = 11, 12   # distinct from the pipeline's tags; two streams share each link
 
@@ -83,11 +84,8 @@ class Ring:
     prev_rank: int
 
     @classmethod
-    def from_parallel_state(cls) -> "Ring":
-        from ..mpu import parallel_state as ps
-        return cls(ps.get_context_parallel_group(), ps.get_context_parallel_rank(),
-                   ps.get_context_parallel_world_size(), ps.get_context_parallel_next_rank(),
-                   ps.get_context_parallel_prev_rank())
+    def from_dims(cls, dims: ParallelDims) -> "Ring":
+        return cls(dims.cp_group, dims.cp_rank, dims.cp, dims.cp_next_rank, dims.cp_prev_rank)
 
     def start_shift(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
         """Send `send` to the next rank and receive the previous rank's into `recv`, async."""

@@ -10,7 +10,7 @@ from megatron_ul.model.ulysses import DistributedAttention
 from megatron_ul.mpu import comm_stats
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
-from megatron_ul.mpu.sequence_layout import rank_positions, ring_local_positions
+from megatron_ul.data.sequence_layout import rank_positions, ring_local_positions
 from tests.distributed import run_distributed
 
 N, B, D = 32, 2, 4
@@ -62,7 +62,7 @@ def _compare(attend, positions, hq, hk, mask, label):
 
 def _check_ring(rank, world):
     ps.initialize_model_parallel(1, 1, 1, context_parallel_size=world)
-    ring = Ring.from_parallel_state()
+    ring = Ring.from_dims(ps.get_parallel_dims())
     positions = ring_local_positions(ring.rank, ring.size, N)
     for mask in (None, document_mask()):
         for hq, hk in CASES:
@@ -135,7 +135,7 @@ def _check_hybrid(rank, world):
     ulysses = 2
     ps.initialize_model_parallel(1, ulysses, 1, context_parallel_size=world // ulysses)
     model_parallel_seed(0)
-    ring = Ring.from_parallel_state()
+    ring = Ring.from_dims(ps.get_parallel_dims())
     attention = DistributedAttention(ulysses, "sdpa", ps.get_sequence_parallel_group(), ring=ring)
     positions = rank_positions(N, ps.get_sequence_parallel_rank(), ulysses, ring.rank, ring.size)
     for hq, hk in CASES:   # kv heads 1 < U: replicated before the all-to-all

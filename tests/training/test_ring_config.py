@@ -5,7 +5,7 @@ import torch
 
 from megatron_ul.config import ConfigError
 from megatron_ul.data.batches import build_micro_batch
-from megatron_ul.mpu.sequence_layout import rank_positions, ring_local_positions
+from megatron_ul.data.sequence_layout import rank_positions, ring_local_positions
 from megatron_ul.training.pretrain import configure
 
 OK = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "64",

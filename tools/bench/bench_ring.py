@@ -26,8 +26,8 @@ from megatron_ul.model.transformer import TransformerLayer
 from megatron_ul.model.ulysses import DistributedAttention
 from megatron_ul.mpu import comm_stats
 from megatron_ul.mpu import parallel_state as ps
-from megatron_ul.mpu.mappings import set_all_to_all_timer
 from megatron_ul.mpu.random import model_parallel_seed
+from megatron_ul.timers import Timers
 
 MIB = 2**20
 
@@ -86,33 +86,25 @@ def attention_time(rank, world, seq, heads, head_dim, u, r, warmup, iters):
     """Per iteration: (wall s, exposed comm s, ring kernel CPU s) of the attention core."""
     ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
     model_parallel_seed(1, "cpu")
-    core = DistributedAttention(u, "sdpa", ps.get_sequence_parallel_group(),
-                                ring=Ring.from_parallel_state())
+    timers = Timers(1)   # times the Ulysses all-to-alls
+    core = DistributedAttention(u, "sdpa", ps.get_sequence_parallel_group(), timers=timers,
+                                ring=Ring.from_dims(ps.get_parallel_dims()))
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(seq // world, 1, heads, head_dim, generator=g).requires_grad_()
                for _ in range(3))
-    a2a = {"s": 0.0}
-
-    class _A2ATimer:
-        def __enter__(self):
-            self.start = time.perf_counter()
-
-        def __exit__(self, *exc):
-            a2a["s"] += time.perf_counter() - self.start
-
-    set_all_to_all_timer(_A2ATimer)
     wall = 0.0
     with measure_ring_time() as ring_times:
         for i in range(warmup + iters):
             if i == warmup:
-                a2a["s"], wall = 0.0, 0.0
+                timers.pop()
+                wall = 0.0
                 ring_times.update(compute_cpu_s=0.0, exposed_wait_s=0.0)
             dist.barrier()
             start = time.perf_counter()
             core(q, k, v, dropout_p=0.0).sum().backward()
             wall += time.perf_counter() - start
-    set_all_to_all_timer(None)
-    return (wall / iters, (a2a["s"] + ring_times["exposed_wait_s"]) / iters,
+    all_to_all = sum(timers.pop()[0].values())
+    return (wall / iters, (all_to_all + ring_times["exposed_wait_s"]) / iters,
             ring_times["compute_cpu_s"] / iters)
 
 
