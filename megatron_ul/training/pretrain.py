@@ -101,14 +101,15 @@ def setup(cfg: Config) -> Trainer:
     if torch.distributed.get_rank() != 0 and not is_reporting_rank():
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
     timers = Timers(cfg.logging.timing_log_level, device.type)
-    model = build_model(cfg, device, timers, ps.get_parallel_dims())
+    dims = ps.get_parallel_dims()   # built once by initialize_distributed; handed to what needs it
+    model = build_model(cfg, device, timers, dims)
     if torch.distributed.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
                  model.padded_vocab_size)
     if cfg.parallel.zero_stage == 3:
-        model = shard_model(model)
-    optimizer = build_optimizer(model, cfg.train, cfg.parallel)
+        model = shard_model(model, dims)
+    optimizer = build_optimizer(model, cfg.train, cfg.parallel, dims)
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
                            decay_steps=t.lr_decay_iters, decay_style=t.lr_decay_style)
