@@ -65,8 +65,8 @@ def global_grad_norm(params: list[torch.nn.Parameter],
     """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
     dims = dims or ps.get_parallel_dims()
     grads = [p.grad for p in params if p.grad is not None and _counts_once(p, dims)]
-    device = grads[0].device if grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
+    # the parameters' device even when this rank counts no gradient (the reduction needs it)
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for g in grads:
         sq += g.detach().double().pow(2).sum()
     group = dims.mp_group

@@ -24,7 +24,7 @@ from ..pipeline.model import build_pipeline_model
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
-from .data import build_datasets, build_tokenizer_for, global_batches
+from .data import build_datasets, build_tokenizer_for, eod_token_for, global_batches
 from .exit import RunControl, catch_exit_signals
 from .loop import is_reporting_rank, train
 
@@ -37,8 +37,9 @@ def configure(argv=None, world_size: int | None = None) -> Config:
     tokenizer = build_tokenizer_for(cfg)
     if tokenizer is not None and not cfg.data.mock_data:
         cfg.model.vocab_size = tokenizer.vocab_size
-    if cfg.data.mock_data and not cfg.model.vocab_size:
-        raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N")
+    if cfg.data.mock_data and cfg.model.vocab_size < 2:
+        raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N (N >= 2: "
+                          "id N-1 is the end-of-document token)")
     if cfg.data.data_path and tokenizer is None:
         raise ConfigError("invalid configuration:\n  --data-path needs --tokenizer-type "
                           "(and its --tokenizer-model or --vocab-file/--merge-file)")
@@ -116,8 +117,7 @@ def setup(cfg: Config) -> Trainer:
     grad_scaler = build_grad_scaler(cfg.train)
     resume = (load_checkpoint(cfg, model, optimizer, scheduler, grad_scaler)
               if cfg.checkpoint.load else Resume())
-    tokenizer = build_tokenizer_for(cfg)
-    eod = tokenizer.eod if tokenizer is not None else None
+    eod = eod_token_for(cfg)
     train_ds, valid_ds, _ = build_datasets(cfg)
     train_batches = global_batches(cfg, train_ds, device, eod, resume.consumed_samples)
     valid_batches = (global_batches(cfg, valid_ds, device, eod, resume.consumed_valid_samples)
