@@ -52,8 +52,9 @@ def describe(cfg: Config) -> str:
         f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision {precision}, "
         f"{activation_bytes}-byte activations; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
-        "attention: " + planned_attention(m.use_flash_attn, activation_dtype,
-                                          cfg.data.reset_attention_mask),
+        "attention: " + (f"ring attention over CP {cp} (fp32 block kernel, log-sum-exp merge)"
+                         if cp > 1 else planned_attention(m.use_flash_attn, activation_dtype,
+                                                          cfg.data.reset_attention_mask)),
         "memory estimate per GPU: " + est.describe(),
     ]
     return "\n".join(lines)
