@@ -132,6 +132,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag(1, help="tensor-parallel degree TP")
     ds_sequence_parallel_size: int = flag(
         1, help="DeepSpeed-Ulysses sequence-parallel degree SP (Megatron-DeepSpeed's name)")
+    context_parallel_size: int = flag(
+        1, help="ring-attention degree CP across Ulysses groups (Megatron-LM's name): the "
+                "sequence is split over SP × CP ranks")
     pipeline_model_parallel_size: int = flag(1, help="pipeline stages PP")
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None, help="layers per virtual stage: interleaved 1F1B with several chunks per rank")
@@ -150,6 +153,7 @@ class ParallelConfig:
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_model_parallel_size * self.ds_sequence_parallel_size
+                                   * self.context_parallel_size
                                    * self.pipeline_model_parallel_size)
 
 
@@ -296,7 +300,7 @@ def resolve(cfg: Config) -> Config:
 
 def _model_parallel_size(p: ParallelConfig) -> int:
     return p.tensor_model_parallel_size * p.ds_sequence_parallel_size * \
-        p.pipeline_model_parallel_size
+        p.context_parallel_size * p.pipeline_model_parallel_size
 
 
 def validate(cfg: Config) -> Config:
@@ -308,19 +312,20 @@ def validate(cfg: Config) -> Config:
     if errors:  # the checks below divide by these sizes
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
-    tp, sp = p.tensor_model_parallel_size, p.ds_sequence_parallel_size
+    tp, sp, cp = p.tensor_model_parallel_size, p.ds_sequence_parallel_size, p.context_parallel_size
     if p.world_size % _model_parallel_size(p) != 0:
         errors.append(f"world size {p.world_size} is not divisible by "
                       f"--tensor-model-parallel-size × --ds-sequence-parallel-size × "
-                      f"--pipeline-model-parallel-size = {tp}×{sp}×"
-                      f"{p.pipeline_model_parallel_size} = {_model_parallel_size(p)}; launch a "
-                      f"multiple of {_model_parallel_size(p)} processes or change the parallel "
-                      f"sizes")
+                      f"--context-parallel-size × --pipeline-model-parallel-size = {tp}×{sp}×"
+                      f"{cp}×{p.pipeline_model_parallel_size} = {_model_parallel_size(p)}; "
+                      f"launch a multiple of {_model_parallel_size(p)} processes or change the "
+                      f"parallel sizes")
     dp = max(p.data_parallel_size, 1)
 
     errors += _attention_errors(m, tp, sp)
     errors += _mlp_errors(m, tp)
     errors += _sequence_errors(m, p, tp, sp)
+    errors += _ring_errors(m, p, tp, sp, cp)
     errors += _recompute_errors(m)
     errors += _long_context_errors(cfg)
     errors += _zero_errors(p)
@@ -342,6 +347,7 @@ def _size_errors(cfg: Config) -> list[str]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     sizes = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
              ("--ds-sequence-parallel-size", p.ds_sequence_parallel_size),
+             ("--context-parallel-size", p.context_parallel_size),
              ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
              ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
              ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
@@ -469,6 +475,31 @@ def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> lis
         errors.append(f"--normalization must be LayerNorm or RMSNorm (got {m.normalization!r})")
     if m.gelu_approximate not in ("none", "tanh"):
         errors.append(f"--gelu-approximate must be none or tanh (got {m.gelu_approximate!r})")
+    return errors
+
+
+def _ring_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int, cp: int) -> list[str]:
+    """Ring attention (--context-parallel-size R): each ring rank holds two of 2R chunks,
+    which its U Ulysses ranks split evenly (and TP again under Megatron-SP)."""
+    if cp == 1:
+        return []
+    errors = []
+    divisor = math.lcm(2 * sp * cp, sp * cp * (tp if p.sequence_parallel else 1))
+    if m.seq_length % divisor != 0:
+        flags = "2 × --ds-sequence-parallel-size × --context-parallel-size"
+        if p.sequence_parallel and tp > 1:
+            flags += " (and × --tensor-model-parallel-size with --sequence-parallel)"
+        errors.append(f"--seq-length {m.seq_length} is not divisible by {flags} = {divisor}: "
+                      f"each ring rank holds two equal chunks of 2·{cp} that its {sp} Ulysses "
+                      f"ranks split evenly; use a sequence length that is a multiple of {divisor}")
+    if m.attention_dropout > 0:
+        errors.append(f"--attention-dropout {m.attention_dropout} is not supported with "
+                      f"--context-parallel-size {cp} (ring attention has no dropout); pass "
+                      f"--attention-dropout 0")
+    if m.attention_window is not None:
+        errors.append(f"--window-size is not supported with --context-parallel-size {cp} (the "
+                      f"ring's blocks are causal or document-masked only); drop --window-size "
+                      f"or use Ulysses alone (--context-parallel-size 1)")
     return errors
 
 

@@ -62,7 +62,9 @@ class Resume:
 
 def _layout(cfg: Config) -> dict:
     p = cfg.parallel
-    return {"tp": p.tensor_model_parallel_size, "sp": p.ds_sequence_parallel_size,
+    # "cp" only when there is a ring: layouts saved before the ring axis existed still match.
+    ring = {"cp": p.context_parallel_size} if p.context_parallel_size > 1 else {}
+    return {**ring, "tp": p.tensor_model_parallel_size, "sp": p.ds_sequence_parallel_size,
             "pp": p.pipeline_model_parallel_size, "dp": p.data_parallel_size,
             "world": p.world_size, "sequence_parallel": p.sequence_parallel,
             "vp": p.num_layers_per_virtual_pipeline_stage}
@@ -134,7 +136,7 @@ def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, 
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     pp = ps.get_pipeline_model_parallel_world_size()
     save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
-    writer = ps.get_data_parallel_rank() == 0 and ps.get_sequence_parallel_rank() == 0
+    writer = ps.get_data_sequence_parallel_rank() == 0   # DP, CP and SP coordinates all 0
     # Collective over dp_sp under ZeRO (gathers one parameter at a time); None off the writer.
     model_sd = checkpoint_model_state(model)
     optim_sd = checkpoint_optimizer_state(model, optimizer) if save_optim else None

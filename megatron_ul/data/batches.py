@@ -3,6 +3,8 @@
 import numpy as np
 import torch
 
+from .sequence_layout import rank_positions
+
 
 class PretrainingSampler:
     """Megatron's MegatronPretrainingSampler: sequential, resumable, split over DP ranks.
@@ -87,11 +89,13 @@ def _document_offsets(tokens, eod_token):
 
 def build_micro_batch(texts: torch.Tensor, sp_rank: int = 0, sp_size: int = 1, eod_token=None,
                       reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                      eod_mask_loss: bool = False) -> dict:
+                      eod_mask_loss: bool = False, cp_rank: int = 0, cp_size: int = 1) -> dict:
     """Turns ``texts`` [b, N + 1] into this SP rank's slice of a training micro-batch.
 
     Labels are shifted before slicing, so rank r gets tokens and labels for
-    positions [r * N / sp, (r + 1) * N / sp) with GLOBAL position ids.
+    positions [r * N / sp, (r + 1) * N / sp) with GLOBAL position ids. With a ring
+    (``cp_size`` > 1) the rank holds the load-balanced tokens of data/sequence_layout.py
+    instead (its Ulysses slice of chunks cp_rank and 2·cp_size-1-cp_rank).
     Loss mask, position resets and the document boundaries follow
     Megatron's get_ltor_masks_and_position_ids, computed on the full sequence.
     With ``reset_attention_mask`` the batch has ``cu_seqlens``: the document offsets of the
@@ -105,6 +109,8 @@ def build_micro_batch(texts: torch.Tensor, sp_rank: int = 0, sp_size: int = 1, e
         raise ValueError(f"sp_rank {sp_rank} outside [0, sp_size={sp_size})")
     if seq_length % sp_size:
         raise ValueError(f"seq_length {seq_length} is not divisible by the sequence-parallel size {sp_size}")
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside [0, cp_size={cp_size})")
     if eod_token is None and (reset_position_ids or reset_attention_mask or eod_mask_loss):
         raise ValueError("reset_position_ids, reset_attention_mask and eod_mask_loss need eod_token")
     texts = texts.long()
@@ -113,8 +119,11 @@ def build_micro_batch(texts: torch.Tensor, sp_rank: int = 0, sp_size: int = 1, e
     if eod_mask_loss:
         loss_mask[tokens == eod_token] = 0.0
     position_ids = _position_ids(tokens, eod_token, reset_position_ids)
-    shard = seq_length // sp_size
-    window = slice(sp_rank * shard, (sp_rank + 1) * shard)
+    if cp_size == 1:
+        shard = seq_length // sp_size
+        window = slice(sp_rank * shard, (sp_rank + 1) * shard)
+    else:
+        window = rank_positions(seq_length, sp_rank, sp_size, cp_rank, cp_size).to(texts.device)
     batch = {
         "tokens": tokens[:, window].contiguous(),
         "labels": labels[:, window].contiguous(),

@@ -23,6 +23,7 @@ from ..timers import NO_TIMERS, Timers
 from .attention import select_backend
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
+from .ring_attention import Ring
 from .rotary import apply_rotary
 from .tiled_mlp import tiled_mlp
 from .ulysses import DistributedAttention
@@ -63,7 +64,8 @@ class SelfAttention(nn.Module):
                                  torch.device(device) if device else torch.device("cpu"))
         self.core = DistributedAttention(dims.sp, backend, dims.sp_group,
                                          recompute=cfg.recompute_granularity == "selective",
-                                         timers=timers, window=cfg.attention_window)
+                                         timers=timers, window=cfg.attention_window,
+                                         ring=Ring.from_dims(dims))
         self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x, rotary=None, attention_mask=None):

@@ -11,13 +11,15 @@ in DeepSpeed).
 Activations follow Korthikanti et al. (2022), "Reducing Activation Recomputation in Large
 Transformer Models", counted tensor by tensor for *this* implementation (what autograd keeps
 for backward in model/transformer.py), in units of one [s, b, h] tensor:
-  s = N / SP on the Ulysses side (each rank holds N/SP tokens between layers), with the
+  s = N / (SP·CP) on the Ulysses side (each rank holds N/(SP·CP) tokens between layers; CP is
+  the ring degree, --context-parallel-size), with the
   norms and dropouts ÷TP again under --sequence-parallel; tensors inside the TP region
   (QKV output, attention output, MLP hidden) ÷TP. Under Megatron-SP the column-parallel
   linears (QKV, fc1, the output head) keep only their [s/TP, b, h] input shard and all-gather
   it again in backward, as Megatron-LM does. GQA's k and v are not repeated up to the query
   heads (SDPA's enable_gqa).
-With a fused attention kernel (flash / SDPA) nothing of size N² is kept; without one
+With a fused attention kernel (flash / SDPA) nothing of size N² is kept (ring attention keeps
+only q, k, v, its fp32 output and log-sum-exp, the output counted twice); without one
 (--attention-kernel math) the scores and probabilities, a/(TP·SP) heads × N² per sample, are.
 Long sequences (docs/long_context.md): --tiled-loss-chunk-size keeps no logits; its working set
 is one chunk's logits and their shifted copy, 2·c·TP_gathered·b·V/TP fp32. --tiled-mlp-chunk-size
@@ -50,10 +52,16 @@ class Layout:
     sequence_parallel: bool = False   # Megatron-SP over the TP group
     micro_batch_size: int = 1
     num_micro_batches: int = 1
+    cp: int = 1                       # ring-attention degree (--context-parallel-size)
 
     @property
     def world(self) -> int:
-        return self.tp * self.sp * self.pp * self.dp
+        return self.tp * self.sp * self.cp * self.pp * self.dp
+
+    @property
+    def sequence_ranks(self) -> int:
+        """Ranks that split one sequence: Ulysses × ring."""
+        return self.sp * self.cp
 
 
 @dataclass(frozen=True)
@@ -128,7 +136,7 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
                            recompute: str = "none") -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one rank."""
     tp, sp, b = layout.tp, layout.sp, layout.micro_batch_size
-    s = m.seq_length / sp
+    s = m.seq_length / layout.sequence_ranks
     sbh = s * b * m.hidden_size
     norm_region = sbh / (tp if layout.sequence_parallel else 1)   # norms, dropouts, residual
     residual_bytes = 4                       # the residual stream stays fp32 under autocast
@@ -148,7 +156,8 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
     linear_in = norm_region
     elements = (linear_in                    # QKV linear input (norm output)
                 + qkv                        # q, k, v kept by the attention kernel
-                + attn_out                   # attention output kept by the kernel
+                + attn_out * (2 if layout.cp > 1 else 1)  # attention output kept by the
+                #                                kernel (the ring keeps it in fp32)
                 + attn_out                   # projection input (re-laid-out output)
                 + linear_in                  # fc1 input
                 + mlp)
@@ -160,7 +169,7 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
     total = norms + elements * act
     if m.hidden_dropout > 0:
         total += 2 * norm_region * precision.dropout_mask_bytes
-    if not precision.fused_attention and recompute != "selective":
+    if not precision.fused_attention and recompute != "selective" and layout.cp == 1:
         scores = heads / (tp * sp) * b * m.seq_length ** 2
         total += 2 * scores * act + (scores * precision.dropout_mask_bytes
                                      if m.attention_dropout > 0 else 0)
@@ -169,7 +178,7 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
 
 def head_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
     """Final norm, output-layer input and the fp32 softmax the vocab-parallel loss keeps."""
-    s = m.seq_length / layout.sp
+    s = m.seq_length / layout.sequence_ranks
     sbh = s * layout.micro_batch_size * m.hidden_size
     norm_region = sbh / (layout.tp if layout.sequence_parallel else 1)
     act = 2 if precision.bf16 else 4
@@ -234,7 +243,8 @@ def estimate(m: ModelConfig, layout: Layout, *, zero_stage: int = 0, recompute: 
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3 (got {zero_stage})")
     params = stage_parameters(m, layout.tp, layout.pp)
-    shards = layout.dp * layout.sp  # ZeRO partitions over the data × sequence parallel group
+    # ZeRO partitions over the data × ring × Ulysses group (all replicas of the parameters)
+    shards = layout.dp * layout.sp * layout.cp
     param_bytes = 4 * params / (shards if zero_stage >= 3 else 1)
     if precision.bf16:  # autocast's bf16 weight copies, kept for backward (under ZeRO-3 only
         # the gathered layers' copies live at once: counted as a shard, a lower bound)
@@ -256,7 +266,8 @@ def layout_from_config(cfg: Config) -> Layout:
     return Layout(tp=p.tensor_model_parallel_size, sp=p.ds_sequence_parallel_size,
                   pp=p.pipeline_model_parallel_size, dp=max(p.data_parallel_size, 1),
                   sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size,
-                  num_micro_batches=max(cfg.num_micro_batches, 1))
+                  num_micro_batches=max(cfg.num_micro_batches, 1),
+                  cp=getattr(p, "context_parallel_size", 1))
 
 
 def estimate_config(cfg: Config) -> MemoryEstimate:

@@ -24,8 +24,8 @@ RUNS = {  # name -> extra flags
     # flash path; document masking runs per document through flash_attn_varlen_func
     "fp32-sdpa-eod": ["--eod-mask-loss", "--reset-position-ids"],
     "bf16-flash-eod": ["--bf16", "--use-flash-attn", "--eod-mask-loss", "--reset-position-ids"],
-    "bf16-flash-documents": ["--bf16", "--use-flash-attn", "--eod-mask-loss", "--reset-position-ids",
-                    "--reset-attention-mask"],
+    "bf16-flash-documents": ["--bf16", "--use-flash-attn", "--eod-mask-loss",
+                             "--reset-position-ids", "--reset-attention-mask"],
 }
 
 
@@ -85,5 +85,5 @@ def test_eod_documents_on_mock_data_with_the_flash_path(results):
     flash, fp32 = r["bf16-flash-eod"]["losses"], r["fp32-sdpa-eod"]["losses"]
     assert max(abs(a - b) for a, b in zip(flash, fp32)) < 2e-2
     assert fp32 != r["fp32-sdpa"]["losses"]            # the EOD flags changed the problem
-    masked = r["bf16-masked"]["losses"]                 # computed by SDPA with the mask
+    masked = r["bf16-flash-documents"]["losses"]        # per document, flash_attn_varlen_func
     assert masked != flash and max(abs(a - b) for a, b in zip(masked, flash)) < 0.5
