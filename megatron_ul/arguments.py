@@ -6,6 +6,7 @@ import argparse
 import os
 from dataclasses import fields
 
+from .data.tokenizers import TOKENIZER_TYPES
 from .config import (CheckpointConfig, Config, DataConfig, LoggingConfig, ModelConfig,
                      ParallelConfig, TrainConfig)
 
@@ -114,7 +115,7 @@ def _add_data_args(g) -> None:
     g.add_argument("--split", default="969,30,1")
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--tokenizer-type", default=None,
-                   choices=["GPT2BPETokenizer", "SentencePieceTokenizer", "NullTokenizer"])
+                   choices=list(TOKENIZER_TYPES))
     g.add_argument("--vocab-file", default=None)
     g.add_argument("--merge-file", default=None)
     g.add_argument("--tokenizer-model", default=None)

@@ -100,11 +100,22 @@ class IndexedDatasetBuilder:
         self.add_sequences(tokens, lengths)
         self.end_document()
 
-    def add_documents(self, tokens, lengths) -> None:
-        """Fast path: many one-sequence documents, tokens concatenated in one array."""
+    def add_documents(self, tokens, lengths, sequences_per_document=None) -> None:
+        """Fast path: many documents, tokens concatenated in one array.
+
+        ``sequences_per_document[i]`` sequences of ``lengths`` make document i
+        (default: one each). A document of 0 sequences is an empty document:
+        Megatron-LM records its end in the document indices and writes no sequence.
+        """
         start = self.num_sequences
         self.add_sequences(tokens, lengths)
-        self.document_ends.extend(range(start + 1, self.num_sequences + 1))
+        if sequences_per_document is None:
+            self.document_ends.extend(range(start + 1, self.num_sequences + 1))
+            return
+        ends = start + np.cumsum(np.asarray(sequences_per_document, dtype=np.int64))
+        if len(ends) and ends[-1] != self.num_sequences:
+            raise ValueError(f"sequences_per_document sums to {ends[-1] - start}, not {len(lengths)}")
+        self.document_ends.extend(ends.tolist())
 
     def add_sequences(self, tokens, lengths) -> None:
         array = np.asarray(tokens, dtype=self.dtype)
