@@ -14,6 +14,7 @@
 ``.bin`` is the token sequences back to back in that dtype, nothing else.
 """
 
+import hashlib
 import os
 import struct
 
@@ -239,6 +240,15 @@ class IndexedDataset:
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the .idx contents (plus the .bin size): what cached indices depend on."""
+        digest = hashlib.sha256()
+        with open(index_file_path(self.path_prefix), "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(block)
+        digest.update(str(os.path.getsize(data_file_path(self.path_prefix))).encode())
+        return digest.hexdigest()
 
     @property
     def num_documents(self) -> int:

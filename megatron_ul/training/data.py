@@ -34,9 +34,11 @@ def build_datasets(cfg: Config):
         train = MockGPTDataset(train_samples, m.seq_length, m.vocab_size, t.seed)
         valid = MockGPTDataset(max(valid_samples, 1), m.seq_length, m.vocab_size, t.seed + 1)
         return train, valid, None
+    # Without --data-cache-path the indices are cached beside the data (see docs/data.md).
     return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length,
                                            (train_samples, valid_samples, 0), t.seed,
-                                           d.data_cache_path)
+                                           d.data_cache_path or "default",
+                                           vocab_size=m.vocab_size)
 
 
 def global_batches(cfg: Config, dataset, device, eod_token, consumed_samples: int = 0

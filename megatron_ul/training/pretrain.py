@@ -13,7 +13,7 @@ from ..arguments import parse_args
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.io import Resume, load_checkpoint
 from ..config import Config, ConfigError, validate
-from ..data.gpt_dataset import parse_data_path
+from ..data.gpt_dataset import DataError, parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
 from ..model.gpt import GPTModel
 from ..optim import build_optimizer
@@ -129,7 +129,7 @@ def main(argv=None) -> int:
         return dry_run(cfg)
     try:
         setup(cfg).train()
-    except CheckpointError as e:
+    except (CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
