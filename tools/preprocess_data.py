@@ -21,16 +21,11 @@ import time
 
 import numpy as np
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from megatron_ul.data import corpus  # noqa: E402
-from megatron_ul.data.indexed_dataset import (  # noqa: E402
+from megatron_ul.data import corpus
+from megatron_ul.data.indexed_dataset import (
     IndexedDatasetBuilder, data_file_path, index_file_path, token_dtype_for_vocab)
-from megatron_ul.data.sentences import (  # noqa: E402
-    SentenceSplitterError, build_sentence_splitter, split_sentences)
-from megatron_ul.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_ul.data.sentences import SentenceSplitterError, build_sentence_splitter, split_sentences
+from megatron_ul.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 # Chunk sizes live in corpus.py; kept here as names tests may shrink.
 LINES_PER_CHUNK = corpus.LINES_PER_CHUNK

@@ -125,10 +125,10 @@ def test_split_sentences_bytes(tmp_path, monkeypatch, keep_newlines, sentences):
 def test_split_sentences_without_punkt_data_fails_at_once(tmp_path):
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": TEXT}])
     env = dict(os.environ, NLTK_DATA=str(tmp_path / "no_such_nltk_data"), HOME=str(tmp_path))
-    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "preprocess_data.py"), "--input",
-                             source, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type", "NullTokenizer",
-                             "--vocab-size", "10", "--split-sentences"],
-                            capture_output=True, text=True, env=env, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "tools.preprocess_data", "--input", source, "--output-prefix",
+                             str(tmp_path / "o"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "10",
+                             "--split-sentences"],
+                            capture_output=True, text=True, env=env, timeout=120, cwd=REPO_ROOT)
     assert result.returncode == 1
     assert "--split-sentences" in result.stderr and ("punkt_tab" in result.stderr or "nltk" in result.stderr)
     assert len(result.stderr.strip().splitlines()) == 1
