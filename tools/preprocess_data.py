@@ -71,6 +71,10 @@ def parse_args(argv=None):
                             "partitions are concatenated in order (all in one process here)")
     group.add_argument("--keep-sequential-samples", action="store_true",
                        help="with --partitions: partitions are contiguous blocks, i.e. input order is kept")
+    group.add_argument("--shard-block", default=None, metavar="I/N",
+                       help="process only block I of N contiguous blocks of the sorted input shards (Slurm "
+                            "arrays: merging the N outputs in order with tools/merge_datasets.py gives the "
+                            "bytes of one run over all shards); an empty block writes an empty dataset")
     group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
     group.add_argument("--strict", action="store_true", help="stop at the first malformed record instead of skipping")
     args = parser.parse_args(argv)
@@ -79,7 +83,23 @@ def parse_args(argv=None):
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.keep_newlines and not args.split_sentences:
         parser.error("--keep-newlines only applies with --split-sentences")
+    if args.shard_block is not None:
+        try:
+            index, count = (int(part) for part in args.shard_block.split("/"))
+        except ValueError:
+            parser.error(f"--shard-block {args.shard_block!r}: expected I/N, e.g. 3/16")
+        if not 0 <= index < count:
+            parser.error(f"--shard-block {args.shard_block!r}: need 0 <= I < N")
+        args.shard_block = (index, count)
+        if args.partitions > 1 and not args.keep_sequential_samples:
+            parser.error("--shard-block cannot reproduce --partitions' interleaved order; use one or the other")
     return args
+
+
+def shard_block(shards, index, count):
+    """Block ``index`` of ``count`` contiguous, near-equal blocks (sizes differ by at most one)."""
+    start = index * len(shards) // count
+    return shards[start:(index + 1) * len(shards) // count]
 
 
 def output_level(args) -> str:
@@ -90,10 +110,12 @@ def check_inputs(args) -> list:
     """Every shard readable (and at least one record) before any output exists."""
     try:
         shards = corpus.expand_inputs(args.input)
+        if args.shard_block is not None:
+            shards = shard_block(shards, *args.shard_block)
         has_records = [corpus.check_shard(path, args.json_keys) for path in shards]
     except corpus.CorpusError as error:
         raise InputError(str(error)) from error
-    if not any(has_records):
+    if not any(has_records) and args.shard_block is None:
         raise InputError(f"--input {args.input}: empty input (no non-blank line)")
     return shards
 

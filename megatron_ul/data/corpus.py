@@ -15,6 +15,7 @@ bytes (parsed by the workers); Parquet records are already dicts.
 
 import glob
 import gzip
+import io
 import os
 
 JSONL_SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz", ".jsonl.zst", ".json.zst")
@@ -70,7 +71,8 @@ def _decompressing_reader(path, raw):
         except ImportError as error:
             raise CorpusError(f"--input {path}: .zst input needs the zstandard package (pip install zstandard)") \
                 from error
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        # BufferedReader adds the line iteration the zstandard reader lacks.
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
     return raw
 
 
@@ -97,7 +99,7 @@ def check_shard(path: str, keys) -> bool:
     try:
         raw, handle = _open_binary(path)
         with raw:
-            for line in _lines(handle):
+            for line in handle:
                 if line.strip():
                     return True
     except (OSError, EOFError) as error:
@@ -105,13 +107,6 @@ def check_shard(path: str, keys) -> bool:
     except Exception as error:  # noqa: BLE001 -- e.g. zstandard.ZstdError for a corrupt frame
         raise CorpusError(f"--input {path}: cannot be read ({type(error).__name__}: {error})") from error
     return False
-
-
-def _lines(handle):
-    """Lines of a binary stream (zstandard's reader has no line iteration of its own)."""
-    if hasattr(handle, "readline") and not hasattr(handle, "__next__"):
-        return iter(handle.readline, b"")
-    return handle
 
 
 class Chunk:
@@ -149,7 +144,7 @@ def _jsonl_chunks(path, max_lines, max_bytes):
     with raw:
         first_in_shard = 0
         lines, num_bytes = [], 0
-        for line in _lines(handle):
+        for line in handle:
             lines.append(line)
             num_bytes += len(line)
             if len(lines) >= max_lines or num_bytes >= max_bytes:
