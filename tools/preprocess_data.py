@@ -40,6 +40,22 @@ class Terminated(BaseException):
     """SIGTERM arrived (e.g. Slurm preemption): clean up like Ctrl-C."""
 
 
+class TerminationRequest:
+    """Set by the SIGTERM handler, acted on between chunks: raising from inside the
+    handler could interrupt multiprocessing's own locks and hang the pool."""
+
+    requested = False
+
+    @classmethod
+    def handler(cls, signum, frame):
+        cls.requested = True
+
+    @classmethod
+    def check(cls):
+        if cls.requested:
+            raise Terminated()
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
@@ -426,9 +442,11 @@ def run(args) -> Progress:
         chunks = corpus.read_chunks(shards, args.json_keys, LINES_PER_CHUNK, CHUNK_BYTES)
         encoded_chunks = pool.imap(encoder.encode, chunks) if pool else map(encoder.encode, chunks)
         for encoded in encoded_chunks:
+            TerminationRequest.check()
             report_errors(encoded.errors, args.strict)
             outputs.write(encoded)
             progress.update(encoded)
+        TerminationRequest.check()
         outputs.commit()
     except corpus.CorpusError as error:
         outputs.discard()
@@ -464,13 +482,10 @@ def report_errors(errors, strict) -> None:
         print(f"{text}; skipped", file=sys.stderr, flush=True)
 
 
-def _raise_terminated(signum, frame):
-    raise Terminated()
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    TerminationRequest.requested = False
+    previous = signal.signal(signal.SIGTERM, TerminationRequest.handler)
     try:
         run(args)
     except InputError as error:

@@ -154,12 +154,17 @@ def test_sigterm_removes_temporary_files(tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "tools.preprocess_data", "--input", source, "--output-prefix",
                                 str(tmp_path / "o"), *null_flags("--workers", "2")], cwd=REPO_ROOT,
                                stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not [name for name in os.listdir(tmp_path) if ".tmp-" in name] and time.time() < deadline:
-        time.sleep(0.1)
-    time.sleep(1.0)
-    process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=120)
+    try:
+        deadline = time.time() + 120
+        while not [name for name in os.listdir(tmp_path) if ".tmp-" in name] and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(1.0)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:  # a hang is a failure, not a leftover process
+            process.kill()
+            process.communicate()
     assert process.returncode == 143, stderr[-2000:]
     assert "terminated" in stderr
     assert sorted(os.listdir(tmp_path)) == ["big.jsonl.gz"]
