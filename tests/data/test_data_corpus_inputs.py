@@ -116,7 +116,8 @@ def test_bad_corpus_inputs_name_the_file(tmp_path, capsys, case):
         target = tmp_path / "x.jsonl.zst"
         target.write_bytes(b"not zstd at all")
     elif case == "parquet_missing_column":
-        pyarrow = pytest.importorskip("pyarrow")
+        pytest.importorskip("pyarrow")
+        import pyarrow
         import pyarrow.parquet
         target = tmp_path / "x.parquet"
         pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"body": "1 2"}]), target)

@@ -15,7 +15,6 @@ import struct
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from tests.data.fixtures import (byte_level_gpt2_files, expected_index_bytes, read_pair, write_jsonl)

@@ -299,3 +299,13 @@ def test_gpt2_missing_merge_file_names_flag(gpt2_files):
     _, _, vocab_file, _ = gpt2_files
     with pytest.raises(FileNotFoundError, match="--merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file="/nonexistent/merges.txt")
+
+
+def test_training_flag_accepts_every_tokenizer_type():
+    import typing
+
+    from megatron_ul.config import DataConfig
+    from megatron_ul.data.tokenizers import TOKENIZER_TYPES
+
+    literal = typing.get_args(typing.get_type_hints(DataConfig)["tokenizer_type"])[0]
+    assert typing.get_args(literal) == TOKENIZER_TYPES
