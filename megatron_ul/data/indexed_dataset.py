@@ -242,7 +242,13 @@ class IndexedDataset:
         return len(self.sequence_lengths)
 
     def fingerprint(self) -> str:
-        """SHA-256 of the .idx contents (plus the .bin size): what cached indices depend on."""
+        """SHA-256 of the .idx contents (plus the .bin size): what cached indices depend on.
+        Computed once per opened dataset (the files are read-only while it is open)."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = self._compute_fingerprint()
+        return self._fingerprint
+
+    def _compute_fingerprint(self) -> str:
         digest = hashlib.sha256()
         with open(index_file_path(self.path_prefix), "rb") as handle:
             for block in iter(lambda: handle.read(1 << 24), b""):
