@@ -62,14 +62,6 @@ class AbstractTokenizer:
     def detokenize(self, ids) -> str:
         raise NotImplementedError
 
-    def describe(self) -> dict:
-        """What a checkpoint records about the tokenizer it was trained with."""
-        try:
-            eod = self.eod
-        except ValueError:
-            eod = None
-        return {"type": self.name, "vocab_size": self.vocab_size, "eod": eod}
-
 
 @lru_cache()
 def bytes_to_unicode() -> dict:
