@@ -145,12 +145,15 @@ def format_table(corpus_mb, num_tokens, rows):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         corpus_mb, num_tokens, rows = measure(args, workdir)
+    load = f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after the run"
     setup = (f"Corpus: {corpus_mb:.1f} MB JSONL ({num_tokens:,} tokens, EOD included), {TOKENIZER} "
              f"(BPE SentencePiece, {args.vocab_size} pieces), --append-eod. Best of {args.repeats} runs each, "
              "the tools alternating; wall time includes starting the process (Megatron-LM's imports torch and "
-             "megatron). Every output is checked byte-identical to the plain loop's.")
+             f"megatron). Every output is checked byte-identical to the plain loop's. {load} "
+             f"(on {os.cpu_count()} cores: a loaded machine slows every row, workers most).")
     report("preprocess", "Preprocessing throughput (tools/preprocess_data.py)", setup,
            format_table(corpus_mb, num_tokens, rows), write_docs=args.write_docs)
     return 0
