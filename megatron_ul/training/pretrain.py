@@ -25,7 +25,7 @@ from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
 from .data import build_datasets, build_tokenizer_for, global_batches
-from .exit import RunControl
+from .exit import RunControl, catch_exit_signals
 from .loop import is_reporting_rank, train
 
 log = logging.getLogger("megatron_ul")
@@ -136,6 +136,8 @@ def main(argv=None) -> int:
     if cfg.train.dry_run:
         from .dry_run import dry_run
         return dry_run(cfg)
+    if cfg.checkpoint.exit_signal_handler:
+        catch_exit_signals()   # a signal during start-up stops training after its first iteration
     try:
         setup(cfg).train()
     except (CheckpointError, DataError) as e:
