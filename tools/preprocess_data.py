@@ -471,7 +471,9 @@ def start_workers(encoder, workers):
     if workers == 1:
         encoder.initializer(in_worker=False)
         return None
-    return multiprocessing.Pool(workers, initializer=encoder.initializer)
+    # Spawned, not forked: a fork taken while another thread of this process holds a lock
+    # (torch, logging, a caller's threads) can leave the worker blocked forever.
+    return multiprocessing.get_context("spawn").Pool(workers, initializer=encoder.initializer)
 
 
 def report_errors(errors, strict) -> None:
