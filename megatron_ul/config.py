@@ -45,7 +45,8 @@ class ModelConfig:
     hidden_size: int = flag(64, help="model width h")
     num_attention_heads: int = flag(4, help="query heads")
     ffn_hidden_size: Optional[int] = flag(
-        None, help="MLP width; default 4h (8h/3 rounded up to a multiple of 64 with --swiglu)")
+        None, help="MLP width; default 4h (8h/3 rounded down to a multiple of 64 with --swiglu, "
+                   "as Megatron-LM); must be divisible by TP")
     num_query_groups: Optional[int] = flag(
         None, enabled_by="--group-query-attention",
         help="kv heads for grouped-query attention; default: one per query head (MHA)")
@@ -71,7 +72,9 @@ class ModelConfig:
     hidden_dropout: float = flag(0.1, help="dropout after attention and MLP")
     init_method_std: float = flag(0.02, help="std of the normal weight initialisation")
     use_flash_attn: bool = flag(False,
-                                help="FlashAttention-2 when importable on a GPU, else torch SDPA")
+                                help="FlashAttention-2 where it can run (CUDA, --bf16/--fp16, "
+                                     "flash-attn installed, no --reset-attention-mask), else "
+                                     "torch SDPA; the log says which ran")
     gelu_approximate: Literal["none", "tanh"] = flag(
         "none", help="tanh = GPT-2's gelu_new (for Hugging Face GPT-2 weights)")
     recompute_granularity: Optional[Literal["full", "selective"]] = flag(
@@ -92,10 +95,11 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        if self.ffn_hidden_size:
+        if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        if self.swiglu:  # Megatron: keep the MLP's parameter count close to the 4h GELU MLP
-            return int(math.ceil(4 * self.hidden_size * 2 / 3 / 64) * 64)
+        if self.swiglu:  # Megatron-LM's rule: about the 4h GELU MLP's parameter count,
+            # rounded DOWN to a multiple of 64 (hidden 4096 -> 10880)
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
         return 4 * self.hidden_size
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
@@ -166,7 +170,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    mock_data: bool = flag(False, help="random tokens; needs --vocab-size")
+    mock_data: bool = flag(False, help="random documents ending with EOD (id vocab-size - 1); "
+                                       "needs --vocab-size")
     data_path: list[str] = flag(default_factory=list,
                                 help="dataset prefixes, or 'weight prefix' pairs to blend")
     split: str = flag("969,30,1", help="train,valid,test weights of each dataset")
@@ -285,6 +290,7 @@ def validate(cfg: Config) -> Config:
     dp = max(p.data_parallel_size, 1)
 
     errors += _attention_errors(m, tp, sp)
+    errors += _mlp_errors(m, tp)
     errors += _sequence_errors(m, p, tp, sp)
     errors += _recompute_errors(m)
     errors += _zero_errors(p)
@@ -394,6 +400,23 @@ def _attention_errors(m: ModelConfig, tp: int, sp: int) -> list[str]:
     if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
         errors.append(f"rope needs an even head dimension (got {m.head_dim})")
     return errors
+
+
+def _mlp_errors(m: ModelConfig, tp: int) -> list[str]:
+    """The MLP's hidden width is split over TP: every rank needs an equal, non-empty slice."""
+    if m.ffn_hidden_size is not None:
+        flag = f"--ffn-hidden-size {m.ffn_hidden_size}"
+        fix = f"use a multiple of {tp}"
+    else:
+        flag = (f"the default FFN width {m.ffn_size} (from --hidden-size {m.hidden_size}"
+                f"{' with --swiglu' if m.swiglu else ''})")
+        fix = "set --ffn-hidden-size"
+    if m.ffn_size < 1:
+        return [f"{flag} must be >= 1; {fix}"]
+    if m.ffn_size % tp != 0:
+        return [f"{flag} is not divisible by --tensor-model-parallel-size {tp}: each TP rank "
+                f"holds an equal slice of the MLP; {fix}"]
+    return []
 
 
 def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> list[str]:

@@ -64,7 +64,8 @@ def main(argv=None) -> int:
         return 2
     recompute = ours.recompute or me.recompute_of(cfg)
     zero = cfg.parallel.zero_stage or (1 if cfg.parallel.use_distributed_optimizer else 0)
-    precision = me.Precision(bf16=cfg.train.bf16, fused_attention=not ours.no_fused_attention)
+    precision = me.Precision(bf16=cfg.train.bf16 or cfg.train.fp16,
+                             fused_attention=not ours.no_fused_attention)
     layout = me.layout_from_config(cfg)
     est = me.estimate(cfg.model, layout, zero_stage=zero, recompute=recompute,
                       precision=precision)

@@ -10,18 +10,19 @@ from ..config import TrainConfig
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel=None):
+def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel=None, dims=None):
     """AdamW; biases and norm weights (1-D parameters) get no weight decay, as in Megatron.
-    With ZeRO (parallel.zero_stage 1 or 3) the optimizer also owns gradient reduction."""
+    With ZeRO (parallel.zero_stage 1 or 3) the optimizer also owns gradient reduction, over the
+    groups of `dims` (the run's ParallelDims; default: the one initialize_distributed built)."""
     stage = parallel.zero_stage if parallel is not None else 0
     if stage == 1:
         from .distributed_optimizer import DistributedOptimizer
         log.info("optimizer: ZeRO-1 distributed AdamW over dp_sp")
-        return DistributedOptimizer(model, train)
+        return DistributedOptimizer(model, train, dims)
     if stage == 3:
         from .zero3 import Zero3Optimizer
         log.info("optimizer: ZeRO-3 (FSDP2 over dp_sp), torch AdamW on the shards")
-        return Zero3Optimizer(model, train)
+        return Zero3Optimizer(model, train, dims)
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:

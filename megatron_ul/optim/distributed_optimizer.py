@@ -32,12 +32,14 @@ into the per-parameter form plain AdamW checkpoints use, so they load on any lay
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 from .grads import _all_reduce_coalesced, _counts_once
 
@@ -47,13 +49,15 @@ FORMAT = "megatron_ul.zero1.v1"
 class DistributedOptimizer:
     """Drop-in for the torch optimizer in train_step; owns gradient reduction and clipping."""
 
-    def __init__(self, model: torch.nn.Module, train: TrainConfig):
+    def __init__(self, model: torch.nn.Module, train: TrainConfig,
+                 dims: Optional[ParallelDims] = None):
+        self.dims = dims or ps.get_parallel_dims()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if len({p.dtype for _, p in named}) != 1 or named[0][1].dtype != torch.float32:
             raise ValueError("the distributed optimizer expects fp32 parameters "
                              "(mixed precision runs under autocast)")
         self.params = [p for _, p in named]
-        self.group = ps.get_data_sequence_parallel_group()
+        self.group = self.dims.dp_sp_group
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         device = self.params[0].device
         self.numel = sum(p.numel() for p in self.params)
@@ -102,7 +106,7 @@ class DistributedOptimizer:
     def reduce_and_clip_gradients(self, max_norm: float) -> float:
         """Steps (1)-(4) of the module docstring; returns the norm before clipping."""
         sequence_parallel = [p.grad for p in self.params if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(sequence_parallel, ps.get_tensor_model_parallel_group())
+        _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if self.size > 1:
             record("reduce_scatter", self.grad_buffer, self.group)
             dist.reduce_scatter_tensor(self.grad_shard, self.grad_buffer, group=self.group)
@@ -116,9 +120,9 @@ class DistributedOptimizer:
     def _global_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float64, device=self.grad_shard.device)
         for _, p, _, lo, hi in self.pieces:
-            if _counts_once(p):
+            if _counts_once(p, self.dims):
                 sq += self.grad_shard[lo - self.start:hi - self.start].double().pow(2).sum()
-        for group in (self.group, ps.get_model_parallel_group()):
+        for group in (self.group, self.dims.mp_group):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
         return math.sqrt(sq.item())

@@ -8,12 +8,14 @@ of the global token-mean loss, whatever the layout.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 
 _BUCKET_BYTES = 64 * 2**20
@@ -38,40 +40,46 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
                 g.copy_(reduced)
 
 
-def reduce_gradients(params: list[torch.nn.Parameter]) -> None:
-    """Finish the backward pass: Megatron-SP replicated weights over TP, everything over dp_sp."""
+def reduce_gradients(params: list[torch.nn.Parameter],
+                     dims: Optional[ParallelDims] = None) -> None:
+    """Finish the backward pass: Megatron-SP replicated weights over TP, everything over dp_sp
+    (the groups of `dims`, default: the run's)."""
+    dims = dims or ps.get_parallel_dims()
     with_grad = [p for p in params if p.grad is not None]
     sequence_parallel = [p.grad for p in with_grad if getattr(p, "sequence_parallel", False)]
-    _all_reduce_coalesced(sequence_parallel, ps.get_tensor_model_parallel_group())
-    _all_reduce_coalesced([p.grad for p in with_grad], ps.get_data_sequence_parallel_group())
+    _all_reduce_coalesced(sequence_parallel, dims.tp_group)
+    _all_reduce_coalesced([p.grad for p in with_grad], dims.dp_sp_group)
 
 
-def _counts_once(p: torch.nn.Parameter) -> bool:
+def _counts_once(p: torch.nn.Parameter, dims: Optional[ParallelDims] = None) -> bool:
     """Is this rank the one that counts p in the global norm (no double counting of copies)?"""
     if getattr(p, "shared_embedding_replica", False):  # tied output copy on the last PP stage
         return False
     if getattr(p, "tensor_model_parallel", False):
         return True
-    return ps.get_tensor_model_parallel_rank() == 0
+    return (dims or ps.get_parallel_dims()).tp_rank == 0
 
 
-def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
+def global_grad_norm(params: list[torch.nn.Parameter],
+                     dims: Optional[ParallelDims] = None) -> float:
     """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
-    grads = [p.grad for p in params if p.grad is not None and _counts_once(p)]
-    device = grads[0].device if grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
+    dims = dims or ps.get_parallel_dims()
+    grads = [p.grad for p in params if p.grad is not None and _counts_once(p, dims)]
+    # the parameters' device even when this rank counts no gradient (the reduction needs it)
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for g in grads:
         sq += g.detach().double().pow(2).sum()
-    group = ps.get_model_parallel_group()
+    group = dims.mp_group
     if dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
     return math.sqrt(sq.item())
 
 
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float,
+                   dims: Optional[ParallelDims] = None) -> float:
     """Scale all gradients so that their global norm is at most max_norm; returns the norm
     before clipping (what Megatron logs as grad-norm)."""
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, dims)
     if max_norm > 0 and math.isfinite(norm):
         coeff = max_norm / (norm + 1e-6)
         if coeff < 1.0:

@@ -24,6 +24,15 @@ def build_tokenizer_for(cfg: Config):
                            vocab_size=cfg.model.vocab_size or None)
 
 
+def eod_token_for(cfg: Config):
+    """The end-of-document id: the tokenizer's; for --mock-data without a tokenizer
+    vocab_size - 1, Megatron's NullTokenizer convention (mock samples carry documents)."""
+    tokenizer = build_tokenizer_for(cfg)
+    if tokenizer is not None:
+        return tokenizer.eod
+    return cfg.model.vocab_size - 1 if cfg.data.mock_data else None
+
+
 def build_datasets(cfg: Config):
     """(train, valid, test) datasets sized for the whole run."""
     t, m, d = cfg.train, cfg.model, cfg.data
@@ -31,8 +40,10 @@ def build_datasets(cfg: Config):
     eval_runs = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     valid_samples = eval_runs * t.eval_iters * t.global_batch_size
     if d.mock_data:
-        train = MockGPTDataset(train_samples, m.seq_length, m.vocab_size, t.seed)
-        valid = MockGPTDataset(max(valid_samples, 1), m.seq_length, m.vocab_size, t.seed + 1)
+        eod = eod_token_for(cfg)
+        train = MockGPTDataset(train_samples, m.seq_length, m.vocab_size, t.seed, eod)
+        valid = MockGPTDataset(max(valid_samples, 1), m.seq_length, m.vocab_size, t.seed + 1,
+                               eod)
         return train, valid, None
     # Without --data-cache-path the indices are cached beside the data (see docs/data.md).
     return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length,

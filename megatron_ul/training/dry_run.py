@@ -2,8 +2,31 @@
 torch.distributed or building the model."""
 from __future__ import annotations
 
+import math
+
+import torch
+
 from ..config import Config
+from ..model.attention import planned_attention
 from .memory_estimator import GiB, estimate_config, recompute_of
+
+
+def _number(x: float) -> str:
+    """2^32 rather than 4.29497e+09."""
+    exponent = math.log2(x) if x > 0 else 0.5
+    return f"2^{int(exponent)}" if exponent == int(exponent) and x >= 1024 else f"{x:g}"
+
+
+def precision_of(cfg: Config) -> tuple[str, torch.dtype]:
+    """(description, activation dtype) of the precision a run with these flags uses."""
+    t = cfg.train
+    if t.bf16:
+        return "bf16 (autocast; fp32 master weights)", torch.bfloat16
+    if t.fp16:
+        scale = (f"constant loss scale {_number(t.loss_scale)}" if t.loss_scale is not None
+                 else f"dynamic loss scaling from {_number(t.initial_loss_scale)}")
+        return f"fp16 (autocast; fp32 master weights; {scale})", torch.float16
+    return "fp32", torch.float32
 
 
 def describe(cfg: Config) -> str:
@@ -12,6 +35,8 @@ def describe(cfg: Config) -> str:
                       p.pipeline_model_parallel_size, p.data_parallel_size)
     est = estimate_config(cfg)
     zero = getattr(p, "zero_stage", 0)
+    precision, activation_dtype = precision_of(cfg)
+    activation_bytes = torch.empty((), dtype=activation_dtype).element_size()
     lines = [
         f"world {p.world_size} = TP {tp} × SP {sp} × PP {pp} × DP {dp}"
         f"{' (Megatron-SP on)' if p.sequence_parallel else ''}",
@@ -21,9 +46,11 @@ def describe(cfg: Config) -> str:
         f"{m.padded_vocab_size(tp)}",
         f"batch: micro {t.micro_batch_size} × {cfg.num_micro_batches} micro-batches × DP {dp} "
         f"= global {t.global_batch_size} ({t.global_batch_size * m.seq_length} tokens/iter)",
-        f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision "
-        f"{'bf16 (autocast)' if t.bf16 else 'fp32'}; ZeRO stage {zero}; recompute "
+        f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision {precision}, "
+        f"{activation_bytes}-byte activations; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
+        "attention: " + planned_attention(m.use_flash_attn, activation_dtype,
+                                          cfg.data.reset_attention_mask),
         "memory estimate per GPU: " + est.describe(),
     ]
     return "\n".join(lines)

@@ -43,6 +43,7 @@ class RunControl:
                  grad_scaler=None):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.grad_scaler = grad_scaler
+        self.device = next(model.parameters()).device   # where collectives' tensors must live
         self.iteration = self.last_saved = start_iteration
         self.started = PROGRAM_START
         self._previous_handlers = (catch_exit_signals() if cfg.checkpoint.exit_signal_handler
@@ -55,7 +56,9 @@ class RunControl:
             return False, False
         over_time = (c.exit_duration_in_mins is not None
                      and time.monotonic() - self.started > c.exit_duration_in_mins * 60)
-        flags = torch.tensor([float(_signal_received is not None), float(over_time)])
+        # On the training device: with NCCL the default group cannot reduce CPU tensors.
+        flags = torch.tensor([float(_signal_received is not None), float(over_time)],
+                             device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])

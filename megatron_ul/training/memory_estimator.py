@@ -2,8 +2,8 @@
 that fits a given GPU memory.
 
 Parameters, gradients and Adam state follow what megatron_ul allocates: fp32 parameters,
-fp32 gradients and two fp32 Adam moments (16 bytes per parameter); --bf16 runs under autocast,
-which also keeps a bf16 copy of every matmul weight alive from forward to backward (2 bytes).
+fp32 gradients and two fp32 Adam moments (16 bytes per parameter); --bf16 and --fp16 run under
+autocast, which also keeps a 2-byte copy of every matmul weight alive from forward to backward.
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
 parameters, over the data × sequence parallel group (Ulysses ranks hold replicated weights, as
 in DeepSpeed).
@@ -50,7 +50,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Precision:
-    bf16: bool = False
+    bf16: bool = False            # 2-byte autocast activations: --bf16 or --fp16
     dropout_mask_bytes: int = 1   # CUDA keeps a bool mask; the CPU kernel keeps a float mask
     fused_attention: bool = True  # flash / SDPA: no N×N tensors kept for backward
 
@@ -204,7 +204,8 @@ def estimate_config(cfg: Config) -> MemoryEstimate:
     zero = getattr(cfg.parallel, "zero_stage", 0) or (
         1 if getattr(cfg.parallel, "use_distributed_optimizer", False) else 0)
     return estimate(cfg.model, layout_from_config(cfg), zero_stage=zero,
-                    recompute=recompute_of(cfg), precision=Precision(bf16=cfg.train.bf16))
+                    recompute=recompute_of(cfg),
+                    precision=Precision(bf16=cfg.train.bf16 or cfg.train.fp16))
 
 
 def recompute_of(cfg: Config) -> str:

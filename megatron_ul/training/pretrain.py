@@ -24,7 +24,7 @@ from ..pipeline.model import build_pipeline_model
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
-from .data import build_datasets, build_tokenizer_for, global_batches
+from .data import build_datasets, build_tokenizer_for, eod_token_for, global_batches
 from .exit import RunControl, catch_exit_signals
 from .loop import is_reporting_rank, train
 
@@ -37,8 +37,9 @@ def configure(argv=None, world_size: int | None = None) -> Config:
     tokenizer = build_tokenizer_for(cfg)
     if tokenizer is not None and not cfg.data.mock_data:
         cfg.model.vocab_size = tokenizer.vocab_size
-    if cfg.data.mock_data and not cfg.model.vocab_size:
-        raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N")
+    if cfg.data.mock_data and cfg.model.vocab_size < 2:
+        raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N (N >= 2: "
+                          "id N-1 is the end-of-document token)")
     if cfg.data.data_path and tokenizer is None:
         raise ConfigError("invalid configuration:\n  --data-path needs --tokenizer-type "
                           "(and its --tokenizer-model or --vocab-file/--merge-file)")
@@ -101,22 +102,22 @@ def setup(cfg: Config) -> Trainer:
     if torch.distributed.get_rank() != 0 and not is_reporting_rank():
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
     timers = Timers(cfg.logging.timing_log_level, device.type)
-    model = build_model(cfg, device, timers, ps.get_parallel_dims())
+    dims = ps.get_parallel_dims()   # built once by initialize_distributed; handed to what needs it
+    model = build_model(cfg, device, timers, dims)
     if torch.distributed.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
                  model.padded_vocab_size)
     if cfg.parallel.zero_stage == 3:
-        model = shard_model(model)
-    optimizer = build_optimizer(model, cfg.train, cfg.parallel)
+        model = shard_model(model, dims)
+    optimizer = build_optimizer(model, cfg.train, cfg.parallel, dims)
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
                            decay_steps=t.lr_decay_iters, decay_style=t.lr_decay_style)
     grad_scaler = build_grad_scaler(cfg.train)
     resume = (load_checkpoint(cfg, model, optimizer, scheduler, grad_scaler)
               if cfg.checkpoint.load else Resume())
-    tokenizer = build_tokenizer_for(cfg)
-    eod = tokenizer.eod if tokenizer is not None else None
+    eod = eod_token_for(cfg)
     train_ds, valid_ds, _ = build_datasets(cfg)
     train_batches = global_batches(cfg, train_ds, device, eod, resume.consumed_samples)
     valid_batches = (global_batches(cfg, valid_ds, device, eod, resume.consumed_valid_samples)

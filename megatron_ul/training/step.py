@@ -15,10 +15,11 @@ from ..timers import NO_TIMERS, Timers
 
 
 def count_tokens(micro_batches: list[dict], device) -> torch.Tensor:
-    """Loss-bearing tokens in the whole global batch (summed over DP and SP ranks)."""
-    # Summed on the device (no host sync per micro-batch), in fp64 so large counts stay exact.
+    """Loss-bearing tokens in the whole global batch (summed over DP and SP ranks), exactly:
+    an fp64 tensor on `device` (integers up to 2^53; fp32 was inexact above 2^24 tokens)."""
+    # Summed on the device (no host sync per micro-batch) and all-reduced in fp64.
     local = torch.stack([mb["loss_mask"].sum(dtype=torch.float64) for mb in micro_batches]).sum()
-    total = local.to(device=device, dtype=torch.float32)
+    total = local.to(device=device, dtype=torch.float64)
     group = ps.get_data_sequence_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
@@ -48,7 +49,9 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
                timers: Timers = NO_TIMERS) -> tuple[float, float]:
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
-    num_tokens = count_tokens(micro_batches, device)
+    # The exact count, rounded once to the fp32 the losses are divided by (the same value on
+    # every rank and layout).
+    num_tokens = count_tokens(micro_batches, device).float()
     # fp16: backpropagate loss · scale; dividing the token count by a power of two is exact.
     divisor = num_tokens / grad_scaler.scale if grad_scaler is not None else num_tokens
     loss_sum = schedule_for(model)(model, micro_batches, divisor, autocast_dtype, timers=timers)
@@ -83,7 +86,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
 @torch.no_grad()
 def evaluate_loss(model, micro_batches: list[dict], autocast_dtype=None) -> float:
     device = next(model.parameters()).device
-    num_tokens = count_tokens(micro_batches, device)
+    num_tokens = count_tokens(micro_batches, device).float()
     model.eval()
     try:
         loss_sum = schedule_for(model)(model, micro_batches, num_tokens, autocast_dtype,

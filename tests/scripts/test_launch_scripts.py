@@ -16,7 +16,7 @@ from megatron_ul.training.pretrain import configure
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.sh"))
                  + glob.glob(os.path.join(ROOT, "scripts", "slurm", "*.sbatch")))
-# Helpers, the install/test wrappers and data preprocessing (tests/data covers
+# Helpers, the install/test/lint wrappers and data preprocessing (tests/data covers
 # preprocess_array.sbatch) launch no training.
 SCRIPTS = [s for s in SCRIPTS
            if os.path.basename(s) not in ("common.sh", "install.sh", "test.sh", "lint.sh",
