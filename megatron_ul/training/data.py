@@ -14,14 +14,35 @@ from ..data.tokenizers import build_tokenizer
 from ..mpu import parallel_state as ps
 
 
+# configure() replaces --vocab-size by the tokenizer's vocabulary (NullTokenizer --vocab-size N
+# has N + 1); building the tokenizer again from that resolved config would shift NullTokenizer's
+# EOD, so the resolved configs' tokenizers are kept by what defines them.
+_RESOLVED_TOKENIZERS: dict[tuple, object] = {}
+
+
+def _tokenizer_key(cfg: Config) -> tuple:
+    d = cfg.data
+    return (d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model, cfg.model.vocab_size)
+
+
 def build_tokenizer_for(cfg: Config):
     """The tokenizer named by --tokenizer-type (None for --mock-data without one)."""
     d = cfg.data
     if d.tokenizer_type is None:
         return None
+    resolved = _RESOLVED_TOKENIZERS.get(_tokenizer_key(cfg))
+    if resolved is not None:
+        return resolved
     return build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
                            tokenizer_model=d.tokenizer_model,
                            vocab_size=cfg.model.vocab_size or None)
+
+
+def set_vocab_from_tokenizer(cfg: Config, tokenizer) -> None:
+    """The model's vocabulary is the tokenizer's; later build_tokenizer_for(cfg) calls return
+    this tokenizer."""
+    cfg.model.vocab_size = tokenizer.vocab_size
+    _RESOLVED_TOKENIZERS[_tokenizer_key(cfg)] = tokenizer
 
 
 def eod_token_for(cfg: Config):

@@ -24,7 +24,8 @@ from ..pipeline.model import build_pipeline_model
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
-from .data import build_datasets, build_tokenizer_for, eod_token_for, global_batches
+from .data import (build_datasets, build_tokenizer_for, eod_token_for, global_batches,
+                   set_vocab_from_tokenizer)
 from .exit import RunControl, catch_exit_signals
 from .loop import is_reporting_rank, train
 
@@ -36,7 +37,7 @@ def configure(argv=None, world_size: int | None = None) -> Config:
     cfg = parse_args(argv, world_size if world_size is not None else world_size_from_env())
     tokenizer = build_tokenizer_for(cfg)
     if tokenizer is not None and not cfg.data.mock_data:
-        cfg.model.vocab_size = tokenizer.vocab_size
+        set_vocab_from_tokenizer(cfg, tokenizer)
     if cfg.data.mock_data and cfg.model.vocab_size < 2:
         raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N (N >= 2: "
                           "id N-1 is the end-of-document token)")

@@ -28,6 +28,12 @@ def test_vocabulary_guard_and_tokenizer_in_checkpoint(tmp_path):
     assert preprocess_data.main(["--input", source, "--output-prefix", str(tmp_path / "d"), "--tokenizer-type",
                                  "NullTokenizer", "--vocab-size", "100", "--append-eod"]) == 0
     prefix = str(tmp_path / "d_text_document")
+    # configure() gives the model NullTokenizer's vocabulary (N + 1); training's EOD stays N.
+    from megatron_ul.training.data import eod_token_for
+    from megatron_ul.training.pretrain import configure
+    cfg = configure(["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
+                     "--train-iters", "1", *MODEL], world_size=1)
+    assert cfg.model.vocab_size == 101 and eod_token_for(cfg) == 100
     # Ids 0..99 and EOD 100 do not fit a NullTokenizer vocabulary of 50 + EOD.
     refused = pretrain("--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "50",
                        "--train-iters", "1", *MODEL)
@@ -43,3 +49,4 @@ def test_vocabulary_guard_and_tokenizer_in_checkpoint(tmp_path):
     saved = [torch.load(path, weights_only=False) for path in payloads]
     args = [payload["args"] for payload in saved if isinstance(payload, dict) and "args" in payload][0]
     assert args["data"]["tokenizer_type"] == "NullTokenizer" and args["model"]["vocab_size"] == 101
+
