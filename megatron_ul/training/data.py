@@ -46,12 +46,13 @@ def set_vocab_from_tokenizer(cfg: Config, tokenizer) -> None:
 
 
 def eod_token_for(cfg: Config):
-    """The end-of-document id: the tokenizer's; for --mock-data without a tokenizer
-    vocab_size - 1, Megatron's NullTokenizer convention (mock samples carry documents)."""
+    """The end-of-document id: the tokenizer's; for --mock-data the last id of the model's
+    vocabulary, vocab_size - 1 (mock samples carry documents; the model's vocabulary is
+    --vocab-size there, which a tokenizer's EOD may lie outside of, e.g. NullTokenizer's N)."""
+    if cfg.data.mock_data:
+        return cfg.model.vocab_size - 1
     tokenizer = build_tokenizer_for(cfg)
-    if tokenizer is not None:
-        return tokenizer.eod
-    return cfg.model.vocab_size - 1 if cfg.data.mock_data else None
+    return tokenizer.eod if tokenizer is not None else None
 
 
 def build_datasets(cfg: Config):
