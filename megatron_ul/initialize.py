@@ -62,11 +62,12 @@ def initialize_distributed(cfg: Config) -> torch.device:
                                 device_id=device if device.type == "cuda" else None)
     p = cfg.parallel
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
-                                 p.pipeline_model_parallel_size, timeout=timeout)
+                                 p.pipeline_model_parallel_size, timeout=timeout,
+                                 context_parallel_size=p.context_parallel_size)
     model_parallel_seed(cfg.train.seed, device.type)
     if rank == 0:
-        log.info("world %d = PP %d × DP %d × SP %d × TP %d on %s (%s)", world,
-                 p.pipeline_model_parallel_size, p.data_parallel_size,
+        log.info("world %d = PP %d × DP %d × CP %d × SP %d × TP %d on %s (%s)", world,
+                 p.pipeline_model_parallel_size, p.data_parallel_size, p.context_parallel_size,
                  p.ds_sequence_parallel_size, p.tensor_model_parallel_size, device, backend)
     return device
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import parallel_state as ps
+from .param_spec import ParamSpec
 from .mappings import (_all_gather, _reduce_scatter, _size, _tp,
                        copy_to_tensor_model_parallel_region,
                        gather_from_tensor_model_parallel_region,
@@ -36,8 +37,10 @@ def tp_slice(full: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> t
     return torch.cat([b.chunk(tp, dim=dim)[rank] for b in blocks], dim=dim)
 
 
-def _shard(full: torch.Tensor, dim: int, device, dtype, stride: int = 1) -> nn.Parameter:
-    """This rank's slice of `full` (see tp_slice) as a parameter tagged with its partitioning."""
+def _shard(full: torch.Tensor, dim: int, device, dtype, stride: int = 1,
+           vocab_padded: bool = False, fused: str | None = None) -> nn.Parameter:
+    """This rank's slice of `full` (see tp_slice) as a parameter tagged with its partitioning
+    (the ParamSpec that checkpoints and conversions read back)."""
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     if full.shape[dim] % (tp * stride) != 0:
         raise ValueError(f"dimension {dim} of size {full.shape[dim]} is not divisible by "
@@ -45,6 +48,7 @@ def _shard(full: torch.Tensor, dim: int, device, dtype, stride: int = 1) -> nn.P
     part = tp_slice(full, dim, stride, tp, rank).to(device=device, dtype=dtype).contiguous()
     param = nn.Parameter(part)
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
+    param.spec = ParamSpec(dim, stride, vocab_padded, fused)
     return param
 
 
@@ -102,15 +106,17 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, init_method: InitMethod, *,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
-                 stride: int = 1, device=None, dtype=torch.float32, tp_group=None):
+                 stride: int = 1, vocab_padded: bool = False, fused: str | None = None,
+                 device=None, dtype=torch.float32, tp_group=None):
         super().__init__()
         self.tp_group = _tp(tp_group)
         full = torch.empty(output_size, input_size, dtype=torch.float32)
         init_method(full)
-        self.weight = _shard(full, 0, device, dtype, stride)
+        self.weight = _shard(full, 0, device, dtype, stride, vocab_padded, fused)
         tp = ps.get_tensor_model_parallel_world_size()
         if bias:
-            self.bias = _shard(torch.zeros(output_size), 0, device, dtype, stride)
+            self.bias = _shard(torch.zeros(output_size), 0, device, dtype, stride, vocab_padded,
+                               fused)
         else:
             self.register_parameter("bias", None)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -177,7 +183,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_group = _tp(tp_group)
         full = torch.empty(padded_vocab_size, embedding_dim, dtype=torch.float32)
         init_method(full)
-        self.weight = _shard(full, 0, device, dtype)
+        self.weight = _shard(full, 0, device, dtype, vocab_padded=True)
         self.vocab_start, self.vocab_end = vocab_range(padded_vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Wire the data pipeline into training: tokenizer, datasets, sampler, and per-rank
-micro-batches (each DP rank its samples, each SP rank its slice of every sequence)."""
+micro-batches (each DP rank its samples, each SP×CP rank its slice of every sequence)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -82,6 +82,7 @@ def global_batches(cfg: Config, dataset, device, eod_token, consumed_samples: in
                                  ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     texts = micro_batch_iterator(dataset, sampler)
     sp_rank, sp = ps.get_sequence_parallel_rank(), ps.get_sequence_parallel_world_size()
+    cp_rank, cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
     d = cfg.data
     while True:
         batch = []
@@ -93,7 +94,7 @@ def global_batches(cfg: Config, dataset, device, eod_token, consumed_samples: in
             mb = build_micro_batch(text, sp_rank, sp, eod_token=eod_token,
                                    reset_position_ids=d.reset_position_ids,
                                    reset_attention_mask=d.reset_attention_mask,
-                                   eod_mask_loss=d.eod_mask_loss)
+                                   eod_mask_loss=d.eod_mask_loss, cp_rank=cp_rank, cp_size=cp)
             batch.append({k: (v.to(device) if isinstance(v, torch.Tensor) else v)
                           for k, v in mb.items()})
         yield batch

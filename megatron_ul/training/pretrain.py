@@ -4,14 +4,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
 
 from ..arguments import parse_args
 from ..checkpoint.files import CheckpointError
-from ..checkpoint.io import Resume, load_checkpoint
+from ..checkpoint.io import Resume, claim_save_dir, load_checkpoint
 from ..config import Config, ConfigError, resolve, validate
 from ..data.gpt_dataset import DataError, parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
@@ -86,10 +86,13 @@ class Trainer:
     start_iteration: int = 0
     grad_scaler: Optional[GradScaler] = None   # fp16 only; checkpointed with the model
     timers: Timers = NO_TIMERS                 # --timing-log-level; the model holds them too
+    resume: Optional[Resume] = None            # data position loaded from the checkpoint
 
     def train(self) -> list[float]:
+        position = replace(self.resume) if self.resume else None
         control = RunControl(self.cfg, self.model, self.optimizer, self.scheduler,
-                             self.start_iteration, grad_scaler=self.grad_scaler)
+                             self.start_iteration, grad_scaler=self.grad_scaler,
+                             position=position)
         losses = train(self.cfg, self.model, self.optimizer, self.scheduler, self.train_batches,
                        self.valid_batches, self.start_iteration, control.after_iteration,
                        grad_scaler=self.grad_scaler, timers=self.timers)
@@ -100,6 +103,8 @@ class Trainer:
 def setup(cfg: Config) -> Trainer:
     """Initialize distributed state and build everything training needs."""
     device = initialize_distributed(cfg)
+    if cfg.checkpoint.save:
+        claim_save_dir(cfg)   # a second job saving into the same directory stops here
     if torch.distributed.get_rank() != 0 and not is_reporting_rank():
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
     timers = Timers(cfg.logging.timing_log_level, device.type)
@@ -124,7 +129,7 @@ def setup(cfg: Config) -> Trainer:
     valid_batches = (global_batches(cfg, valid_ds, device, eod, resume.consumed_valid_samples)
                      if valid_ds is not None else None)
     return Trainer(cfg, model, optimizer, scheduler, train_batches, valid_batches,
-                   resume.iteration, grad_scaler, timers)
+                   resume.iteration, grad_scaler, timers, resume)
 
 
 def main(argv=None) -> int:

@@ -63,16 +63,19 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     if grad_scaler is not None and not grad_scaler.unscale_and_check(params, iteration):
         optimizer.zero_grad(set_to_none=True)   # fp16 overflow: skip the step (logged)
         return loss, float("nan")
-    # Tied embedding copies (first and last pipeline stage) sum their gradients; sums commute,
-    # so this may come before or after the dp_sp reduction.
-    allreduce_embedding_grads(model)
+    # Tied embedding copies (first and last pipeline stage) sum their gradients.
     reduce_and_clip = getattr(optimizer, "reduce_and_clip_gradients", None)
     if reduce_and_clip is not None:  # ZeRO: the optimizer owns the (sharded) gradients
+        allreduce_embedding_grads(model)
         with timers("grad-reduce"):
             grad_norm = reduce_and_clip(clip_grad)
     else:
         with timers("grad-reduce"):
             reduce_gradients(params)
+            # After the dp_sp reduction, so both copies end bitwise equal (a + b == b + a):
+            # before it, each stage's copy would be reduced inside differently laid-out
+            # buckets, and with 3+ dp_sp ranks the summation orders (and roundings) differ.
+            allreduce_embedding_grads(model)
         with timers("grad-clip", level=2):
             grad_norm = clip_gradients(params, clip_grad)
     if not math.isfinite(grad_norm):
