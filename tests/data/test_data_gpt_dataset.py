@@ -203,7 +203,7 @@ def test_two_distributed_ranks_share_one_build(tmp_path):
     cache = str(tmp_path / "cache")
     results = mp.Manager().dict()
     mp.start_processes(_build_on_rank, args=(2, str(tmp_path / "init"), prefix, cache, results), nprocs=2,
-                       start_method="fork")
+                       start_method="spawn")   # fork after torch threads can crash
     assert results[0] == results[1] and results[0][1]
     reference = GPTDataset(IndexedDataset(prefix), (0, 30), 80, 8, seed=11)
     assert results[0][0] == reference.shuffle_index.tolist()
