@@ -13,7 +13,7 @@ from ..arguments import parse_args
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.io import Resume, claim_save_dir, load_checkpoint
 from ..config import Config, ConfigError, resolve, validate
-from ..data.gpt_dataset import parse_data_path
+from ..data.gpt_dataset import DataError, parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
 from ..model.gpt import GPTModel
 from ..mpu.parallel_state import ParallelDims
@@ -23,7 +23,8 @@ from ..pipeline.model import build_pipeline_model
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
-from .data import build_datasets, build_tokenizer_for, eod_token_for, global_batches
+from .data import (build_datasets, build_tokenizer_for, eod_token_for, global_batches,
+                   set_vocab_from_tokenizer)
 from .exit import RunControl, catch_exit_signals
 from .loop import is_reporting_rank, train
 
@@ -35,7 +36,7 @@ def configure(argv=None, world_size: int | None = None) -> Config:
     cfg = parse_args(argv, world_size if world_size is not None else world_size_from_env())
     tokenizer = build_tokenizer_for(cfg)
     if tokenizer is not None and not cfg.data.mock_data:
-        cfg.model.vocab_size = tokenizer.vocab_size
+        set_vocab_from_tokenizer(cfg, tokenizer)
     if cfg.data.mock_data and cfg.model.vocab_size < 2:
         raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N (N >= 2: "
                           "id N-1 is the end-of-document token)")
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
         catch_exit_signals()   # a signal during start-up stops training after its first iteration
     try:
         setup(cfg).train()
-    except CheckpointError as e:
+    except (CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
