@@ -53,6 +53,7 @@ def test_fp16_scaler_reduces_found_inf_on_the_parameters_device(handed):
 def test_exit_flags_are_reduced_on_the_parameters_device(handed):
     cfg = Config()
     cfg.checkpoint.exit_duration_in_mins = 60.0
+    cfg.train.global_batch_size = 1   # resolved, as setup() hands it (the data position)
     control = RunControl(cfg, torch.nn.Linear(2, 2, device=META), None, None)
     with pytest.raises(Handed):
         control.after_iteration(1)
