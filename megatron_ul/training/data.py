@@ -11,7 +11,7 @@ from ..data.batches import PretrainingSampler, build_micro_batch, micro_batch_it
 from ..data.gpt_dataset import build_train_valid_test_datasets
 from ..data.mock import MockGPTDataset
 from ..data.tokenizers import build_tokenizer
-from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import ParallelDims
 
 
 # configure() replaces --vocab-size by the tokenizer's vocabulary (NullTokenizer --vocab-size N
@@ -74,15 +74,16 @@ def build_datasets(cfg: Config):
                                            vocab_size=m.vocab_size)
 
 
-def global_batches(cfg: Config, dataset, device, eod_token, consumed_samples: int = 0
-                   ) -> Iterator[list[dict]]:
-    """Yield, per iteration, this rank's list of micro-batch dicts on `device`."""
+def global_batches(cfg: Config, dims: ParallelDims, dataset, device, eod_token,
+                   consumed_samples: int = 0) -> Iterator[list[dict]]:
+    """Yield, per iteration, this rank's list of micro-batch dicts on `device` (its data
+    shard and sequence chunk from its place in `dims`)."""
     t = cfg.train
     sampler = PretrainingSampler(len(dataset), consumed_samples, t.micro_batch_size,
-                                 ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+                                 dims.dp_rank, dims.dp)
     texts = micro_batch_iterator(dataset, sampler)
-    sp_rank, sp = ps.get_sequence_parallel_rank(), ps.get_sequence_parallel_world_size()
-    cp_rank, cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+    sp_rank, sp = dims.sp_rank, dims.sp
+    cp_rank, cp = dims.cp_rank, dims.cp
     d = cfg.data
     while True:
         batch = []

@@ -16,7 +16,6 @@ from ..config import Config, ConfigError, resolve, validate
 from ..data.gpt_dataset import DataError, parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
 from ..model.gpt import GPTModel
-from ..mpu import parallel_state as ps
 from ..mpu.parallel_state import ParallelDims
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
@@ -64,12 +63,11 @@ def _check_data_files(data_path: list[str]) -> None:
                           "path without .bin/.idx, e.g. data/demo_text_document)")
 
 
-def build_model(cfg: Config, device, timers: Timers = NO_TIMERS,
-                dims: Optional[ParallelDims] = None) -> GPTModel:
-    """This rank's model (chunks under pipelining) on the rank grid `dims` (default: the one
-    initialize_distributed built)."""
+def build_model(cfg: Config, device, dims: ParallelDims,
+                timers: Timers = NO_TIMERS) -> GPTModel:
+    """This rank's model (chunks under pipelining) on the rank grid `dims`."""
     if cfg.parallel.pipeline_model_parallel_size > 1:
-        return build_pipeline_model(cfg, device, timers, dims)  # this rank's model chunks
+        return build_pipeline_model(cfg, device, timers, dims=dims)  # this rank's model chunks
     return GPTModel(cfg.model, seed=cfg.train.seed,
                     sequence_parallel=cfg.parallel.sequence_parallel,
                     device=device, timers=timers, dims=dims)
@@ -102,14 +100,14 @@ class Trainer:
 
 def setup(cfg: Config) -> Trainer:
     """Initialize distributed state and build everything training needs."""
-    device = initialize_distributed(cfg)
+    # The rank grid is built once here and handed to everything that communicates.
+    device, dims = initialize_distributed(cfg)
     if cfg.checkpoint.save:
         claim_save_dir(cfg)   # a second job saving into the same directory stops here
-    if torch.distributed.get_rank() != 0 and not is_reporting_rank():
+    if torch.distributed.get_rank() != 0 and not is_reporting_rank(dims):
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
     timers = Timers(cfg.logging.timing_log_level, device.type)
-    dims = ps.get_parallel_dims()   # built once by initialize_distributed; handed to what needs it
-    model = build_model(cfg, device, timers, dims)
+    model = build_model(cfg, device, dims, timers)
     if torch.distributed.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
@@ -125,8 +123,9 @@ def setup(cfg: Config) -> Trainer:
               if cfg.checkpoint.load else Resume())
     eod = eod_token_for(cfg)
     train_ds, valid_ds, _ = build_datasets(cfg)
-    train_batches = global_batches(cfg, train_ds, device, eod, resume.consumed_samples)
-    valid_batches = (global_batches(cfg, valid_ds, device, eod, resume.consumed_valid_samples)
+    train_batches = global_batches(cfg, dims, train_ds, device, eod, resume.consumed_samples)
+    valid_batches = (global_batches(cfg, dims, valid_ds, device, eod,
+                                    resume.consumed_valid_samples)
                      if valid_ds is not None else None)
     return Trainer(cfg, model, optimizer, scheduler, train_batches, valid_batches,
                    resume.iteration, grad_scaler, timers, resume)

@@ -15,8 +15,8 @@ def single_rank(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1, 1)
-    model_parallel_seed(0)
-    yield
+    dims = ps.initialize_model_parallel(1, 1, 1)
+    model_parallel_seed(0, dims)
+    yield dims
     ps.destroy_model_parallel()
     dist.destroy_process_group()

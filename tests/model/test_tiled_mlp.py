@@ -37,13 +37,13 @@ FFN = 64   # explicit: SwiGLU's default width (Megatron's rounding down to 64) i
 
 
 def _saved_bytes(rank, world):
-    ps.initialize_model_parallel(1, 1, 1)
+    dims = ps.initialize_model_parallel(1, 1, 1)
     saved = {}
     for swiglu in (False, True):
         for chunk in (None, 32):
             cfg = ModelConfig(hidden_size=16, num_attention_heads=2, swiglu=swiglu,
                               ffn_hidden_size=FFN, tiled_mlp_chunk_size=chunk)
-            mlp = MLP(cfg, "mlp", 0, False, 1, None, torch.float32)
+            mlp = MLP(cfg, "mlp", 0, False, 1, None, torch.float32, dims=dims)
             x = torch.randn(256, 1, 16, requires_grad=True)
             _, saved[swiglu, chunk] = saved_activation_bytes(
                 lambda mlp=mlp, x=x: mlp(x), exclude=list(mlp.parameters()) + [x])

@@ -43,11 +43,11 @@ def _name(u: int, r: int) -> str:
 
 
 def one_layer_bytes(rank, world, seq, hidden, heads, u, r):
-    ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
-    model_parallel_seed(1, "cpu")
+    dims = ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
+    model_parallel_seed(1, dims, "cpu")
     cfg = ModelConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads,
                       seq_length=seq, vocab_size=128, attention_dropout=0.0, hidden_dropout=0.0)
-    layer = TransformerLayer(cfg, 1, seed=1, sequence_parallel=False)
+    layer = TransformerLayer(cfg, 1, seed=1, sequence_parallel=False, dims=dims)
     x = torch.randn(seq // world, 1, hidden, requires_grad=True)
     with comm_stats.count_communication() as forward:
         y = layer(x)
@@ -86,11 +86,11 @@ def table_bytes(seq: int, hidden: int, heads: int, sizes: list[int]) -> str:
 def attention_time(rank, world, seq, heads, head_dim, u, r, warmup, iters):
     """Per iteration: (wall s, exposed comm s, ring kernel CPU s) of the attention core; the
     kernel time is the fastest iteration's (other jobs on a shared machine only add to it)."""
-    ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
-    model_parallel_seed(1, "cpu")
+    dims = ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
+    model_parallel_seed(1, dims, "cpu")
     timers = Timers(1)   # times the Ulysses all-to-alls
-    core = DistributedAttention(u, "sdpa", ps.get_sequence_parallel_group(), timers=timers,
-                                ring=Ring.from_dims(ps.get_parallel_dims()))
+    core = DistributedAttention(u, "sdpa", dims.sp_group, timers=timers,
+                                ring=Ring.from_dims(dims))
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(seq // world, 1, heads, head_dim, generator=g).requires_grad_()
                for _ in range(3))
