@@ -6,14 +6,16 @@ import logging
 import torch
 
 from ..config import TrainConfig
+from ..mpu.parallel_state import ParallelDims
 
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel=None, dims=None):
+def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
+                    dims: ParallelDims):
     """AdamW; biases and norm weights (1-D parameters) get no weight decay, as in Megatron.
-    With ZeRO (parallel.zero_stage 1 or 3) the optimizer also owns gradient reduction, over the
-    groups of `dims` (the run's ParallelDims; default: the one initialize_distributed built)."""
+    With ZeRO (parallel.zero_stage 1 or 3; `parallel` None: no ZeRO) the optimizer also owns
+    gradient reduction, over the groups of `dims` (the run's ParallelDims)."""
     stage = parallel.zero_stage if parallel is not None else 0
     if stage == 1:
         from .distributed_optimizer import DistributedOptimizer

@@ -8,13 +8,10 @@ of the global token-mean loss, whatever the layout.
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..mpu import parallel_state as ps
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 
@@ -41,29 +38,27 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
 
 
 def reduce_gradients(params: list[torch.nn.Parameter],
-                     dims: Optional[ParallelDims] = None) -> None:
+                     dims: ParallelDims) -> None:
     """Finish the backward pass: Megatron-SP replicated weights over TP, everything over dp_sp
-    (the groups of `dims`, default: the run's)."""
-    dims = dims or ps.get_parallel_dims()
+    (the groups of `dims`)."""
     with_grad = [p for p in params if p.grad is not None]
     sequence_parallel = [p.grad for p in with_grad if getattr(p, "sequence_parallel", False)]
     _all_reduce_coalesced(sequence_parallel, dims.tp_group)
     _all_reduce_coalesced([p.grad for p in with_grad], dims.dp_sp_group)
 
 
-def _counts_once(p: torch.nn.Parameter, dims: Optional[ParallelDims] = None) -> bool:
+def _counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
     """Is this rank the one that counts p in the global norm (no double counting of copies)?"""
     if getattr(p, "shared_embedding_replica", False):  # tied output copy on the last PP stage
         return False
     if getattr(p, "tensor_model_parallel", False):
         return True
-    return (dims or ps.get_parallel_dims()).tp_rank == 0
+    return dims.tp_rank == 0
 
 
 def global_grad_norm(params: list[torch.nn.Parameter],
-                     dims: Optional[ParallelDims] = None) -> float:
+                     dims: ParallelDims) -> float:
     """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
-    dims = dims or ps.get_parallel_dims()
     grads = [p.grad for p in params if p.grad is not None and _counts_once(p, dims)]
     # the parameters' device even when this rank counts no gradient (the reduction needs it)
     sq = torch.zeros((), dtype=torch.float64, device=params[0].device)
@@ -76,7 +71,7 @@ def global_grad_norm(params: list[torch.nn.Parameter],
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float,
-                   dims: Optional[ParallelDims] = None) -> float:
+                   dims: ParallelDims) -> float:
     """Scale all gradients so that their global norm is at most max_norm; returns the norm
     before clipping (what Megatron logs as grad-norm)."""
     norm = global_grad_norm(params, dims)

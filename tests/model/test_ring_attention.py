@@ -61,8 +61,7 @@ def _compare(attend, positions, hq, hk, mask, label):
 
 
 def _check_ring(rank, world):
-    ps.initialize_model_parallel(1, 1, 1, context_parallel_size=world)
-    ring = Ring.from_dims(ps.get_parallel_dims())
+    ring = Ring.from_dims(ps.initialize_model_parallel(1, 1, 1, context_parallel_size=world))
     positions = ring_local_positions(ring.rank, ring.size, N)
     for mask in (None, document_mask()):
         for hq, hk in CASES:
@@ -72,7 +71,6 @@ def _check_ring(rank, world):
         _check_half_precision(ring, positions)
         return _count_skipped_blocks(ring)
     sent = _count_ring_bytes(ring, world)
-    ps.destroy_model_parallel()      # the same ranks again as Ulysses 2 × ring R/2
     return sent, _check_hybrid(rank, world)
 
 
@@ -132,12 +130,13 @@ def test_ring_r4_and_hybrid_u2r2_match_full_attention_and_send_what_they_should(
 
 
 def _check_hybrid(rank, world):
+    """The same ranks again, as Ulysses 2 × ring R/2."""
     ulysses = 2
     dims = ps.initialize_model_parallel(1, ulysses, 1, context_parallel_size=world // ulysses)
     model_parallel_seed(0, dims)
-    ring = Ring.from_dims(ps.get_parallel_dims())
-    attention = DistributedAttention(ulysses, "sdpa", ps.get_sequence_parallel_group(), ring=ring)
-    positions = rank_positions(N, ps.get_sequence_parallel_rank(), ulysses, ring.rank, ring.size)
+    ring = Ring.from_dims(dims)
+    attention = DistributedAttention(ulysses, "sdpa", dims.sp_group, ring=ring)
+    positions = rank_positions(N, dims.sp_rank, ulysses, ring.rank, ring.size)
     for hq, hk in CASES:   # kv heads 1 < U: replicated before the all-to-all
         _compare(lambda q, k, v: attention(q, k, v, dropout_p=0.0), positions, hq, hk, None,
                  f"U2xR{world // ulysses} hq={hq} hk={hk}")

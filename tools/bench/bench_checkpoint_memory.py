@@ -49,7 +49,6 @@ class PeakRSS:
 
 def measure(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
     from megatron_ul.checkpoint.io import save_checkpoint
-    from megatron_ul.mpu import parallel_state as ps
     from megatron_ul.training.pretrain import configure, setup
     trainer = setup(configure(argv, world))
     trainer.train()
@@ -57,7 +56,6 @@ def measure(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
     params = sum(p.numel() for p in trainer.model.parameters())   # global under ZeRO-3
     with PeakRSS() as probe:
         save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 1)
-    ps.destroy_model_parallel()
     return {"rank": rank, "extra_mb": (probe.peak - probe.before) / MB,
             "model_mb": params * 4 / MB, "shard_mb": params * 12 / world / MB}
 
