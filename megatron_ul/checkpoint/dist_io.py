@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
                                                    TensorProperties, TensorStorageMetadata)
@@ -117,10 +118,11 @@ def held_tensors(model, optimizer, with_optim: bool, create_state: bool = False)
                          else torch.device("cpu"))
                  for g in inner.param_groups for q in g["params"]}
     zero1 = _zero1_pieces(optimizer)
+    names = {id(p): n for n, p in params.items()}     # global names (not module names)
     if zero1 is not None:
-        entries = [(name, p, piece, lo - offset) for (name, p, offset, lo, _), piece in zero1]
+        entries = [(names[id(p)], p, piece, lo - offset)
+                   for (_, p, offset, lo, _), piece in zero1]
     else:
-        names = {id(p): n for n, p in params.items()}
         entries = [(names[id(q)], q, q, None) for g in inner.param_groups for q in g["params"]]
     for name, p, holder, lo in entries:
         state = inner.state[holder]
@@ -202,6 +204,7 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
         self._held, self._tp, self._tp_rank, self._source = held, tp, tp_rank, source
         self._targets: dict = {}
         self.beyond: list[torch.Tensor] = []      # padded-vocabulary rows not in the checkpoint
+        self.bytes_needed = 0                     # what the rank's pieces hold
 
     def create_local_plan(self) -> LoadPlan:
         requests = []
@@ -217,8 +220,9 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
             if wanted is not None:                 # vocabulary padded for another TP size
                 piece_list, beyond = geometry.clip_rows(piece_list, wanted)
                 self.beyond += beyond
-            for i, piece in enumerate(piece_list):
+            for piece in piece_list:
                 self._targets[(h.key, torch.Size(piece.offsets))] = piece.tensor
+                self.bytes_needed += piece.tensor.numel() * piece.tensor.element_size()
                 chunks.append(ChunkStorageMetadata(torch.Size(piece.offsets),
                                                    torch.Size(piece.sizes)))
             requests += create_read_items_for_chunk_list(h.key, md, chunks)
@@ -256,7 +260,9 @@ class _CheckedReader(FileSystemReader):
 
     def __init__(self, path: str, digests: dict[str, dict[int, str]]):
         super().__init__(path)
-        self._root, self._digests, self.bytes_read = path, digests, 0
+        self._root, self._digests = path, digests
+        self.bytes_read = 0           # file bytes read
+        self.tensor_bytes_read = 0    # of which tensor data (the rest: serialisation headers)
 
     def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
         per_file: dict[str, list] = {}
@@ -276,6 +282,7 @@ class _CheckedReader(FileSystemReader):
                         planner.load_bytes(item, io.BytesIO(data))
                         continue
                     stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                    self.tensor_bytes_read += stored.numel() * stored.element_size()
                     target = planner.resolve_tensor(item).detach()
                     target.copy_(_narrow(stored, item.storage_offsets, item.lengths))
                     planner.commit_tensor(item, target)
@@ -373,7 +380,7 @@ def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = F
         try:
             result.set_result(records_of(done.result(), iter_dir))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the save
-            result.set_exception(_as_checkpoint_error(e, iter_dir))
+            result.set_exception(_first_checkpoint_error(e) or _as_checkpoint_error(e, iter_dir))
     upload.add_done_callback(finished)
     return result
 
@@ -390,13 +397,21 @@ def _dcp_save(planner, writer, iter_dir: str):
     try:
         return dcp.save({}, storage_writer=writer, planner=planner,
                         process_group=checkpoint_group())
-    except Exception as e:  # noqa: BLE001 - DCP reports every rank's failure the same way
-        raise _as_checkpoint_error(e, iter_dir) from e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank's failure
+        raise _first_checkpoint_error(e) or _as_checkpoint_error(e, iter_dir) from e
 
 
-def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict) -> int:
+@dataclass
+class LoadReport:
+    bytes_read: int           # file bytes this rank read
+    tensor_bytes_read: int    # of which tensor data
+    tensor_bytes_needed: int  # the tensor data this rank holds (what an ideal reader reads)
+    pieces: int               # how many pieces it holds
+
+
+def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict) -> LoadReport:
     """Read this rank's pieces of the model (and Adam moments) from iter_dir, whatever layout
-    saved it (collective). Returns the bytes this rank read."""
+    saved it (collective)."""
     dims = model_dims(model)
     held = held_tensors(model, optimizer, with_optim, create_state=True)
     planner = _PieceLoadPlanner(held, dims.tp, dims.tp_rank, iter_dir)
@@ -407,26 +422,26 @@ def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict) -> in
                      process_group=checkpoint_group())
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - DCP wraps every rank's failure
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's
         inner = _first_checkpoint_error(e)
         raise inner or CheckpointError(f"{iter_dir}: cannot be read ({type(e).__name__}: "
                                        f"{str(e)[:600]})") from e
     with torch.no_grad():
         for rows in planner.beyond:               # padding rows of a larger padded vocabulary
             rows.zero_()
-    return reader.bytes_read
+    return LoadReport(reader.bytes_read, reader.tensor_bytes_read, planner.bytes_needed,
+                      len(planner._targets))
 
 
 def _first_checkpoint_error(e: BaseException) -> CheckpointError | None:
-    """DCP's CheckpointException carries each rank's exception; ours names the file."""
-    failures = getattr(e, "failures", None) or {}
-    for failure in failures.values():
-        found = failure if isinstance(failure, CheckpointError) else None
-        if found is None and isinstance(failure, BaseException):
-            found = _first_checkpoint_error(failure)
-        if found is not None:
-            return found
-    text = str(e)
-    if "corrupt" in text or "holds no" in text or "in the checkpoint but" in text:
-        return CheckpointError(text)
+    """DCP's CheckpointException carries each rank's (exception, traceback); ours names the
+    file, so it is the one to raise."""
+    for failure in (e.failures.values() if isinstance(e, CheckpointException) else ()):
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, CheckpointError):
+            return inner
+        if isinstance(inner, CheckpointException):
+            found = _first_checkpoint_error(inner)
+            if found is not None:
+                return found
     return None

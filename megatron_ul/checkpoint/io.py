@@ -421,6 +421,9 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
     return full.common, iter_dir, model_sd, optim_sd
 
 
+last_load_report: list = [None]     # this process's last torch_dist load (tests, benchmarks)
+
+
 def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool):
     """torch_dist: this rank's pieces of the model (and Adam moments), whatever layout saved
     them, straight into its parameters and optimizer state. Returns (common payload, source)."""
@@ -430,7 +433,11 @@ def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool):
         _check_optimizer_kind(meta, path, "sharded")
     digests = {rel: {int(o): sha for o, sha in d.items()}
                for rel, d in meta.get("piece_sha256", {}).items()}
-    dist_io.load(model, optimizer if load_optim else None, load_optim, iter_dir, digests)
+    report = dist_io.load(model, optimizer if load_optim else None, load_optim, iter_dir,
+                          digests)
+    log.debug("rank %d read %d bytes (%d of tensor data; it holds %d)", dist.get_rank(),
+              report.bytes_read, report.tensor_bytes_read, report.tensor_bytes_needed)
+    last_load_report[0] = report
     if load_optim:
         dist_io.restore_optimizer_common(optimizer, payload["optimizer"], path)
     return payload, path
