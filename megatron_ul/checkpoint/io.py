@@ -431,10 +431,11 @@ def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool):
     payload = files.load_torch(path, "common state", files.expected_record(meta, iter_dir, path))
     if load_optim:
         _check_optimizer_kind(meta, path, "sharded")
+    # An optimizer that had not stepped yet has no moments to read.
+    moments = load_optim and payload["optimizer"]["step"] is not None
     digests = {rel: {int(o): sha for o, sha in d.items()}
                for rel, d in meta.get("piece_sha256", {}).items()}
-    report = dist_io.load(model, optimizer if load_optim else None, load_optim, iter_dir,
-                          digests)
+    report = dist_io.load(model, optimizer if moments else None, moments, iter_dir, digests)
     log.debug("rank %d read %d bytes (%d of tensor data; it holds %d)", dist.get_rank(),
               report.bytes_read, report.tensor_bytes_read, report.tensor_bytes_needed)
     last_load_report[0] = report
