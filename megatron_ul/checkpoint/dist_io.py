@@ -445,3 +445,26 @@ def _first_checkpoint_error(e: BaseException) -> CheckpointError | None:
             if found is not None:
                 return found
     return None
+
+
+# ---- one process reading whole tensors (conversion, export, generation) ----------------------
+def digests_of(meta: dict) -> dict[str, dict[int, str]]:
+    """metadata.json's piece digests with integer offsets."""
+    return {rel: {int(o): sha for o, sha in d.items()}
+            for rel, d in meta.get("piece_sha256", {}).items()}
+
+
+def read_tensor(iter_dir: str, key: str, digests: dict) -> torch.Tensor:
+    """One whole global tensor, assembled from its stored pieces (checked as they are read);
+    only that tensor's pieces are read."""
+    reader = _CheckedReader(iter_dir, digests)
+    md = reader.read_metadata().state_dict_metadata.get(key)
+    if not isinstance(md, TensorStorageMetadata):
+        raise CheckpointError(f"{iter_dir}: holds no {key}")
+    out = torch.empty(md.size, dtype=md.properties.dtype)
+    try:
+        dcp.load({key: out}, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - named below
+        raise _first_checkpoint_error(e) or CheckpointError(
+            f"{iter_dir}: {key} cannot be read ({type(e).__name__}: {str(e)[:400]})") from e
+    return out

@@ -433,9 +433,8 @@ def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool):
         _check_optimizer_kind(meta, path, "sharded")
     # An optimizer that had not stepped yet has no moments to read.
     moments = load_optim and payload["optimizer"]["step"] is not None
-    digests = {rel: {int(o): sha for o, sha in d.items()}
-               for rel, d in meta.get("piece_sha256", {}).items()}
-    report = dist_io.load(model, optimizer if moments else None, moments, iter_dir, digests)
+    report = dist_io.load(model, optimizer if moments else None, moments, iter_dir,
+                          dist_io.digests_of(meta))
     log.debug("rank %d read %d bytes (%d of tensor data; it holds %d)", dist.get_rank(),
               report.bytes_read, report.tensor_bytes_read, report.tensor_bytes_needed)
     last_load_report[0] = report

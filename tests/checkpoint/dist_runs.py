@@ -11,7 +11,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from megatron_ul.checkpoint import files, io, pieces
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.training.pretrain import configure, setup
-from tests.checkpoint.runs import _on_rank0, train
+from tests.checkpoint.runs import _on_rank0, convert_cli, train
 
 DIST = ["--ckpt-format", "torch_dist"]
 ZERO1 = ["--use-distributed-optimizer"]
@@ -35,7 +35,8 @@ def bytes_read_on_layout_change(rank: int, world: int, argv: list[str], source: 
                                 target: list[str], tmp: str, block_bytes: int) -> dict:
     """Save on `source` with stored pieces of at most `block_bytes`, load on `target`, and
     report what this rank read (checkpoint/dist_io.LoadReport), the stored tensor bytes, and
-    the losses of the original run and of the run resumed on the target layout."""
+    the losses of the original run, of the run resumed on the target layout and of a run
+    resumed (DP) from the checkpoint converted offline to TP1 in the torch format."""
     pieces.BLOCK_BYTES = block_bytes
     src = os.path.join(tmp, "src")
     original = train(rank, world, argv + DIST + source + ["--train-iters", "4", "--save", src,
@@ -43,11 +44,15 @@ def bytes_read_on_layout_change(rank: int, world: int, argv: list[str], source: 
     _on_rank0(lambda: files.write_tracker(src, 2))
     resumed = train(rank, world, argv + DIST + target + ["--train-iters", "4", "--load", src])
     report = io.last_load_report[0]
+    converted = os.path.join(tmp, "tp1_torch")
+    _on_rank0(lambda: convert_cli(["--load-dir", src, "--save-dir", converted,
+                                   "--target-tensor-parallel-size", "1"]))
+    from_converted = train(rank, world, argv + ["--train-iters", "4", "--load", converted])
     metadata = FileSystemReader(os.path.join(src, "iter_0000002")).read_metadata()
     stored = sum(math.prod(c.sizes) * 4 for md in metadata.state_dict_metadata.values()
                  for c in md.chunks)           # every stored tensor is fp32
     return {"report": report, "stored_tensor_bytes": stored, "original": original,
-            "resumed": resumed}
+            "resumed": resumed, "converted_to_tp1_torch": from_converted}
 
 
 def async_against_sync(rank: int, world: int, argv: list[str], tmp: str,
