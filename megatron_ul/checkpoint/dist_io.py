@@ -258,7 +258,9 @@ class _CheckedReader(FileSystemReader):
     """FileSystemReader that checks every stored piece it reads against the SHA-256 our
     metadata.json recorded for it, and counts the bytes it reads."""
 
-    def __init__(self, path: str, digests: dict[str, dict[int, str]]):
+    def __init__(self, path: str, digests: dict[str, dict[int, str]],
+                 metadata_record: dict | None = None):
+        _check_index(path, metadata_record)
         super().__init__(path)
         self._root, self._digests = path, digests
         self.bytes_read = 0           # file bytes read
@@ -298,6 +300,19 @@ class _CheckedReader(FileSystemReader):
                                   f"{found[:16]}…, metadata.json recorded "
                                   f"{(expected or 'nothing')[:16]}…; not loaded: restore the "
                                   f"file or load an earlier iteration")
+
+
+def _check_index(iter_dir: str, record: dict | None) -> None:
+    """DCP's index of the stored pieces (.metadata) against metadata.json's record of it."""
+    if record is None:
+        return
+    path = os.path.join(iter_dir, DCP_METADATA)
+    found = file_digests(iter_dir, DCP_METADATA, [], [])[0] if os.path.isfile(path) else None
+    if found != record:
+        raise CheckpointError(f"{path}: {'missing' if found is None else 'corrupt'} "
+                              f"(metadata.json recorded {record['bytes']} bytes with SHA-256 "
+                              f"{record['sha256'][:16]}…); not loaded: restore the file or load "
+                              f"an earlier iteration")
 
 
 def file_digests(iter_dir: str, rel: str, offsets: list[int], lengths: list[int]):
@@ -409,13 +424,14 @@ class LoadReport:
     pieces: int               # how many pieces it holds
 
 
-def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict) -> LoadReport:
+def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict,
+         metadata_record: dict | None = None) -> LoadReport:
     """Read this rank's pieces of the model (and Adam moments) from iter_dir, whatever layout
     saved it (collective)."""
     dims = model_dims(model)
     held = held_tensors(model, optimizer, with_optim, create_state=True)
     planner = _PieceLoadPlanner(held, dims.tp, dims.tp_rank, iter_dir)
-    reader = _CheckedReader(iter_dir, digests)
+    reader = _CheckedReader(iter_dir, digests, metadata_record)
     try:
         with torch.no_grad():
             dcp.load({}, storage_reader=reader, planner=planner,
@@ -454,10 +470,11 @@ def digests_of(meta: dict) -> dict[str, dict[int, str]]:
             for rel, d in meta.get("piece_sha256", {}).items()}
 
 
-def read_tensor(iter_dir: str, key: str, digests: dict) -> torch.Tensor:
+def read_tensor(iter_dir: str, key: str, digests: dict,
+                metadata_record: dict | None = None) -> torch.Tensor:
     """One whole global tensor, assembled from its stored pieces (checked as they are read);
     only that tensor's pieces are read."""
-    reader = _CheckedReader(iter_dir, digests)
+    reader = _CheckedReader(iter_dir, digests, metadata_record)
     md = reader.read_metadata().state_dict_metadata.get(key)
     if not isinstance(md, TensorStorageMetadata):
         raise CheckpointError(f"{iter_dir}: holds no {key}")

@@ -434,7 +434,7 @@ def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool):
     # An optimizer that had not stepped yet has no moments to read.
     moments = load_optim and payload["optimizer"]["step"] is not None
     report = dist_io.load(model, optimizer if moments else None, moments, iter_dir,
-                          dist_io.digests_of(meta))
+                          dist_io.digests_of(meta), meta["files"].get(dist_io.DCP_METADATA))
     log.debug("rank %d read %d bytes (%d of tensor data; it holds %d)", dist.get_rank(),
               report.bytes_read, report.tensor_bytes_read, report.tensor_bytes_needed)
     last_load_report[0] = report

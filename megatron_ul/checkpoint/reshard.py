@@ -165,7 +165,8 @@ def _read_full_dist(meta: dict, iter_dir: str, with_optim: bool) -> FullCheckpoi
     table = {n: info for n, info in saved_table(meta).items() if not info["replica_of"]}
 
     def full(key: str, info: dict) -> torch.Tensor:
-        t = dist_io.read_tensor(iter_dir, key, digests)
+        t = dist_io.read_tensor(iter_dir, key, digests,
+                                meta["files"].get(dist_io.DCP_METADATA))
         return set_vocab_rows(t, vocab) if info["vocab_padded"] else t
     params = {name: full(f"model/{name}", info) for name, info in table.items()}
     if not (with_optim and meta.get("optimizer") and saved_optim

@@ -1,6 +1,7 @@
 """Module-level functions run on spawned gloo ranks by the torch_dist checkpoint tests."""
 from __future__ import annotations
 
+import functools
 import math
 import os
 import time
@@ -92,7 +93,7 @@ def async_against_sync(rank: int, world: int, argv: list[str], tmp: str,
     tensors = {}
     for name, directory in (("sync", sync_dir), ("async", async_dir)):
         for iteration in (2, 4):
-            _on_rank0(lambda: files.write_tracker(directory, iteration))
+            _on_rank0(functools.partial(files.write_tracker, directory, iteration))
             tensors[(name, iteration)] = load_tensors(rank, world, argv, directory)
     same = {iteration: _same(tensors[("sync", iteration)], tensors[("async", iteration)])
             for iteration in (2, 4)}

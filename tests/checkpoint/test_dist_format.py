@@ -95,6 +95,12 @@ def test_flipped_byte_is_named_and_not_loaded(tmp_path, single_rank):
     open(shard, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match=r"__0_0.distcp: corrupt"):
         setup(configure(argv + ["--load", d], 1))
+    index = os.path.join(d, "iter_0000002", ".metadata")     # DCP's index of the pieces
+    data = bytearray(open(index, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(index, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match=r"\.metadata: corrupt"):
+        setup(configure(argv + ["--load", d], 1))
 
 
 @pytest.mark.slow
