@@ -193,7 +193,17 @@ class _PieceSavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem):
-        return self._by_index[dataclasses.replace(write_item.index, index=None)]
+        return _own_storage(self._by_index[dataclasses.replace(write_item.index, index=None)])
+
+
+def _own_storage(piece: torch.Tensor) -> torch.Tensor:
+    """The piece as a tensor whose storage is just its bytes, sharing them (no copy).
+    FileSystemWriter clones a view of a larger storage before torch.save, and keeps the last
+    tensor it wrote of each name until the file is closed: with views that would be a copy of
+    (nearly) every tensor a rank writes. CPU tensors of numpy dtypes only; others are cloned."""
+    if piece.device.type == "cpu" and piece.dtype != torch.bfloat16:
+        return torch.from_numpy(piece.detach().numpy())
+    return piece
 
 
 class _PieceLoadPlanner(DefaultLoadPlanner):
@@ -382,7 +392,10 @@ def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = F
     if background:
         held = [dataclasses.replace(h, data=h.data.detach().to("cpu", copy=True)) for h in held]
     planner = _PieceSavePlanner(held, dims.tp, dims.tp_rank)
-    writer = FileSystemWriter(iter_dir, single_file_per_rank=True, sync_files=True)
+    # Accelerator pieces are copied to host memory one at a time, and kept (see _own_storage)
+    # until their file is closed: one file per piece keeps that to one piece.
+    on_host = all(h.data.device.type == "cpu" for h in held)
+    writer = FileSystemWriter(iter_dir, single_file_per_rank=on_host, sync_files=True)
     os.makedirs(iter_dir, exist_ok=True)
     if not background:
         metadata = _dcp_save(planner, writer, iter_dir)

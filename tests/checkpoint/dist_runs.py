@@ -60,7 +60,8 @@ def async_against_sync(rank: int, world: int, argv: list[str], tmp: str,
                        write_delay: float) -> dict:
     """The same run saving at 2 and 4 synchronously and with --async-save whose writer is
     slowed by `write_delay` s: losses, the iterations that finished while the asynchronous
-    write of iteration 2 was in flight, and both directories."""
+    write of iteration 2 was in flight, whether both saves load the same tensors, and the
+    losses of a run resumed from the asynchronous save of iteration 2."""
     from torch.distributed.checkpoint import FileSystemWriter
     from megatron_ul.training import exit as run_control
     sync_dir, async_dir = os.path.join(tmp, "sync"), os.path.join(tmp, "async")
@@ -90,6 +91,8 @@ def async_against_sync(rank: int, world: int, argv: list[str], tmp: str,
     started_2 = next(t for kind, what, t in events if kind == "iteration" and what == 2)
     overlapped = [what for kind, what, t in events
                   if kind == "iteration" and started_2 < t < written_2]
+    _on_rank0(functools.partial(files.write_tracker, async_dir, 2))
+    resumed = train(rank, world, flags + ["--load", async_dir])
     tensors = {}
     for name, directory in (("sync", sync_dir), ("async", async_dir)):
         for iteration in (2, 4):
@@ -98,7 +101,7 @@ def async_against_sync(rank: int, world: int, argv: list[str], tmp: str,
     same = {iteration: _same(tensors[("sync", iteration)], tensors[("async", iteration)])
             for iteration in (2, 4)}
     return {"sync": sync_losses, "async": async_losses, "overlapped": overlapped,
-            "same_tensors": same}
+            "same_tensors": same, "resumed_from_async_2": resumed}
 
 
 def _same(a: list, b: list) -> bool:

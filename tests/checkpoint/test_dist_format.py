@@ -73,8 +73,9 @@ def test_layout_changing_load_reads_only_overlapping_pieces(tmp_path):
 
 def test_async_save_equals_sync_save_while_training_goes_on(tmp_path):
     """2 ranks, ZeRO-1 DP2: --async-save with a writer slowed by 1 s. Training iteration 3
-    finishes while iteration 2 is being written; both saves load the same tensors bit for bit
-    and the losses are the same."""
+    finishes while iteration 2 is being written; both saves load the same tensors bit for bit,
+    the losses are the same, and a run resumed from the asynchronous save of iteration 2
+    repeats the uninterrupted losses bit for bit (dropout on)."""
     argv = TINY + ZERO1
     out = run_distributed(async_against_sync, 2, argv, str(tmp_path), 1.0)
     for r in out:
@@ -82,6 +83,7 @@ def test_async_save_equals_sync_save_while_training_goes_on(tmp_path):
         assert r["sync"] == r["async"]
         assert 3 in r["overlapped"]
         assert r["same_tensors"] == {2: True, 4: True}
+        assert r["resumed_from_async_2"] == r["sync"][2:]       # bitwise, dropout on
 
 
 def test_flipped_byte_is_named_and_not_loaded(tmp_path, single_rank):
@@ -112,6 +114,7 @@ def test_resume_is_bitwise_identical_on_every_layout(tmp_path):
     assert_bitwise_resume(results, layouts)
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical(tmp_path):
     layouts = {"TP2-PP2": TP2 + PP2, "ZeRO1-SP2-DP2": ZERO1 + SP2, "ZeRO3-TP2-SP2": ZERO3 + TP2
                + SP2}
