@@ -92,7 +92,7 @@ def async_against_sync(rank: int, world: int, argv: list[str], tmp: str,
     overlapped = [what for kind, what, t in events
                   if kind == "iteration" and started_2 < t < written_2]
     _on_rank0(functools.partial(files.write_tracker, async_dir, 2))
-    resumed = train(rank, world, flags + ["--load", async_dir])
+    resumed = train(rank, world, argv + DIST + ["--train-iters", "4", "--load", async_dir])
     tensors = {}
     for name, directory in (("sync", sync_dir), ("async", async_dir)):
         for iteration in (2, 4):
