@@ -4,10 +4,10 @@ pieces.
 
 Each parameter `name` is the global tensor `model/<name>`, its moments `optim/<name>/exp_avg`
 and `.../exp_avg_sq`, shaped as the TP-merged parameter (the tied embedding copy of the last
-pipeline stage is saved under the name of the table it copies). Every rank contributes the
+pipeline stage is not written; a load fills it from the table it copies). Every rank contributes the
 pieces it holds (checkpoint/pieces.py: TP slices, strided [gate; up] blocks, ZeRO-1 flat ranges,
-ZeRO-3 row chunks) through a DCP planner; DCP removes duplicates (DP and SP replicas, tied
-copies) so that each piece is written once, spread over the ranks, checks that the pieces
+ZeRO-3 row chunks) through a DCP planner; DCP removes duplicates (DP and SP replicas) so that
+each piece is written once, spread over the ranks, checks that the pieces
 cover every tensor without overlap, and on load into any other layout reads only the stored
 pieces that overlap what the rank holds, copying them into its parameters and moments in
 place. Storage: DCP's files (`__R_0.distcp` per writing rank, `.metadata`); every stored piece
@@ -58,6 +58,7 @@ class Held:
     lo: int
     spec: ParamSpec
     global_shape: tuple
+    replica: bool = False   # the last stage's tied embedding copy (and its moments)
 
     def pieces(self, tp: int, tp_rank: int) -> list[geometry.Piece]:
         return geometry.pieces_of(self.data, self.local_shape, self.lo, self.spec, tp, tp_rank,
@@ -110,7 +111,7 @@ def held_tensors(model, optimizer, with_optim: bool, create_state: bool = False)
     for name, p in params.items():
         data, lo = _local_part(p)
         out.append(Held(f"model/{_global_name(name)}", data, tuple(p.shape), lo, param_spec(p),
-                        tuple(full_shape(p, tp))))
+                        tuple(full_shape(p, tp)), name.startswith(REPLICA_PREFIX)))
     if not with_optim or optimizer is None:
         return out
     inner = torch_optimizer(optimizer)
@@ -133,7 +134,8 @@ def held_tensors(model, optimizer, with_optim: bool, create_state: bool = False)
         for k in MOMENTS:
             data, start = (state[k], lo) if lo is not None else _local_part(state[k])
             out.append(Held(f"optim/{_global_name(name)}/{k}", data, tuple(p.shape), start,
-                            param_spec(p), tuple(full_shape(p, tp))))
+                            param_spec(p), tuple(full_shape(p, tp)),
+                            name.startswith(REPLICA_PREFIX)))
     return out
 
 
@@ -168,18 +170,20 @@ def restore_optimizer_common(optimizer, saved: dict, source: str) -> None:
 # ---- DCP planners: our pieces instead of a state dict's tensors -------------------------------
 class _PieceSavePlanner(DefaultSavePlanner):
     """Write items for this rank's pieces; DefaultSavePlanner's global step removes duplicates
-    and checks that the pieces tile every tensor."""
+    and checks that the pieces tile every tensor. Tied copies are not written: they equal the
+    table (loading reads them from it), and under ZeRO-1 the last stage's flat shard cuts them
+    at other offsets than the first stage's, which DCP would see as overlapping pieces."""
 
     def __init__(self, held: list[Held], tp: int, tp_rank: int):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._by_index: dict = {}
         self._items: list[WriteItem] = []
         for h in held:
+            if h.replica:
+                continue
             props = TensorProperties(dtype=h.data.dtype)
             for piece in h.pieces(tp, tp_rank):
                 index = MetadataIndex(h.key, torch.Size(piece.offsets))
-                if index in self._by_index:    # a tied copy held twice on one rank (PP=1 never)
-                    continue
                 self._by_index[index] = piece.tensor
                 self._items.append(WriteItem(
                     index=index, type=WriteItemType.SHARD,
@@ -238,6 +242,10 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
             requests += create_read_items_for_chunk_list(h.key, md, chunks)
         self.plan = LoadPlan(requests)
         return self.plan
+
+    @property
+    def pieces(self) -> int:
+        return len(self._targets)
 
     def _check_shape(self, h: Held, saved: tuple) -> int | None:
         """None when shapes agree; the saved row count when only the padded vocabulary
@@ -459,7 +467,7 @@ def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict,
         for rows in planner.beyond:               # padding rows of a larger padded vocabulary
             rows.zero_()
     return LoadReport(reader.bytes_read, reader.tensor_bytes_read, planner.bytes_needed,
-                      len(planner._targets))
+                      planner.pieces)
 
 
 def _first_checkpoint_error(e: BaseException) -> CheckpointError | None:
