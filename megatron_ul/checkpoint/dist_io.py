@@ -4,15 +4,15 @@ pieces.
 
 Each parameter `name` is the global tensor `model/<name>`, its moments `optim/<name>/exp_avg`
 and `.../exp_avg_sq`, shaped as the TP-merged parameter (the tied embedding copy of the last
-pipeline stage is not written; a load fills it from the table it copies). Every rank contributes the
-pieces it holds (checkpoint/pieces.py: TP slices, strided [gate; up] blocks, ZeRO-1 flat ranges,
-ZeRO-3 row chunks) through a DCP planner; DCP removes duplicates (DP and SP replicas) so that
-each piece is written once, spread over the ranks, checks that the pieces
+pipeline stage is not written; a load fills it from the table it copies). Every rank
+contributes the pieces it holds (checkpoint/pieces.py: TP slices, strided [gate; up] blocks,
+ZeRO-1 flat ranges, ZeRO-3 row chunks) through a DCP planner; DCP removes duplicates (DP and
+SP replicas) so that each piece is written once, spread over the ranks, checks that the pieces
 cover every tensor without overlap, and on load into any other layout reads only the stored
 pieces that overlap what the rank holds, copying them into its parameters and moments in
 place. Storage: DCP's files (`__R_0.distcp` per writing rank, `.metadata`); every stored piece
 also has a SHA-256 in our metadata.json, checked as it is read, so a flipped byte is named and
-not loaded. Extra memory per rank is one piece (pieces.BLOCK_BYTES) beyond what it holds.
+not loaded. Extra memory per rank is about one piece (pieces.BLOCK_BYTES) beyond what it holds.
 """
 from __future__ import annotations
 
