@@ -141,3 +141,12 @@ def test_kill_during_async_write_leaves_the_previous_checkpoint_current(tmp_path
     assert any(n.startswith("iter_0000002.tmp-") for n in os.listdir(d))
     trainer = setup(configure(MODEL + ["--load", d], 1))
     assert trainer.start_iteration == 1
+
+
+def test_async_save_needs_torch_dist():
+    from megatron_ul.config import ConfigError
+    from megatron_ul.training.pretrain import configure
+    with pytest.raises(ConfigError, match="--async-save needs --ckpt-format torch_dist"):
+        configure(TINY + ["--async-save"], 1)
+    with pytest.raises(SystemExit):                  # argparse: not a choice
+        configure(TINY + ["--ckpt-format", "zarr"], 1)
