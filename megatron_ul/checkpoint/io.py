@@ -6,6 +6,8 @@ Save protocol (every step survives a kill -9 of any process at any moment):
     broadcasts it; every rank writes (and fsyncs) its files into DIR/iter_N.tmp-<id>: the model
     and optimizer from the dp0/sp0 rank of each (tp, pp) (ZeRO state is first gathered over
     dp_sp into the same name-keyed form: checkpoint/zero.py), and every rank's RNG states;
+    with --ckpt-format torch_dist every rank writes its own pieces instead (dist_io.py), in
+    the background with --async-save (a PendingSave, completed once every writer finished);
  2. every rank reports its files' sizes and SHA-256 (or its error: then all ranks fail the
     save together); rank 0 writes metadata.json, fsyncs the directories and renames the tmp
     directory into place (an existing iter_N is first renamed aside and deleted only
