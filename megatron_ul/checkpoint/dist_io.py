@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import math
 import os
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ def _local_part(t: torch.Tensor) -> tuple[torch.Tensor, int]:
         if local.numel() == 0:
             return local, 0
         row = t.__create_chunk_list__()[0].offsets[0]
-        return local, row * (t[0].numel() if t.dim() > 1 else 1)
+        return local, row * math.prod(t.shape[1:])   # (indexing t would gather it)
     return t.detach(), 0
 
 
