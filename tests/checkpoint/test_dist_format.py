@@ -114,14 +114,6 @@ def test_resume_is_bitwise_identical_on_every_layout(tmp_path):
     assert_bitwise_resume(results, layouts)
 
 
-@pytest.mark.slow
-def test_resume_is_bitwise_identical(tmp_path):
-    layouts = {"TP2-PP2": TP2 + PP2, "ZeRO1-SP2-DP2": ZERO1 + SP2, "ZeRO3-TP2-SP2": ZERO3 + TP2
-               + SP2}
-    results = run_distributed(resume_on_layouts, 4, TINY + DIST, layouts, str(tmp_path))
-    assert_bitwise_resume(results, layouts)
-
-
 def test_kill_during_async_write_leaves_the_previous_checkpoint_current(tmp_path, single_rank):
     """kill -9 while iteration 2 is written in the background (a writer slowed by 2 s):
     the tracker still names iteration 1, which loads; iteration 2 is only a .tmp directory."""
