@@ -27,6 +27,9 @@ PINNED = {
     ("training/data.py", "_RESOLVED_TOKENIZERS"):
         "tokenizers configure() built, keyed by the flags that define them, so building again "
         "from the resolved config does not shift NullTokenizer's EOD",
+    ("checkpoint/io.py", "last_load_report"):
+        "what this process's last torch_dist load read (a measurement tests and benchmarks "
+        "read after a run; nothing in the package reads it)",
     ("timers.py", "NO_TIMERS"): "the shared do-nothing Timers (log level 0 records nothing)",
 }
 

@@ -140,6 +140,14 @@ class ParallelDims:
         device_type = "cuda" if dist.get_backend(self.dp_sp_group) == "nccl" else "cpu"
         return DeviceMesh.from_group(self.dp_sp_group, device_type, mesh_dim_names=("dp_sp",))
 
+    @functools.cached_property
+    def checkpoint_group(self):
+        """A gloo group of all ranks for torch.distributed.checkpoint's own coordination, made
+        on first use (collective: every rank's first torch_dist save or load). It shares no
+        group or device with training's collectives, so an asynchronous save can use it from
+        its thread."""
+        return dist.new_group(backend="gloo")
+
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
