@@ -16,6 +16,7 @@ from ..config import ModelConfig
 from ..mpu import parallel_state as ps
 from ..mpu.cross_entropy import vocab_parallel_cross_entropy
 from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, sequence_parallel_linear
+from ..mpu.param_init import new_parameter
 from ..mpu.mappings import copy_to_tensor_model_parallel_region, scatter_to_sequence_parallel_region
 from ..mpu.recompute import layers_to_checkpoint, run_layers
 from .init import normal_init
@@ -45,11 +46,10 @@ class GPTModel(nn.Module):
                 normal_init(std, seed, "embedding.word"), device=device, dtype=dtype)
         if pre_process and cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
-                                                    device=device, dtype=dtype)
-            full = torch.empty(cfg.max_position_embeddings, cfg.hidden_size)
-            normal_init(std, seed, "embedding.position")(full)
-            with torch.no_grad():
-                self.position_embeddings.weight.copy_(full)
+                                                    device="meta", dtype=dtype)
+            self.position_embeddings.weight = new_parameter(
+                normal_init(std, seed, "embedding.position"),
+                (cfg.max_position_embeddings, cfg.hidden_size), device=device, dtype=dtype)
 
         numbers = list(layer_numbers) if layer_numbers is not None else list(
             range(1, cfg.num_layers + 1))

@@ -3,7 +3,8 @@ torch.distributed or building the model."""
 from __future__ import annotations
 
 from ..config import Config
-from .memory_estimator import GiB, estimate_config, recompute_of
+from .memory_estimator import (GiB, estimate_config, init_peak_bytes, layout_from_config,
+                               recompute_of)
 
 
 def describe(cfg: Config) -> str:
@@ -25,6 +26,9 @@ def describe(cfg: Config) -> str:
         f"{'bf16 (autocast)' if t.bf16 else 'fp32'}; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
         "memory estimate per GPU: " + est.describe(),
+        f"initialisation peak per GPU: "
+        f"{init_peak_bytes(m, layout_from_config(cfg), zero) / GiB:.2f} GiB (each rank computes "
+        f"only the parameters it holds, on its device)",
     ]
     return "\n".join(lines)
 

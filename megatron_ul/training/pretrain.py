@@ -16,6 +16,7 @@ from ..config import Config, ConfigError, validate
 from ..data.gpt_dataset import parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
 from ..model.gpt import GPTModel
+from ..mpu.param_init import deferred, materialize
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
 from ..pipeline.model import build_pipeline_model
@@ -92,13 +93,17 @@ def setup(cfg: Config) -> Trainer:
     device = initialize_distributed(cfg)
     if torch.distributed.get_rank() != 0 and not is_reporting_rank():
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
-    model = build_model(cfg, device)
+    if cfg.parallel.zero_stage == 3:
+        # Build on the meta device, shard over dp_sp, then compute only this rank's shards.
+        with deferred():
+            model = build_model(cfg, device)
+        model = materialize(shard_model(model), device)
+    else:
+        model = build_model(cfg, device)   # each rank computes only its TP/PP part
     if torch.distributed.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
                  model.padded_vocab_size)
-    if cfg.parallel.zero_stage == 3:
-        model = shard_model(model)
     optimizer = build_optimizer(model, cfg.train, cfg.parallel)
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
