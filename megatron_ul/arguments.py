@@ -58,6 +58,13 @@ def _add_model_args(g) -> None:
                    help="uniform: checkpoint chunks of --recompute-num-layers layers; block: "
                         "checkpoint the first --recompute-num-layers layers of each stage")
     g.add_argument("--recompute-num-layers", type=int, default=1)
+    g.add_argument("--fused-layers", action="store_true",
+                   help="torch.compile each transformer layer (fuses the elementwise work "
+                        "around the matmuls); off by default: on CPU it costs compile time "
+                        "and gains no speed")
+    g.add_argument("--fused-layers-backend", choices=["inductor", "aot_eager"],
+                   default="inductor",
+                   help="torch.compile backend for --fused-layers (aot_eager: traced, not fused)")
 
 
 def _add_parallel_args(g) -> None:
@@ -72,6 +79,13 @@ def _add_parallel_args(g) -> None:
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--zero-stage", type=int, default=0)
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradients over DP×SP in buckets while backward runs (plain "
+                        "data parallelism and ZeRO-1; ZeRO-3/FSDP2 always overlaps)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="ZeRO-1: all-gather updated parameters while the next forward runs")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="elements per gradient-reduction bucket (default max(40M, 1M·dp_sp))")
 
 
 def _add_training_args(g) -> None:

@@ -41,6 +41,8 @@ class ModelConfig:
     recompute_granularity: Optional[str] = None    # None | "full" | "selective"
     recompute_method: Optional[str] = None         # "uniform" | "block" (with full)
     recompute_num_layers: int = 1
+    fused_layers: bool = False                     # torch.compile each transformer layer
+    fused_layers_backend: str = "inductor"         # or "aot_eager" (traced, not fused)
 
     @property
     def head_dim(self) -> int:
@@ -75,6 +77,9 @@ class ParallelConfig:
     use_distributed_optimizer: bool = False
     zero_stage: int = 0
     distributed_timeout_minutes: float = 10.0      # every collective fails after this long
+    overlap_grad_reduce: bool = False              # reduce gradient buckets during backward
+    overlap_param_gather: bool = False             # ZeRO-1: all-gather during the next forward
+    ddp_bucket_size: Optional[int] = None          # elements; default max(40M, 1M · dp_sp)
 
     @property
     def data_parallel_size(self) -> int:
@@ -222,6 +227,7 @@ def validate(cfg: Config) -> Config:
     errors += _sequence_errors(m, p, tp, sp)
     errors += _recompute_errors(m)
     errors += _zero_errors(p)
+    errors += _overlap_errors(p, t)
     errors += _loss_scale_errors(t)
 
     # --- batches -----------------------------------------------------------------------------------
@@ -245,6 +251,9 @@ def validate(cfg: Config) -> Config:
 
     errors += _pipeline_errors(cfg, dp)
     errors += _checkpoint_errors(cfg)
+    if m.fused_layers_backend not in ("inductor", "aot_eager"):
+        errors.append(f"--fused-layers-backend must be inductor or aot_eager "
+                      f"(got {m.fused_layers_backend!r})")
     if m.gelu_approximate not in ("none", "tanh"):
         errors.append(f"--gelu-approximate must be none or tanh (got {m.gelu_approximate!r})")
 
@@ -352,6 +361,23 @@ def _zero_errors(p: ParallelConfig) -> list[str]:
         p.zero_stage = 1
     if p.zero_stage == 1:
         p.use_distributed_optimizer = True
+    return errors
+
+
+def _overlap_errors(p: ParallelConfig, t: TrainConfig) -> list[str]:
+    """Megatron's rules for --overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size."""
+    errors = []
+    if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
+        errors.append(f"--ddp-bucket-size must be >= 1 element (got {p.ddp_bucket_size})")
+    if p.overlap_param_gather and not (p.use_distributed_optimizer or p.zero_stage == 1):
+        errors.append("--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1); "
+                      "ZeRO-3 (FSDP2) prefetches its all-gathers by itself")
+    if p.overlap_param_gather and not p.overlap_grad_reduce:
+        errors.append("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
+    if p.overlap_grad_reduce and t.fp16:
+        errors.append("--overlap-grad-reduce with --fp16 is not supported (the loss scaler "
+                      "unscales gradients before they are reduced); use --bf16 or drop "
+                      "--overlap-grad-reduce")
     return errors
 
 

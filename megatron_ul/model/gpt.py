@@ -19,6 +19,7 @@ from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, sequence_
 from ..mpu.param_init import new_parameter
 from ..mpu.mappings import copy_to_tensor_model_parallel_region, scatter_to_sequence_parallel_region
 from ..mpu.recompute import layers_to_checkpoint, run_layers
+from .fusion import fuse_layers
 from .init import normal_init
 from .norms import Norm
 from .rotary import rotary_cos_sin
@@ -56,6 +57,8 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(
             TransformerLayer(cfg, n, seed, sequence_parallel, device=device, dtype=dtype)
             for n in numbers)
+        if cfg.fused_layers:
+            fuse_layers(self.layers, cfg.fused_layers_backend)
 
         if post_process:
             self.final_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,

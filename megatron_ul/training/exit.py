@@ -60,6 +60,9 @@ class RunControl:
         return stop
 
     def save(self) -> None:
+        finish = getattr(self.optimizer, "finish_param_sync", None)
+        if finish is not None:   # --overlap-param-gather: the parameters must be complete
+            finish()
         save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.iteration,
                         grad_scaler=self.grad_scaler)
         self.last_saved = self.iteration

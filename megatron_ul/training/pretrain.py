@@ -104,6 +104,10 @@ def setup(cfg: Config) -> Trainer:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
                  model.padded_vocab_size)
+        m = cfg.model
+        log.info("transformer layers: %s", f"fused (torch.compile per layer, backend "
+                 f"{m.fused_layers_backend})" if m.fused_layers else
+                 "eager (--fused-layers compiles them; off by default: no gain on CPU)")
     optimizer = build_optimizer(model, cfg.train, cfg.parallel)
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,

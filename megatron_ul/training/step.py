@@ -50,6 +50,10 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     num_tokens = count_tokens(micro_batches, device)
     # fp16: backpropagate loss · scale; dividing the token count by a power of two is exact.
     divisor = num_tokens / grad_scaler.scale if grad_scaler is not None else num_tokens
+    # Plain DP and ZeRO-1 reduce gradients in buckets, from backward's hooks when overlapping.
+    grad_sync = getattr(optimizer, "grad_sync", None)
+    if grad_sync is not None:
+        grad_sync.start(len(micro_batches))
     loss_sum = schedule_for(model)(model, micro_batches, divisor, autocast_dtype)
     loss = global_mean_loss(loss_sum, num_tokens)
     if not math.isfinite(loss):
@@ -68,7 +72,10 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
             grad_norm = reduce_and_clip(clip_grad)
     else:
         with timer("grad-reduce"):
-            reduce_gradients(params)
+            if grad_sync is not None:
+                grad_sync.finish()
+            else:
+                reduce_gradients(params)
         with timer("grad-clip", level=2):
             grad_norm = clip_gradients(params, clip_grad)
     if not math.isfinite(grad_norm):
