@@ -39,8 +39,8 @@ def _signed(x: int) -> int:
 _GAMMA = _signed(0x9E3779B97F4A7C15)
 _MUL1 = _signed(0xBF58476D1CE4E5B9)
 _MUL2 = _signed(0x94D049BB133111EB)
-# Elements computed at a time: bounds the generator's int64/fp64 temporaries (a few of each
-# alive at once) whatever the parameter's size.
+# Elements computed at a time: bounds the generator's workspace (five int64/fp64 buffers)
+# whatever the parameter's size.
 WORKSPACE_ELEMENTS = 1 << 20
 WORKSPACE_BYTES = 5 * 8 * WORKSPACE_ELEMENTS
 
@@ -54,24 +54,35 @@ def _mix_(z: torch.Tensor, shift: int, multiplier: Optional[int], scratch: torch
         z.mul_(multiplier)
 
 
-def standard_normal_at(flat_index: torch.Tensor, key: int) -> torch.Tensor:
-    """N(0, 1) values (fp64) of the elements at `flat_index` (int64) of the stream `key`.
-    In-place steps keep the temporaries to a few tensors of flat_index's size."""
-    z = torch.bitwise_right_shift(flat_index, 1).add_(1).mul_(_GAMMA).add_(key)
-    scratch = torch.empty_like(z)
+def workspace(elements: int, device) -> tuple[torch.Tensor, ...]:
+    """Buffers for standard_normal_at: allocated once per parameter and reused chunk after
+    chunk, so that the allocator does not fragment the heap between parameters."""
+    return (torch.empty(elements, dtype=torch.int64, device=device),
+            torch.empty(elements, dtype=torch.int64, device=device),
+            torch.empty(elements, dtype=torch.float64, device=device),
+            torch.empty(elements, dtype=torch.float64, device=device))
+
+
+def standard_normal_at(flat_index: torch.Tensor, key: int, buffers=None) -> torch.Tensor:
+    """N(0, 1) values (fp64) of the elements at `flat_index` (int64) of the stream `key`,
+    computed in place in `buffers` (see workspace(); allocated here when None)."""
+    n = flat_index.numel()
+    z, scratch, angle, u1 = (b[:n].view(flat_index.shape)
+                             for b in (buffers or workspace(n, flat_index.device)))
+    torch.bitwise_right_shift(flat_index, 1, out=z)
+    z.add_(1).mul_(_GAMMA).add_(key)
     _mix_(z, 30, _MUL1, scratch)
     _mix_(z, 27, _MUL2, scratch)
     _mix_(z, 31, None, scratch)
     # u2 ∈ [0, 1) from the low 32 bits, u1 ∈ (0, 1] from the high 32 bits.
     torch.bitwise_and(z, 0xFFFFFFFF, out=scratch)
-    angle = scratch.double().mul_(2.0 ** -32 * 2 * math.pi)
+    angle.copy_(scratch).mul_(2.0 ** -32 * 2 * math.pi)
     # Odd elements take the pair's sine: sin θ = cos(θ - π/2).
     torch.bitwise_and(flat_index, 1, out=scratch)
-    angle.sub_(scratch.double().mul_(math.pi / 2))
-    del scratch
+    u1.copy_(scratch)
+    angle.sub_(u1.mul_(math.pi / 2))
     z.bitwise_right_shift_(32).bitwise_and_(0xFFFFFFFF).add_(1)
-    u1 = z.double().mul_(2.0 ** -32)
-    del z
+    u1.copy_(z).mul_(2.0 ** -32)
     return u1.log_().mul_(-2.0).sqrt_().mul_(angle.cos_())
 
 
@@ -118,17 +129,21 @@ class Normal(Init):
         strides = [math.prod(global_shape[d + 1:]) for d in range(len(global_shape))]
         index = [i.to(out.device) for i in index]
         key = stream_key(self.seed, self.key)
-        rows_per_chunk = max(WORKSPACE_ELEMENTS // max(out[0].numel(), 1), 1)
+        row_elements = max(out[0].numel(), 1)
+        rows_per_chunk = max(WORKSPACE_ELEMENTS // row_elements, 1)
+        chunk = min(rows_per_chunk, out.shape[0]) * row_elements
+        flat_buffer, buffers = torch.empty(chunk, dtype=torch.int64, device=out.device), \
+            workspace(chunk, out.device)
         for start in range(0, out.shape[0], rows_per_chunk):
             rows = index[0][start:start + rows_per_chunk]
-            flat = rows.view(-1, *[1] * (len(index) - 1)) * strides[0]
+            shape = [len(rows), *[len(i) for i in index[1:]]]
+            flat = flat_buffer[:math.prod(shape)].view(shape)
+            flat.copy_((rows * strides[0]).view(-1, *[1] * (len(index) - 1)).expand(shape))
             for d in range(1, len(index)):
-                shape = [1] * len(index)
-                shape[d] = -1
-                flat = flat + index[d].view(shape) * strides[d]
-            values = standard_normal_at(flat, key)
-            del flat
-            out[start:start + len(rows)] = values.mul_(self.std)
+                view = [1] * len(index)
+                view[d] = -1
+                flat.add_(index[d].view(view), alpha=strides[d])
+            out[start:start + len(rows)] = standard_normal_at(flat, key, buffers).mul_(self.std)
         return out
 
 
