@@ -1,48 +1,93 @@
-"""Configuration as data: one dataclass per concern and one `validate()` that fails fast.
+"""Configuration as data: one dataclass per concern, the single source of the command line.
 
-Every error names the flag(s) involved and a fix, and is raised before any model is built.
+Every field is a flag of pretrain_gpt.py: its Megatron-LM spelling (``--`` + the field name with
+dashes, unless ``flag(names=...)`` says otherwise), its type (``Literal[...]`` for choices), its
+default and its help text are written here once; ``arguments.py`` generates the parser from them.
+Adding a flag is adding a field (see docs/design.md).
+
+Two separate steps turn parsed flags into a usable Config:
+``resolve()`` fills the defaults that depend on other fields (global batch, decay iterations,
+position embeddings, ZeRO stage) and ``validate()`` checks, without changing anything, and raises
+one ConfigError naming every bad flag and a fix, before any model is built.
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
-from dataclasses import dataclass, field
-from typing import Optional
+from dataclasses import MISSING, dataclass, field
+from typing import Any, Literal, Optional
 
 
 class ConfigError(ValueError):
     """A configuration that cannot work; the message names the flags and a fix."""
 
 
+def flag(default: Any = MISSING, *, help: str, names: tuple[str, ...] = (),
+         default_factory: Any = MISSING, enabled_by: Optional[str] = None) -> Any:
+    """A config field that is also a command-line flag.
+
+    names: the flag's spellings when they are not ``--field-name`` (Megatron's own names win).
+    A bool field is a switch: default False -> the flag sets True; default True -> the flag
+    (which then must be named, e.g. --disable-bias-linear) sets False.
+    enabled_by: a switch that must accompany this flag and without which the field keeps its
+    default (Megatron's --num-query-groups only counts with --group-query-attention).
+    """
+    meta = {"help": help, "names": tuple(names), "enabled_by": enabled_by}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
 @dataclass
 class ModelConfig:
-    num_layers: int = 2
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    ffn_hidden_size: Optional[int] = None          # default 4h (8h/3 rounded to 64 with SwiGLU)
-    num_query_groups: Optional[int] = None         # GQA; None means MHA (= num_attention_heads)
-    kv_channels: Optional[int] = None              # per-head dim; default hidden / heads
-    seq_length: int = 128
-    max_position_embeddings: Optional[int] = None
-    vocab_size: int = 1024                         # the tokenizer's real vocabulary
-    make_vocab_size_divisible_by: int = 128
-    position_embedding_type: str = "learned_absolute"  # or "rope"
-    rotary_base: float = 10000.0
-    normalization: str = "LayerNorm"               # or "RMSNorm"
-    norm_epsilon: float = 1e-5
-    swiglu: bool = False
-    add_bias_linear: bool = True
-    untie_embeddings_and_output_weights: bool = False
-    attention_dropout: float = 0.1
-    hidden_dropout: float = 0.1
-    init_method_std: float = 0.02
-    use_flash_attn: bool = False
-    gelu_approximate: str = "none"                 # "tanh" = GPT-2's gelu_new
-    recompute_granularity: Optional[str] = None    # None | "full" | "selective"
-    recompute_method: Optional[str] = None         # "uniform" | "block" (with full)
-    recompute_num_layers: int = 1
-    fused_layers: bool = False                     # torch.compile each transformer layer
-    fused_layers_backend: str = "inductor"         # or "aot_eager" (traced, not fused)
+    num_layers: int = flag(2, help="transformer layers")
+    hidden_size: int = flag(64, help="model width h")
+    num_attention_heads: int = flag(4, help="query heads")
+    ffn_hidden_size: Optional[int] = flag(
+        None, help="MLP width; default 4h (8h/3 rounded up to a multiple of 64 with --swiglu)")
+    num_query_groups: Optional[int] = flag(
+        None, enabled_by="--group-query-attention",
+        help="kv heads for grouped-query attention; default: one per query head (MHA)")
+    kv_channels: Optional[int] = flag(None, help="per-head dimension; default hidden / heads")
+    seq_length: int = flag(128, help="tokens per sequence")
+    max_position_embeddings: Optional[int] = flag(
+        None, help="learned position table size; default --seq-length")
+    vocab_size: int = flag(0, help="vocabulary size for --mock-data / NullTokenizer; otherwise "
+                                   "the tokenizer's (0 = not given)")
+    make_vocab_size_divisible_by: int = flag(
+        128, help="pad the vocabulary to a multiple of this × TP (padding rows never score)")
+    position_embedding_type: Literal["learned_absolute", "rope"] = flag(
+        "learned_absolute", help="learned absolute positions (GPT-2) or rotary (Llama)")
+    rotary_base: float = flag(10000.0, help="RoPE base θ")
+    normalization: Literal["LayerNorm", "RMSNorm"] = flag("LayerNorm", help="norm layer type")
+    norm_epsilon: float = flag(1e-5, help="epsilon of every norm")
+    swiglu: bool = flag(False, help="SwiGLU MLP (Llama) instead of GELU")
+    add_bias_linear: bool = flag(True, names=("--disable-bias-linear",),
+                                 help="no biases in the linear layers (Llama)")
+    untie_embeddings_and_output_weights: bool = flag(
+        False, help="separate output head instead of the transposed input embedding")
+    attention_dropout: float = flag(0.1, help="dropout on attention probabilities")
+    hidden_dropout: float = flag(0.1, help="dropout after attention and MLP")
+    init_method_std: float = flag(0.02, help="std of the normal weight initialisation")
+    use_flash_attn: bool = flag(False,
+                                help="FlashAttention-2 when importable on a GPU, else torch SDPA")
+    gelu_approximate: Literal["none", "tanh"] = flag(
+        "none", help="tanh = GPT-2's gelu_new (for Hugging Face GPT-2 weights)")
+    recompute_granularity: Optional[Literal["full", "selective"]] = flag(
+        None, help="full: recompute whole layers in backward; selective: core attention")
+    recompute_method: Optional[Literal["uniform", "block"]] = flag(
+        None, help="uniform: checkpoint chunks of --recompute-num-layers layers; block: "
+                   "checkpoint the first --recompute-num-layers layers of each stage")
+    recompute_num_layers: int = flag(1, help="layers per recomputed chunk (see "
+                                             "--recompute-method)")
+    fused_layers: bool = flag(
+        False, help="torch.compile each transformer layer (fuses the elementwise work around "
+                    "the matmuls); off by default: on CPU it costs compile time and gains no "
+                    "speed")
+    fused_layers_backend: Literal["inductor", "aot_eager"] = flag(
+        "inductor", help="torch.compile backend for --fused-layers (aot_eager: traced, not "
+                         "fused)")
 
     @property
     def head_dim(self) -> int:
@@ -67,19 +112,30 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    ds_sequence_parallel_size: int = 1             # the Ulysses degree (Megatron-DeepSpeed's name)
-    pipeline_model_parallel_size: int = 1
-    sequence_parallel: bool = False                # Megatron-SP over the TP group
-    distributed_backend: Optional[str] = None      # nccl on GPU, gloo on CPU
-    world_size: int = 1
-    num_layers_per_virtual_pipeline_stage: Optional[int] = None
-    use_distributed_optimizer: bool = False
-    zero_stage: int = 0
-    distributed_timeout_minutes: float = 10.0      # every collective fails after this long
-    overlap_grad_reduce: bool = False              # reduce gradient buckets during backward
-    overlap_param_gather: bool = False             # ZeRO-1: all-gather during the next forward
-    ddp_bucket_size: Optional[int] = None          # elements; default max(40M, 1M · dp_sp)
+    tensor_model_parallel_size: int = flag(1, help="tensor-parallel degree TP")
+    ds_sequence_parallel_size: int = flag(
+        1, help="DeepSpeed-Ulysses sequence-parallel degree SP (Megatron-DeepSpeed's name)")
+    pipeline_model_parallel_size: int = flag(1, help="pipeline stages PP")
+    num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
+        None, help="layers per virtual stage: interleaved 1F1B with several chunks per rank")
+    sequence_parallel: bool = flag(
+        False, help="Megatron-LM sequence parallelism over the TP group (norms, dropout)")
+    distributed_backend: Optional[Literal["nccl", "gloo"]] = flag(
+        None, help="default: nccl on GPU, gloo on CPU")
+    distributed_timeout_minutes: float = flag(
+        10.0, help="every collective fails after this long instead of hanging")
+    use_distributed_optimizer: bool = flag(
+        False, help="ZeRO-1: shard the optimizer state over DP×SP (same as --zero-stage 1)")
+    zero_stage: int = flag(0, help="1: ZeRO-1 (distributed optimizer); 3: ZeRO-3 via FSDP2")
+    overlap_grad_reduce: bool = flag(
+        False, help="reduce gradients over DP×SP in buckets while backward runs (plain data "
+                    "parallelism and ZeRO-1; ZeRO-3/FSDP2 always overlaps)")
+    overlap_param_gather: bool = flag(
+        False, help="ZeRO-1: all-gather the updated parameters while the next forward runs")
+    ddp_bucket_size: Optional[int] = flag(
+        None, help="elements per gradient-reduction bucket (default max(40M, 1M·DP×SP))")
+    world_size: int = flag(1, help="planned number of processes, for --dry-run outside a "
+                                   "launcher (otherwise the launcher's WORLD_SIZE)")
 
     @property
     def data_parallel_size(self) -> int:
@@ -89,82 +145,212 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = 1
-    global_batch_size: Optional[int] = None        # default micro * DP
-    train_iters: int = 10
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    lr_decay_style: str = "cosine"                 # constant | linear | cosine
-    lr_warmup_iters: int = 0
-    lr_decay_iters: Optional[int] = None           # default train_iters
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
-    seed: int = 1234
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: Optional[float] = None             # fp16: constant scale; None = dynamic
-    initial_loss_scale: float = 2.0 ** 32
-    min_loss_scale: float = 1.0
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    eval_interval: int = 0                         # 0 = no evaluation
-    eval_iters: int = 10
-    dry_run: bool = False                          # print layout + memory estimate, then exit
+    micro_batch_size: int = flag(1, help="sequences per micro-batch per DP rank")
+    global_batch_size: Optional[int] = flag(
+        None, help="sequences per iteration over all DP ranks; default micro × DP")
+    train_iters: int = flag(10, help="iterations to train")
+    lr: float = flag(1e-3, help="peak learning rate")
+    min_lr: float = flag(0.0, help="learning rate at the end of the decay")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = flag(
+        "cosine", help="shape of the decay after warm-up")
+    lr_warmup_iters: int = flag(0, help="linear warm-up iterations")
+    lr_decay_iters: Optional[int] = flag(None, help="iterations to decay over; default "
+                                                    "--train-iters")
+    weight_decay: float = flag(0.01, help="AdamW weight decay (not on biases and norms)")
+    adam_beta1: float = flag(0.9, help="AdamW β1")
+    adam_beta2: float = flag(0.999, help="AdamW β2")
+    adam_eps: float = flag(1e-8, help="AdamW ε")
+    clip_grad: float = flag(1.0, help="clip the global gradient norm to this (0: no clipping)")
+    seed: int = flag(1234, help="seed of initialisation, data order and dropout")
+    bf16: bool = flag(False, help="bf16 compute with fp32 master weights")
+    fp16: bool = flag(False,
+                      help="fp16 compute (autocast) with fp32 master weights and loss scaling")
+    loss_scale: Optional[float] = flag(None,
+                                       help="fp16: constant loss scale; default: dynamic scaling")
+    initial_loss_scale: float = flag(2.0 ** 32, help="fp16: first dynamic loss scale")
+    min_loss_scale: float = flag(1.0, help="fp16: dynamic loss scale floor")
+    loss_scale_window: int = flag(1000, help="fp16: steps without overflow before the scale "
+                                             "doubles")
+    hysteresis: int = flag(2, help="fp16: overflows tolerated before the scale halves")
+    eval_interval: int = flag(0, help="evaluate every this many iterations (0: never)")
+    eval_iters: int = flag(10, help="validation batches per evaluation")
+    dry_run: bool = flag(False, help="validate, print the resolved layout and a per-GPU memory "
+                                     "estimate, exit (with --world-size N for the planned launch)")
 
 
 @dataclass
 class DataConfig:
-    mock_data: bool = False
-    data_path: list = field(default_factory=list)
-    split: str = "969,30,1"
-    data_cache_path: Optional[str] = None
-    tokenizer_type: Optional[str] = None
-    vocab_file: Optional[str] = None
-    merge_file: Optional[str] = None
-    tokenizer_model: Optional[str] = None
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
+    mock_data: bool = flag(False, help="random tokens; needs --vocab-size")
+    data_path: list[str] = flag(default_factory=list,
+                                help="dataset prefixes, or 'weight prefix' pairs to blend")
+    split: str = flag("969,30,1", help="train,valid,test weights of each dataset")
+    data_cache_path: Optional[str] = flag(None, help="where the sample index files are cached")
+    tokenizer_type: Optional[Literal["GPT2BPETokenizer", "SentencePieceTokenizer",
+                                     "NullTokenizer"]] = flag(None, help="tokenizer of the data")
+    vocab_file: Optional[str] = flag(None, help="GPT2BPETokenizer: vocab.json")
+    merge_file: Optional[str] = flag(None, help="GPT2BPETokenizer: merges.txt")
+    tokenizer_model: Optional[str] = flag(None, help="SentencePieceTokenizer: the .model file")
+    reset_position_ids: bool = flag(False, help="restart position ids after each end-of-document")
+    reset_attention_mask: bool = flag(False, help="no attention across end-of-document tokens")
+    eod_mask_loss: bool = flag(False, help="no loss on end-of-document tokens")
 
 
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = None
-    load: Optional[str] = None
-    save_interval: Optional[int] = None
-    no_save_optim: bool = False
-    no_load_optim: bool = False
-    no_load_rng: bool = False
-    finetune: bool = False                         # load weights only; iteration restarts at 0
-    exit_interval: Optional[int] = None            # save (with --save) and exit at this iteration
-    exit_duration_in_mins: Optional[float] = None  # save and exit after this wall time
-    exit_signal_handler: bool = False              # SIGTERM: save at the end of the iteration, exit 0
+    save: Optional[str] = flag(None, help="directory to save checkpoints in")
+    load: Optional[str] = flag(None, help="directory to resume from (may equal --save)")
+    save_interval: Optional[int] = flag(None, help="save every this many iterations")
+    no_save_optim: bool = flag(False, help="do not save optimizer state")
+    no_load_optim: bool = flag(False, help="do not load optimizer and LR-scheduler state")
+    no_load_rng: bool = flag(False, help="do not load RNG states")
+    finetune: bool = flag(False, help="load model weights only and start at iteration 0")
+    exit_interval: Optional[int] = flag(
+        None, help="exit (saving first with --save) when the iteration is a multiple of this")
+    exit_duration_in_mins: Optional[float] = flag(
+        None, help="exit (saving first with --save) after this many minutes of training")
+    exit_signal_handler: bool = flag(
+        False, help="on SIGTERM, save at the end of the current iteration and exit 0")
 
 
 @dataclass
 class LoggingConfig:
-    log_interval: int = 1
-    tensorboard_dir: Optional[str] = None
-    timing_log_level: int = 0                      # 0 iteration time, 1 + phases, 2 + per op
-    peak_tflops: Optional[float] = None            # per-GPU peak for MFU; default by GPU name
+    log_interval: int = flag(1, help="report every this many iterations")
+    tensorboard_dir: Optional[str] = flag(None, help="write TensorBoard scalars here")
+    timing_log_level: Literal[0, 1, 2] = flag(
+        0, help="0: iteration time; 1: + forward, backward, all-to-all, gradient reduction, "
+                "optimizer; 2: + per-layer-call all-to-all counts")
+    peak_tflops: Optional[float] = flag(
+        None, help="per-GPU peak TFLOP/s for MFU (default: known GPU names, e.g. A100 312, "
+                   "H100/H200 989 bf16 dense)")
+
+
+def _section(cls, title: str):
+    return field(default_factory=cls, metadata={"title": title})
 
 
 @dataclass
 class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """The whole run; each section is one group of flags in --help."""
+    model: ModelConfig = _section(ModelConfig, "model")
+    parallel: ParallelConfig = _section(ParallelConfig, "parallelism")
+    train: TrainConfig = _section(TrainConfig, "training")
+    data: DataConfig = _section(DataConfig, "data")
+    checkpoint: CheckpointConfig = _section(CheckpointConfig, "checkpointing")
+    logging: LoggingConfig = _section(LoggingConfig, "logging")
 
     @property
     def num_micro_batches(self) -> int:
         t, dp = self.train, self.parallel.data_parallel_size
+        assert t.global_batch_size is not None, "resolve() the config first"
         return t.global_batch_size // (t.micro_batch_size * dp)
+
+
+def resolve(cfg: Config) -> Config:
+    """A copy of cfg with the defaults that depend on other fields filled in.
+
+    Never raises: validate() judges the result (a size below 1 leaves DP at 1 here).
+    """
+    cfg = copy.deepcopy(cfg)
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.max_position_embeddings is None:
+        m.max_position_embeddings = m.seq_length
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * max(p.data_parallel_size, 1) \
+            if _model_parallel_size(p) > 0 else t.micro_batch_size
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.train_iters
+    # --use-distributed-optimizer is ZeRO-1 and --zero-stage 1 is the distributed optimizer
+    if p.use_distributed_optimizer and p.zero_stage == 0:
+        p.zero_stage = 1
+    if p.zero_stage == 1:
+        p.use_distributed_optimizer = True
+    return cfg
+
+
+def _model_parallel_size(p: ParallelConfig) -> int:
+    return p.tensor_model_parallel_size * p.ds_sequence_parallel_size * \
+        p.pipeline_model_parallel_size
+
+
+def validate(cfg: Config) -> Config:
+    """Check a resolved configuration without changing it; return it for chaining.
+
+    Raises ConfigError listing every problem found, so a user fixes them in one go.
+    """
+    errors = _size_errors(cfg)
+    if errors:  # the checks below divide by these sizes
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    tp, sp = p.tensor_model_parallel_size, p.ds_sequence_parallel_size
+    if p.world_size % _model_parallel_size(p) != 0:
+        errors.append(f"world size {p.world_size} is not divisible by "
+                      f"--tensor-model-parallel-size × --ds-sequence-parallel-size × "
+                      f"--pipeline-model-parallel-size = {tp}×{sp}×"
+                      f"{p.pipeline_model_parallel_size} = {_model_parallel_size(p)}; launch a "
+                      f"multiple of {_model_parallel_size(p)} processes or change the parallel "
+                      f"sizes")
+    dp = max(p.data_parallel_size, 1)
+
+    errors += _attention_errors(m, tp, sp)
+    errors += _sequence_errors(m, p, tp, sp)
+    errors += _recompute_errors(m)
+    errors += _zero_errors(p)
+    errors += _overlap_errors(p, t)
+    errors += _loss_scale_errors(t)
+    errors += _batch_errors(t, dp)
+    errors += _logging_errors(cfg.logging)
+    errors += _pipeline_errors(cfg, dp)
+    errors += _checkpoint_errors(cfg)
+    errors += _data_errors(d)
+    if t.bf16 and t.fp16:
+        errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
+
+    if errors:
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
+    return cfg
+
+
+def _size_errors(cfg: Config) -> list[str]:
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    sizes = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
+             ("--ds-sequence-parallel-size", p.ds_sequence_parallel_size),
+             ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
+             ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
+             ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
+             ("--micro-batch-size", t.micro_batch_size), ("--train-iters", t.train_iters),
+             ("--vocab-size", m.vocab_size)]
+    return [f"{name} must be >= 1 (got {value})" for name, value in sizes if value < 1]
+
+
+def _batch_errors(t: TrainConfig, dp: int) -> list[str]:
+    errors = []
+    if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        errors.append(f"--global-batch-size {t.global_batch_size} is not divisible by "
+                      f"--micro-batch-size × data-parallel size = {t.micro_batch_size}×{dp}; "
+                      f"use a global batch that is a multiple of {t.micro_batch_size * dp}")
+    if t.lr_decay_style not in ("constant", "linear", "cosine"):
+        errors.append(f"--lr-decay-style must be constant, linear or cosine "
+                      f"(got {t.lr_decay_style!r})")
+    return errors
+
+
+def _logging_errors(log: LoggingConfig) -> list[str]:
+    errors = []
+    if log.timing_log_level not in (0, 1, 2):
+        errors.append(f"--timing-log-level must be 0, 1 or 2 (got {log.timing_log_level})")
+    if log.peak_tflops is not None and log.peak_tflops <= 0:
+        errors.append(f"--peak-tflops must be > 0 (got {log.peak_tflops})")
+    return errors
+
+
+def _data_errors(d: DataConfig) -> list[str]:
+    errors = []
+    if not d.mock_data and not d.data_path:
+        errors.append("no training data: pass --data-path PREFIX (with --tokenizer-type ...) "
+                      "or --mock-data")
+    if d.mock_data and d.data_path:
+        errors.append("--mock-data and --data-path are mutually exclusive")
+    return errors
 
 
 def _pipeline_errors(cfg: Config, dp: int) -> list[str]:
@@ -193,79 +379,6 @@ def _pipeline_errors(cfg: Config, dp: int) -> list[str]:
                       f"{t.global_batch_size // (t.micro_batch_size * dp)}) to be a multiple "
                       f"of --pipeline-model-parallel-size {pp}; change --global-batch-size")
     return errors
-
-
-def validate(cfg: Config) -> Config:
-    """Check the whole configuration, fill derived defaults, and return it.
-
-    Raises ConfigError listing every problem found, so a user fixes them in one go.
-    """
-    errors: list[str] = []
-    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
-    tp, sp, pp, world = (p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
-                         p.pipeline_model_parallel_size, p.world_size)
-
-    for name, value in [("--tensor-model-parallel-size", tp), ("--ds-sequence-parallel-size", sp),
-                        ("--pipeline-model-parallel-size", pp), ("--num-layers", m.num_layers),
-                        ("--hidden-size", m.hidden_size), ("--num-attention-heads",
-                                                           m.num_attention_heads),
-                        ("--seq-length", m.seq_length), ("--micro-batch-size", t.micro_batch_size),
-                        ("--train-iters", t.train_iters), ("--vocab-size", m.vocab_size)]:
-        if value < 1:
-            errors.append(f"{name} must be >= 1 (got {value})")
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-
-    if world % (tp * sp * pp) != 0:
-        errors.append(f"world size {world} is not divisible by --tensor-model-parallel-size × "
-                      f"--ds-sequence-parallel-size × --pipeline-model-parallel-size = "
-                      f"{tp}×{sp}×{pp} = {tp * sp * pp}; launch a multiple of {tp * sp * pp} "
-                      f"processes or change the parallel sizes")
-    dp = max(world // (tp * sp * pp), 1)
-
-    errors += _attention_errors(m, tp, sp)
-    errors += _sequence_errors(m, p, tp, sp)
-    errors += _recompute_errors(m)
-    errors += _zero_errors(p)
-    errors += _overlap_errors(p, t)
-    errors += _loss_scale_errors(t)
-
-    # --- batches -----------------------------------------------------------------------------------
-    if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * dp
-    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
-        errors.append(f"--global-batch-size {t.global_batch_size} is not divisible by "
-                      f"--micro-batch-size × data-parallel size = {t.micro_batch_size}×{dp}; "
-                      f"use a global batch that is a multiple of {t.micro_batch_size * dp}")
-    if t.lr_decay_style not in ("constant", "linear", "cosine"):
-        errors.append(f"--lr-decay-style must be constant, linear or cosine "
-                      f"(got {t.lr_decay_style!r})")
-    if t.lr_decay_iters is None:
-        t.lr_decay_iters = t.train_iters
-    if cfg.logging.timing_log_level not in (0, 1, 2):
-        errors.append(f"--timing-log-level must be 0, 1 or 2 (got {cfg.logging.timing_log_level})")
-    if cfg.logging.peak_tflops is not None and cfg.logging.peak_tflops <= 0:
-        errors.append(f"--peak-tflops must be > 0 (got {cfg.logging.peak_tflops})")
-    if t.bf16 and t.fp16:
-        errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
-
-    errors += _pipeline_errors(cfg, dp)
-    errors += _checkpoint_errors(cfg)
-    if m.fused_layers_backend not in ("inductor", "aot_eager"):
-        errors.append(f"--fused-layers-backend must be inductor or aot_eager "
-                      f"(got {m.fused_layers_backend!r})")
-    if m.gelu_approximate not in ("none", "tanh"):
-        errors.append(f"--gelu-approximate must be none or tanh (got {m.gelu_approximate!r})")
-
-    if not d.mock_data and not d.data_path:
-        errors.append("no training data: pass --data-path PREFIX (with --tokenizer-type ...) "
-                      "or --mock-data")
-    if d.mock_data and d.data_path:
-        errors.append("--mock-data and --data-path are mutually exclusive")
-
-    if errors:
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
-    return cfg
 
 
 def _attention_errors(m: ModelConfig, tp: int, sp: int) -> list[str]:
@@ -300,9 +413,8 @@ def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> lis
                  "--sequence-parallel)" if p.sequence_parallel else "--ds-sequence-parallel-size")
         errors.append(f"--seq-length {m.seq_length} is not divisible by {flags} = {seq_divisor}; "
                       f"use a sequence length that is a multiple of {seq_divisor}")
-    if m.max_position_embeddings is None:
-        m.max_position_embeddings = m.seq_length
-    if m.position_embedding_type == "learned_absolute" and m.max_position_embeddings < m.seq_length:
+    if (m.position_embedding_type == "learned_absolute" and m.max_position_embeddings is not None
+            and m.max_position_embeddings < m.seq_length):
         errors.append(f"--max-position-embeddings {m.max_position_embeddings} is smaller than "
                       f"--seq-length {m.seq_length}")
     if m.position_embedding_type not in ("learned_absolute", "rope"):
@@ -310,6 +422,8 @@ def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> lis
                       f"(got {m.position_embedding_type!r})")
     if m.normalization not in ("LayerNorm", "RMSNorm"):
         errors.append(f"--normalization must be LayerNorm or RMSNorm (got {m.normalization!r})")
+    if m.gelu_approximate not in ("none", "tanh"):
+        errors.append(f"--gelu-approximate must be none or tanh (got {m.gelu_approximate!r})")
     return errors
 
 
@@ -357,10 +471,6 @@ def _zero_errors(p: ParallelConfig) -> list[str]:
     if p.use_distributed_optimizer and p.zero_stage == 3:
         errors.append("--use-distributed-optimizer (ZeRO-1) and --zero-stage 3 conflict; "
                       "pass only one of them")
-    if p.use_distributed_optimizer and p.zero_stage == 0:
-        p.zero_stage = 1
-    if p.zero_stage == 1:
-        p.use_distributed_optimizer = True
     return errors
 
 
@@ -369,7 +479,7 @@ def _overlap_errors(p: ParallelConfig, t: TrainConfig) -> list[str]:
     errors = []
     if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
         errors.append(f"--ddp-bucket-size must be >= 1 element (got {p.ddp_bucket_size})")
-    if p.overlap_param_gather and not (p.use_distributed_optimizer or p.zero_stage == 1):
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
         errors.append("--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1); "
                       "ZeRO-3 (FSDP2) prefetches its all-gathers by itself")
     if p.overlap_param_gather and not p.overlap_grad_reduce:

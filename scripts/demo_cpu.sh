@@ -25,10 +25,10 @@ PRETRAIN_ARGS=(
 print_args_or_continue "$NPROC" "${PRETRAIN_ARGS[@]}"
 
 if [[ ! -f "$WORKDIR/demo_text_document.idx" ]]; then
-    python tools/make_demo_corpus.py --output "$WORKDIR/corpus.jsonl" --max-mb 4
-    python tools/train_tokenizer.py --input "$WORKDIR/corpus.jsonl" \
+    python -m tools.make_demo_corpus --output "$WORKDIR/corpus.jsonl" --max-mb 4
+    python -m tools.train_tokenizer --input "$WORKDIR/corpus.jsonl" \
         --model-prefix "$WORKDIR/tokenizer" --vocab-size 2000
-    python tools/preprocess_data.py --input "$WORKDIR/corpus.jsonl" \
+    python -m tools.preprocess_data --input "$WORKDIR/corpus.jsonl" \
         --output-prefix "$WORKDIR/demo" --tokenizer-type SentencePieceTokenizer \
         --tokenizer-model "$WORKDIR/tokenizer.model" --append-eod --workers 2
 fi

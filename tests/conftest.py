@@ -1,12 +1,11 @@
-"""Shared pytest configuration: the repository root is importable and slow tests are opt-in."""
+"""Shared pytest configuration: slow tests are opt-in (pytest.ini puts the repository root on
+the import path, so tests import megatron_ul, tools and tests without installing anything)."""
 import os
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 
 def pytest_addoption(parser):
@@ -25,3 +24,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+STAND_INS = os.path.join(ROOT, "tests", "stand_ins")
+
+
+@pytest.fixture
+def flash_attn_stand_in(monkeypatch):
+    """The strict CPU stand-in of `flash_attn` (tests/stand_ins/flash_attn) importable as
+    `flash_attn`, plus megatron_ul's documented test hook that lets the flash path run on CPU
+    (megatron_ul.model.attention.FLASH_ON_CPU_ENV). Ranks spawned by run_on_local_ranks inherit
+    both (spawn passes sys.path and the environment). Yields the stand-in module."""
+    from megatron_ul.model.attention import FLASH_ON_CPU_ENV
+    monkeypatch.syspath_prepend(STAND_INS)
+    monkeypatch.setenv(FLASH_ON_CPU_ENV, "1")
+    sys.modules.pop("flash_attn", None)
+    import flash_attn
+    assert getattr(flash_attn, "IS_STAND_IN", False), flash_attn.__file__
+    for name in flash_attn.calls:
+        flash_attn.calls[name] = 0
+    yield flash_attn
+    sys.modules.pop("flash_attn", None)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Generate text from a megatron_ul checkpoint of any layout (merged to TP1/PP1 on load).
 
-    python tools/generate.py --load CKPT --prompt "def " --max-new-tokens 50 --top-k 5 \
+    python -m tools.generate --load CKPT --prompt "def " --max-new-tokens 50 --top-k 5 \
         --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt
 
 Greedy unless --top-k or --top-p is given. Without --tokenizer-type the tokenizer recorded in
@@ -11,14 +11,12 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_ul.checkpoint import files  # noqa: E402
-from megatron_ul.checkpoint.files import CheckpointError  # noqa: E402
-from megatron_ul.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megatron_ul.inference.generate import generate, load_for_generation  # noqa: E402
+from megatron_ul.checkpoint import files
+from megatron_ul.checkpoint.files import CheckpointError
+from megatron_ul.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
+from megatron_ul.inference.generate import generate, load_for_generation
 
 
 def parse(argv):

@@ -3,7 +3,7 @@
 
 Takes pretrain_gpt.py's flags (model, parallel sizes, --zero-stage, --bf16, batch sizes) plus:
 
-    python tools/memory_estimator.py --num-layers 32 --hidden-size 4096 \
+    python -m tools.memory_estimator --num-layers 32 --hidden-size 4096 \
         --num-attention-heads 32 --seq-length 131072 --max-position-embeddings 131072 \
         --vocab-size 50257 --mock-data --bf16 --world-size 32 \
         --ds-sequence-parallel-size 32 --zero-stage 3 --recompute full --gpu-memory-gb 80
@@ -13,14 +13,11 @@ smallest world size (raising the Ulysses degree, then data parallelism under ZeR
 estimate fits. Formulas and what they leave out: megatron_ul/training/memory_estimator.py.
 """
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megatron_ul.arguments import parse_args  # noqa: E402
-from megatron_ul.config import ConfigError, validate  # noqa: E402
-from megatron_ul.training import memory_estimator as me  # noqa: E402
+from megatron_ul.arguments import parse_args
+from megatron_ul.config import ConfigError, resolve, validate
+from megatron_ul.training import memory_estimator as me
 
 
 def own_flags() -> argparse.ArgumentParser:
@@ -39,25 +36,14 @@ def own_flags() -> argparse.ArgumentParser:
 
 
 def load_config(rest: list[str]):
-    """Validated Config; features validate() still refuses (ZeRO, PP) are estimated anyway."""
+    """The resolved, validated Config of pretrain_gpt.py's flags (mock data unless data given)."""
     extra = [] if "--mock-data" in rest or "--data-path" in rest else ["--mock-data"]
     if "--world-size" in rest and "--dry-run" not in rest:
         extra.append("--dry-run")  # pretrain accepts --world-size only when not launching
     cfg = parse_args(rest + extra)
     if not cfg.model.vocab_size:
         cfg.model.vocab_size = 50257
-    try:
-        validate(cfg)
-    except ConfigError as e:
-        problems = [line for line in str(e).splitlines()[1:] if "not implemented yet" not in line]
-        if problems:
-            raise
-        cfg.model.max_position_embeddings = cfg.model.max_position_embeddings or \
-            cfg.model.seq_length
-        dp = max(cfg.parallel.data_parallel_size, 1)
-        cfg.train.global_batch_size = cfg.train.global_batch_size or \
-            cfg.train.micro_batch_size * dp
-    return cfg
+    return validate(resolve(cfg))
 
 
 def table(rows) -> str:

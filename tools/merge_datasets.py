@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Concatenates several MMIDIDX datasets (same token dtype) into one prefix.
 
-    python tools/merge_datasets.py --input a_text_document b_text_document --output-prefix ab_text_document
+    python -m tools.merge_datasets --input a_text_document b_text_document --output-prefix ab_text_document
 
 Like preprocess_data.py, output goes to temporary files renamed at the end (the .idx last).
 """
@@ -10,11 +10,7 @@ import argparse
 import os
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from megatron_ul.data.indexed_dataset import (  # noqa: E402
+from megatron_ul.data.indexed_dataset import (
     IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, data_file_path, index_file_path)
 
 

@@ -19,13 +19,9 @@ import time
 
 import numpy as np
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from megatron_ul.data.indexed_dataset import (  # noqa: E402
+from megatron_ul.data.indexed_dataset import (
     IndexedDatasetBuilder, data_file_path, index_file_path, token_dtype_for_vocab)
-from megatron_ul.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_ul.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 LINES_PER_CHUNK = 1024
 CHUNK_BYTES = 1 << 20

@@ -17,7 +17,8 @@ def parse_args(argv=None):
     parser.add_argument("--input", required=True, help="JSONL corpus")
     parser.add_argument("--json-key", default="text")
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--model-prefix", default="data/tokenizer", help="writes {prefix}.model and {prefix}.vocab")
+    parser.add_argument("--model-prefix", default="data/tokenizer",
+                        help="writes {prefix}.model and {prefix}.vocab")
     parser.add_argument("--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"])
     parser.add_argument("--input-sentence-size", type=int, default=300000,
                         help="lines sampled for training (keeps training quick)")

@@ -182,7 +182,7 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
         vp_flag = (f" --target-num-layers-per-virtual-pipeline-stage {ours['vp']}"
                    if ours["vp"] else "")
         log.info("resharding %s on load: TP%d PP%d VP%s -> TP%d PP%d VP%s (to do it once "
-                 "offline: python tools/checkpoint/convert.py --load-dir %s --save-dir NEW "
+                 "offline: python -m tools.checkpoint.convert --load-dir %s --save-dir NEW "
                  "--target-tensor-parallel-size %d --target-pipeline-parallel-size %d%s)",
                  iter_dir, saved["tp"], saved["pp"], saved.get("vp"), ours["tp"], ours["pp"],
                  ours["vp"], cfg.checkpoint.load, ours["tp"], ours["pp"], vp_flag)

@@ -1,8 +1,24 @@
-"""Local attention on the full sequence for a slice of heads: FlashAttention-2 when asked for
-and importable on a GPU, else torch SDPA. No communication happens here."""
+"""Local attention on the full sequence for a slice of heads: FlashAttention-2 where it can
+run, else torch SDPA. No communication happens here.
+
+The rule (one source of truth: `flash_attn_refusal`): FlashAttention-2 runs only when it is
+asked for (--use-flash-attn), `flash_attn` is importable, the tensors are on a CUDA device and
+in fp16/bf16, and no explicit attention mask is given (--reset-attention-mask). Every other
+request falls back to SDPA, and the log says once which path ran and why; it never names
+flash-attn for a call that SDPA computed. Requests are not refused by validation, so that one
+launch script serves a GPU run and an fp32 CPU run.
+
+Test hook: with the environment variable MEGATRON_UL_TEST_FLASH_ATTN_ON_CPU=1 the CPU counts as
+a device where flash-attn can run. Tests set it together with the strict CPU stand-in of
+`flash_attn` (tests/stand_ins/flash_attn, fixture `flash_attn_stand_in`), so the flash path,
+with the real API's dtype, layout and shape checks, runs in CPU tests. Never set it otherwise:
+the real kernel rejects CPU tensors.
+"""
 from __future__ import annotations
 
+import importlib
 import logging
+import os
 from typing import Optional
 
 import torch
@@ -12,29 +28,66 @@ from ..mpu.random import get_rng_tracker
 
 log = logging.getLogger(__name__)
 
-try:  # optional acceleration (a CUDA source build); never a hard requirement
-    from flash_attn import flash_attn_func  # type: ignore
-    HAVE_FLASH_ATTN = True
-except Exception:  # noqa: BLE001
-    flash_attn_func, HAVE_FLASH_ATTN = None, False
+FLASH_ON_CPU_ENV = "MEGATRON_UL_TEST_FLASH_ATTN_ON_CPU"
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 _announced: set = set()
 
 
+def _announce_once(message: str) -> None:
+    if message not in _announced:
+        log.info("attention: %s", message)
+        _announced.add(message)
+
+
+def _flash_attn_module():
+    """The `flash_attn` package, or None. Looked up on every use (a dict lookup once it is
+    imported), so tests can put the stand-in on sys.path after this module was imported."""
+    try:
+        return importlib.import_module("flash_attn")
+    except Exception:  # noqa: BLE001 - any import failure (no package, broken CUDA build)
+        return None
+
+
+def _device_runs_flash(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu"
+                                     and os.environ.get(FLASH_ON_CPU_ENV) == "1")
+
+
+def flash_attn_refusal(device: torch.device, dtype: Optional[torch.dtype] = None,
+                       has_mask: bool = False) -> Optional[str]:
+    """Why FlashAttention-2 cannot run here (for the log), or None when it can.
+    dtype None: not known yet (checked again per call)."""
+    if _flash_attn_module() is None:
+        return "flash-attn is not installed"
+    if not _device_runs_flash(device):
+        return f"tensors on {device.type}, FlashAttention-2 needs a CUDA device"
+    if dtype is not None and dtype not in FLASH_DTYPES:
+        return (f"{str(dtype).replace('torch.', '')} activations, FlashAttention-2 takes only "
+                f"fp16/bf16 (add --bf16 or --fp16)")
+    if has_mask:
+        return "an explicit attention mask (--reset-attention-mask)"
+    return None
+
+
 def select_backend(use_flash_attn: bool, device: torch.device) -> str:
-    """'flash' or 'sdpa'; logs once which path is in use and why."""
-    if use_flash_attn and HAVE_FLASH_ATTN and device.type == "cuda":
-        backend, why = "flash", "flash-attn 2"
-    elif use_flash_attn:
-        backend = "sdpa"
-        why = ("torch SDPA (--use-flash-attn given but "
-               + ("flash-attn is not installed)" if not HAVE_FLASH_ATTN else "not on a GPU)"))
-    else:
-        backend, why = "sdpa", "torch SDPA"
-    if why not in _announced:
-        log.info("attention: %s", why)
-        _announced.add(why)
-    return backend
+    """'flash' (requested and possible on this device; dtype and mask are checked per call)
+    or 'sdpa' (logged once, with the reason when flash-attn was asked for)."""
+    if not use_flash_attn:
+        return "sdpa"
+    why_not = flash_attn_refusal(device)
+    if why_not is not None:
+        _announce_once(f"torch SDPA (--use-flash-attn given, but {why_not})")
+        return "sdpa"
+    return "flash"
+
+
+def require_one_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """q, k and v must be in one dtype (the activation dtype): a mixed set would upcast the
+    packed Ulysses all-to-all buffer and is refused by FlashAttention-2."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share the activation dtype (got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype})")
 
 
 def _own_buffer_unless_shared_with(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -53,22 +106,35 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backen
                     softmax_scale: Optional[float] = None) -> torch.Tensor:
     """Causal attention. q [N, b, hq, d]; k, v [N, b, hk, d] with hq a multiple of hk (GQA).
 
+    backend: 'flash' runs FlashAttention-2 when `flash_attn_refusal` allows this call, else
+    SDPA; 'sdpa' always SDPA.
     attention_mask: optional bool [b, 1, N, N], True = masked (Megatron's convention), used for
     --reset-attention-mask; it already includes the causal part.
-    Returns [N, b, hq, d].
+    Returns [N, b, hq, d] in the dtype of q (the activation dtype: never upcast here).
     """
+    require_one_dtype(q, k, v)
+    use_flash = False
+    if backend == "flash":
+        why_not = flash_attn_refusal(q.device, q.dtype, attention_mask is not None)
+        use_flash = why_not is None
+        _announce_once("flash-attn 2 (flash_attn_func)" if use_flash else
+                       f"torch SDPA for some calls (--use-flash-attn given, but {why_not})")
+    else:
+        _announce_once("torch SDPA")
+    k, v = _own_buffer_unless_shared_with(k, q), _own_buffer_unless_shared_with(v, q)
     # Dropout on attention probabilities of this rank's heads: a per-(TP, SP)-rank stream.
     with get_rng_tracker().fork():
-        if backend == "flash" and attention_mask is None:
-            out = flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                  dropout_p=dropout_p, softmax_scale=softmax_scale, causal=True)
+        if use_flash:
+            # [N, b, h, d] -> [b, N, h, d]: a view whose last dimension stays contiguous.
+            out = _flash_attn_module().flash_attn_func(
+                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
+                softmax_scale=softmax_scale, causal=True)
             return out.transpose(0, 1)
         # GQA (query head i uses kv head i // (hq / hk)): SDPA's enable_gqa broadcasts the kv
         # heads inside the kernel instead of keeping k and v repeated hq/hk times for backward.
         # On torch 2.13 CPU the flash kernel takes it; 8 q / 2 kv heads, N=2048, d=64: saved
         # bytes 16.8 MB -> 10.6 MB, forward+backward time unchanged (0.59 s both).
         gqa = k.shape[2] != q.shape[2]
-        k, v = _own_buffer_unless_shared_with(k, q), _own_buffer_unless_shared_with(v, q)
         # [N, b, h, d] -> [b, h, N, d]
         q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if attention_mask is None:

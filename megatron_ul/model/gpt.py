@@ -101,9 +101,8 @@ class GPTModel(nn.Module):
         x = self.embed(tokens, position_ids) if self.pre_process else hidden_states
         rotary = None
         if self.cfg.position_embedding_type == "rope":
-            dtype = x.dtype if not torch.is_autocast_enabled(x.device.type) else torch.float32
-            rotary = rotary_cos_sin(position_ids.t(), self.cfg.head_dim, self.cfg.rotary_base,
-                                    dtype)
+            # fp32 tables; apply_rotary returns q and k in their own (activation) dtype
+            rotary = rotary_cos_sin(position_ids.t(), self.cfg.head_dim, self.cfg.rotary_base)
         plan = layers_to_checkpoint(len(self.layers), self.cfg.recompute_granularity,
                                     self.cfg.recompute_method, self.cfg.recompute_num_layers)
         x = run_layers(self.layers, x, plan if self.training else [], rotary, attention_mask)

@@ -20,7 +20,7 @@ import torch
 
 from ..mpu.mappings import ulysses_all_to_all
 from ..mpu.recompute import checkpoint
-from .attention import local_attention
+from .attention import local_attention, require_one_dtype
 
 
 def kv_replication_factor(kv_heads: int, sp: int) -> int:
@@ -43,6 +43,7 @@ class DistributedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float,
                  attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         sp = self.sp
+        require_one_dtype(q, k, v)   # the packed buffer below must not be upcast
         if sp == 1:
             return self._attend(q, k, v, dropout_p, attention_mask)
         s, b, hq, d = q.shape

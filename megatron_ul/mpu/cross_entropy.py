@@ -60,5 +60,6 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                                  vocab_size: int) -> torch.Tensor:
-    """Per-token loss (fp32, or fp64 for fp64 logits) for logits [..., padded_vocab/TP] and target ids [...]."""
+    """Per-token loss (fp32, or fp64 for fp64 logits) for logits [..., padded_vocab/TP] and
+    target ids [...]."""
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size)

@@ -97,7 +97,7 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> tor
     return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
-# ---- autograd functions ---------------------------------------------------------------------------
+# ---- autograd functions --------------------------------------------------------------------------
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -187,7 +187,7 @@ class _UlyssesAllToAll(torch.autograd.Function):
         return all_to_all(g, gather_dim, scatter_dim, ctx.group), None, None, None
 
 
-# ---- public API -------------------------------------------------------------------------------------
+# ---- public API ----------------------------------------------------------------------------------
 def copy_to_tensor_model_parallel_region(x):
     return _CopyToTP.apply(x)
 

@@ -72,11 +72,10 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         "mp": ("pp", "tp"),         # model-parallel: clipping norms, consistency checks
     }
     groups, group_ranks = {}, {}
-    kwargs = {"timeout": timeout} if timeout is not None else {}
     for name, axes in layouts.items():
         # new_group is collective over the world: every rank creates every group, in order.
         for ranks in _groups_varying(grid, axes):
-            group = dist.new_group(ranks, **kwargs)
+            group = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[name], group_ranks[name] = group, ranks
 
@@ -85,7 +84,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     embedding_ranks = None
     for pp_ranks in _groups_varying(grid, ("pp",)):
         ranks = sorted({pp_ranks[0], pp_ranks[-1]})
-        group = dist.new_group(ranks, **kwargs)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             groups["embedding"], embedding_ranks = group, ranks
     group_ranks["embedding"] = embedding_ranks or []

@@ -9,7 +9,8 @@ class LRSchedule:
     def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: int,
                  decay_steps: int, decay_style: str):
         self.optimizer, self.max_lr, self.min_lr = optimizer, max_lr, min_lr
-        self.warmup_steps, self.decay_steps, self.decay_style = warmup_steps, decay_steps, decay_style
+        self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
+        self.decay_style = decay_style
         self.num_steps = 0
         self._apply()
 

@@ -6,8 +6,8 @@ every model chunk (GPTModel) of the PipelineStageModel is its own FSDP root: the
 one chunk's forward or backward at a time (several forwards before their backwards, which
 FSDP2 supports), and each backward reduce-scatters into the accumulated gradient shards. The
 tied embedding copies on the first and last stage are sharded identically (same dp_sp
-coordinates), so pipeline/model.py sums their local shards over the embedding group. Parameters become
-DTensors sharded on dim 0 over dp_sp; a TP-sharded parameter is, to FSDP2, just a smaller
+coordinates), so pipeline/model.py sums their local shards over the embedding group. Parameters
+become DTensors sharded on dim 0 over dp_sp; a TP-sharded parameter is, to FSDP2, just a smaller
 local tensor, so TP needs nothing from it. FSDP2 all-gathers a layer's parameters for its
 forward and backward and reduce-scatters its gradients; we set the divide factor to 1 and
 force plain SUM collectives (gloo has no PREMUL_SUM), so the reduction is a SUM over dp_sp,

@@ -36,7 +36,9 @@ class StageCommunicator:
             raise RuntimeError(f"pipeline send of shape {tuple(tensor.shape)}, expected "
                                f"{self.shape}")
         record("send", tensor, self.group)
-        self._pending.append((dist.isend(tensor, dst, group=self.group, tag=tag), tensor))
+        work = dist.isend(tensor, dst, group=self.group, tag=tag)
+        assert work is not None, "isend on a pipeline group this rank is not part of"
+        self._pending.append((work, tensor))
 
     def _recv(self, src: int, tag: int) -> torch.Tensor:
         tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)

@@ -12,7 +12,7 @@ import torch
 from ..arguments import parse_args
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.io import Resume, load_checkpoint
-from ..config import Config, ConfigError, validate
+from ..config import Config, ConfigError, resolve, validate
 from ..data.gpt_dataset import parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
 from ..model.gpt import GPTModel
@@ -41,7 +41,7 @@ def configure(argv=None, world_size: int | None = None) -> Config:
         raise ConfigError("invalid configuration:\n  --data-path needs --tokenizer-type "
                           "(and its --tokenizer-model or --vocab-file/--merge-file)")
     _check_data_files(cfg.data.data_path)
-    return validate(cfg)
+    return validate(resolve(cfg))
 
 
 def _check_data_files(data_path: list[str]) -> None:
@@ -63,7 +63,8 @@ def _check_data_files(data_path: list[str]) -> None:
 def build_model(cfg: Config, device) -> GPTModel:
     if cfg.parallel.pipeline_model_parallel_size > 1:
         return build_pipeline_model(cfg, device)  # this rank's model chunks
-    return GPTModel(cfg.model, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel,
+    return GPTModel(cfg.model, seed=cfg.train.seed,
+                    sequence_parallel=cfg.parallel.sequence_parallel,
                     device=device)
 
 

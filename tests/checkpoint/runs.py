@@ -80,13 +80,8 @@ def listing(root: str) -> dict[str, float]:
 
 def convert_cli(argv: list[str]) -> int:
     """tools/checkpoint/convert.py's main, called in-process (no interpreter start-up)."""
-    import importlib.util
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location(
-        "convert_tool", os.path.join(root, "tools", "checkpoint", "convert.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    from tools.checkpoint import convert
+    return convert.main(argv)
 
 
 def resume_on_layouts(rank: int, world: int, argv: list[str], layouts: dict, tmp: str) -> dict:

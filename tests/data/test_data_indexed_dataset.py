@@ -127,9 +127,9 @@ def test_merge_datasets_tool(tmp_path):
     first = write_dataset(tmp_path / "x", first_docs)
     second = write_dataset(tmp_path / "y", second_docs)
     output = str(tmp_path / "out" / "xy")
-    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "merge_datasets.py"),
+    result = subprocess.run([sys.executable, "-m", "tools.merge_datasets",
                              "--input", first, second, "--output-prefix", output],
-                            capture_output=True, text=True, cwd=str(tmp_path))
+                            capture_output=True, text=True, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
     merged = IndexedDataset(output)
     assert len(merged) == len(first_docs) + len(second_docs)

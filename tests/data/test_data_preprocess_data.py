@@ -95,9 +95,9 @@ def test_malformed_and_missing_key_lines_are_skipped_with_line_numbers(tmp_path,
 def test_strict_stops_nonzero_and_leaves_nothing(tmp_path):
     lines = [{"text": "1 2"}] * 5 + ['{"text": broken'] + [{"text": "3"}] * 5
     source = write_jsonl(tmp_path / "in.jsonl", lines)
-    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "preprocess_data.py"),
+    result = subprocess.run([sys.executable, "-m", "tools.preprocess_data",
                              *null_args(source, tmp_path / "out"), "--strict"],
-                            capture_output=True, text=True, cwd=str(tmp_path))
+                            capture_output=True, text=True, cwd=REPO_ROOT)
     assert result.returncode != 0
     assert "line 6: malformed JSON" in result.stderr and "--strict" in result.stderr
     assert output_files(tmp_path) == []

@@ -1,5 +1,6 @@
 """Sampling rules, and tools/generate.py end to end on a checkpoint saved under TP2 (merged to
 TP1 on load)."""
+import os
 import subprocess
 import sys
 
@@ -31,8 +32,9 @@ def test_generate_cli_on_a_tp2_checkpoint(tmp_path):
     argv = TINY + ["--train-iters", "2", "--tensor-model-parallel-size", "2", "--save", save,
                    "--tokenizer-type", "NullTokenizer"]
     run_distributed(train, 2, argv)
-    out = subprocess.run([sys.executable, "tools/generate.py", "--load", save, "--prompt",
-                          "5 17 42", "--max-new-tokens", "6"], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "tools.generate", "--load", save, "--prompt",
+                          "5 17 42", "--max-new-tokens", "6"], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert out.returncode == 0, out.stderr
     ids = out.stdout.split()
     assert ids[:3] == ["5", "17", "42"] and 3 < len(ids) <= 9

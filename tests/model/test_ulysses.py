@@ -67,7 +67,8 @@ def _check_all_to_all(rank, world):
     back = ulysses_all_to_all(swapped, scatter_dim=0, gather_dim=2, group=group)
     assert torch.equal(back, mine)
     # backward of an all-to-all is the inverse all-to-all
-    grad = torch.randn(swapped.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    grad = torch.randn(swapped.shape, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(rank))
     swapped.backward(grad)
     gathered = [torch.empty_like(grad) for _ in range(world)]
     torch.distributed.all_gather(gathered, grad, group=group)

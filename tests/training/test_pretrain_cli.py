@@ -26,10 +26,10 @@ def _prepare_corpus(tmp_path):
                 if name.endswith(".py"):
                     with open(os.path.join(stdlib, package, name)) as f:
                         out.write(json.dumps({"text": f.read()}) + "\n")
-    r = _run([sys.executable, "tools/train_tokenizer.py", "--input", str(corpus),
+    r = _run([sys.executable, "-m", "tools.train_tokenizer", "--input", str(corpus),
               "--model-prefix", str(tmp_path / "tok"), "--vocab-size", "500"])
     assert r.returncode == 0, r.stderr
-    r = _run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus),
+    r = _run([sys.executable, "-m", "tools.preprocess_data", "--input", str(corpus),
               "--output-prefix", str(tmp_path / "code"), "--tokenizer-type",
               "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "tok.model"),
               "--append-eod", "--workers", "1"])

@@ -6,12 +6,13 @@ the --timing-log-level 1 timers on rank 0 (gloo, one thread per rank, CPU).
 On a machine with fewer cores than ranks, an all-to-all also waits for the slowest peer, so
 the share includes that imbalance; the column 'cores' says when ranks outnumber cores.
 
-    python tools/bench/bench_alltoall_share.py [--sizes 2 4] [--seq 1024 2048 4096 8192] [--write-docs]
+    python -m tools.bench.bench_alltoall_share [--sizes 2 4] [--seq 1024 2048 4096 8192] \
+        [--write-docs]
 """
 import argparse
 import os
 
-from common import markdown_table, report, run_ranks, timed_training
+from tools.bench.common import markdown_table, report, run_ranks, timed_training
 
 
 def main(argv=None):

@@ -12,13 +12,13 @@ Backward mirrors forward (inverse all-to-all; all-gather <-> reduce-scatter); Me
 column-parallel linears also re-gather their saved input shard (as Megatron-LM does), so its
 backward is 1.5x its forward. The forward ratio Megatron-SP / Ulysses should be P.
 
-    python tools/bench/bench_comm_volume.py [--seq-length 4096 --hidden-size 512] [--write-docs]
+    python -m tools.bench.bench_comm_volume [--seq-length 4096 --hidden-size 512] [--write-docs]
 """
 import argparse
 
 import torch
 
-from common import markdown_table, report, run_ranks
+from tools.bench.common import markdown_table, report, run_ranks
 
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.transformer import TransformerLayer

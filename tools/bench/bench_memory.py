@@ -1,7 +1,7 @@
 """Per-rank memory, measured: ZeRO model state over dp_sp, Ulysses activation memory over SP,
 and the longest sequence that fits a memory cap with full recompute.
 
-    python tools/bench/bench_memory.py            # prints the tables, writes docs/memory.md
+    python -m tools.bench.bench_memory            # prints the tables, writes docs/memory.md
 
 All numbers are bytes of tensors a rank really holds (megatron_ul/training/memory.py), on CPU
 gloo ranks spawned here; no timing is involved.
@@ -13,12 +13,11 @@ import os
 import platform
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
+import torch
+import torch.distributed as dist
+from tools.bench.common import run_ranks
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from common import run_ranks  # noqa: E402  (tools/bench/common.py: spawns gloo ranks)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MIB = 2**20
 STATE_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
@@ -133,10 +132,11 @@ def longest_sequence_worker(rank, world, argv, cap_bytes, start):
         cfg.model.seq_length = n   # rope: no table depends on the length
         tokens, positions, labels = _local_batch(cfg.model, n)
         model.cfg.recompute_granularity = "full"
-        _, kept = saved_activation_bytes(lambda: model(tokens, positions, None, labels),
+        # the lambdas run at once, inside the call, so late binding cannot bite
+        _, kept = saved_activation_bytes(lambda: model(tokens, positions, None, labels),  # noqa: B023
                                          exclude=params)
         x, rotary = _layer_inputs(model, cfg, tokens, positions)
-        _, layer = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),
+        _, layer = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),  # noqa: B023
                                           exclude=params)
         need = torch.tensor(float(state + kept + layer))
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
@@ -172,7 +172,7 @@ def main() -> None:
     parser.add_argument("--start-seq", type=int, default=1024, help="first length tried")
     parser.add_argument("--output", default=os.path.join(ROOT, "docs", "memory.md"))
     args = parser.parse_args()
-    command = " ".join(["python tools/bench/bench_memory.py", *sys.argv[1:]])
+    command = " ".join(["python -m tools.bench.bench_memory", *sys.argv[1:]])
     sections = [
         ("Model state per rank (params + grads + Adam state) under ZeRO over dp_sp",
          f"Model: {' '.join(STATE_MODEL)}. dp_sp 2 = SP2, dp_sp 4 = SP2 × DP2; the fullest rank "

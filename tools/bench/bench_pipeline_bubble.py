@@ -18,12 +18,10 @@ import platform
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import torch
+from tools.bench.common import run_ranks
 
-import torch  # noqa: E402
-from common import run_ranks  # noqa: E402  (tools/bench/common.py: spawns gloo ranks)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DOCS_PATH = os.path.join(REPO_ROOT, "docs", "pipeline.md")
 BENCH_START, BENCH_END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -137,7 +135,7 @@ def machine() -> str:
 def main(argv=None):
     args = parse_args(argv)
     result = table(args)
-    command = "python tools/bench/bench_pipeline_bubble.py " + " ".join(
+    command = "python -m tools.bench.bench_pipeline_bubble " + " ".join(
         a for a in (argv if argv is not None else sys.argv[1:]))
     section = (f"{BENCH_START}\nCommand: `{command.strip()}`\n\nModel: {args.num_layers} layers, "
                f"hidden {args.hidden_size}, 8 heads, sequence {args.seq_length}, micro-batch 1, "

@@ -21,12 +21,10 @@ import sys
 import tempfile
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+from megatron_ul.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype_for_vocab
+from megatron_ul.data.tokenizers import build_tokenizer
 
-from megatron_ul.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype_for_vocab  # noqa: E402
-from megatron_ul.data.tokenizers import build_tokenizer  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 DOCS_PATH = os.path.join(REPO_ROOT, "docs", "data.md")
 BENCH_START = "<!-- bench:start -->"
@@ -47,8 +45,8 @@ def parse_args(argv=None):
 
 
 def run_tool(script, *arguments):
-    command = [sys.executable, os.path.join(REPO_ROOT, "tools", script), *arguments]
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    command = [sys.executable, "-m", "tools." + script.removesuffix(".py"), *arguments]
+    subprocess.run(command, check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def prepare_inputs(args, workdir):
@@ -150,7 +148,7 @@ def main(argv=None) -> int:
     table = format_table(corpus_mb, num_tokens, rows, args.repeats)
     print(table)
     if args.write_docs:
-        command = "python tools/bench/bench_preprocess.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python -m tools.bench.bench_preprocess " + " ".join(argv if argv is not None else sys.argv[1:])
         write_docs(table, command.strip())
         print(f"wrote the table into {DOCS_PATH}")
     return 0

@@ -2,7 +2,7 @@
 output layer, loss), per rank, for the layouts whose activation memory the Megatron-SP linear
 and GQA changes touch. Prints a Markdown table (no timing).
 
-    python tools/bench/bench_saved_per_layer.py
+    python -m tools.bench.bench_saved_per_layer
 
 Uses the measurement of megatron_ul/training/memory_probe.py (saved_tensors_hooks, each storage
 counted once, parameters excluded), the ground truth tests/training/test_memory_estimator.py
@@ -11,7 +11,7 @@ commit's tree (`git archive <commit> | tar -x -C DIR`, copy this file, run it th
 """
 from __future__ import annotations
 
-from common import command_line, machine_info, markdown_table, run_ranks
+from tools.bench.common import command_line, machine_info, markdown_table, run_ranks
 
 from megatron_ul.training.memory_probe import measure_many
 

@@ -4,11 +4,11 @@ model and global batch; tokens/s ratio (ideal 2×). SP=1 and SP=2 runs alternate
 invocation and the fastest of each counts, so that load from other processes on a shared
 machine does not decide the ratio.
 
-    python tools/bench/bench_sp_scaling.py [--seq 4096 8192] [--write-docs]
+    python -m tools.bench.bench_sp_scaling [--seq 4096 8192] [--write-docs]
 """
 import argparse
 
-from common import markdown_table, report, run_ranks, timed_training
+from tools.bench.common import markdown_table, report, run_ranks, timed_training
 
 
 def main(argv=None):

@@ -7,7 +7,7 @@ tied embeddings; a vocabulary that needs no padding). Steps alternate between th
 in rounds so that machine noise hits both alike; the median step time of each counts.
 
     pip install transformers      (optional dependency, only for this benchmark)
-    python tools/bench/bench_vs_hf.py [--layers 4 --hidden 256 --heads 8 --seq 1024] [--write-docs]
+    python -m tools.bench.bench_vs_hf [--layers 4 --hidden 256 --heads 8 --seq 1024] [--write-docs]
 """
 import argparse
 import os
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from common import markdown_table, report
+from tools.bench.common import markdown_table, report
 
 from megatron_ul.config import ModelConfig
 from megatron_ul.initialize import free_port
@@ -89,7 +89,7 @@ def main(argv=None):
                "HF GPT2LMHeadModel": (step_hf, *build_hf(a))}
     wall = {name: [] for name in runners}
     cpu = {name: [] for name in runners}
-    for name, (step, model, opt) in runners.items():  # warm-up
+    for step, model, opt in runners.values():  # warm-up
         step(model, opt, tokens)
     for _ in range(a.rounds):
         for name, (step, model, opt) in runners.items():

@@ -9,11 +9,9 @@ import sys
 
 import torch
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+from megatron_ul.local_ranks import run_on_local_ranks
 
-from megatron_ul.local_ranks import run_on_local_ranks  # noqa: E402  (needs REPO_ROOT on sys.path)
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(REPO_ROOT, "docs", "benchmarks.md")
 HEADER = ("# Benchmarks\n\nEach section is written by the script named in it "
           "(`--write-docs`); numbers are from one run on the machine described.\n")
@@ -64,7 +62,9 @@ def report(section: str, title: str, setup: str, table: str, conclusion: str = "
 
 
 def command_line() -> str:
-    return "python " + " ".join([os.path.relpath(sys.argv[0], REPO_ROOT)] + sys.argv[1:])
+    """How this benchmark was run, as `python -m tools.bench.NAME ARGS` (from the repo root)."""
+    module = os.path.splitext(os.path.relpath(sys.argv[0], REPO_ROOT))[0].replace(os.sep, ".")
+    return "python -m " + " ".join([module] + sys.argv[1:])
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Convert a megatron_ul checkpoint to another parallel layout.
 
-    python tools/checkpoint/convert.py --load-dir A --save-dir B \
+    python -m tools.checkpoint.convert --load-dir A --save-dir B \
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1 [--no-optim] \
         [--target-num-layers-per-virtual-pipeline-stage N]
 
@@ -17,10 +17,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from megatron_ul.checkpoint.files import CheckpointError  # noqa: E402
-from megatron_ul.checkpoint.reshard import convert  # noqa: E402
+from megatron_ul.checkpoint.files import CheckpointError
+from megatron_ul.checkpoint.reshard import convert
 
 
 def main(argv=None) -> int:

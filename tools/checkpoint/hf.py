@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Import Hugging Face GPT-2 / Llama models into megatron_ul checkpoints, and export back.
 
-    python tools/checkpoint/hf.py import --hf-dir gpt2-small --save-dir ckpt \
+    python -m tools.checkpoint.hf import --hf-dir gpt2-small --save-dir ckpt \
         [--target-tensor-parallel-size 2]
-    python tools/checkpoint/hf.py export --load-dir ckpt --hf-dir out [--model-type llama]
+    python -m tools.checkpoint.hf export --load-dir ckpt --hf-dir out [--model-type llama]
 
 Import writes iteration 0 (weights only) and prints the model flags to train or generate with
 (fine-tune with --finetune). Export reads any layout and writes config.json + model.safetensors
@@ -14,9 +14,7 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
-from megatron_ul.checkpoint.files import CheckpointError  # noqa: E402
+from megatron_ul.checkpoint.files import CheckpointError
 from megatron_ul.checkpoint.hf import export_checkpoint, import_checkpoint, model_flags  # noqa
 
 

@@ -2,7 +2,7 @@
 """Crash-safety trial: kill -9 a process at random moments while it saves checkpoints, then
 check that the trainer still loads the latest checkpoint it reported complete.
 
-    python tools/checkpoint/kill_trial.py --trials 30 [--dir /tmp/kill_trial]
+    python -m tools.checkpoint.kill_trial --trials 30 [--dir /tmp/kill_trial]
 
 Each trial starts a child that saves checkpoints back to back into one directory (every
 iteration twice, so half of the saves replace an existing iteration), kills it with SIGKILL
@@ -19,7 +19,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, ROOT)
 
 MODEL = ["--mock-data", "--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "256",
          "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
@@ -45,7 +44,8 @@ def child(directory: str) -> None:
 def one_trial(directory: str, max_delay: float, rng: random.Random) -> dict:
     # the child picks its own rendezvous port (this process holds one after the first check)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.Popen([sys.executable, __file__, "--child", directory], env=env,
+    child_cmd = [sys.executable, "-m", "tools.checkpoint.kill_trial", "--child", directory]
+    proc = subprocess.Popen(child_cmd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     first = [proc.stdout.readline()]
     while first[-1] and first[-1].strip() != "ready":

@@ -1,0 +1,1 @@
+"""The GPT: embeddings, transformer layers, Ulysses attention, norms, RoPE."""

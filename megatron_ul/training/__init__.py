@@ -1,0 +1,1 @@
+"""Setup, the training step and loop, metrics, timers, exit handling, memory estimates."""

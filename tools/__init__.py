@@ -1,0 +1,1 @@
+"""Command-line tools; run them from the repository root as `python -m tools.NAME`."""

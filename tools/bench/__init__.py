@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m tools.bench.NAME` prints a table (see docs/benchmarks.md)."""

@@ -1,0 +1,1 @@
+"""Checkpoint tools: layout conversion, Hugging Face import/export, crash-safety trial."""
