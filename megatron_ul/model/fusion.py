@@ -6,9 +6,9 @@ Only the layer's `forward` is compiled, not its `__call__`: module hooks (FSDP2'
 reshard, recompute, the memory probe's) stay eager around it. The Ulysses attention (all-to-all,
 attention kernel, all-to-all) is excluded and runs eagerly between two compiled regions: it is
 one kernel and two collectives, nothing to fuse. TP's collectives live in autograd Functions
-that call torch.distributed directly; dynamo breaks the graph there, so they run eagerly too. Random numbers (dropout) use
-PyTorch's generator as in eager mode (inductor's fallback_random), so the RNG tracker, recompute
-and every layout draw the same masks as eager layers do.
+that call torch.distributed directly; dynamo breaks the graph there, so they run eagerly too.
+Random numbers (dropout) use PyTorch's generator as in eager mode (inductor's fallback_random),
+so the RNG tracker, recompute and every layout draw the same masks as eager layers do.
 """
 from __future__ import annotations
 

@@ -48,7 +48,7 @@ def _sharded(init: Init, shape: tuple, dim: int, device, dtype, stride: int = 1)
                          f"TP×stride = {tp}×{stride}")
     index = [torch.arange(n) for n in shape]
     index[dim] = tp_index(shape[dim], stride, tp, rank)
-    param = new_parameter(init, shape, index, device=device, dtype=dtype)
+    param = new_parameter(init, shape, tuple(index), device=device, dtype=dtype)
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
     return param
 

@@ -191,7 +191,7 @@ def new_parameter(init: Init, global_shape, index: Optional[Index] = None, *, de
         param = nn.Parameter(torch.empty([len(i) for i in index], device="meta", dtype=dtype))
     else:
         param = nn.Parameter(init.values(global_shape, index, device, dtype))
-    param.init_spec = InitSpec(init, global_shape, index)
+    param.init_spec = InitSpec(init, global_shape, index)  # type: ignore[attr-defined]
     return param
 
 
@@ -201,7 +201,8 @@ def _dim0_shard(param) -> tuple[torch.Tensor, int]:
     from torch.distributed.tensor import DTensor, Shard
     if not isinstance(param, DTensor):
         return param.data, 0
-    if any(not isinstance(p, Shard) or p.dim != 0 for p in param.placements if not p.is_replicate()):
+    if any(not (isinstance(p, Shard) and p.dim == 0) for p in param.placements
+           if not p.is_replicate()):
         raise ValueError(f"cannot materialise placements {param.placements}: only dim-0 "
                          f"sharding (FSDP2) is supported")
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -224,7 +225,7 @@ def materialize(module: nn.Module, device) -> nn.Module:
         for attribute, value in attributes[name].items():
             if not hasattr(param, attribute):
                 setattr(param, attribute, value)
-        spec = param.init_spec
+        spec: InitSpec = param.init_spec  # type: ignore[attr-defined]
         local, offset = _dim0_shard(param)
         if local.numel() == 0:
             continue

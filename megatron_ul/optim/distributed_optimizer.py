@@ -206,8 +206,9 @@ class DistributedOptimizer:
             own = {bucket_of[id(p)] for p in module.parameters(recurse=False)
                    if id(p) in bucket_of}
             if own:
+                buckets = sorted(own)
                 module.register_forward_pre_hook(
-                    lambda _m, _args, own=sorted(own): self.finish_param_sync(own))
+                    lambda _m, _args, buckets=buckets: self.finish_param_sync(buckets))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero in place: the parameters' .grad must stay views of the gradient buffer."""

@@ -3,12 +3,12 @@
 styles, on CPU: bytes autograd keeps for backward per layer (training/memory_probe.py) and
 training step time (one process, after warm-up iterations that include the compilation).
 
-    flock /tmp/heavy.lock python tools/bench/bench_fused.py [--iters 3] [--write-docs]
+    flock /tmp/heavy.lock python -m tools.bench.bench_fused [--iters 3] [--write-docs]
 """
 import argparse
 import time
 
-from common import markdown_table, report, run_ranks, timed_training
+from tools.bench.common import markdown_table, report, run_ranks, timed_training
 
 from megatron_ul.training.memory_probe import measure
 

@@ -1,7 +1,8 @@
 """Shard-only initialisation: per-rank build time and peak memory of a >= 1B-parameter model
 at TP1, TP2, PP2 and ZeRO-3 over 2 ranks (CPU gloo ranks, one thread each).
 
-    flock /tmp/heavy.lock bash -c 'ulimit -v 16000000; python tools/bench/bench_init.py --write-docs'
+    flock /tmp/heavy.lock bash -c 'ulimit -v 12000000; python -m tools.bench.bench_init \
+        --write-docs'
 
 "Build" is what pretrain.setup does before the optimizer: building the model (on the meta
 device and materialising the ZeRO-3 shards under --zero-stage 3). Peak memory is the rise of
@@ -13,11 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import markdown_table, report, run_ranks  # noqa: E402
+from tools.bench.common import markdown_table, report, run_ranks
 
 # Megatron's GPT-2 1.3B shape (24 layers, hidden 2048, 16 heads, GPT-2 vocabulary).
 MODEL_1_3B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",

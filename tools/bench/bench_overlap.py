@@ -3,11 +3,11 @@
 training timers ("grad-reduce": the time train_step waits for the gradient reduction after
 backward) on CPU gloo ranks, at DP2 and SP2×DP2, plain data parallelism and ZeRO-1.
 
-    flock /tmp/heavy.lock python tools/bench/bench_overlap.py [--iters 4] [--write-docs]
+    flock /tmp/heavy.lock python -m tools.bench.bench_overlap [--iters 4] [--write-docs]
 """
 import argparse
 
-from common import markdown_table, report, run_ranks, timed_training
+from tools.bench.common import markdown_table, report, run_ranks, timed_training
 
 MODEL = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8",
          "--vocab-size", "8000", "--seq-length", "256", "--micro-batch-size", "1",
