@@ -87,9 +87,9 @@ def _init_on_rank(rank, world, argv):
     computed = []
     original = param_init.standard_normal_at
 
-    def counting(flat, key):
+    def counting(flat, key, buffers=None):
         computed.append(flat.numel())
-        return original(flat, key)
+        return original(flat, key, buffers)
 
     param_init.standard_normal_at = counting
     try:
