@@ -5,9 +5,10 @@ at TP1, TP2, PP2 and ZeRO-3 over 2 ranks (CPU gloo ranks, one thread each).
         --write-docs'
 
 "Build" is what pretrain.setup does before the optimizer: building the model (on the meta
-device and materialising the ZeRO-3 shards under --zero-stage 3). Peak memory is the rise of
-the process's peak RSS over its RSS just before the build; CPU time is the process's own
-(robust to other load on the machine), wall time is also given.
+device and materialising the ZeRO-3 shards under --zero-stage 3). The ranks of a layout build
+one after another (nothing in the build communicates), each with the machine to itself. Peak
+memory is the rise of the process's peak RSS over its RSS just before the build; CPU time is
+the process's own (robust to other load on the machine), wall time is also given.
 """
 from __future__ import annotations
 
@@ -48,17 +49,22 @@ def build_on_rank(rank, world, argv):
 
     cfg = configure(argv, world)
     device = initialize_distributed(cfg)
-    torch.distributed.barrier()
-    before = _rss_bytes()
-    wall, cpu = time.perf_counter(), time.process_time()
-    if cfg.parallel.zero_stage == 3:
-        with deferred():
+    # The ranks build one after another, so that each has the machine's cores to itself (as
+    # each GPU's host share would) and the CPU times compare across layouts.
+    for turn in range(world):
+        torch.distributed.barrier()
+        if turn != rank:
+            continue
+        before = _rss_bytes()
+        wall, cpu = time.perf_counter(), time.process_time()
+        if cfg.parallel.zero_stage == 3:
+            with deferred():
+                model = build_model(cfg, device)
+            model = materialize(shard_model(model), device)
+        else:
             model = build_model(cfg, device)
-        model = materialize(shard_model(model), device)
-    else:
-        model = build_model(cfg, device)
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4
                for p in model.parameters())
     total = sum(p.numel() for p in model.parameters())   # this rank's (TP/PP) model part
@@ -92,7 +98,7 @@ def main() -> None:
            f"GPT-2 1.3B shape ({full_params / 1e9:.2f} B parameters, fp32), built per rank as "
            "pretrain.setup does: every rank computes only the elements it holds (its TP slice, "
            "its pipeline stage, its ZeRO-3 shard) with the counter-based generator of "
-           "mpu/param_init.py. Gloo ranks, one thread each.", table,
+           "mpu/param_init.py. Gloo ranks, one thread each, building one after another.", table,
            "Each rank's build CPU time and peak memory scale as 1/(TP·PP·ZeRO-3 shards); the "
            "PP2 stages both hold the tied embedding (first stage: table, last stage: its copy), "
            "so their share is (L/2 layers + embedding) / (L layers + embedding).",
