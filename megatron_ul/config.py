@@ -207,9 +207,10 @@ class CheckpointConfig:
     exit_interval: Optional[int] = flag(
         None, help="exit (saving first with --save) when the iteration is a multiple of this")
     exit_duration_in_mins: Optional[float] = flag(
-        None, help="exit (saving first with --save) after this many minutes of training")
+        None, help="exit (saving first with --save) this many minutes after the program started")
     exit_signal_handler: bool = flag(
-        False, help="on SIGTERM, save at the end of the current iteration and exit 0")
+        False, help="on SIGTERM or SIGUSR1 (Slurm's --signal time-limit warning), save at the "
+                    "end of the current iteration and exit 0")
 
 
 @dataclass

@@ -18,8 +18,10 @@ from ..mpu.cross_entropy import vocab_parallel_cross_entropy
 from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, sequence_parallel_linear
 from ..mpu.param_init import new_parameter
 from ..mpu.mappings import copy_to_tensor_model_parallel_region, scatter_to_sequence_parallel_region
+from ..mpu.parallel_state import ParallelDims
 from ..mpu.recompute import layers_to_checkpoint, run_layers
 from .fusion import fuse_layers
+from ..timers import NO_TIMERS, Timers
 from .init import normal_init
 from .norms import Norm
 from .rotary import rotary_cos_sin
@@ -30,11 +32,14 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, *, seed: int, sequence_parallel: bool = False,
                  pre_process: bool = True, post_process: bool = True,
                  layer_numbers: Optional[Iterable[int]] = None, device=None,
-                 dtype=torch.float32):
+                 dtype=torch.float32, timers: Timers = NO_TIMERS,
+                 dims: Optional[ParallelDims] = None):
         super().__init__()
         self.cfg, self.sequence_parallel = cfg, sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
-        tp = ps.get_tensor_model_parallel_world_size()
+        dims = dims or ps.get_parallel_dims()   # the rank grid: every layer takes its groups here
+        self.tp_group = dims.tp_group
+        tp = dims.tp
         self.padded_vocab_size = cfg.padded_vocab_size(tp)
         std = cfg.init_method_std
         self.share_embeddings = not cfg.untie_embeddings_and_output_weights
@@ -44,7 +49,8 @@ class GPTModel(nn.Module):
             # "embedding group" keeps the copies identical under pipelining).
             self.word_embeddings = VocabParallelEmbedding(
                 self.padded_vocab_size, cfg.hidden_size,
-                normal_init(std, seed, "embedding.word"), device=device, dtype=dtype)
+                normal_init(std, seed, "embedding.word"), device=device, dtype=dtype,
+                tp_group=dims.tp_group)
         if pre_process and cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
                                                     device="meta", dtype=dtype)
@@ -55,7 +61,8 @@ class GPTModel(nn.Module):
         numbers = list(layer_numbers) if layer_numbers is not None else list(
             range(1, cfg.num_layers + 1))
         self.layers = nn.ModuleList(
-            TransformerLayer(cfg, n, seed, sequence_parallel, device=device, dtype=dtype)
+            TransformerLayer(cfg, n, seed, sequence_parallel, device=device, dtype=dtype,
+                             timers=timers, dims=dims)
             for n in numbers)
         if cfg.fused_layers:
             fuse_layers(self.layers, cfg.fused_layers_backend)
@@ -68,7 +75,8 @@ class GPTModel(nn.Module):
                 self.output_layer = ColumnParallelLinear(
                     cfg.hidden_size, self.padded_vocab_size,
                     normal_init(std, seed, "output_layer"), bias=False,
-                    sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+                    sequence_parallel=sequence_parallel, device=device, dtype=dtype,
+                    tp_group=dims.tp_group)
 
     # ---- pieces ---------------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -77,7 +85,7 @@ class GPTModel(nn.Module):
         if hasattr(self, "position_embeddings"):
             x = x + self.position_embeddings(position_ids.t())
         if self.sequence_parallel:
-            x = scatter_to_sequence_parallel_region(x)
+            x = scatter_to_sequence_parallel_region(x, self.tp_group)
         return dropout(x, self.cfg.hidden_dropout, self.training, self.sequence_parallel)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,8 +93,9 @@ class GPTModel(nn.Module):
         if not self.share_embeddings:
             return self.output_layer(x)
         if self.sequence_parallel:  # keeps only the [s/TP, b, h] shard for backward
-            return sequence_parallel_linear(x, self.word_embeddings.weight)
-        return F.linear(copy_to_tensor_model_parallel_region(x), self.word_embeddings.weight)
+            return sequence_parallel_linear(x, self.word_embeddings.weight, group=self.tp_group)
+        return F.linear(copy_to_tensor_model_parallel_region(x, self.tp_group),
+                        self.word_embeddings.weight)
 
     def forward(self, tokens: Optional[torch.Tensor], position_ids: torch.Tensor,
                 attention_mask: Optional[torch.Tensor] = None,
@@ -111,5 +120,6 @@ class GPTModel(nn.Module):
         logits = self.logits(self.final_norm(x))
         if labels is None:
             return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size)
+        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size,
+                                            self.tp_group)
         return loss.t().contiguous()  # a fresh tensor: FSDP2 warns about returned views

@@ -16,7 +16,9 @@ from torch import nn
 from ..config import ModelConfig
 from ..mpu import parallel_state as ps
 from ..mpu.layers import ColumnParallelLinear, RowParallelLinear
+from ..mpu.parallel_state import ParallelDims
 from ..mpu.random import get_rng_tracker
+from ..timers import NO_TIMERS, Timers
 from .attention import select_backend
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
@@ -36,9 +38,11 @@ def dropout(x: torch.Tensor, p: float, training: bool, sharded_sequence: bool) -
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, key: str, seed: int, sequence_parallel: bool,
-                 num_layers: int, device, dtype):
+                 num_layers: int, device, dtype, timers: Timers = NO_TIMERS,
+                 dims: Optional[ParallelDims] = None):
         super().__init__()
-        tp = ps.get_tensor_model_parallel_world_size()
+        dims = dims or ps.get_parallel_dims()
+        tp = dims.tp
         self.head_dim = cfg.head_dim
         self.q_heads = cfg.num_attention_heads // tp
         self.kv_heads = cfg.query_groups // tp
@@ -46,17 +50,17 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, normal_init(cfg.init_method_std, seed, key + ".qkv"),
             bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
-            dtype=dtype)
+            dtype=dtype, tp_group=dims.tp_group)
         self.proj = RowParallelLinear(
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
             scaled_normal_init(cfg.init_method_std, num_layers, seed, key + ".proj"),
             bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
-            dtype=dtype)
+            dtype=dtype, tp_group=dims.tp_group)
         backend = select_backend(cfg.use_flash_attn,
                                  torch.device(device) if device else torch.device("cpu"))
-        self.core = DistributedAttention(ps.get_sequence_parallel_world_size(), backend,
-                                         ps.get_sequence_parallel_group(),
-                                         recompute=cfg.recompute_granularity == "selective")
+        self.core = DistributedAttention(dims.sp, backend, dims.sp_group,
+                                         recompute=cfg.recompute_granularity == "selective",
+                                         timers=timers)
         self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x, rotary=None, attention_mask=None):
@@ -75,8 +79,9 @@ class SelfAttention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, key: str, seed: int, sequence_parallel: bool,
-                 num_layers: int, device, dtype):
+                 num_layers: int, device, dtype, dims: Optional[ParallelDims] = None):
         super().__init__()
+        tp_group = (dims or ps.get_parallel_dims()).tp_group
         self.swiglu, self.gelu_approximate = cfg.swiglu, cfg.gelu_approximate
         ffn = cfg.ffn_size
         # SwiGLU's fc1 is [gate; up]: stride 2 gives each TP rank matching halves of both.
@@ -84,12 +89,12 @@ class MLP(nn.Module):
             cfg.hidden_size, ffn * (2 if cfg.swiglu else 1),
             normal_init(cfg.init_method_std, seed, key + ".fc1"), bias=cfg.add_bias_linear,
             sequence_parallel=sequence_parallel, stride=2 if cfg.swiglu else 1, device=device,
-            dtype=dtype)
+            dtype=dtype, tp_group=tp_group)
         self.fc2 = RowParallelLinear(
             ffn, cfg.hidden_size, scaled_normal_init(cfg.init_method_std, num_layers, seed,
                                                      key + ".fc2"),
             bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
-            dtype=dtype)
+            dtype=dtype, tp_group=tp_group)
 
     def forward(self, x):
         h = self.fc1(x)
@@ -103,18 +108,19 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, seed: int, sequence_parallel: bool,
-                 device=None, dtype=torch.float32):
+                 device=None, dtype=torch.float32, timers: Timers = NO_TIMERS,
+                 dims: Optional[ParallelDims] = None):
         super().__init__()
         key = f"layers.{layer_number}"
         self.layer_number = layer_number
         args = (seed, sequence_parallel, cfg.num_layers, device, dtype)
         self.input_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
                                sequence_parallel=sequence_parallel, device=device, dtype=dtype)
-        self.attention = SelfAttention(cfg, key + ".attention", *args)
+        self.attention = SelfAttention(cfg, key + ".attention", *args, timers=timers, dims=dims)
         self.post_attention_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
                                         sequence_parallel=sequence_parallel, device=device,
                                         dtype=dtype)
-        self.mlp = MLP(cfg, key + ".mlp", *args)
+        self.mlp = MLP(cfg, key + ".mlp", *args, dims=dims)
         self.hidden_dropout = cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel
 

@@ -20,6 +20,7 @@ import torch
 
 from ..mpu.mappings import ulysses_all_to_all
 from ..mpu.recompute import checkpoint
+from ..timers import NO_TIMERS, Timers
 from .attention import local_attention, require_one_dtype
 
 
@@ -31,9 +32,11 @@ def kv_replication_factor(kv_heads: int, sp: int) -> int:
 class DistributedAttention:
     """Callable: (q [N/SP, b, hq, d], k, v [N/SP, b, hk, d]) -> [N/SP, b, hq, d]."""
 
-    def __init__(self, sp_size: int, backend: str, group=None, recompute: bool = False):
+    def __init__(self, sp_size: int, backend: str, group=None, recompute: bool = False,
+                 timers: Timers = NO_TIMERS):
         self.sp, self.backend, self.group = sp_size, backend, group
         self.recompute = recompute   # selective recompute: keep only q, k, v of the core
+        self.timers = timers         # times the two all-to-alls (--timing-log-level)
 
     def _attend(self, q, k, v, dropout_p, attention_mask):
         run = lambda q_, k_, v_: local_attention(  # noqa: E731
@@ -55,8 +58,10 @@ class DistributedAttention:
         per_rank = [t.reshape(s, b, sp, t.shape[2] // sp, d) for t in (q, k, v)]
         packed = torch.cat(per_rank, dim=3).reshape(s, b, sp * (hq + 2 * hk) // sp, d)
         # all-to-all #1: scatter heads (dim 2), gather sequence (dim 0) -> [N, b, H/SP, d]
-        full = ulysses_all_to_all(packed, scatter_dim=2, gather_dim=0, group=self.group)
+        full = ulysses_all_to_all(packed, scatter_dim=2, gather_dim=0, group=self.group,
+                                  timers=self.timers)
         q_full, k_full, v_full = full.split([hq // sp, hk // sp, hk // sp], dim=2)
         out = self._attend(q_full, k_full, v_full, dropout_p, attention_mask)
         # all-to-all #2: scatter sequence (dim 0), gather heads (dim 2) -> [N/SP, b, hq, d]
-        return ulysses_all_to_all(out, scatter_dim=0, gather_dim=2, group=self.group)
+        return ulysses_all_to_all(out, scatter_dim=0, gather_dim=2, group=self.group,
+                                  timers=self.timers)

@@ -10,18 +10,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import parallel_state as ps
 from .layers import vocab_range
-from .mappings import _all_reduce
+from .mappings import _all_reduce, _size, _tp
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, vocab_size):
-        group = ps.get_tensor_model_parallel_group()
+    def forward(ctx, logits, target, vocab_size, group):
+        tp = _size(group)
         local_vocab = logits.shape[-1]
-        padded = local_vocab * ps.get_tensor_model_parallel_world_size()
-        start, end = vocab_range(padded)
+        padded = local_vocab * tp
+        start, end = vocab_range(padded, group)
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # the softmax and its sums always in fp32 or better
         if end > vocab_size:  # this rank holds padding rows: take them out of the softmax
@@ -29,7 +28,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             logits = logits.masked_fill(pad, float("-inf"))
 
         logits_max = logits.max(dim=-1)[0]
-        if dist.is_initialized() and ps.get_tensor_model_parallel_world_size() > 1:
+        if tp > 1:
             dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
         shifted = logits - logits_max.unsqueeze(-1)
 
@@ -55,11 +54,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         minus_one = -(~outside).unsqueeze(-1).to(grad.dtype)
         grad.scatter_add_(-1, local_target.unsqueeze(-1), minus_one)
         grad.mul_(grad_loss.unsqueeze(-1))
-        return grad, None, None
+        return grad, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 vocab_size: int) -> torch.Tensor:
-    """Per-token loss (fp32, or fp64 for fp64 logits) for logits [..., padded_vocab/TP] and
-    target ids [...]."""
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size)
+                                 vocab_size: int, group=None) -> torch.Tensor:
+    """Per-token loss (fp32, or fp64 for fp64 logits) for logits [..., padded_vocab/TP] split
+    over `group` (default: the run's TP group) and target ids [...]."""
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, _tp(group))

@@ -12,11 +12,13 @@ parameters that see only a TP-chunk of the sequence under Megatron-SP carry
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from . import parallel_state as ps
-from .mappings import (_all_gather, _reduce_scatter, copy_to_tensor_model_parallel_region,
+from .mappings import (_all_gather, _reduce_scatter, _size, _tp,
+                       copy_to_tensor_model_parallel_region,
                        gather_from_tensor_model_parallel_region,
                        reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region)
@@ -66,8 +68,8 @@ class _SequenceParallelLinear(torch.autograd.Function):
     gradient and reduce-scatters the input gradient (each TP rank holds a partial one)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
-        group = ps.get_tensor_model_parallel_group()
+    def forward(ctx, x, weight, bias, group):
+        ctx.group = group
         ctx.input_dtype = x.dtype
         device = x.device.type
         if torch.is_autocast_enabled(device):
@@ -81,19 +83,19 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        group = ps.get_tensor_model_parallel_group()
+        group = ctx.group
         total = _all_gather(x, 0, group).to(grad.dtype)
         grad_input = grad.matmul(weight.to(grad.dtype)).to(ctx.input_dtype)
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad_2d.t().mm(total.reshape(-1, total.shape[-1])).to(weight.dtype)
         grad_bias = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return _reduce_scatter(grad_input, 0, group), grad_weight, grad_bias
+        return _reduce_scatter(grad_input, 0, group), grad_weight, grad_bias, None
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None = None) -> torch.Tensor:
+                             bias: torch.Tensor | None = None, group=None) -> torch.Tensor:
     """F.linear on the all-gathered Megatron-SP input, saving only the local shard."""
-    return _SequenceParallelLinear.apply(x, weight, bias)
+    return _SequenceParallelLinear.apply(x, weight, bias, _tp(group))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -102,12 +104,14 @@ class ColumnParallelLinear(nn.Module):
     Input: [s, b, in] (with sequence_parallel: [s/TP, b, in], all-gathered here; only the
     shard is kept for backward).
     Output: [s, b, out/TP], or [s, b, out] with gather_output.
+    tp_group: the TP group its collectives use (default: the run's, from ParallelDims).
     """
 
     def __init__(self, input_size: int, output_size: int, init_method: InitMethod, *,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
-                 stride: int = 1, device=None, dtype=torch.float32):
+                 stride: int = 1, device=None, dtype=torch.float32, tp_group=None):
         super().__init__()
+        self.tp_group = _tp(tp_group)
         self.weight = _sharded(init_method, (output_size, input_size), 0, device, dtype, stride)
         tp = ps.get_tensor_model_parallel_world_size()
         if bias:
@@ -119,10 +123,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = sequence_parallel_linear(x, self.weight, self.bias)
+            y = sequence_parallel_linear(x, self.weight, self.bias, self.tp_group)
         else:
-            y = F.linear(copy_to_tensor_model_parallel_region(x), self.weight, self.bias)
-        return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+            y = F.linear(copy_to_tensor_model_parallel_region(x, self.tp_group), self.weight,
+                         self.bias)
+        return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output \
+            else y
 
 
 class RowParallelLinear(nn.Module):
@@ -130,12 +136,14 @@ class RowParallelLinear(nn.Module):
 
     Input: [s, b, in/TP] (already parallel). Output: [s, b, out], summed over TP
     (with sequence_parallel: reduce-scattered to [s/TP, b, out]).
+    tp_group: the TP group its collectives use (default: the run's, from ParallelDims).
     """
 
     def __init__(self, input_size: int, output_size: int, init_method: InitMethod, *,
                  bias: bool = True, sequence_parallel: bool = False,
-                 device=None, dtype=torch.float32):
+                 device=None, dtype=torch.float32, tp_group=None):
         super().__init__()
+        self.tp_group = _tp(tp_group)
         self.weight = _sharded(init_method, (output_size, input_size), 1, device, dtype)
         self.bias = _zeros(output_size, device, dtype, sequence_parallel) if bias else None
         self.sequence_parallel = sequence_parallel
@@ -143,17 +151,22 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y)
+            y = reduce_scatter_to_sequence_parallel_region(y, self.tp_group)
         else:
-            y = reduce_from_tensor_model_parallel_region(y)
+            y = reduce_from_tensor_model_parallel_region(y, self.tp_group)
         # The bias is added after the reduction so that it is counted once.
         return y + self.bias if self.bias is not None else y
 
 
-def vocab_range(padded_vocab_size: int) -> tuple[int, int]:
-    """[start, end) of the vocabulary rows held by this TP rank."""
-    per = padded_vocab_size // ps.get_tensor_model_parallel_world_size()
-    start = per * ps.get_tensor_model_parallel_rank()
+def vocab_range(padded_vocab_size: int, group=None) -> tuple[int, int]:
+    """[start, end) of the vocabulary rows held by this rank of the TP group (default: the
+    run's)."""
+    if group is None:
+        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    else:
+        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    per = padded_vocab_size // tp
+    start = per * rank
     return start, start + per
 
 
@@ -162,15 +175,16 @@ class VocabParallelEmbedding(nn.Module):
     contribute zero and the partial results are summed over TP."""
 
     def __init__(self, padded_vocab_size: int, embedding_dim: int, init_method: InitMethod, *,
-                 device=None, dtype=torch.float32):
+                 device=None, dtype=torch.float32, tp_group=None):
         super().__init__()
+        self.tp_group = _tp(tp_group)
         self.weight = _sharded(init_method, (padded_vocab_size, embedding_dim), 0, device, dtype)
         self.vocab_start, self.vocab_end = vocab_range(padded_vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ps.get_tensor_model_parallel_world_size() == 1:
+        if _size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tensor_model_parallel_region(out)
+        return reduce_from_tensor_model_parallel_region(out, self.tp_group)

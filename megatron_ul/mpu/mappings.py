@@ -9,18 +9,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..timers import NO_TIMERS, Timers
 from . import parallel_state as ps
 from .comm_stats import record
-
-# Optional timer around the Ulysses all-to-all (set by training/metrics.py for
-# --timing-log-level >= 1): a callable returning a context manager, or None (the default: one
-# branch per all-to-all).
-_all_to_all_timer = None
-
-
-def set_all_to_all_timer(timer_factory) -> None:
-    global _all_to_all_timer
-    _all_to_all_timer = timer_factory
 
 
 def _size(group) -> int:
@@ -72,10 +63,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group,
+               timers: Timers = NO_TIMERS) -> torch.Tensor:
     """Split `x` into world chunks along scatter_dim, send chunk j to rank j, and concatenate
     the chunks received along gather_dim (in rank order). Not autograd-aware; see
-    `ulysses_all_to_all`."""
+    `ulysses_all_to_all`. The exchange counts as the "all-to-all" phase of `timers`."""
     world = _size(group)
     if world == 1:
         return x
@@ -88,144 +80,154 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> tor
     send = x.unflatten(scatter_dim, (world, -1)).movedim(scatter_dim, 0).contiguous()
     recv = torch.empty_like(send)
     record("all_to_all", send, group)
-    if _all_to_all_timer is None:
+    with timers("all-to-all"):
         dist.all_to_all_single(recv, send, group=group)
-    else:
-        with _all_to_all_timer():
-            dist.all_to_all_single(recv, send, group=group)
     # Chunks from ranks 0..world-1 laid end to end along gather_dim (a view when it is 0).
     return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 
 
 # ---- autograd functions --------------------------------------------------------------------------
+# Each takes its group as an argument and keeps it for backward.
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ps.get_tensor_model_parallel_group())
+        return _all_reduce(g, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _all_reduce(x.clone(), ps.get_tensor_model_parallel_group())
+    def forward(ctx, x, group):
+        return _all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, g):
-        return g
+        return g, None
 
 
 class _ScatterToTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _split(x, -1, ps.get_tensor_model_parallel_group())
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, -1, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, g.dim() - 1, ps.get_tensor_model_parallel_group())
+        return _all_gather(g, g.dim() - 1, ctx.group), None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _all_gather(x, x.dim() - 1, ps.get_tensor_model_parallel_group())
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather(x, x.dim() - 1, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _split(g, -1, ps.get_tensor_model_parallel_group())
+        return _split(g, -1, ctx.group), None
 
 
 class _ScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _split(x, 0, ps.get_tensor_model_parallel_group())
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _split(x, 0, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, 0, ps.get_tensor_model_parallel_group())
+        return _all_gather(g, 0, ctx.group), None
 
 
 class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tensor_parallel_output_grad):
-        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return _all_gather(x, 0, ps.get_tensor_model_parallel_group())
+    def forward(ctx, x, tensor_parallel_output_grad, group):
+        ctx.tensor_parallel_output_grad, ctx.group = tensor_parallel_output_grad, group
+        return _all_gather(x, 0, group)
 
     @staticmethod
     def backward(ctx, g):
-        group = ps.get_tensor_model_parallel_group()
         # If the consumer is tensor-parallel each rank holds a partial gradient: reduce-scatter.
         # Otherwise every rank holds the full gradient: just keep our slice.
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter(g, 0, group), None
-        return _split(g, 0, group), None
+            return _reduce_scatter(g, 0, ctx.group), None, None
+        return _split(g, 0, ctx.group), None, None
 
 
 class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _reduce_scatter(x, 0, ps.get_tensor_model_parallel_group())
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter(x, 0, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, 0, ps.get_tensor_model_parallel_group())
+        return _all_gather(g, 0, ctx.group), None
 
 
 class _UlyssesAllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, group):
-        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
-        return all_to_all(x, scatter_dim, gather_dim, group)
+    def forward(ctx, x, scatter_dim, gather_dim, group, timers):
+        ctx.dims, ctx.group, ctx.timers = (scatter_dim, gather_dim), group, timers
+        return all_to_all(x, scatter_dim, gather_dim, group, timers)
 
     @staticmethod
     def backward(ctx, g):
         scatter_dim, gather_dim = ctx.dims
         # The inverse all-to-all: scatter what was gathered, gather what was scattered.
-        return all_to_all(g, gather_dim, scatter_dim, ctx.group), None, None, None
+        return all_to_all(g, gather_dim, scatter_dim, ctx.group, ctx.timers), None, None, None, None
 
 
 # ---- public API ----------------------------------------------------------------------------------
-def copy_to_tensor_model_parallel_region(x):
-    return _CopyToTP.apply(x)
+# As in Megatron-core, every function takes its group; None means this run's TP group (SP group
+# for the all-to-all) from the ParallelDims that initialize_model_parallel built.
+def _tp(group):
+    return ps.get_tensor_model_parallel_group() if group is None else group
 
 
-def reduce_from_tensor_model_parallel_region(x):
-    return _ReduceFromTP.apply(x)
+def copy_to_tensor_model_parallel_region(x, group=None):
+    return _CopyToTP.apply(x, _tp(group))
 
 
-def scatter_to_tensor_model_parallel_region(x):
-    return _ScatterToTP.apply(x)
+def reduce_from_tensor_model_parallel_region(x, group=None):
+    return _ReduceFromTP.apply(x, _tp(group))
 
 
-def gather_from_tensor_model_parallel_region(x):
-    return _GatherFromTP.apply(x)
+def scatter_to_tensor_model_parallel_region(x, group=None):
+    return _ScatterToTP.apply(x, _tp(group))
 
 
-def scatter_to_sequence_parallel_region(x):
+def gather_from_tensor_model_parallel_region(x, group=None):
+    return _GatherFromTP.apply(x, _tp(group))
+
+
+def scatter_to_sequence_parallel_region(x, group=None):
     """Megatron-SP: keep this TP rank's chunk of the sequence (dim 0)."""
-    return _ScatterToSequenceParallel.apply(x)
+    return _ScatterToSequenceParallel.apply(x, _tp(group))
 
 
-def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad: bool = True):
+def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad: bool = True,
+                                         group=None):
     """Megatron-SP: all-gather the sequence (dim 0) across TP."""
-    return _GatherFromSequenceParallel.apply(x, tensor_parallel_output_grad)
+    return _GatherFromSequenceParallel.apply(x, tensor_parallel_output_grad, _tp(group))
 
 
-def reduce_scatter_to_sequence_parallel_region(x):
+def reduce_scatter_to_sequence_parallel_region(x, group=None):
     """Megatron-SP: sum partial results across TP and keep this rank's sequence chunk."""
-    return _ReduceScatterToSequenceParallel.apply(x)
+    return _ReduceScatterToSequenceParallel.apply(x, _tp(group))
 
 
-def ulysses_all_to_all(x, scatter_dim: int, gather_dim: int, group=None):
+def ulysses_all_to_all(x, scatter_dim: int, gather_dim: int, group=None,
+                       timers: Timers = NO_TIMERS):
     """DeepSpeed-Ulysses all-to-all over the SP group; backward is the inverse all-to-all.
 
     Sequence-sharded -> head-sharded: scatter_dim = heads, gather_dim = sequence.
-    Head-sharded -> sequence-sharded: the reverse.
+    Head-sharded -> sequence-sharded: the reverse. Both directions are timed as "all-to-all".
     """
     group = ps.get_sequence_parallel_group() if group is None else group
     if _size(group) == 1:
         return x
-    return _UlyssesAllToAll.apply(x, scatter_dim, gather_dim, group)
+    return _UlyssesAllToAll.apply(x, scatter_dim, gather_dim, group, timers)

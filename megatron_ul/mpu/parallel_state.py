@@ -5,10 +5,15 @@ world = PP x DP x SP x TP with TP varying fastest, then SP, then DP, then PP:
 TP and SP are the chattiest axes, so they sit on the closest ranks (same node).
 Each group is a slice of `torch.arange(world).view(PP, DP, SP, TP)` along some axes.
 This is the only module that creates process groups.
+
+`initialize_model_parallel` builds one `ParallelDims` (the grid's sizes, this rank's
+coordinates and its groups) and returns it; code that is handed it uses it directly. The
+module-level getters below (Megatron's names) read the same object, the one run's grid.
 """
 from __future__ import annotations
 
 import datetime
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,20 +22,109 @@ import torch.distributed as dist
 _AXES = ("pp", "dp", "sp", "tp")
 
 
-@dataclass
-class _State:
+@dataclass(frozen=True)
+class ParallelDims:
+    """The rank grid of a run, this rank's coordinates in it, and its process groups."""
     tp: int
     sp: int
     dp: int
     pp: int
     coords: dict            # axis -> this rank's coordinate
-    groups: dict            # name -> ProcessGroup (or None when size 1 and world 1)
+    groups: dict            # name -> ProcessGroup: tp, sp, dp, pp, dp_sp, tp_sp, mp, embedding
     group_ranks: dict       # name -> list of global ranks in this rank's group
-    embedding_ranks: list
+    embedding_ranks: list   # first and last pipeline stage of this rank's (dp, sp, tp) column
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.sp * self.dp * self.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def sp_rank(self) -> int:
+        return self.coords["sp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+    @property
+    def dp_sp_size(self) -> int:
+        return self.dp * self.sp
+
+    @property
+    def dp_sp_rank(self) -> int:
+        return self.coords["sp"] + self.sp * self.coords["dp"]
+
+    @property
+    def tp_group(self):
+        return self.groups["tp"]
+
+    @property
+    def sp_group(self):
+        """The Ulysses (DeepSpeed sequence-parallel) group."""
+        return self.groups["sp"]
+
+    @property
+    def dp_group(self):
+        return self.groups["dp"]
+
+    @property
+    def pp_group(self):
+        return self.groups["pp"]
+
+    @property
+    def dp_sp_group(self):
+        """DP x SP: gradient reduction and ZeRO sharding (parameters are replicated over both)."""
+        return self.groups["dp_sp"]
+
+    @property
+    def mp_group(self):
+        """TP x PP: ranks that together hold one copy of the model."""
+        return self.groups["mp"]
+
+    @property
+    def tp_sp_group(self):
+        return self.groups["tp_sp"]
+
+    @property
+    def embedding_group(self):
+        return self.groups.get("embedding")
+
+    @functools.cached_property
+    def dp_sp_mesh(self):
+        """1-D DeviceMesh over this rank's dp_sp group, for FSDP2 (ZeRO-3). Built on first use
+        from the existing group, so it creates no new communicator."""
+        from torch.distributed.device_mesh import DeviceMesh
+        device_type = "cuda" if dist.get_backend(self.dp_sp_group) == "nccl" else "cpu"
+        return DeviceMesh.from_group(self.dp_sp_group, device_type, mesh_dim_names=("dp_sp",))
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def next_stage_rank(self) -> int:
+        ranks = self.group_ranks["pp"]
+        return ranks[(self.pp_rank + 1) % len(ranks)]
+
+    @property
+    def prev_stage_rank(self) -> int:
+        ranks = self.group_ranks["pp"]
+        return ranks[(self.pp_rank - 1) % len(ranks)]
 
 
-_state: _State | None = None
-_dp_sp_mesh = None   # DeviceMesh over dp_sp, built on first use (ZeRO-3)
+_state: ParallelDims | None = None
 
 
 def _grid(world: int, tp: int, sp: int, pp: int) -> torch.Tensor:
@@ -52,8 +146,9 @@ def _groups_varying(grid: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               sequence_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
-                              timeout: datetime.timedelta | None = None) -> None:
-    """Build every group. Must be called on all ranks after init_process_group."""
+                              timeout: datetime.timedelta | None = None) -> ParallelDims:
+    """Build every group and return the grid. Must be called on all ranks after
+    init_process_group."""
     global _state
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -88,7 +183,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         if rank in ranks:
             groups["embedding"], embedding_ranks = group, ranks
     group_ranks["embedding"] = embedding_ranks or []
-    _state = _State(tp, sp, dp, pp, coords, groups, group_ranks, embedding_ranks or [])
+    _state = ParallelDims(tp, sp, dp, pp, coords, groups, group_ranks, embedding_ranks or [])
+    return _state
 
 
 def model_parallel_is_initialized() -> bool:
@@ -96,15 +192,19 @@ def model_parallel_is_initialized() -> bool:
 
 
 def destroy_model_parallel() -> None:
-    global _state, _dp_sp_mesh
-    _state, _dp_sp_mesh = None, None
+    global _state
+    _state = None
 
 
-def _get() -> _State:
+def get_parallel_dims() -> ParallelDims:
+    """The grid initialize_model_parallel built (for code that was not handed it)."""
     if _state is None:
         raise RuntimeError("model parallel groups are not initialized: call "
                            "megatron_ul.initialize.initialize_distributed() first")
     return _state
+
+
+_get = get_parallel_dims
 
 
 # ---- groups ----------------------------------------------------------------------------------
@@ -131,15 +231,7 @@ def get_data_sequence_parallel_group():
 
 
 def get_data_sequence_parallel_mesh():
-    """1-D DeviceMesh over this rank's dp_sp group, for FSDP2 (ZeRO-3). Built from the existing
-    group, so it creates no new communicator."""
-    global _dp_sp_mesh
-    if _dp_sp_mesh is None:
-        from torch.distributed.device_mesh import DeviceMesh
-        group = get_data_sequence_parallel_group()
-        device_type = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-        _dp_sp_mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp_sp",))
-    return _dp_sp_mesh
+    return _get().dp_sp_mesh
 
 
 def get_model_parallel_group():

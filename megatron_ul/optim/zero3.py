@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
 from ..mpu import parallel_state as ps
-from ..pipeline.model import model_chunks
+from ..model.chunks import model_chunks
 from .grads import _all_reduce_coalesced, _counts_once
 
 # Attributes our parallel layers hang on parameters; FSDP2 makes new Parameter objects.

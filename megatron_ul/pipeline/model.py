@@ -8,6 +8,7 @@ into PP·v blocks of n layers and virtual stage (model chunk) c on pp rank r hol
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -15,9 +16,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import Config
+from ..model.chunks import model_chunks
 from ..model.gpt import GPTModel
 from ..mpu import parallel_state as ps
 from ..mpu.comm_stats import record
+from ..mpu.parallel_state import ParallelDims
+from ..timers import NO_TIMERS, Timers
 
 
 def num_model_chunks(cfg: Config) -> int:
@@ -46,7 +50,8 @@ class PipelineStageModel(nn.Module):
         self.padded_vocab_size = chunks[0].padded_vocab_size
 
 
-def build_pipeline_model(cfg: Config, device) -> PipelineStageModel:
+def build_pipeline_model(cfg: Config, device, timers: Timers = NO_TIMERS,
+                         dims: Optional[ParallelDims] = None) -> PipelineStageModel:
     """This rank's model chunks; the tied output copy on the last stage is marked as a replica
     so the gradient norm counts the embedding once."""
     pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
@@ -59,15 +64,11 @@ def build_pipeline_model(cfg: Config, device) -> PipelineStageModel:
                          sequence_parallel=cfg.parallel.sequence_parallel, pre_process=pre,
                          post_process=post,
                          layer_numbers=chunk_layer_numbers(cfg.model.num_layers, pp, v, rank, c),
-                         device=device)
+                         device=device, timers=timers, dims=dims)
         if post and not pre and hasattr(chunk, "word_embeddings"):
             chunk.word_embeddings.weight.shared_embedding_replica = True
         chunks.append(chunk)
     return PipelineStageModel(chunks)
-
-
-def model_chunks(model: nn.Module) -> list[nn.Module]:
-    return list(model.chunks) if isinstance(model, PipelineStageModel) else [model]
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")

@@ -25,7 +25,7 @@ import torch
 from ..mpu import parallel_state as ps
 from .model import model_chunks
 from .p2p import StageCommunicator
-from ..training.timers import timer
+from ..timers import NO_TIMERS, Timers
 
 
 def micro_batch_loss_sum(model, batch: dict) -> torch.Tensor:
@@ -41,18 +41,18 @@ def _autocast(device_type: str, autocast_dtype):
 
 
 def forward_backward_no_pipelining(model, micro_batches: list[dict], num_tokens: torch.Tensor,
-                                   autocast_dtype=None, forward_only: bool = False
-                                   ) -> torch.Tensor:
+                                   autocast_dtype=None, forward_only: bool = False,
+                                   timers: Timers = NO_TIMERS) -> torch.Tensor:
     """Run every micro-batch forward and backward on this rank; return the detached sum of
     masked token losses (not yet divided by num_tokens)."""
     device_type = num_tokens.device.type
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
     for batch in micro_batches:
-        with timer("forward"), _autocast(device_type, autocast_dtype), (
+        with timers("forward"), _autocast(device_type, autocast_dtype), (
                 torch.no_grad() if forward_only else contextlib.nullcontext()):
             loss_sum = micro_batch_loss_sum(model, batch)
         if not forward_only:
-            with timer("backward"):
+            with timers("backward"):
                 (loss_sum / num_tokens).backward()
         total += loss_sum.detach().float()
     return total
@@ -108,7 +108,7 @@ def activation_shape(chunk, batch: dict) -> tuple[int, int, int]:
 
 def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tensor,
                        order: list[tuple[str, int, int]], autocast_dtype=None,
-                       forward_only: bool = False) -> torch.Tensor:
+                       forward_only: bool = False, timers: Timers = NO_TIMERS) -> torch.Tensor:
     """Execute one rank's operation order; returns the detached loss sum (zero off the last
     stage)."""
     chunks = model_chunks(model)
@@ -122,7 +122,7 @@ def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tenso
         if op == "F":
             inp = None if chunk.pre_process else comm.recv_forward().requires_grad_(
                 not forward_only)
-            with timer("forward"), _autocast(device.type, autocast_dtype), (
+            with timers("forward"), _autocast(device.type, autocast_dtype), (
                     torch.no_grad() if forward_only else contextlib.nullcontext()):
                 out = chunk(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
                             labels=batch["labels"] if chunk.post_process else None,
@@ -139,7 +139,7 @@ def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tenso
         else:
             inp, out = saved.pop((c, i))
             grad = None if chunk.post_process else comm.recv_backward()
-            with timer("backward"):
+            with timers("backward"):
                 torch.autograd.backward(out, grad_tensors=grad)
             if not chunk.pre_process:
                 comm.send_backward(inp.grad)
@@ -148,21 +148,23 @@ def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tenso
 
 
 def forward_backward_pipelining_without_interleaving(model, micro_batches, num_tokens,
-                                                     autocast_dtype=None, forward_only=False):
+                                                     autocast_dtype=None, forward_only=False,
+                                                     timers: Timers = NO_TIMERS):
     order = one_f_one_b_order(ps.get_pipeline_model_parallel_world_size(),
                               ps.get_pipeline_model_parallel_rank(), len(micro_batches),
                               forward_only)
     return run_pipeline_order(model, micro_batches, num_tokens, order, autocast_dtype,
-                              forward_only)
+                              forward_only, timers)
 
 
 def forward_backward_pipelining_with_interleaving(model, micro_batches, num_tokens,
-                                                  autocast_dtype=None, forward_only=False):
+                                                  autocast_dtype=None, forward_only=False,
+                                                  timers: Timers = NO_TIMERS):
     order = interleaved_order(ps.get_pipeline_model_parallel_world_size(),
                               ps.get_pipeline_model_parallel_rank(), len(micro_batches),
                               len(model_chunks(model)), forward_only)
     return run_pipeline_order(model, micro_batches, num_tokens, order, autocast_dtype,
-                              forward_only)
+                              forward_only, timers)
 
 
 def get_forward_backward_func(pipeline_size: int, chunks: int = 1) -> Callable:

@@ -1,5 +1,6 @@
 """When to save and when to stop: --save-interval, --exit-interval, --exit-duration-in-mins and
---exit-signal-handler (SIGTERM from Slurm: save at the end of the current iteration, exit 0)."""
+--exit-signal-handler (SIGTERM, or SIGUSR1 from Slurm's --signal time-limit warning: save at the
+end of the current iteration, exit 0)."""
 from __future__ import annotations
 
 import logging
@@ -14,6 +15,26 @@ from ..config import Config
 
 log = logging.getLogger("megatron_ul")
 
+# As in Megatron, --exit-duration-in-mins counts from the program's start (this import), so that
+# a duration derived from a Slurm job's time left covers start-up and checkpoint loading too.
+PROGRAM_START = time.monotonic()
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_signal_received: str | None = None   # the name of the first exit signal received
+
+
+def _remember_signal(signum, frame) -> None:
+    global _signal_received
+    _signal_received = _signal_received or signal.Signals(signum).name
+
+
+def catch_exit_signals() -> dict:
+    """Remember SIGTERM/SIGUSR1 instead of dying; training acts on them at the end of the
+    current iteration. pretrain's main() installs this at start-up, so that a signal that
+    arrives while the model is built or a checkpoint loads is not fatal either. Returns the
+    handlers it replaced."""
+    previous = {sig: signal.signal(sig, _remember_signal) for sig in EXIT_SIGNALS}
+    return {sig: h for sig, h in previous.items() if h is not _remember_signal}
+
 
 class RunControl:
     """Called after every iteration; saves checkpoints and decides whether to stop."""
@@ -23,14 +44,9 @@ class RunControl:
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.grad_scaler = grad_scaler
         self.iteration = self.last_saved = start_iteration
-        self.started = time.monotonic()
-        self.signal_received = False
-        self._previous_handler = None
-        if cfg.checkpoint.exit_signal_handler:
-            self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def _on_sigterm(self, signum, frame) -> None:
-        self.signal_received = True   # acted on at the end of the current iteration
+        self.started = PROGRAM_START
+        self._previous_handlers = (catch_exit_signals() if cfg.checkpoint.exit_signal_handler
+                                   else {})
 
     def _stop_flags(self) -> tuple[bool, bool]:
         """(signal, time limit), agreed over all ranks so that every rank stops together."""
@@ -39,7 +55,7 @@ class RunControl:
             return False, False
         over_time = (c.exit_duration_in_mins is not None
                      and time.monotonic() - self.started > c.exit_duration_in_mins * 60)
-        flags = torch.tensor([float(self.signal_received), float(over_time)])
+        flags = torch.tensor([float(_signal_received is not None), float(over_time)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
@@ -54,8 +70,8 @@ class RunControl:
         if c.save and (stop or (c.save_interval and iteration % c.save_interval == 0)):
             self.save()
         if stop:
-            reason = ("SIGTERM" if by_signal else "--exit-duration-in-mins" if by_time
-                      else "--exit-interval")
+            reason = ((_signal_received or "signal on another rank") if by_signal
+                      else "--exit-duration-in-mins" if by_time else "--exit-interval")
             log.info("exiting at iteration %d (%s)", iteration, reason)
         return stop
 
@@ -71,5 +87,7 @@ class RunControl:
         """End of training: save the last iteration unless it was just saved."""
         if self.cfg.checkpoint.save and self.iteration != self.last_saved:
             self.save()
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
+        global _signal_received
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)
+        _signal_received = None

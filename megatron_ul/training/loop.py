@@ -8,6 +8,7 @@ import torch
 from ..config import Config
 from ..mpu import parallel_state as ps
 from ..optim.precision import build_grad_scaler
+from ..timers import NO_TIMERS, Timers
 from .metrics import MetricsLogger
 from .step import evaluate_loss, train_step
 
@@ -20,14 +21,16 @@ def autocast_dtype(cfg: Config):
 
 
 def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches=None,
-          start_iteration: int = 0, after_iteration=None, grad_scaler=None) -> list[float]:
+          start_iteration: int = 0, after_iteration=None, grad_scaler=None,
+          timers: Timers = NO_TIMERS) -> list[float]:
     """Run to --train-iters; returns the per-iteration global loss (same on every rank).
 
     after_iteration(iteration) -> bool (checkpointing and exit conditions) stops early on True.
     grad_scaler: the fp16 loss scaler (restored from a checkpoint); built here when None.
+    timers: the run's phase timers (the model's all-to-alls report to the same object).
     """
     metrics = MetricsLogger(cfg, model.padded_vocab_size,
-                            is_reporting_rank=is_reporting_rank())
+                            is_reporting_rank=is_reporting_rank(), timers=timers)
     losses = []
     model.train()
     dtype = autocast_dtype(cfg)
@@ -38,7 +41,8 @@ def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches
             lr = scheduler.lr
             loss, grad_norm = train_step(model, optimizer, next(train_batches),
                                          clip_grad=cfg.train.clip_grad, autocast_dtype=dtype,
-                                         iteration=iteration, grad_scaler=grad_scaler)
+                                         iteration=iteration, grad_scaler=grad_scaler,
+                                         timers=timers)
             if grad_scaler is None or not grad_scaler.last_step_skipped:
                 scheduler.step()   # Megatron does not advance the schedule on a skipped step
             losses.append(loss)

@@ -13,8 +13,7 @@ from typing import Optional
 import torch
 
 from ..config import Config, ModelConfig
-from ..mpu.mappings import set_all_to_all_timer
-from .timers import Timers, set_timers
+from ..timers import NO_TIMERS, Timers
 
 log = logging.getLogger("megatron_ul")
 
@@ -69,10 +68,11 @@ def format_eta(seconds: float) -> str:
 
 
 class MetricsLogger:
-    """Accumulates per-iteration figures and reports every --log-interval iterations; installs
-    the phase timers (--timing-log-level) for the duration of training."""
+    """Accumulates per-iteration figures and reports every --log-interval iterations, with the
+    time split read from the run's timers (--timing-log-level; built in training/pretrain)."""
 
-    def __init__(self, cfg: Config, padded_vocab: int, is_reporting_rank: bool):
+    def __init__(self, cfg: Config, padded_vocab: int, is_reporting_rank: bool,
+                 timers: Timers = NO_TIMERS):
         self.cfg, self.reporting = cfg, is_reporting_rank
         self.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
         self.flops_per_iter = flops_per_token(cfg.model, padded_vocab) * self.tokens_per_iter
@@ -81,12 +81,7 @@ class MetricsLogger:
         if is_reporting_rank and cfg.logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
             self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir)
-        self.timers = None
-        if cfg.logging.timing_log_level >= 1:
-            self.timers = Timers(cfg.logging.timing_log_level,
-                                 "cuda" if torch.cuda.is_available() else "cpu")
-            set_timers(self.timers)
-            set_all_to_all_timer(lambda: self.timers("all-to-all"))
+        self.timers = timers if timers.log_level >= 1 else None
         self._start = self._window_start = time.perf_counter()
         self._window_iters = self._iters_done = 0
 
@@ -145,8 +140,5 @@ class MetricsLogger:
             self.writer.flush()
 
     def close(self) -> None:
-        if self.timers is not None:
-            set_timers(None)
-            set_all_to_all_timer(None)
         if self.writer is not None:
             self.writer.close()

@@ -17,13 +17,16 @@ from ..data.gpt_dataset import parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
 from ..model.gpt import GPTModel
 from ..mpu.param_init import deferred, materialize
+from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import ParallelDims
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
 from ..pipeline.model import build_pipeline_model
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
+from ..timers import NO_TIMERS, Timers
 from .data import build_datasets, build_tokenizer_for, global_batches
-from .exit import RunControl
+from .exit import RunControl, catch_exit_signals
 from .loop import is_reporting_rank, train
 
 log = logging.getLogger("megatron_ul")
@@ -60,12 +63,15 @@ def _check_data_files(data_path: list[str]) -> None:
                           "path without .bin/.idx, e.g. data/demo_text_document)")
 
 
-def build_model(cfg: Config, device) -> GPTModel:
+def build_model(cfg: Config, device, timers: Timers = NO_TIMERS,
+                dims: Optional[ParallelDims] = None) -> GPTModel:
+    """This rank's model (chunks under pipelining) on the rank grid `dims` (default: the one
+    initialize_distributed built)."""
     if cfg.parallel.pipeline_model_parallel_size > 1:
-        return build_pipeline_model(cfg, device)  # this rank's model chunks
+        return build_pipeline_model(cfg, device, timers, dims)  # this rank's model chunks
     return GPTModel(cfg.model, seed=cfg.train.seed,
                     sequence_parallel=cfg.parallel.sequence_parallel,
-                    device=device)
+                    device=device, timers=timers, dims=dims)
 
 
 @dataclass
@@ -78,13 +84,14 @@ class Trainer:
     valid_batches: Optional[Iterator]
     start_iteration: int = 0
     grad_scaler: Optional[GradScaler] = None   # fp16 only; checkpointed with the model
+    timers: Timers = NO_TIMERS                 # --timing-log-level; the model holds them too
 
     def train(self) -> list[float]:
         control = RunControl(self.cfg, self.model, self.optimizer, self.scheduler,
                              self.start_iteration, grad_scaler=self.grad_scaler)
         losses = train(self.cfg, self.model, self.optimizer, self.scheduler, self.train_batches,
                        self.valid_batches, self.start_iteration, control.after_iteration,
-                       grad_scaler=self.grad_scaler)
+                       grad_scaler=self.grad_scaler, timers=self.timers)
         control.finish()
         return losses
 
@@ -94,13 +101,14 @@ def setup(cfg: Config) -> Trainer:
     device = initialize_distributed(cfg)
     if torch.distributed.get_rank() != 0 and not is_reporting_rank():
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
+    timers = Timers(cfg.logging.timing_log_level, device.type)
     if cfg.parallel.zero_stage == 3:
         # Build on the meta device, shard over dp_sp, then compute only this rank's shards.
         with deferred():
-            model = build_model(cfg, device)
+            model = build_model(cfg, device, timers, ps.get_parallel_dims())
         model = materialize(shard_model(model), device)
-    else:
-        model = build_model(cfg, device)   # each rank computes only its TP/PP part
+    else:   # each rank computes only its TP/PP part
+        model = build_model(cfg, device, timers, ps.get_parallel_dims())
     if torch.distributed.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
@@ -123,7 +131,7 @@ def setup(cfg: Config) -> Trainer:
     valid_batches = (global_batches(cfg, valid_ds, device, eod, resume.consumed_valid_samples)
                      if valid_ds is not None else None)
     return Trainer(cfg, model, optimizer, scheduler, train_batches, valid_batches,
-                   resume.iteration, grad_scaler)
+                   resume.iteration, grad_scaler, timers)
 
 
 def main(argv=None) -> int:
@@ -137,6 +145,8 @@ def main(argv=None) -> int:
     if cfg.train.dry_run:
         from .dry_run import dry_run
         return dry_run(cfg)
+    if cfg.checkpoint.exit_signal_handler:
+        catch_exit_signals()   # a signal during start-up stops training after its first iteration
     try:
         setup(cfg).train()
     except CheckpointError as e:

@@ -11,7 +11,7 @@ from ..mpu import parallel_state as ps
 from ..optim.grads import clip_gradients, reduce_gradients
 from ..pipeline.model import allreduce_embedding_grads, model_chunks
 from ..pipeline.schedules import get_forward_backward_func
-from .timers import timer
+from ..timers import NO_TIMERS, Timers
 
 
 def count_tokens(micro_batches: list[dict], device) -> torch.Tensor:
@@ -44,7 +44,8 @@ def schedule_for(model):
 
 
 def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
-               autocast_dtype=None, iteration: int = 0, grad_scaler=None) -> tuple[float, float]:
+               autocast_dtype=None, iteration: int = 0, grad_scaler=None,
+               timers: Timers = NO_TIMERS) -> tuple[float, float]:
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
     num_tokens = count_tokens(micro_batches, device)
@@ -54,7 +55,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     grad_sync = getattr(optimizer, "grad_sync", None)
     if grad_sync is not None:
         grad_sync.start(len(micro_batches))
-    loss_sum = schedule_for(model)(model, micro_batches, divisor, autocast_dtype)
+    loss_sum = schedule_for(model)(model, micro_batches, divisor, autocast_dtype, timers=timers)
     loss = global_mean_loss(loss_sum, num_tokens)
     if not math.isfinite(loss):
         # Megatron's --check-for-nan-in-loss-and-grad: stop rather than train on garbage.
@@ -68,19 +69,19 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     allreduce_embedding_grads(model)
     reduce_and_clip = getattr(optimizer, "reduce_and_clip_gradients", None)
     if reduce_and_clip is not None:  # ZeRO: the optimizer owns the (sharded) gradients
-        with timer("grad-reduce"):
+        with timers("grad-reduce"):
             grad_norm = reduce_and_clip(clip_grad)
     else:
-        with timer("grad-reduce"):
+        with timers("grad-reduce"):
             if grad_sync is not None:
                 grad_sync.finish()
             else:
                 reduce_gradients(params)
-        with timer("grad-clip", level=2):
+        with timers("grad-clip", level=2):
             grad_norm = clip_gradients(params, clip_grad)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"iteration {iteration}: grad norm is {grad_norm}; stopping")
-    with timer("optimizer"):
+    with timers("optimizer"):
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss, grad_norm

@@ -7,8 +7,8 @@ import pytest
 
 from megatron_ul.config import ConfigError
 from megatron_ul.training.pretrain import configure
-from tests.optim.zero_harness import run_zero_layout
-from tests.training.equivalence import BASE, GPT2_STYLE, LLAMA_GQA, compare, run_layout
+from tests.training.equivalence import (BASE, GPT2_STYLE, LLAMA_GQA, compare, run_layout,
+                                       run_zero_layout)
 
 MODELS = {"gpt2-mha-learned": (GPT2_STYLE, 4, 4), "llama-gqa-rope": (LLAMA_GQA, 8, 2)}
 LAYOUTS = {  # name -> (flags, world, dp_sp size)

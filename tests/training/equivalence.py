@@ -1,8 +1,10 @@
-"""Layout-equivalence harness: train the same model on the same data under a parallel layout
-and under a single process, and compare per-step losses and final parameters."""
+"""The layout-equivalence harness (the one every suite uses: layouts, pipeline, ZeRO,
+recompute): train the same model on the same data under a parallel layout and under a single
+process, and compare per-step losses and final parameters."""
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from megatron_ul.checkpoint.reshard import merge_tp
 from megatron_ul.mpu import parallel_state as ps
@@ -28,17 +30,36 @@ LLAMA_GQA = ["--num-attention-heads", "8", "--group-query-attention", "--num-que
 
 
 def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
-    """Train on this rank; return the losses and (from DP0/SP0 ranks) the parameter shards."""
-    cfg = configure(argv, world)
-    trainer = setup(cfg)
+    """Train on this rank; return the losses, (from DP0/SP0 ranks) the TP shards of the
+    parameters and the bytes of optimizer state this rank holds.
+
+    ZeRO-3 parameters are DTensors sharded over dp_sp: gathering one is a collective, so every
+    rank gathers before the DP0/SP0 ranks keep the result."""
+    trainer = setup(configure(argv, world))
     losses = trainer.train()
     shards = {}
-    if ps.get_data_parallel_rank() == 0 and ps.get_sequence_parallel_rank() == 0:
-        # Global names (layer numbers, not per-stage indices), so pipeline stages merge.
-        for name, p in global_named_parameters(trainer.model):
-            shards[name] = (p.detach().clone(), getattr(p, "partition_dim", None),
-                            getattr(p, "partition_stride", 1))
-    return {"losses": losses, "tp_rank": ps.get_tensor_model_parallel_rank(), "shards": shards}
+    # Global names (layer numbers, not per-stage indices), so pipeline stages merge.
+    for name, p in global_named_parameters(trainer.model):
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        shards[name] = (full.detach().clone(), getattr(p, "partition_dim", None),
+                        getattr(p, "partition_stride", 1))
+    if ps.get_data_parallel_rank() != 0 or ps.get_sequence_parallel_rank() != 0:
+        shards = {}
+    return {"losses": losses, "tp_rank": ps.get_tensor_model_parallel_rank(), "shards": shards,
+            "optimizer_state": _optimizer_state_bytes(trainer.optimizer)}
+
+
+def _optimizer_state_bytes(optimizer) -> int:
+    state = optimizer.state_dict()
+    inner = state["optimizer"]["state"] if "optimizer" in state and "format" in state \
+        else state["state"]
+    total = 0
+    for per_param in inner.values():
+        for value in per_param.values():
+            if hasattr(value, "numel") and value.dim() > 0:
+                local = value.to_local() if isinstance(value, DTensor) else value
+                total += local.numel() * local.element_size()
+    return total
 
 
 def merge_tp_shards(per_rank: list[dict]) -> dict[str, torch.Tensor]:
@@ -68,12 +89,23 @@ def merge_tp_shards(per_rank: list[dict]) -> dict[str, torch.Tensor]:
     return full
 
 
-def run_layout(argv: list[str], world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def _run(argv: list[str], world: int):
     results = run_distributed(train_and_collect, world, argv)
     losses = results[0]["losses"]
     for r in results:  # every rank must agree on the reported loss
         assert r["losses"] == losses
-    return losses, merge_tp_shards(results)
+    return losses, merge_tp_shards(results), [r["optimizer_state"] for r in results]
+
+
+def run_layout(argv: list[str], world: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """(losses, full parameters) of a run with `argv` on `world` ranks."""
+    losses, params, _ = _run(argv, world)
+    return losses, params
+
+
+def run_zero_layout(argv: list[str], world: int):
+    """(losses, full parameters, per-rank optimizer-state bytes): for ZeRO's sharding checks."""
+    return _run(argv, world)
 
 
 def _key_bias_mask(bias: torch.Tensor, heads: int, groups: int) -> torch.Tensor:

@@ -1,54 +1,50 @@
-"""Metrics: phase timers and their levels, the all-to-all timer hook, comm_stats' per-op byte
-accounting against the bytes each algorithm moves, peak-TFLOP/s lookup, MFU/ETA log line."""
+"""Metrics: phase timers and their levels, timers handed to the all-to-all and to a whole
+training run, comm_stats' per-op byte accounting against the bytes each algorithm moves,
+peak-TFLOP/s lookup, MFU/ETA log line."""
 import logging
 
 import pytest
 import torch
 
 from megatron_ul.training import metrics
-from megatron_ul.training.timers import Timers, get_timers, set_timers, timer
-from megatron_ul.training.pretrain import configure
+from megatron_ul.timers import NO_TIMERS, Timers
+from megatron_ul.training.pretrain import configure, setup
+from megatron_ul.training.step import train_step
 from tests.distributed import run_distributed
 
 
 def test_timer_levels_and_no_op_without_timers():
-    assert get_timers() is None
-    with timer("forward"):  # nothing installed: a no-op
+    with NO_TIMERS("forward"):  # the default everywhere: times nothing
         pass
+    assert NO_TIMERS.pop() == ({}, {})
     timers = Timers(log_level=1)
-    set_timers(timers)
-    try:
-        with timer("forward"):
-            sum(range(10000))
-        with timer("grad-clip", level=2):  # above the level: not timed
-            pass
-    finally:
-        set_timers(None)
+    with timers("forward"):
+        sum(range(10000))
+    with timers("grad-clip", level=2):  # above the level: not timed
+        pass
     seconds, calls = timers.pop()
     assert calls == {"forward": 1} and seconds["forward"] > 0
     assert timers.pop() == ({}, {})
 
 
 def _collectives(rank, world):
-    """Run each collective once under count_communication and the all-to-all timer."""
+    """Run each collective once under count_communication, the all-to-all with timers."""
     from megatron_ul.mpu import comm_stats, mappings
     from megatron_ul.mpu import parallel_state as ps
     ps.initialize_model_parallel(world, 1, 1)
     group = ps.get_tensor_model_parallel_group()
     x = torch.ones(world * 6, 5)  # 4-byte floats
     timers = Timers(log_level=1)
-    mappings.set_all_to_all_timer(lambda: timers("all-to-all"))
     with comm_stats.count_communication() as counts:
-        mappings.all_to_all(x, 0, 1, group)
+        mappings.all_to_all(x, 0, 1, group, timers)
         mappings._all_gather(x, 0, group)
         mappings._reduce_scatter(x, 0, group)
         mappings._all_reduce(x.clone(), group)
-    mappings.set_all_to_all_timer(None)
-    mappings.all_to_all(x, 0, 1, group)  # hook removed: not timed
+    mappings.all_to_all(x, 0, 1, group)  # given no timers: not timed
     return {op: dict(v) for op, v in counts.items()}, timers.pop()[1]
 
 
-def test_comm_stats_bytes_and_all_to_all_timer_hook():
+def test_comm_stats_bytes_and_all_to_all_timers():
     world = 2
     counts, calls = run_distributed(_collectives, world)[0]
     local = world * 6 * 5 * 4  # bytes of x on each rank
@@ -78,16 +74,16 @@ def test_peak_tflops_from_flag_and_gpu_name(monkeypatch):
 def test_log_line_has_mfu_memory_eta_and_time_split(caplog):
     cfg = configure(["--mock-data", "--vocab-size", "100", "--train-iters", "10",
                      "--log-interval", "2", "--peak-tflops", "1", "--timing-log-level", "1"], 1)
-    logger = metrics.MetricsLogger(cfg, 128, is_reporting_rank=True)
+    timers = Timers(cfg.logging.timing_log_level)
+    logger = metrics.MetricsLogger(cfg, 128, is_reporting_rank=True, timers=timers)
     try:
         with caplog.at_level(logging.INFO, logger="megatron_ul"):
             for it in (1, 2):
-                with timer("forward"):
+                with timers("forward"):
                     pass
                 logger.iteration(it, 5.0, 1e-3, 1.0)
     finally:
         logger.close()
-    assert get_timers() is None
     text = caplog.text
     assert "MFU" in text and "peak mem" in text and "ETA 0:00:" in text
     assert "time split (ms/iter): forward" in text
@@ -96,3 +92,24 @@ def test_log_line_has_mfu_memory_eta_and_time_split(caplog):
 @pytest.mark.parametrize("seconds,text", [(59, "0:00:59"), (3661, "1:01:01")])
 def test_format_eta(seconds, text):
     assert metrics.format_eta(seconds) == text
+
+
+def _timed_run(rank, world):
+    cfg = configure(["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size",
+                     "16", "--num-attention-heads", "2", "--seq-length", "8",
+                     "--ds-sequence-parallel-size", "2", "--train-iters", "2",
+                     "--log-interval", "100", "--timing-log-level", "1"], world)
+    trainer = setup(cfg)
+    for _ in range(2):
+        train_step(trainer.model, trainer.optimizer, next(trainer.train_batches),
+                   clip_grad=cfg.train.clip_grad, timers=trainer.timers)
+    return trainer.timers.pop()[1]
+
+
+def test_a_run_times_its_phases_through_the_timers_it_was_given():
+    """setup() builds one Timers and hands it to the model (all-to-all), the schedule and the
+    step; nothing is installed process-wide."""
+    calls = run_distributed(_timed_run, 2)[0]
+    # 2 iterations x 1 micro-batch; 1 layer x 2 all-to-alls forward + 2 backward
+    assert calls == {"forward": 2, "backward": 2, "all-to-all": 8, "grad-reduce": 2,
+                     "optimizer": 2}

@@ -79,21 +79,16 @@ def timed_training(rank, world, argv: list[str], warmup: int, iters: int, timing
     phases of --timing-log-level 1 are timed (forward, backward, all-to-all, ...)."""
     import time
 
-    from megatron_ul.mpu.mappings import set_all_to_all_timer
     from megatron_ul.training.pretrain import configure, setup
     from megatron_ul.training.step import train_step
-    from megatron_ul.training.timers import Timers, set_timers
 
-    cfg = configure(argv, world)
+    cfg = configure(argv + (["--timing-log-level", "1"] if timing else []), world)
     trainer = setup(cfg)
-    timers = Timers(1)
-    if timing:
-        set_timers(timers)
-        set_all_to_all_timer(lambda: timers("all-to-all"))
+    timers = trainer.timers  # the model's all-to-alls report here too
 
     def step():
         train_step(trainer.model, trainer.optimizer, next(trainer.train_batches),
-                   clip_grad=cfg.train.clip_grad)
+                   clip_grad=cfg.train.clip_grad, timers=timers)
 
     for _ in range(warmup):
         step()
@@ -102,6 +97,4 @@ def timed_training(rank, world, argv: list[str], warmup: int, iters: int, timing
     for _ in range(iters):
         step()
     per_iter = (time.perf_counter() - start) / iters
-    set_timers(None)
-    set_all_to_all_timer(None)
     return per_iter, {name: s / iters for name, s in timers.pop()[0].items()}

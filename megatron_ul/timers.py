@@ -1,10 +1,12 @@
 """Named wall-clock timers for the per-iteration time split (--timing-log-level).
 
-`timer(name, level)` is a context manager. The active Timers object is process-global (set by
-the metrics logger for the duration of training); with none installed, or a level above
---timing-log-level, it is a shared no-op context. On a GPU each start/stop synchronises the
-device so that the time belongs to the phase that issued the kernels (this costs a little
-overlap; it is why the split is opt-in).
+`timers(name, level)` is a context manager. One Timers object is built per run (training/
+pretrain.setup) and handed to what it times: the schedules and the training step (forward,
+backward, gradient reduction, optimizer) and, through the model, the Ulysses all-to-all. Code
+that is given none uses NO_TIMERS, whose every call is a shared no-op context, as is a level
+above --timing-log-level. On a GPU each start/stop synchronises the device so that the time
+belongs to the phase that issued the kernels (this costs a little overlap; it is why the split
+is opt-in). A base module: it imports nothing from the package, so every layer may use it.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ _NULL = contextlib.nullcontext()
 
 
 class Timers:
+    """timers(name, level): times the block when level <= log_level; pop() returns the sums."""
+
     def __init__(self, log_level: int, device_type: str = "cpu"):
         self.log_level = log_level
         self.sync = device_type == "cuda"
@@ -48,20 +52,5 @@ class Timers:
         return seconds, calls
 
 
-_active: Timers | None = None
-
-
-def set_timers(timers: Timers | None) -> None:
-    global _active
-    _active = timers
-
-
-def get_timers() -> Timers | None:
-    return _active
-
-
-def timer(name: str, level: int = 1):
-    """with timer('forward'): ...  — a no-op unless timers at this level are on."""
-    if _active is None or level > _active.log_level:
-        return _NULL
-    return _active(name, level)
+NO_TIMERS = Timers(log_level=0)
+"""Times nothing (every phase has level >= 1): the default wherever timers are optional."""
