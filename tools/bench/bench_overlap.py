@@ -58,11 +58,17 @@ def main() -> None:
            f"training timer around the wait for the gradient reduction after backward "
            f"(--timing-log-level 1), averaged over ranks; {args.iters} iterations after one "
            f"warm-up.", table,
-           "Overlapped, most buckets are reduced while backward still runs, so what is left "
-           "after backward is the last bucket(s). On 2 shared CPU cores gloo's reduction "
-           "competes with backward for the same cores, so the step gains less than the "
-           "exposed time drops (the backward column grows by part of it).",
+           conclusion(rows),
            write_docs=args.write_docs)
+
+
+def conclusion(rows) -> str:
+    exposed = ", ".join(f"{r[0]} {r[1]} {r[4]}×" for r in rows)
+    step = ", ".join(f"{r[0]} {r[1]} {r[9]}×" for r in rows)
+    return (f"Overlapped / after backward, exposed reduction: {exposed}; step time: {step}. "
+            "Most buckets are reduced while backward runs; whether the step gains depends on "
+            "spare cores: here gloo's reduction competes with backward for 2 shared CPU cores "
+            "(see the backward columns).")
 
 
 if __name__ == "__main__":
