@@ -83,8 +83,7 @@ class ModelConfig:
                                              "--recompute-method)")
     fused_layers: bool = flag(
         False, help="torch.compile each transformer layer (fuses the elementwise work around "
-                    "the matmuls); off by default: on CPU it costs compile time and gains no "
-                    "speed")
+                    "the matmuls); off by default: it costs compile time at every start-up")
     fused_layers_backend: Literal["inductor", "aot_eager"] = flag(
         "inductor", help="torch.compile backend for --fused-layers (aot_eager: traced, not "
                          "fused)")

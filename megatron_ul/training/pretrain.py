@@ -116,7 +116,7 @@ def setup(cfg: Config) -> Trainer:
         m = cfg.model
         log.info("transformer layers: %s", f"fused (torch.compile per layer, backend "
                  f"{m.fused_layers_backend})" if m.fused_layers else
-                 "eager (--fused-layers compiles them; off by default: no gain on CPU)")
+                 "eager (--fused-layers compiles them; off by default: compile time)")
     optimizer = build_optimizer(model, cfg.train, cfg.parallel)
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
