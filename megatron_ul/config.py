@@ -45,7 +45,8 @@ class ModelConfig:
     hidden_size: int = flag(64, help="model width h")
     num_attention_heads: int = flag(4, help="query heads")
     ffn_hidden_size: Optional[int] = flag(
-        None, help="MLP width; default 4h (8h/3 rounded up to a multiple of 64 with --swiglu)")
+        None, help="MLP width; default 4h (8h/3 rounded down to a multiple of 64 with --swiglu, "
+                   "as Megatron-LM); must be divisible by TP")
     num_query_groups: Optional[int] = flag(
         None, enabled_by="--group-query-attention",
         help="kv heads for grouped-query attention; default: one per query head (MHA)")
@@ -71,7 +72,9 @@ class ModelConfig:
     hidden_dropout: float = flag(0.1, help="dropout after attention and MLP")
     init_method_std: float = flag(0.02, help="std of the normal weight initialisation")
     use_flash_attn: bool = flag(False,
-                                help="FlashAttention-2 when importable on a GPU, else torch SDPA")
+                                help="FlashAttention-2 where it can run (CUDA, --bf16/--fp16, "
+                                     "flash-attn installed, no --reset-attention-mask), else "
+                                     "torch SDPA; the log says which ran")
     gelu_approximate: Literal["none", "tanh"] = flag(
         "none", help="tanh = GPT-2's gelu_new (for Hugging Face GPT-2 weights)")
     recompute_granularity: Optional[Literal["full", "selective"]] = flag(
@@ -87,10 +90,30 @@ class ModelConfig:
     fused_layers_backend: Literal["inductor", "aot_eager"] = flag(
         "inductor", help="torch.compile backend for --fused-layers (aot_eager: traced, not "
                          "fused)")
+    # Long sequences (docs/long_context.md); chunk sizes count tokens of this rank's sequence.
+    tiled_loss_chunk_size: Optional[int] = flag(
+        None, help="compute the output layer and loss over chunks of this many tokens, never "
+                   "holding the full logits; backward recomputes one chunk at a time")
+    tiled_mlp_chunk_size: Optional[int] = flag(
+        None, help="run the MLP over chunks of this many tokens, each recomputed in backward "
+                   "(ALST's tiled MLP)")
+    activation_checkpoint_cpu_offload: bool = flag(
+        False, help="with --recompute-granularity full: keep each checkpointed layer input in "
+                    "host memory until backward (ALST's name)")
+    window_size: Optional[list[int]] = flag(
+        None, help="sliding-window attention LEFT RIGHT: token i sees tokens i-LEFT..i of its "
+                   "document (RIGHT must be 0; -1 = unlimited; Megatron-core's window_size)")
 
     @property
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def attention_window(self) -> Optional[int]:
+        """Keys a query sees before itself under --window-size (None: unlimited)."""
+        if self.window_size is None or self.window_size[0] < 0:
+            return None
+        return self.window_size[0]
 
     @property
     def query_groups(self) -> int:
@@ -98,10 +121,11 @@ class ModelConfig:
 
     @property
     def ffn_size(self) -> int:
-        if self.ffn_hidden_size:
+        if self.ffn_hidden_size is not None:
             return self.ffn_hidden_size
-        if self.swiglu:  # Megatron: keep the MLP's parameter count close to the 4h GELU MLP
-            return int(math.ceil(4 * self.hidden_size * 2 / 3 / 64) * 64)
+        if self.swiglu:  # Megatron-LM's rule: about the 4h GELU MLP's parameter count,
+            # rounded DOWN to a multiple of 64 (hidden 4096 -> 10880)
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
         return 4 * self.hidden_size
 
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
@@ -114,6 +138,9 @@ class ParallelConfig:
     tensor_model_parallel_size: int = flag(1, help="tensor-parallel degree TP")
     ds_sequence_parallel_size: int = flag(
         1, help="DeepSpeed-Ulysses sequence-parallel degree SP (Megatron-DeepSpeed's name)")
+    context_parallel_size: int = flag(
+        1, help="ring-attention degree CP across Ulysses groups (Megatron-LM's name): the "
+                "sequence is split over SP × CP ranks")
     pipeline_model_parallel_size: int = flag(1, help="pipeline stages PP")
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None, help="layers per virtual stage: interleaved 1F1B with several chunks per rank")
@@ -139,6 +166,7 @@ class ParallelConfig:
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_model_parallel_size * self.ds_sequence_parallel_size
+                                   * self.context_parallel_size
                                    * self.pipeline_model_parallel_size)
 
 
@@ -179,7 +207,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    mock_data: bool = flag(False, help="random tokens; needs --vocab-size")
+    mock_data: bool = flag(False, help="random documents ending with EOD (id vocab-size - 1); "
+                                       "needs --vocab-size")
     data_path: list[str] = flag(default_factory=list,
                                 help="dataset prefixes, or 'weight prefix' pairs to blend")
     split: str = flag("969,30,1", help="train,valid,test weights of each dataset")
@@ -210,6 +239,21 @@ class CheckpointConfig:
     exit_signal_handler: bool = flag(
         False, help="on SIGTERM or SIGUSR1 (Slurm's --signal time-limit warning), save at the "
                     "end of the current iteration and exit 0")
+    keep_last_n_checkpoints: Optional[int] = flag(
+        None, help="after each save, delete all but the newest N complete iterations "
+                   "(default: keep all)")
+    remove_unfinished_checkpoints: bool = flag(
+        False, help="after each save, delete what interrupted saves and cleanups left "
+                    "(iter_*.tmp-*, .old-*, .del-*); the job holds the directory's lock")
+    override_opt_param_scheduler: bool = flag(
+        False, names=("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
+        help="on resume, use this run's --lr/--min-lr/warmup/decay flags instead of the "
+             "checkpoint's LR schedule")
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False, names=("--use-checkpoint-opt_param-scheduler",
+                      "--use-checkpoint-opt-param-scheduler"),
+        help="on resume, continue the checkpoint's LR schedule whatever this run's "
+             "--lr/--min-lr/warmup/decay flags say")
 
 
 @dataclass
@@ -269,7 +313,7 @@ def resolve(cfg: Config) -> Config:
 
 def _model_parallel_size(p: ParallelConfig) -> int:
     return p.tensor_model_parallel_size * p.ds_sequence_parallel_size * \
-        p.pipeline_model_parallel_size
+        p.context_parallel_size * p.pipeline_model_parallel_size
 
 
 def validate(cfg: Config) -> Config:
@@ -281,19 +325,22 @@ def validate(cfg: Config) -> Config:
     if errors:  # the checks below divide by these sizes
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
     m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
-    tp, sp = p.tensor_model_parallel_size, p.ds_sequence_parallel_size
+    tp, sp, cp = p.tensor_model_parallel_size, p.ds_sequence_parallel_size, p.context_parallel_size
     if p.world_size % _model_parallel_size(p) != 0:
         errors.append(f"world size {p.world_size} is not divisible by "
                       f"--tensor-model-parallel-size × --ds-sequence-parallel-size × "
-                      f"--pipeline-model-parallel-size = {tp}×{sp}×"
-                      f"{p.pipeline_model_parallel_size} = {_model_parallel_size(p)}; launch a "
-                      f"multiple of {_model_parallel_size(p)} processes or change the parallel "
-                      f"sizes")
+                      f"--context-parallel-size × --pipeline-model-parallel-size = {tp}×{sp}×"
+                      f"{cp}×{p.pipeline_model_parallel_size} = {_model_parallel_size(p)}; "
+                      f"launch a multiple of {_model_parallel_size(p)} processes or change the "
+                      f"parallel sizes")
     dp = max(p.data_parallel_size, 1)
 
     errors += _attention_errors(m, tp, sp)
+    errors += _mlp_errors(m, tp)
     errors += _sequence_errors(m, p, tp, sp)
+    errors += _ring_errors(m, p, tp, sp, cp)
     errors += _recompute_errors(m)
+    errors += _long_context_errors(cfg)
     errors += _zero_errors(p)
     errors += _overlap_errors(p, t)
     errors += _loss_scale_errors(t)
@@ -314,6 +361,7 @@ def _size_errors(cfg: Config) -> list[str]:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     sizes = [("--tensor-model-parallel-size", p.tensor_model_parallel_size),
              ("--ds-sequence-parallel-size", p.ds_sequence_parallel_size),
+             ("--context-parallel-size", p.context_parallel_size),
              ("--pipeline-model-parallel-size", p.pipeline_model_parallel_size),
              ("--num-layers", m.num_layers), ("--hidden-size", m.hidden_size),
              ("--num-attention-heads", m.num_attention_heads), ("--seq-length", m.seq_length),
@@ -404,6 +452,23 @@ def _attention_errors(m: ModelConfig, tp: int, sp: int) -> list[str]:
     return errors
 
 
+def _mlp_errors(m: ModelConfig, tp: int) -> list[str]:
+    """The MLP's hidden width is split over TP: every rank needs an equal, non-empty slice."""
+    if m.ffn_hidden_size is not None:
+        flag = f"--ffn-hidden-size {m.ffn_hidden_size}"
+        fix = f"use a multiple of {tp}"
+    else:
+        flag = (f"the default FFN width {m.ffn_size} (from --hidden-size {m.hidden_size}"
+                f"{' with --swiglu' if m.swiglu else ''})")
+        fix = "set --ffn-hidden-size"
+    if m.ffn_size < 1:
+        return [f"{flag} must be >= 1; {fix}"]
+    if m.ffn_size % tp != 0:
+        return [f"{flag} is not divisible by --tensor-model-parallel-size {tp}: each TP rank "
+                f"holds an equal slice of the MLP; {fix}"]
+    return []
+
+
 def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> list[str]:
     """Every SP rank (and TP rank under Megatron-SP) holds an equal slice of each sequence."""
     errors = []
@@ -427,10 +492,36 @@ def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> lis
     return errors
 
 
+def _ring_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int, cp: int) -> list[str]:
+    """Ring attention (--context-parallel-size R): each ring rank holds two of 2R chunks,
+    which its U Ulysses ranks split evenly (and TP again under Megatron-SP)."""
+    if cp == 1:
+        return []
+    errors = []
+    divisor = math.lcm(2 * sp * cp, sp * cp * (tp if p.sequence_parallel else 1))
+    if m.seq_length % divisor != 0:
+        flags = "2 × --ds-sequence-parallel-size × --context-parallel-size"
+        if p.sequence_parallel and tp > 1:
+            flags += " (and × --tensor-model-parallel-size with --sequence-parallel)"
+        errors.append(f"--seq-length {m.seq_length} is not divisible by {flags} = {divisor}: "
+                      f"each ring rank holds two equal chunks of 2·{cp} that its {sp} Ulysses "
+                      f"ranks split evenly; use a sequence length that is a multiple of {divisor}")
+    if m.attention_dropout > 0:
+        errors.append(f"--attention-dropout {m.attention_dropout} is not supported with "
+                      f"--context-parallel-size {cp} (ring attention has no dropout); pass "
+                      f"--attention-dropout 0")
+    if m.attention_window is not None:
+        errors.append(f"--window-size is not supported with --context-parallel-size {cp} (the "
+                      f"ring's blocks are causal or document-masked only); drop --window-size "
+                      f"or use Ulysses alone (--context-parallel-size 1)")
+    return errors
+
+
 def _checkpoint_errors(cfg: Config) -> list[str]:
     c, errors = cfg.checkpoint, []
     for name, value in [("--save-interval", c.save_interval), ("--exit-interval", c.exit_interval),
-                        ("--exit-duration-in-mins", c.exit_duration_in_mins)]:
+                        ("--exit-duration-in-mins", c.exit_duration_in_mins),
+                        ("--keep-last-n-checkpoints", c.keep_last_n_checkpoints)]:
         if value is not None and value <= 0:
             errors.append(f"{name} must be > 0 (got {value})")
     if c.save_interval is not None and c.save is None:
@@ -439,6 +530,9 @@ def _checkpoint_errors(cfg: Config) -> list[str]:
     if c.load is not None and not os.path.isdir(c.load) and c.load != c.save:
         errors.append(f"--load {c.load}: no such directory; pass the --save directory of an "
                       f"earlier run")
+    if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
+        errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+                      "conflict: pass the one that says whose LR schedule wins")
     if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):
         errors.append(f"--save {c.save} exists and is not a directory; choose another path")
     return errors
@@ -459,6 +553,30 @@ def _recompute_errors(m: ModelConfig) -> list[str]:
                       "drop it or use full granularity")
     if m.recompute_num_layers < 1:
         errors.append(f"--recompute-num-layers must be >= 1 (got {m.recompute_num_layers})")
+    return errors
+
+
+def _long_context_errors(cfg: Config) -> list[str]:
+    """Tiled loss/MLP chunk sizes, activation offload and the sliding window."""
+    m, errors = cfg.model, []
+    for name, value in [("--tiled-loss-chunk-size", m.tiled_loss_chunk_size),
+                        ("--tiled-mlp-chunk-size", m.tiled_mlp_chunk_size)]:
+        if value is not None and value < 1:
+            errors.append(f"{name} must be >= 1 token (got {value}); omit it to run untiled")
+    if m.activation_checkpoint_cpu_offload:
+        if m.recompute_granularity != "full":
+            errors.append("--activation-checkpoint-cpu-offload moves the inputs that full "
+                          "recompute keeps to host memory: it needs --recompute-granularity full")
+    if m.window_size is not None:
+        if len(m.window_size) != 2:
+            errors.append(f"--window-size takes two numbers, LEFT RIGHT, e.g. 4096 0 (got "
+                          f"{' '.join(map(str, m.window_size))})")
+        elif m.window_size[1] != 0:
+            errors.append(f"--window-size {m.window_size[0]} {m.window_size[1]}: a causal GPT "
+                          f"sees no later tokens, RIGHT must be 0")
+        elif m.window_size[0] < -1:
+            errors.append(f"--window-size {m.window_size[0]} 0: LEFT must be >= 0, or -1 for "
+                          f"an unlimited window")
     return errors
 
 

@@ -56,14 +56,18 @@ def initialize_distributed(cfg: Config) -> torch.device:
         if world == 1:  # plain `python pretrain_gpt.py`: a one-process group on loopback
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        # device_id binds this rank's GPU to the group, so barriers and object collectives
+        # (checkpoint saves) use it instead of guessing; CPU/gloo has nothing to bind.
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
     p = cfg.parallel
     ps.initialize_model_parallel(p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
-                                 p.pipeline_model_parallel_size, timeout=timeout)
+                                 p.pipeline_model_parallel_size, timeout=timeout,
+                                 context_parallel_size=p.context_parallel_size)
     model_parallel_seed(cfg.train.seed, device.type)
     if rank == 0:
-        log.info("world %d = PP %d × DP %d × SP %d × TP %d on %s (%s)", world,
-                 p.pipeline_model_parallel_size, p.data_parallel_size,
+        log.info("world %d = PP %d × DP %d × CP %d × SP %d × TP %d on %s (%s)", world,
+                 p.pipeline_model_parallel_size, p.data_parallel_size, p.context_parallel_size,
                  p.ds_sequence_parallel_size, p.tensor_model_parallel_size, device, backend)
     return device
 

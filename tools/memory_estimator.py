@@ -64,11 +64,13 @@ def main(argv=None) -> int:
         return 2
     recompute = ours.recompute or me.recompute_of(cfg)
     zero = cfg.parallel.zero_stage or (1 if cfg.parallel.use_distributed_optimizer else 0)
-    precision = me.Precision(bf16=cfg.train.bf16, fused_attention=not ours.no_fused_attention)
+    precision = me.Precision(bf16=cfg.train.bf16 or cfg.train.fp16,
+                             fused_attention=not ours.no_fused_attention)
     layout = me.layout_from_config(cfg)
     est = me.estimate(cfg.model, layout, zero_stage=zero, recompute=recompute,
                       precision=precision)
-    print(f"world {layout.world} = TP {layout.tp} × SP {layout.sp} × PP {layout.pp} × DP "
+    ring = f" × CP {layout.cp}" if layout.cp > 1 else ""
+    print(f"world {layout.world} = TP {layout.tp} × SP {layout.sp}{ring} × PP {layout.pp} × DP "
           f"{layout.dp}; ZeRO {zero}; recompute {recompute}; "
           f"{est.params_per_rank / 1e6:.1f} M parameters per rank\n")
     print(table(est.rows()))
@@ -84,8 +86,8 @@ def main(argv=None) -> int:
             return 1
         fit, fit_est = found
         print(f"\nsmallest fit in {ours.gpu_memory_gb} GB: {fit.world} GPUs = TP {fit.tp} × "
-              f"SP {fit.sp} × PP {fit.pp} × DP {fit.dp} ({fit_est.total_bytes / me.GiB:.1f} GiB "
-              f"per GPU)")
+              f"SP {fit.sp}{ring} × PP {fit.pp} × DP {fit.dp} "
+              f"({fit_est.total_bytes / me.GiB:.1f} GiB per GPU)")
     return 0
 
 

@@ -1,20 +1,28 @@
 """Checkpoint paths, the tracker file, and durable file writes.
 
-Layout (Megatron-LM's, plus a metadata file and per-rank RNG files):
+Layout (Megatron-LM's directory and file naming; the contents are our own — see
+checkpoint/megatron_lm.py for Megatron-LM's legacy format):
     DIR/latest_checkpointed_iteration.txt
     DIR/iter_0000100/metadata.json
     DIR/iter_0000100/mp_rank_00[_000]/model_optim_rng.pt     one per (tp, pp), written by dp0/sp0
                                                              (ZeRO state gathered into it)
     DIR/iter_0000100/rng/rank_00000.pt                        one per global rank
 A save in progress lives in DIR/iter_0000100.tmp-<uuid> and is renamed into place when complete;
-an iteration being replaced is first renamed to DIR/iter_0000100.old-<uuid>.
+an iteration being replaced is first renamed to DIR/iter_0000100.old-<uuid>; a directory being
+deleted is first renamed to DIR/iter_0000100.del-<uuid>, which no loader ever considers.
+metadata.json lists every other file of the iteration with its size and SHA-256, checked when
+the file is read. DIR/.megatron_ul.lock is held (POSIX lock) by the job saving into DIR.
 """
 from __future__ import annotations
 
+import fcntl
 import glob
+import hashlib
 import io
 import json
 import os
+import socket
+import time
 from typing import Optional
 
 import torch
@@ -55,27 +63,69 @@ def fsync_dir(path: str) -> None:
 
 
 def write_bytes_durably(path: str, data: bytes) -> None:
-    """Write and fsync `path` (its directory must exist and be private to this save)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    """Write and fsync `path` (its directory must exist and be private to this save). Disk
+    full, quota and permission errors name the path."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be written ({e.strerror or e}); check the free "
+                              f"space, quota and permissions of {os.path.dirname(path)}") from e
 
 
-def save_torch(obj, path: str) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def file_record(data: bytes) -> dict:
+    """What metadata.json records of a file: its size and SHA-256."""
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def save_torch(obj, path: str) -> dict:
+    """torch.save durably; returns the file's record (file_record)."""
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as e:
+        raise CheckpointError(f"{os.path.dirname(path)}: cannot be created "
+                              f"({e.strerror or e}); check the permissions and free space") from e
     buffer = io.BytesIO()
     torch.save(obj, buffer)
-    write_bytes_durably(path, buffer.getvalue())
+    data = buffer.getvalue()
+    write_bytes_durably(path, data)
+    return file_record(data)
 
 
-def load_torch(path: str, what: str):
-    """torch.load with a message naming the file when it is missing or unreadable."""
+def expected_record(meta: dict, iter_dir: str, path: str) -> Optional[dict]:
+    """The record metadata.json holds for `path` (None for checkpoints written before files
+    were recorded); CheckpointError when metadata lists files but not this one."""
+    if "files" not in meta:
+        return None
+    record = meta["files"].get(os.path.relpath(path, iter_dir))
+    if record is None:
+        raise CheckpointError(f"{path}: not among the files {os.path.join(iter_dir, METADATA)} "
+                              f"records; the checkpoint is inconsistent")
+    return record
+
+
+def load_torch(path: str, what: str, expected: Optional[dict] = None):
+    """torch.load with a message naming the file when it is missing, unreadable or (with
+    `expected`, its file_record) not the bytes that were saved."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing ({what}); the checkpoint is incomplete — "
                               f"load an earlier iteration or re-save it")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from e
+    if expected is not None:
+        found = file_record(data)
+        if found != expected:
+            raise CheckpointError(f"{path}: corrupt — {found['bytes']} bytes with SHA-256 "
+                                  f"{found['sha256'][:16]}…, metadata.json recorded "
+                                  f"{expected['bytes']} bytes with {expected['sha256'][:16]}…; "
+                                  f"not loaded: restore the file or load an earlier iteration")
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle means a damaged file
         raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e}); the file is "
                               f"corrupt or truncated — load an earlier iteration") from e
@@ -130,15 +180,95 @@ def unfinished_saves(load_dir: str) -> list[str]:
     return sorted(glob.glob(os.path.join(load_dir, "iter_*.tmp-*")))
 
 
+def is_complete(iter_dir: str) -> bool:
+    """metadata.json parses and every file it records is there with its recorded size (a
+    directory whose deletion was interrupted fails this)."""
+    try:
+        meta = read_json(os.path.join(iter_dir, METADATA), "checkpoint metadata")
+    except CheckpointError:
+        return False
+    return all(os.path.isfile(p) and os.path.getsize(p) == record["bytes"]
+               for p, record in ((os.path.join(iter_dir, rel), record)
+                                 for rel, record in (meta.get("files") or {}).items()))
+
+
 def find_iteration_dir(load_dir: str, iteration: int) -> str:
     """The directory of a complete iteration. A save killed between renaming an older copy of
-    the same iteration aside and renaming the new one in leaves only the `.old-` copy: use it."""
+    the same iteration aside and renaming the new one in leaves only `.old-` copies: use the
+    newest complete one (an interrupted cleanup may have left a partial one beside it)."""
     path = os.path.join(load_dir, iteration_dir_name(iteration))
     if os.path.isdir(path):
         return path
-    aside = sorted(glob.glob(path + ".old-*"))
+    aside = [d for d in glob.glob(path + ".old-*") if is_complete(d)]
     if aside:
-        return aside[-1]
+        return max(aside, key=os.path.getmtime)
     raise CheckpointError(f"{os.path.join(load_dir, TRACKER)} names iteration {iteration} but "
                           f"{path} does not exist; restore that directory or point the tracker "
                           f"at an existing iter_XXXXXXX")
+
+
+def remove_dir(path: str, save_id: str) -> None:
+    """Delete a directory so that a kill at any moment leaves either the whole directory under
+    its old name or a `.del-` directory no loader considers: rename first, then delete."""
+    doomed = f"{path}.del-{save_id}"
+    os.rename(path, doomed)
+    rmtree_quietly(doomed)
+
+
+def rmtree_quietly(path: str) -> None:
+    import shutil
+    shutil.rmtree(path, ignore_errors=True)
+
+
+# ---- one job per save directory ---------------------------------------------------------------
+LOCK = ".megatron_ul.lock"
+_held_locks: dict[str, int] = {}
+
+
+def claim_save_dir(save_dir: str) -> None:
+    """Hold DIR/.megatron_ul.lock for the life of this process (a POSIX lock: released by the
+    kernel when the process dies, kill -9 included, and honoured over NFS); CheckpointError
+    naming the holder when another process holds it."""
+    key = os.path.realpath(save_dir)
+    if key in _held_locks:
+        return
+    path = os.path.join(save_dir, LOCK)
+    try:
+        os.makedirs(save_dir, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be created ({e.strerror or e}); check the "
+                              f"permissions of --save {save_dir}") from e
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise CheckpointError(f"--save {save_dir} is in use by {holder} (it holds {path}); two "
+                              f"jobs saving into one directory would interleave their "
+                              f"checkpoints: give this job its own --save directory") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    _held_locks[key] = fd
+
+
+def release_save_dir(save_dir: str) -> None:
+    """Drop this process's lock on `save_dir` (process exit does it too)."""
+    fd = _held_locks.pop(os.path.realpath(save_dir), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def stale_temporaries(save_dir: str) -> list[str]:
+    """Unfinished saves, copies set aside and half-deleted directories: stale once a newer
+    save has completed (call only while holding the directory's lock)."""
+    return sorted(d for pattern in ("iter_*.tmp-*", "iter_*.old-*", "iter_*.del-*")
+                  for d in glob.glob(os.path.join(save_dir, pattern)))
+
+
+def complete_iterations(save_dir: str) -> list[int]:
+    found = []
+    for d in glob.glob(os.path.join(save_dir, "iter_" + "[0-9]" * 7)):
+        found.append(int(os.path.basename(d)[5:]))
+    return sorted(found)

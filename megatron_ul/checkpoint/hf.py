@@ -35,7 +35,8 @@ def gpt2_model_config(hf: dict) -> dict:
             "max_position_embeddings": hf["n_positions"], "seq_length": hf["n_positions"],
             "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
             "norm_epsilon": hf.get("layer_norm_epsilon", 1e-5), "swiglu": False,
-            "add_bias_linear": True, "untie_embeddings_and_output_weights": False,
+            "add_bias_linear": True,
+            "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", True),
             "gelu_approximate": "none" if act == "gelu" else "tanh",
             "num_query_groups": None, "kv_channels": None}
 
@@ -68,6 +69,8 @@ def gpt2_to_ours(sd: dict, m: dict) -> dict:
     out = {"word_embeddings.weight": sd["wte.weight"],
            "position_embeddings.weight": sd["wpe.weight"],
            "final_norm.weight": sd["ln_f.weight"], "final_norm.bias": sd["ln_f.bias"]}
+    if m["untie_embeddings_and_output_weights"]:
+        out["output_layer.weight"] = sd["lm_head.weight"]
     for i in range(m["num_layers"]):
         hf, ours = f"h.{i}.", f"layers.{i}."
         w = sd[hf + "attn.c_attn.weight"].t()                   # Conv1D [in, out] -> [out, in]
@@ -85,16 +88,16 @@ def ours_to_gpt2(p: dict, m: dict) -> tuple[dict, dict]:
     """(GPT2LMHeadModel state dict, GPT2Config dict) from our full unpadded parameters."""
     if m["swiglu"] or m["normalization"] != "LayerNorm" or not m["add_bias_linear"] \
             or m["position_embedding_type"] != "learned_absolute" \
-            or m["untie_embeddings_and_output_weights"] or m.get("num_query_groups") not in (
-                None, m["num_attention_heads"]):
+            or m.get("num_query_groups") not in (None, m["num_attention_heads"]):
         raise CheckpointError("this model is not GPT-2 shaped (needs LayerNorm, GELU, biases, "
-                              "learned positions, tied embeddings, no GQA); export it as llama")
+                              "learned positions, no GQA); export it as llama")
+    tied = not m["untie_embeddings_and_output_weights"]
     heads, d = m["num_attention_heads"], m["hidden_size"] // m["num_attention_heads"]
     sd = {"transformer.wte.weight": p["word_embeddings.weight"],
           "transformer.wpe.weight": p["position_embeddings.weight"],
           "transformer.ln_f.weight": p["final_norm.weight"],
           "transformer.ln_f.bias": p["final_norm.bias"],
-          "lm_head.weight": p["word_embeddings.weight"]}
+          "lm_head.weight": p["word_embeddings.weight" if tied else "output_layer.weight"]}
     for i in range(m["num_layers"]):
         hf, ours = f"transformer.h.{i}.", f"layers.{i}."
         q, k, v = _split_qkv(p[ours + "attention.qkv.weight"], heads, 1, d)
@@ -112,7 +115,7 @@ def ours_to_gpt2(p: dict, m: dict) -> tuple[dict, dict]:
               "layer_norm_epsilon": m["norm_epsilon"],
               "activation_function": "gelu_new" if m["gelu_approximate"] == "tanh" else "gelu",
               "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-              "tie_word_embeddings": True}
+              "tie_word_embeddings": tied}
     return {k: v.contiguous() for k, v in sd.items()}, config
 
 
@@ -221,19 +224,27 @@ def to_hf(kind: str, params: dict, m: dict) -> tuple[dict, dict]:
 
 
 # ---- files ---------------------------------------------------------------------------------------
-def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
-    """(config.json, tensors) of a Hugging Face model directory saved as safetensors."""
-    import glob
+def read_hf_config(hf_dir: str) -> dict:
     import json
     import os
-
-    from safetensors.torch import load_file
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise CheckpointError(f"{config_path}: missing; --hf-dir must be a Hugging Face model "
                               f"directory (config.json + *.safetensors)")
-    with open(config_path) as f:
-        config = json.load(f)
+    try:
+        with open(config_path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: cannot be parsed ({e})") from e
+
+
+def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
+    """(config.json, tensors) of a Hugging Face model directory saved as safetensors."""
+    import glob
+    import os
+
+    from safetensors.torch import load_file
+    config = read_hf_config(hf_dir)
     shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not shards:
         raise CheckpointError(f"{hf_dir}: no *.safetensors files (PyTorch .bin files are not "
@@ -254,24 +265,46 @@ def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> t
 
     from ..config import ModelConfig
     from . import files, reshard
-    config, state = read_hf_dir(hf_dir)
-    fields, params = to_ours(config, state)
+    config = read_hf_config(hf_dir)
+    kind = detect(config)
+    fields = gpt2_model_config(config) if kind == "gpt2" else llama_model_config(config)
     model = asdict(ModelConfig(**fields))
+    # the trainer's own validation, before any tensor is read or anything written
+    reshard.check_target_layout({"model": model}, tp, pp, 1, 1, None)
+    _, state = read_hf_dir(hf_dir)
+    _, params = to_ours(config, state)
     meta = {"format": files.FORMAT, "iteration": 0, "model": model,
             "layout": {"tp": 1, "pp": 1, "sp": 1, "dp": 1, "world": 1,
                        "sequence_parallel": False, "vp": None},
-            "params": {n: reshard.param_info(n, t.shape, model) for n, t in params.items()},
-            "optimizer": None, "rng": False, "source": f"hugging face {config['model_type']}"}
+            "params": reshard.layout_table({"model": model}, 1, 1, None),
+            "optimizer": None, "rng": False, "source": f"hugging face {config['model_type']}",
+            "special_tokens": {k: config.get(k) for k in ("bos_token_id", "eos_token_id")}}
     common = {"iteration": 0, "checkpoint_version": 3.0, "opt_param_scheduler": {"num_steps": 0},
               "consumed_samples": 0, "consumed_valid_samples": 0, "args": {}}
+    _check_names(params, meta["params"], hf_dir)
     full = reshard.FullCheckpoint(meta, common, params, None, None)
     target = reshard.target_metadata(full, tp, pp, 1, 1, with_optim=False)
     return reshard.write_layout(full, target, save_dir, 0, tp, pp, with_optim=False), model
 
 
-def export_checkpoint(load_dir: str, hf_dir: str, kind: str | None = None) -> str:
+def _check_names(params: dict, table: dict, hf_dir: str) -> None:
+    """The mapped tensors must be exactly the model's parameters, shaped as the table says
+    (vocabulary rows are padded later)."""
+    missing, extra = set(table) - set(params), set(params) - set(table)
+    bad = [n for n in set(params) & set(table) if not table[n]["vocab_padded"]
+           and list(params[n].shape) != table[n]["shape"]]
+    if missing or extra or bad:
+        raise CheckpointError(f"{hf_dir}: the mapped weights do not fit the model: missing "
+                              f"{sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}, "
+                              f"wrong shape {sorted(bad)[:4]}")
+
+
+def export_checkpoint(load_dir: str, hf_dir: str, kind: str | None = None,
+                      special_tokens: dict | None = None) -> str:
     """Write the latest iteration of `load_dir` (any layout) as a Hugging Face model directory
-    (config.json + model.safetensors). Refuses to overwrite an existing model there."""
+    (config.json + model.safetensors). Refuses to overwrite an existing model there.
+    `special_tokens` ({bos_token_id, eos_token_id}) overrides the ids recorded in the
+    checkpoint (from its tokenizer, or from the Hugging Face model it was imported from)."""
     import json
     import os
 
@@ -286,6 +319,7 @@ def export_checkpoint(load_dir: str, hf_dir: str, kind: str | None = None) -> st
     m = full.metadata["model"]
     kind = kind or ("llama" if m["swiglu"] else "gpt2")
     state, config = to_hf(kind, full.params, m)
+    config.update(_special_tokens(full.metadata, special_tokens or {}))
     if config.get("tie_word_embeddings"):   # Hugging Face re-ties it on load
         state.pop("lm_head.weight")
     target = os.path.join(hf_dir, "model.safetensors")
@@ -296,6 +330,26 @@ def export_checkpoint(load_dir: str, hf_dir: str, kind: str | None = None) -> st
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump({**config, "torch_dtype": "float32"}, f, indent=1)
     return hf_dir
+
+
+def _special_tokens(meta: dict, overrides: dict) -> dict:
+    """bos/eos ids for the exported config: overrides, else the checkpoint's record, else the
+    end-of-document id of a tokenizer-less (mock-data) run, vocab_size - 1 as Megatron's
+    NullTokenizer has it."""
+    import logging
+    recorded = meta.get("special_tokens") or {}
+    out = {}
+    for key in ("bos_token_id", "eos_token_id"):
+        value = overrides.get(key)
+        if value is None:
+            value = recorded.get(key)
+        if value is None:
+            value = meta["model"]["vocab_size"] - 1
+            logging.getLogger("megatron_ul").warning(
+                "the checkpoint records no %s; exporting %d (vocab_size - 1); pass "
+                "--%s to choose", key, value, key.replace("_", "-"))
+        out[key] = int(value)
+    return out
 
 
 def model_flags(m: dict) -> list[str]:

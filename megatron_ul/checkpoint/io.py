@@ -1,20 +1,23 @@
-"""Save and load training checkpoints: crash-safe, exact to the bit on resume, and loadable on
-another layout (resharded on load).
+"""Save and load training checkpoints: crash-safe, checksummed, exact to the bit on resume, and
+loadable on another layout (resharded on load).
 
 Save protocol (every step survives a kill -9 of any process at any moment):
- 1. rank 0 draws a save id and broadcasts it; every rank writes (and fsyncs) its files into
-    DIR/iter_N.tmp-<id>: the model and optimizer from the dp0/sp0 rank of each (tp, pp) (ZeRO
-    state is first gathered over dp_sp into the same name-keyed form: checkpoint/zero.py), and
-    every rank's RNG states;
- 2. barrier; rank 0 writes metadata.json, fsyncs the directories and renames the tmp directory
-    into place (an existing iter_N is first renamed aside and deleted only afterwards);
- 3. rank 0 points latest_checkpointed_iteration.txt at N (tmp file + os.replace), last.
+ 1. rank 0 takes the save directory's lock (files.claim_save_dir), draws a save id and
+    broadcasts it; every rank writes (and fsyncs) its files into DIR/iter_N.tmp-<id>: the model
+    and optimizer from the dp0/sp0 rank of each (tp, pp) (ZeRO state is first gathered over
+    dp_sp into the same name-keyed form: checkpoint/zero.py), and every rank's RNG states;
+ 2. every rank reports its files' sizes and SHA-256 (or its error: then all ranks fail the
+    save together); rank 0 writes metadata.json, fsyncs the directories and renames the tmp
+    directory into place (an existing iter_N is first renamed aside and deleted only
+    afterwards, through a `.del-` rename);
+ 3. rank 0 points latest_checkpointed_iteration.txt at N (tmp file + os.replace), last, then
+    applies the opt-in retention and clean-up.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import shutil
 import uuid
 from dataclasses import asdict, dataclass
 
@@ -25,21 +28,29 @@ from ..mpu import parallel_state as ps
 from . import files, reshard
 from .files import CheckpointError
 from .files import FORMAT
-from .state import named_parameters, parameter_metadata, rng_state, set_rng_state
+from ..pipeline.param_table import local_parameter_table
+from .state import named_parameters, rng_state, set_rng_state
 from .zero import (checkpoint_model_state, checkpoint_optimizer_state,
                    load_checkpoint_model_state, load_checkpoint_optimizer_state)
 
 log = logging.getLogger("megatron_ul")
 
 # ModelConfig fields that decide parameter shapes or the function the weights compute.
-SHAPE_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
+MODEL_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "num_attention_heads": "--num-attention-heads",
                 "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
                 "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size",
                 "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
                 "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
                 "position_embedding_type": "--position-embedding-type",
-                "normalization": "--normalization"}
+                "normalization": "--normalization", "norm_epsilon": "--norm-epsilon",
+                "gelu_approximate": "--gelu-approximate"}
+ROPE_FIELDS = {"rotary_base": "--rotary-base"}     # compared when both use rotary embeddings
+# LRSchedule hyper-parameters and the flags that set them (Megatron's
+# OptimizerParamScheduler checks the same ones on load).
+SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup_steps": "--lr-warmup-iters",
+                  "decay_steps": "--lr-decay-iters (default --train-iters)",
+                  "decay_style": "--lr-decay-style"}
 
 
 @dataclass
@@ -51,7 +62,9 @@ class Resume:
 
 def _layout(cfg: Config) -> dict:
     p = cfg.parallel
-    return {"tp": p.tensor_model_parallel_size, "sp": p.ds_sequence_parallel_size,
+    # "cp" only when there is a ring: layouts saved before the ring axis existed still match.
+    ring = {"cp": p.context_parallel_size} if p.context_parallel_size > 1 else {}
+    return {**ring, "tp": p.tensor_model_parallel_size, "sp": p.ds_sequence_parallel_size,
             "pp": p.pipeline_model_parallel_size, "dp": p.data_parallel_size,
             "world": p.world_size, "sequence_parallel": p.sequence_parallel,
             "vp": p.num_layers_per_virtual_pipeline_stage}
@@ -63,87 +76,203 @@ def consumed_valid_samples(cfg: Config, iteration: int) -> int:
         if t.eval_interval else 0
 
 
-def _agree_on_save_id() -> str:
-    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(token, src=0)
-    return token[0]
+def special_token_ids(cfg: Config) -> dict:
+    """bos/eos ids of the run's tokenizer, recorded for exports (Hugging Face configs carry
+    them). GPT-2's BPE has one end-of-text id for both; SentencePiece its own bos and eos;
+    without a tokenizer (mock data) Megatron's NullTokenizer convention, vocab_size - 1."""
+    d = cfg.data
+    return _special_token_ids(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
+                              cfg.model.vocab_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _special_token_ids(kind, vocab_file, merge_file, tokenizer_model, vocab_size) -> dict:
+    from ..data.tokenizers import build_tokenizer
+    eod = vocab_size - 1
+    bos = None
+    if kind is not None:
+        try:
+            tokenizer = build_tokenizer(kind, vocab_file=vocab_file, merge_file=merge_file,
+                                        tokenizer_model=tokenizer_model, vocab_size=vocab_size)
+            eod = tokenizer.eod
+            processor = getattr(tokenizer, "processor", None)     # SentencePiece
+            bos = processor.bos_id() if processor is not None else None
+        except (OSError, ValueError, ImportError) as e:
+            log.warning("cannot record bos/eos ids: tokenizer %s (%s)", kind, e)
+            return {}
+    return {"bos_token_id": bos if bos is not None and bos >= 0 else eod, "eos_token_id": eod}
+
+
+def _on_rank0(action) -> object:
+    """Run `action` on rank 0 and broadcast its result, or re-raise its CheckpointError on
+    every rank (so that no rank is left waiting in a collective)."""
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", action())
+        except CheckpointError as e:
+            box[0] = ("error", str(e))
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
+
+
+def claim_save_dir(cfg: Config) -> None:
+    """Collective: rank 0 takes the --save directory's lock (files.claim_save_dir) so that a
+    second job saving into it fails at start-up, naming the holder."""
+    _on_rank0(lambda: files.claim_save_dir(cfg.checkpoint.save))
+
+
+def _begin_save(save_dir: str) -> str:
+    """Rank 0: the directory's lock, then a fresh save id."""
+    files.claim_save_dir(save_dir)
+    return uuid.uuid4().hex[:12]
 
 
 def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str,
-                      grad_scaler=None):
+                      grad_scaler, position: Resume):
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     pp = ps.get_pipeline_model_parallel_world_size()
     save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
-    writer = ps.get_data_parallel_rank() == 0 and ps.get_sequence_parallel_rank() == 0
+    writer = ps.get_data_sequence_parallel_rank() == 0   # DP, CP and SP coordinates all 0
     # Collective over dp_sp under ZeRO (gathers one parameter at a time); None off the writer.
     model_sd = checkpoint_model_state(model)
     optim_sd = checkpoint_optimizer_state(model, optimizer) if save_optim else None
+    records, error = {}, None
+    try:
+        records = _write_files(cfg, model_sd, optim_sd, scheduler, iteration, tmp, grad_scaler,
+                               position, writer, tp_rank, pp_rank, pp)
+    except CheckpointError as e:
+        error = str(e)
+    # Each pipeline stage knows its own parameters; rank 0 records them all, with every
+    # rank's file records; an error on any rank fails the save on every rank.
+    mine = local_parameter_table(model, ps.get_tensor_model_parallel_world_size(), pp_rank) \
+        if writer and tp_rank == 0 else {}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (mine, records, error))
+    errors = [e for _, _, e in gathered if e]
+    if errors:
+        raise CheckpointError(f"saving iteration {iteration} failed (the previous checkpoint "
+                              f"is untouched):\n  " + "\n  ".join(errors[:4]))
+    return ({name: info for part, _, _ in gathered for name, info in part.items()},
+            {rel: record for _, part, _ in gathered for rel, record in part.items()})
+
+
+def _write_files(cfg, model_sd, optim_sd, scheduler, iteration, tmp, grad_scaler, position,
+                 writer, tp_rank, pp_rank, pp) -> dict:
+    """This rank's files; {path relative to the iteration directory: file record}."""
+    written = {}
     if writer:
         payload = {"iteration": iteration, "checkpoint_version": 3.0,
                    "model": model_sd, "optimizer": optim_sd,
                    "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
                    "opt_param_scheduler": scheduler.state_dict(),
-                   "consumed_samples": iteration * cfg.train.global_batch_size,
-                   "consumed_valid_samples": consumed_valid_samples(cfg, iteration),
+                   "consumed_samples": position.consumed_samples,
+                   "consumed_valid_samples": position.consumed_valid_samples,
                    "args": asdict(cfg)}
-        files.save_torch(payload, files.model_file(tmp, tp_rank, pp_rank, pp))
-    files.save_torch(rng_state(), files.rng_file(tmp, dist.get_rank()))
-    # Each pipeline stage knows its own parameters; rank 0 records them all.
-    mine = parameter_metadata(model, ps.get_tensor_model_parallel_world_size()) \
-        if writer and tp_rank == 0 else {}
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return {name: info for part in gathered for name, info in part.items()}
+        path = files.model_file(tmp, tp_rank, pp_rank, pp)
+        written[os.path.relpath(path, tmp)] = files.save_torch(payload, path)
+    path = files.rng_file(tmp, dist.get_rank())
+    written[os.path.relpath(path, tmp)] = files.save_torch(rng_state(), path)
+    return written
 
 
 def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) -> None:
     """Rank 0: make the complete tmp directory the iteration, then move the tracker."""
-    for root, dirs, _ in os.walk(tmp):
-        for d in dirs:
-            files.fsync_dir(os.path.join(root, d))
-    files.fsync_dir(tmp)
-    aside = None
-    if os.path.exists(final):  # never overwrite: move the old copy aside, delete it last
-        aside = f"{final}.old-{save_id}"
-        os.rename(final, aside)
-    os.rename(tmp, final)
-    files.fsync_dir(save_dir)
-    files.write_tracker(save_dir, iteration)
+    try:
+        for root, dirs, _ in os.walk(tmp):
+            for d in dirs:
+                files.fsync_dir(os.path.join(root, d))
+        files.fsync_dir(tmp)
+        aside = None
+        if os.path.exists(final):  # never overwrite: move the old copy aside, delete it last
+            aside = f"{final}.old-{save_id}"
+            os.rename(final, aside)
+        os.rename(tmp, final)
+        files.fsync_dir(save_dir)
+        files.write_tracker(save_dir, iteration)
+    except OSError as e:
+        raise CheckpointError(f"{e.filename or save_dir}: publishing iteration {iteration} "
+                              f"failed ({e.strerror or e})") from e
     if aside is not None:
-        shutil.rmtree(aside)
+        files.remove_dir(aside, save_id)
+
+
+def _tidy(cfg: Config, save_id: str, iteration: int) -> None:
+    """Rank 0, after a save completed, holding the lock: opt-in retention and removal of what
+    killed saves left behind."""
+    c, save_dir = cfg.checkpoint, cfg.checkpoint.save
+    if c.remove_unfinished_checkpoints:
+        for d in files.stale_temporaries(save_dir):
+            log.info("removing %s (left by an interrupted save or cleanup)", d)
+            files.rmtree_quietly(d)
+    if c.keep_last_n_checkpoints:
+        complete = files.complete_iterations(save_dir)
+        for old in complete[:-c.keep_last_n_checkpoints]:
+            if old != iteration:
+                path = os.path.join(save_dir, files.iteration_dir_name(old))
+                log.info("removing %s (--keep-last-n-checkpoints %d)", path,
+                         c.keep_last_n_checkpoints)
+                files.remove_dir(path, save_id)
 
 
 def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
-                    grad_scaler=None) -> str:
+                    grad_scaler=None, position: Resume | None = None) -> str:
     """Collective over all ranks. Returns the iteration directory. optimizer=None saves the
-    weights only; grad_scaler is the fp16 loss scaler (optim/precision.py), if any."""
+    weights only; grad_scaler is the fp16 loss scaler (optim/precision.py), if any; `position`
+    the true data position (samples consumed across batch-size changes; the training loop
+    keeps it), by default iteration × the current global batch."""
+    if position is None:
+        position = Resume(iteration, iteration * cfg.train.global_batch_size,
+                          consumed_valid_samples(cfg, iteration))
     save_dir = cfg.checkpoint.save
-    if dist.get_rank() == 0:
-        os.makedirs(save_dir, exist_ok=True)
-    save_id = _agree_on_save_id()
+    save_id = _on_rank0(lambda: _begin_save(save_dir))
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     tmp = f"{final}.tmp-{save_id}"
-    params = _write_rank_files(cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        meta = {"format": FORMAT, "iteration": iteration, "layout": _layout(cfg),
-                "model": asdict(cfg.model), "params": params,
-                # ZeRO state is stored gathered, like plain AdamW's: loads on any layout
-                "optimizer": (None if cfg.checkpoint.no_save_optim or optimizer is None else
-                              "replicated"),
-                "zero_stage": cfg.parallel.zero_stage,
-                "rng": True}
+    try:
+        params, records = _write_rank_files(cfg, model, optimizer, scheduler, iteration, tmp,
+                                            grad_scaler, position)
+    except CheckpointError:
+        if dist.get_rank() == 0:
+            files.rmtree_quietly(tmp)
+        raise
+    _on_rank0(lambda: _finish_save(cfg, model, optimizer, iteration, tmp, final, save_id,
+                                   params, records))
+    return final
+
+
+def _finish_save(cfg: Config, model, optimizer, iteration: int, tmp: str, final: str,
+                 save_id: str, params: dict, records: dict) -> None:
+    """Rank 0, after every rank has written its files: metadata, publication, tidying."""
+    save_dir = cfg.checkpoint.save
+    meta = {"format": FORMAT, "iteration": iteration, "layout": _layout(cfg),
+            "model": asdict(cfg.model), "params": params,
+            # ZeRO state is stored gathered, like plain AdamW's: loads on any layout
+            "optimizer": (None if cfg.checkpoint.no_save_optim or optimizer is None else
+                          "replicated"),
+            "zero_stage": cfg.parallel.zero_stage,
+            "special_tokens": special_token_ids(cfg),
+            "files": records, "rng": True}
+    try:
         files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
         _publish(save_dir, tmp, final, save_id, iteration)
-        log.info("saved checkpoint at iteration %d to %s", iteration, final)
-    dist.barrier()
-    return final
+    except CheckpointError:
+        if os.path.isdir(tmp):
+            files.rmtree_quietly(tmp)
+        raise
+    log.info("saved checkpoint at iteration %d to %s", iteration, final)
+    _tidy(cfg, save_id, iteration)
 
 
 def check_model_matches(meta: dict, cfg: Config, path: str) -> None:
     saved, ours = meta["model"], asdict(cfg.model)
+    checked = dict(MODEL_FIELDS)
+    if saved.get("position_embedding_type") == ours["position_embedding_type"] == "rope":
+        checked.update(ROPE_FIELDS)
     diffs = [f"{flag}: checkpoint {saved.get(field)!r}, this run {ours[field]!r}"
-             for field, flag in SHAPE_FIELDS.items() if saved.get(field) != ours[field]]
+             for field, flag in checked.items() if saved.get(field, ours[field]) != ours[field]]
     if (ours["position_embedding_type"] == "learned_absolute"
             and saved.get("max_position_embeddings") != ours["max_position_embeddings"]):
         diffs.append(f"--max-position-embeddings: checkpoint "
@@ -176,7 +305,8 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
     # size decides which layers those are, as much as TP and PP do.
     if (saved["tp"], saved["pp"], saved.get("vp")) == (ours["tp"], ours["pp"], ours["vp"]):
         path = files.model_file(iter_dir, tp_rank, pp_rank, ours["pp"])
-        payload = files.load_torch(path, "model and optimizer of this rank")
+        payload = files.load_torch(path, "model and optimizer of this rank",
+                                   files.expected_record(meta, iter_dir, path))
         return payload, path, payload["model"], payload["optimizer"]
     if dist.get_rank() == 0:
         vp_flag = (f" --target-num-layers-per-virtual-pipeline-stage {ours['vp']}"
@@ -187,7 +317,8 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
                  iter_dir, saved["tp"], saved["pp"], saved.get("vp"), ours["tp"], ours["pp"],
                  ours["vp"], cfg.checkpoint.load, ours["tp"], ours["pp"], vp_flag)
     full = reshard.read_full(iter_dir, with_optim=load_optim)
-    model_sd, optim_sd = reshard.shard_for(full, list(named_parameters(model)), tp_rank,
+    table = reshard.layout_table(meta, ours["tp"], ours["pp"], ours["vp"])
+    model_sd, optim_sd = reshard.shard_for(full, table, list(named_parameters(model)), tp_rank,
                                            ours["tp"])
     return full.common, iter_dir, model_sd, optim_sd
 
@@ -201,6 +332,26 @@ def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> 
                               f"pass --no-load-optim to start the optimizer afresh")
     # Name-keyed full state whatever optimizer saved it; ZeRO ranks keep their shard.
     load_checkpoint_optimizer_state(model, optimizer, optim_sd, source)
+
+
+def _load_scheduler(cfg: Config, scheduler, saved: dict, source: str) -> None:
+    """Megatron's rule: a resume whose schedule flags differ from the checkpoint's is refused
+    unless --override-opt_param-scheduler (this run's flags win) or
+    --use-checkpoint-opt_param-scheduler (the checkpoint's schedule wins) says which."""
+    c = cfg.checkpoint
+    ours = scheduler.state_dict()
+    if c.override_opt_param_scheduler:
+        saved = {"num_steps": saved["num_steps"]}
+    elif not c.use_checkpoint_opt_param_scheduler:
+        diffs = [f"{flag}: checkpoint {saved[k]!r}, this run {ours[k]!r}"
+                 for k, flag in SCHEDULE_FLAGS.items() if k in saved and saved[k] != ours[k]]
+        if diffs:
+            raise CheckpointError(
+                f"{source}: the checkpoint's learning-rate schedule differs from this run's "
+                f"flags:\n  " + "\n  ".join(diffs) + "\npass --override-opt_param-scheduler to "
+                "use this run's flags, or --use-checkpoint-opt_param-scheduler to continue the "
+                "checkpoint's schedule")
+    scheduler.load_state_dict(saved)
 
 
 def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
@@ -224,8 +375,9 @@ def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
             log.warning("layout differs from the checkpoint's: RNG streams start from --seed "
                         "(dropout masks will not continue the original run's)")
     else:
-        set_rng_state(files.load_torch(files.rng_file(iter_dir, dist.get_rank()),
-                                       "this rank's RNG states"))
+        path = files.rng_file(iter_dir, dist.get_rank())
+        set_rng_state(files.load_torch(path, "this rank's RNG states",
+                                       files.expected_record(meta, iter_dir, path)))
 
 
 def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) -> Resume:
@@ -251,7 +403,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
         return Resume()
     if load_optim:
         _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
-    scheduler.load_state_dict(payload["opt_param_scheduler"])
+    _load_scheduler(cfg, scheduler, payload["opt_param_scheduler"], source)
     _load_grad_scaler(grad_scaler, payload, source)
     if not c.no_load_rng:
         _load_rng(cfg, meta, iter_dir)

@@ -18,27 +18,9 @@ import torch
 from ..mpu.random import get_rng_tracker
 from ..pipeline.model import global_named_parameters
 
-VOCAB_PADDED = ("word_embeddings.weight", "output_layer.weight")   # dim 0 is the padded vocab
-
-
 def named_parameters(model) -> dict[str, torch.nn.Parameter]:
     """{layout-independent name: parameter} for this rank's part of the model."""
     return dict(global_named_parameters(model))
-
-
-def parameter_metadata(model, tp: int) -> dict[str, dict]:
-    """Per name: full (unsharded) shape, partition dim and stride — enough to merge TP shards."""
-    meta = {}
-    for name, p in named_parameters(model).items():
-        dim = getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel",
-                                                           False) else None
-        shape = list(p.shape)
-        if dim is not None:
-            shape[dim] *= tp
-        meta[name] = {"shape": shape, "partition_dim": dim,
-                      "partition_stride": getattr(p, "partition_stride", 1),
-                      "vocab_padded": name.endswith(VOCAB_PADDED)}
-    return meta
 
 
 def model_state(model) -> dict[str, torch.Tensor]:

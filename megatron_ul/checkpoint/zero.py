@@ -34,14 +34,15 @@ def _is_dp_sp_root() -> bool:
 def checkpoint_model_state(model) -> dict[str, torch.Tensor] | None:
     """{name: full CPU tensor} on the dp_sp root, None elsewhere. Collective over dp_sp when
     parameters are DTensors (ZeRO-3): gathered one at a time."""
-    params = named_parameters(model)
-    if not _is_dp_sp_root() and not any(isinstance(p, DTensor) for p in params.values()):
+    params, root = named_parameters(model), _is_dp_sp_root()
+    if not root and not any(isinstance(p, DTensor) for p in params.values()):
         return None
     out = {}
     for name, p in params.items():
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        out[name] = full.detach().cpu().clone()
-    return out if _is_dp_sp_root() else None
+        if root:     # other ranks take part in the gather and keep nothing
+            out[name] = full.detach().cpu().clone()
+    return out if root else None
 
 
 def checkpoint_optimizer_state(model, optimizer) -> dict | None:
@@ -52,12 +53,13 @@ def checkpoint_optimizer_state(model, optimizer) -> dict | None:
     if not _is_dp_sp_root() and not any(isinstance(p, DTensor) for p in
                                         named_parameters(model).values()):
         return None    # plain AdamW: replicated over dp_sp, the root has it all
-    state = optimizer_state(model, optimizer)
+    state, root = optimizer_state(model, optimizer), _is_dp_sp_root()
     for per_param in state["state"].values():       # ZeRO-3: DTensor moments, one at a time
         for key, value in per_param.items():
             if isinstance(value, DTensor):
-                per_param[key] = value.full_tensor().cpu()
-    return state if _is_dp_sp_root() else None
+                full = value.full_tensor()          # collective: every rank takes part
+                per_param[key] = full.cpu() if root else None   # only the writer keeps it
+    return state if root else None
 
 
 def _gather_zero1(model, optimizer) -> dict | None:
@@ -70,6 +72,7 @@ def _gather_zero1(model, optimizer) -> dict | None:
     piece_state = {(name, lo): inner.state.get(piece, {}) for (name, _, _, lo, _), piece in
                    zip(optimizer.pieces, _inner_params(optimizer))}
     step = next((s["step"] for s in piece_state.values() if "step" in s), None)
+    is_root = _is_dp_sp_root()
     pieces_of = {}
     for name, p, offset, lo, hi in optimizer.pieces:
         pieces_of.setdefault(id(p), []).append((offset, lo, hi, piece_state[(name, lo)]))
@@ -86,7 +89,7 @@ def _gather_zero1(model, optimizer) -> dict | None:
         if optimizer.size > 1:
             dist.reduce(both, dst=root, group=group)
             dist.reduce(flags, dst=root, group=group)
-        if flags.item() > 0:
+        if is_root and flags.item() > 0:     # other ranks keep nothing they reduced
             gathered[names[id(p)]] = {"step": step.clone() if torch.is_tensor(step) else step,
                                       **{k: both[i].view_as(p).cpu().clone()
                                          for i, k in enumerate(MOMENTS)}}

@@ -3,6 +3,8 @@
 import numpy as np
 import torch
 
+from .sequence_layout import rank_positions
+
 
 class PretrainingSampler:
     """Megatron's MegatronPretrainingSampler: sequential, resumable, split over DP ranks.
@@ -72,28 +74,33 @@ def _position_ids(tokens, eod_token, reset_position_ids):
     return positions - document_start
 
 
-def _document_attention_mask(tokens, eod_token):
-    """[b, 1, N, N] bool, True = masked: causal, and no attention across an EOD."""
-    length = tokens.shape[1]
-    is_eod = (tokens == eod_token).long()
-    # A token's document number counts the EODs strictly before it (an EOD ends its own document).
-    document_id = torch.cumsum(is_eod, dim=1) - is_eod
-    same_document = document_id.unsqueeze(2) == document_id.unsqueeze(1)
-    causal = torch.tril(torch.ones(length, length, dtype=torch.bool, device=tokens.device))
-    return (~(same_document & causal)).unsqueeze(1)
+def _document_offsets(tokens, eod_token):
+    """cu_seqlens int32 [documents + 1]: where each document starts in the flattened [b·N]
+    batch, then b·N. Megatron's rule: an EOD ends its own document, the next token starts one;
+    every sample starts one. O(N): no [N, N] mask (model/document_attention.py attends by it)."""
+    batch, length = tokens.shape
+    starts = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
+    starts[:, 0] = True
+    starts[:, 1:] = tokens[:, :-1] == eod_token
+    flat = torch.nonzero(starts.reshape(-1)).squeeze(1)
+    end = torch.tensor([batch * length], device=tokens.device)
+    return torch.cat([flat, end]).to(torch.int32)
 
 
 def build_micro_batch(texts: torch.Tensor, sp_rank: int = 0, sp_size: int = 1, eod_token=None,
                       reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                      eod_mask_loss: bool = False) -> dict:
+                      eod_mask_loss: bool = False, cp_rank: int = 0, cp_size: int = 1) -> dict:
     """Turns ``texts`` [b, N + 1] into this SP rank's slice of a training micro-batch.
 
     Labels are shifted before slicing, so rank r gets tokens and labels for
-    positions [r * N / sp, (r + 1) * N / sp) with GLOBAL position ids.
-    Loss mask, position resets and the document attention mask follow
+    positions [r * N / sp, (r + 1) * N / sp) with GLOBAL position ids. With a ring
+    (``cp_size`` > 1) the rank holds the load-balanced tokens of data/sequence_layout.py
+    instead (its Ulysses slice of chunks cp_rank and 2·cp_size-1-cp_rank).
+    Loss mask, position resets and the document boundaries follow
     Megatron's get_ltor_masks_and_position_ids, computed on the full sequence.
-    ``attention_mask`` is None (plain causal) unless ``reset_attention_mask``;
-    then it is [b, 1, N, N] bool over the full sequence, True = masked.
+    With ``reset_attention_mask`` the batch has ``cu_seqlens``: the document offsets of the
+    FULL sequence over the flattened [b·N] batch (identical on every SP rank, since Ulysses
+    attends over the full sequence), instead of Megatron's dense [b, 1, N, N] mask.
     """
     if texts.dim() != 2 or texts.shape[1] < 2:
         raise ValueError(f"texts must be [batch, seq_length + 1] with seq_length >= 1, got {tuple(texts.shape)}")
@@ -102,6 +109,8 @@ def build_micro_batch(texts: torch.Tensor, sp_rank: int = 0, sp_size: int = 1, e
         raise ValueError(f"sp_rank {sp_rank} outside [0, sp_size={sp_size})")
     if seq_length % sp_size:
         raise ValueError(f"seq_length {seq_length} is not divisible by the sequence-parallel size {sp_size}")
+    if cp_size < 1 or not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} outside [0, cp_size={cp_size})")
     if eod_token is None and (reset_position_ids or reset_attention_mask or eod_mask_loss):
         raise ValueError("reset_position_ids, reset_attention_mask and eod_mask_loss need eod_token")
     texts = texts.long()
@@ -110,13 +119,17 @@ def build_micro_batch(texts: torch.Tensor, sp_rank: int = 0, sp_size: int = 1, e
     if eod_mask_loss:
         loss_mask[tokens == eod_token] = 0.0
     position_ids = _position_ids(tokens, eod_token, reset_position_ids)
-    attention_mask = _document_attention_mask(tokens, eod_token) if reset_attention_mask else None
-    shard = seq_length // sp_size
-    window = slice(sp_rank * shard, (sp_rank + 1) * shard)
-    return {
+    if cp_size == 1:
+        shard = seq_length // sp_size
+        window = slice(sp_rank * shard, (sp_rank + 1) * shard)
+    else:
+        window = rank_positions(seq_length, sp_rank, sp_size, cp_rank, cp_size).to(texts.device)
+    batch = {
         "tokens": tokens[:, window].contiguous(),
         "labels": labels[:, window].contiguous(),
         "loss_mask": loss_mask[:, window].contiguous(),
         "position_ids": position_ids[:, window].contiguous(),
-        "attention_mask": attention_mask,
     }
+    if reset_attention_mask:
+        batch["cu_seqlens"] = _document_offsets(tokens, eod_token)
+    return batch

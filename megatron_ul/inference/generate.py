@@ -7,7 +7,6 @@ plenty for a quick look at what a model learned.
 from __future__ import annotations
 
 import os
-from dataclasses import fields
 from typing import Optional
 
 import torch
@@ -16,7 +15,6 @@ from ..checkpoint import files, reshard
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.io import load_model_state
 from ..checkpoint.state import named_parameters
-from ..config import ModelConfig
 from ..model.gpt import GPTModel
 
 
@@ -48,11 +46,11 @@ def load_for_generation(load_dir: str, device="cpu") -> GPTModel:
         raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
                               f"checkpoint in {load_dir}")
     full = reshard.read_full(files.find_iteration_dir(load_dir, iteration), with_optim=False)
-    known = {f.name for f in fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in full.metadata["model"].items() if k in known})
+    cfg = reshard.model_config(full.metadata)
     cfg.attention_dropout = cfg.hidden_dropout = 0.0
     model = GPTModel(cfg, seed=0, device=device)
-    state, _ = reshard.shard_for(full, list(named_parameters(model)), 0, 1)
+    table = reshard.layout_table(full.metadata, 1, 1, None)
+    state, _ = reshard.shard_for(full, table, list(named_parameters(model)), 0, 1)
     load_model_state(model, state, files.find_iteration_dir(load_dir, iteration))
     return model.eval()
 

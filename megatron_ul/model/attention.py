@@ -62,12 +62,28 @@ def flash_attn_refusal(device: torch.device, dtype: Optional[torch.dtype] = None
         return "flash-attn is not installed"
     if not _device_runs_flash(device):
         return f"tensors on {device.type}, FlashAttention-2 needs a CUDA device"
+    return _input_refusal(dtype, has_mask)
+
+
+def _input_refusal(dtype: Optional[torch.dtype], has_mask: bool) -> Optional[str]:
+    """The part of the rule that the configuration alone decides (also used by --dry-run)."""
     if dtype is not None and dtype not in FLASH_DTYPES:
         return (f"{str(dtype).replace('torch.', '')} activations, FlashAttention-2 takes only "
                 f"fp16/bf16 (add --bf16 or --fp16)")
     if has_mask:
         return "an explicit attention mask (--reset-attention-mask)"
     return None
+
+
+def planned_attention(use_flash_attn: bool, activation_dtype: torch.dtype,
+                      has_mask: bool) -> str:
+    """What --dry-run reports: the kernel a run with these flags will use on a GPU."""
+    if not use_flash_attn:
+        return "torch SDPA"
+    why_not = _input_refusal(activation_dtype, has_mask)
+    if why_not is not None:
+        return f"torch SDPA (--use-flash-attn given, but {why_not})"
+    return "flash-attn 2 on GPUs where flash-attn is installed, else torch SDPA"
 
 
 def select_backend(use_flash_attn: bool, device: torch.device) -> str:

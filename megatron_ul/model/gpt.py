@@ -18,6 +18,7 @@ from ..mpu.cross_entropy import vocab_parallel_cross_entropy
 from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, sequence_parallel_linear
 from ..mpu.param_init import new_parameter
 from ..mpu.mappings import copy_to_tensor_model_parallel_region, scatter_to_sequence_parallel_region
+from ..mpu.offload import HostOffloader
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.recompute import layers_to_checkpoint, run_layers
 from .fusion import fuse_layers
@@ -25,6 +26,7 @@ from ..timers import NO_TIMERS, Timers
 from .init import normal_init
 from .norms import Norm
 from .rotary import rotary_cos_sin
+from .tiled_loss import tiled_logits_loss
 from .transformer import TransformerLayer, dropout
 
 
@@ -38,7 +40,7 @@ class GPTModel(nn.Module):
         self.cfg, self.sequence_parallel = cfg, sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
         dims = dims or ps.get_parallel_dims()   # the rank grid: every layer takes its groups here
-        self.tp_group = dims.tp_group
+        self.tp_group, self.tp_size = dims.tp_group, dims.tp
         tp = dims.tp
         self.padded_vocab_size = cfg.padded_vocab_size(tp)
         std = cfg.init_method_std
@@ -74,11 +76,19 @@ class GPTModel(nn.Module):
             if not self.share_embeddings:
                 self.output_layer = ColumnParallelLinear(
                     cfg.hidden_size, self.padded_vocab_size,
-                    normal_init(std, seed, "output_layer"), bias=False,
+                    normal_init(std, seed, "output_layer"), bias=False, vocab_padded=True,
                     sequence_parallel=sequence_parallel, device=device, dtype=dtype,
                     tp_group=dims.tp_group)
 
     # ---- pieces ---------------------------------------------------------------------------------
+    def _offloader(self, device) -> Optional[HostOffloader]:
+        """--activation-checkpoint-cpu-offload: one HostOffloader per model chunk."""
+        if not self.cfg.activation_checkpoint_cpu_offload:
+            return None
+        if getattr(self, "offloader", None) is None:
+            self.offloader = HostOffloader(device)
+        return self.offloader
+
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         """tokens, position_ids [b, s] -> [s, b, h] (÷TP on s under Megatron-SP)."""
         x = self.word_embeddings(tokens.t())
@@ -114,12 +124,21 @@ class GPTModel(nn.Module):
             rotary = rotary_cos_sin(position_ids.t(), self.cfg.head_dim, self.cfg.rotary_base)
         plan = layers_to_checkpoint(len(self.layers), self.cfg.recompute_granularity,
                                     self.cfg.recompute_method, self.cfg.recompute_num_layers)
-        x = run_layers(self.layers, x, plan if self.training else [], rotary, attention_mask)
+        x = run_layers(self.layers, x, plan if self.training else [], rotary, attention_mask,
+                       offloader=self._offloader(x.device))
         if not self.post_process:
             return x
-        logits = self.logits(self.final_norm(x))
+        x = self.final_norm(x)
         if labels is None:
-            return logits
-        loss = vocab_parallel_cross_entropy(logits, labels.t(), self.cfg.vocab_size,
-                                            self.tp_group)
-        return loss.t().contiguous()  # a fresh tensor: FSDP2 warns about returned views
+            return self.logits(x)
+        return self.loss(x, labels.t()).t().contiguous()  # fresh: FSDP2 warns about views
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss [s, b] of final hidden states x [s, b, h] (÷TP under Megatron-SP)."""
+        chunk = self.cfg.tiled_loss_chunk_size
+        if chunk is None or chunk >= x.shape[0]:
+            return vocab_parallel_cross_entropy(self.logits(x), labels, self.cfg.vocab_size,
+                                                self.tp_group)
+        gathered = self.tp_size if self.sequence_parallel else 1
+        return tiled_logits_loss(self.logits, x, labels, self.cfg.vocab_size, chunk, gathered,
+                                 self.tp_group)

@@ -18,15 +18,21 @@ try:  # optional acceleration; the PyPI package named "apex" is unrelated and ha
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     HAVE_APEX = False
 
-_announced = False
+_announced: set = set()
 
 
 def _announce(use_apex: bool) -> None:
-    global _announced
-    if not _announced:
-        log.info("normalization: %s", "apex fused kernels" if use_apex else
-                 "PyTorch F.layer_norm / F.rms_norm (apex not available)")
-        _announced = True
+    """Once per distinct message: which kernels normalise, and why not apex's."""
+    if use_apex:
+        message = "apex fused kernels"
+    elif HAVE_APEX:
+        message = "PyTorch F.layer_norm / F.rms_norm (apex is installed; its fused kernels " \
+                  "need a CUDA device)"
+    else:
+        message = "PyTorch F.layer_norm / F.rms_norm (apex is not installed)"
+    if message not in _announced:
+        log.info("normalization: %s", message)
+        _announced.add(message)
 
 
 class Norm(nn.Module):

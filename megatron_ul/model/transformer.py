@@ -16,13 +16,16 @@ from torch import nn
 from ..config import ModelConfig
 from ..mpu import parallel_state as ps
 from ..mpu.layers import ColumnParallelLinear, RowParallelLinear
+from ..mpu.param_spec import FUSED_GATE_UP, FUSED_QKV
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.random import get_rng_tracker
 from ..timers import NO_TIMERS, Timers
 from .attention import select_backend
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
+from .ring_attention import Ring
 from .rotary import apply_rotary
+from .tiled_mlp import tiled_mlp
 from .ulysses import DistributedAttention
 
 
@@ -49,7 +52,8 @@ class SelfAttention(nn.Module):
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         self.qkv = ColumnParallelLinear(
             cfg.hidden_size, qkv_size, normal_init(cfg.init_method_std, seed, key + ".qkv"),
-            bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
+            bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, fused=FUSED_QKV,
+            device=device,
             dtype=dtype, tp_group=dims.tp_group)
         self.proj = RowParallelLinear(
             cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
@@ -60,7 +64,8 @@ class SelfAttention(nn.Module):
                                  torch.device(device) if device else torch.device("cpu"))
         self.core = DistributedAttention(dims.sp, backend, dims.sp_group,
                                          recompute=cfg.recompute_granularity == "selective",
-                                         timers=timers)
+                                         timers=timers, window=cfg.attention_window,
+                                         ring=Ring.from_dims(dims))
         self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x, rotary=None, attention_mask=None):
@@ -83,12 +88,14 @@ class MLP(nn.Module):
         super().__init__()
         tp_group = (dims or ps.get_parallel_dims()).tp_group
         self.swiglu, self.gelu_approximate = cfg.swiglu, cfg.gelu_approximate
+        self.chunk_tokens = cfg.tiled_mlp_chunk_size
         ffn = cfg.ffn_size
         # SwiGLU's fc1 is [gate; up]: stride 2 gives each TP rank matching halves of both.
         self.fc1 = ColumnParallelLinear(
             cfg.hidden_size, ffn * (2 if cfg.swiglu else 1),
             normal_init(cfg.init_method_std, seed, key + ".fc1"), bias=cfg.add_bias_linear,
-            sequence_parallel=sequence_parallel, stride=2 if cfg.swiglu else 1, device=device,
+            sequence_parallel=sequence_parallel, stride=2 if cfg.swiglu else 1,
+            fused=FUSED_GATE_UP if cfg.swiglu else None, device=device,
             dtype=dtype, tp_group=tp_group)
         self.fc2 = RowParallelLinear(
             ffn, cfg.hidden_size, scaled_normal_init(cfg.init_method_std, num_layers, seed,
@@ -97,6 +104,11 @@ class MLP(nn.Module):
             dtype=dtype, tp_group=tp_group)
 
     def forward(self, x):
+        if self.chunk_tokens is not None:
+            return tiled_mlp(self._dense, x, self.chunk_tokens)
+        return self._dense(x)
+
+    def _dense(self, x):
         h = self.fc1(x)
         if self.swiglu:
             gate, up = h.chunk(2, dim=-1)

@@ -10,6 +10,10 @@ split evenly over SP, each kv head is replicated (repeat_interleave: head j's co
 adjacent, so query head i still meets kv head i // group) by the smallest factor r that makes
 kv_heads·r divisible by SP. Each rank then receives lcm(kv_heads, SP)/SP kv heads, the fewest
 that cover its query heads.
+
+Hybrid Ulysses × ring (--context-parallel-size R): the all-to-all gathers this ring rank's
+local sequence (N/R tokens) instead of the whole one, and ring attention (ring_attention.py)
+runs across the R ring ranks in place of local attention.
 """
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from ..mpu.mappings import ulysses_all_to_all
 from ..mpu.recompute import checkpoint
 from ..timers import NO_TIMERS, Timers
 from .attention import local_attention, require_one_dtype
+from .document_attention import DocumentMask, document_attention
+from .ring_attention import Ring, ring_attention
 
 
 def kv_replication_factor(kv_heads: int, sp: int) -> int:
@@ -33,14 +39,30 @@ class DistributedAttention:
     """Callable: (q [N/SP, b, hq, d], k, v [N/SP, b, hk, d]) -> [N/SP, b, hq, d]."""
 
     def __init__(self, sp_size: int, backend: str, group=None, recompute: bool = False,
-                 timers: Timers = NO_TIMERS):
+                 timers: Timers = NO_TIMERS, window: Optional[int] = None,
+                 ring: Optional[Ring] = None):
         self.sp, self.backend, self.group = sp_size, backend, group
         self.recompute = recompute   # selective recompute: keep only q, k, v of the core
         self.timers = timers         # times the two all-to-alls (--timing-log-level)
+        self.window = window         # sliding window: keys a query sees before itself
+        self.ring = ring if ring is not None and ring.size > 1 else None
 
     def _attend(self, q, k, v, dropout_p, attention_mask):
-        run = lambda q_, k_, v_: local_attention(  # noqa: E731
-            q_, k_, v_, backend=self.backend, dropout_p=dropout_p, attention_mask=attention_mask)
+        if self.ring is not None:
+            # Saves only q, k, v, out and the log-sum-exp already: nothing to recompute.
+            # config.validate refuses attention dropout and sliding windows with a ring;
+            # documents (a DocumentMask) mask and skip blocks inside the ring.
+            return ring_attention(q, k, v, self.ring, attention_mask=attention_mask)
+        if isinstance(attention_mask, DocumentMask) or self.window is not None:
+            if attention_mask is not None and not isinstance(attention_mask, DocumentMask):
+                raise ValueError("a sliding window does not combine with a dense attention mask")
+            run = lambda q_, k_, v_: document_attention(  # noqa: E731
+                q_, k_, v_, backend=self.backend, dropout_p=dropout_p,
+                documents=attention_mask, window=self.window)
+        else:
+            run = lambda q_, k_, v_: local_attention(  # noqa: E731
+                q_, k_, v_, backend=self.backend, dropout_p=dropout_p,
+                attention_mask=attention_mask)
         return checkpoint(run, q, k, v) if self.recompute else run(q, k, v)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float,

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import parallel_state as ps
+from .param_spec import ParamSpec
 from .mappings import (_all_gather, _reduce_scatter, _size, _tp,
                        copy_to_tensor_model_parallel_region,
                        gather_from_tensor_model_parallel_region,
@@ -42,8 +43,10 @@ def tp_index(size: int, stride: int, tp: int, rank: int) -> torch.Tensor:
                       for b in range(stride)])
 
 
-def _sharded(init: Init, shape: tuple, dim: int, device, dtype, stride: int = 1) -> nn.Parameter:
-    """This rank's slice (see tp_slice) of a `shape` parameter, tagged with its partitioning."""
+def _sharded(init: Init, shape: tuple, dim: int, device, dtype, stride: int = 1,
+             vocab_padded: bool = False, fused: str | None = None) -> nn.Parameter:
+    """This rank's slice (see tp_slice) of a `shape` parameter, tagged with its partitioning
+    (the ParamSpec that checkpoints and conversions read back)."""
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     if shape[dim] % (tp * stride) != 0:
         raise ValueError(f"dimension {dim} of size {shape[dim]} is not divisible by "
@@ -52,6 +55,7 @@ def _sharded(init: Init, shape: tuple, dim: int, device, dtype, stride: int = 1)
     index[dim] = tp_index(shape[dim], stride, tp, rank)
     param = new_parameter(init, shape, tuple(index), device=device, dtype=dtype)
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
+    param.spec = ParamSpec(dim, stride, vocab_padded, fused)
     return param
 
 
@@ -109,13 +113,16 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, init_method: InitMethod, *,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
-                 stride: int = 1, device=None, dtype=torch.float32, tp_group=None):
+                 stride: int = 1, vocab_padded: bool = False, fused: str | None = None,
+                 device=None, dtype=torch.float32, tp_group=None):
         super().__init__()
         self.tp_group = _tp(tp_group)
-        self.weight = _sharded(init_method, (output_size, input_size), 0, device, dtype, stride)
+        self.weight = _sharded(init_method, (output_size, input_size), 0, device, dtype, stride,
+                               vocab_padded, fused)
         tp = ps.get_tensor_model_parallel_world_size()
         if bias:
-            self.bias = _sharded(Constant(0.0), (output_size,), 0, device, dtype, stride)
+            self.bias = _sharded(Constant(0.0), (output_size,), 0, device, dtype, stride,
+                                 vocab_padded, fused)
         else:
             self.register_parameter("bias", None)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -178,7 +185,8 @@ class VocabParallelEmbedding(nn.Module):
                  device=None, dtype=torch.float32, tp_group=None):
         super().__init__()
         self.tp_group = _tp(tp_group)
-        self.weight = _sharded(init_method, (padded_vocab_size, embedding_dim), 0, device, dtype)
+        self.weight = _sharded(init_method, (padded_vocab_size, embedding_dim), 0, device, dtype,
+                               vocab_padded=True)
         self.vocab_start, self.vocab_end = vocab_range(padded_vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

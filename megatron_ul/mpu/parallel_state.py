@@ -1,9 +1,11 @@
 """The rank grid and every process group.
 
-world = PP x DP x SP x TP with TP varying fastest, then SP, then DP, then PP:
-    rank = tp + TP * (sp + SP * (dp + DP * pp))
-TP and SP are the chattiest axes, so they sit on the closest ranks (same node).
-Each group is a slice of `torch.arange(world).view(PP, DP, SP, TP)` along some axes.
+world = PP x DP x CP x SP x TP with TP varying fastest, then SP (Ulysses), CP (ring), DP, PP:
+    rank = tp + TP * (sp + SP * (cp + CP * (dp + DP * pp)))
+The chattiest axes sit on the closest ranks: TP and the Ulysses all-to-all within a node, the
+ring's neighbour-to-neighbour p2p next (Megatron-LM also puts CP between TP and DP).
+A sequence is split over SP x CP ranks; parameters are replicated over DP x CP x SP.
+Each group is a slice of `torch.arange(world).view(PP, DP, CP, SP, TP)` along some axes.
 This is the only module that creates process groups.
 
 `initialize_model_parallel` builds one `ParallelDims` (the grid's sizes, this rank's
@@ -12,6 +14,7 @@ module-level getters below (Megatron's names) read the same object, the one run'
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 from dataclasses import dataclass
@@ -19,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-_AXES = ("pp", "dp", "sp", "tp")
+_AXES = ("pp", "dp", "cp", "sp", "tp")
 
 
 @dataclass(frozen=True)
@@ -30,13 +33,15 @@ class ParallelDims:
     dp: int
     pp: int
     coords: dict            # axis -> this rank's coordinate
-    groups: dict            # name -> ProcessGroup: tp, sp, dp, pp, dp_sp, tp_sp, mp, embedding
+    groups: dict            # name -> ProcessGroup: tp, sp, cp, dp, pp, dp_sp, sp_cp, tp_sp,
+    #                         mp, embedding
     group_ranks: dict       # name -> list of global ranks in this rank's group
-    embedding_ranks: list   # first and last pipeline stage of this rank's (dp, sp, tp) column
+    embedding_ranks: list   # first and last pipeline stage of this rank's (dp, cp, sp, tp) column
+    cp: int = 1             # ring-attention degree (--context-parallel-size)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.sp * self.dp * self.pp
+        return self.tp * self.sp * self.cp * self.dp * self.pp
 
     @property
     def tp_rank(self) -> int:
@@ -45,6 +50,10 @@ class ParallelDims:
     @property
     def sp_rank(self) -> int:
         return self.coords["sp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords["cp"]
 
     @property
     def dp_rank(self) -> int:
@@ -56,11 +65,18 @@ class ParallelDims:
 
     @property
     def dp_sp_size(self) -> int:
-        return self.dp * self.sp
+        """Ranks that replicate the parameters: DP x CP x SP (the name predates the ring)."""
+        return self.dp * self.cp * self.sp
 
     @property
     def dp_sp_rank(self) -> int:
-        return self.coords["sp"] + self.sp * self.coords["dp"]
+        return self.coords["sp"] + self.sp * (self.coords["cp"] + self.cp * self.coords["dp"])
+
+    @property
+    def sequence_split(self) -> tuple[int, int]:
+        """(rank, size) of this rank among all that split one sequence: Ulysses x ring, the
+        Ulysses coordinate varying fastest (data/sequence_layout.py: which tokens)."""
+        return self.coords["sp"] + self.sp * self.coords["cp"], self.sp * self.cp
 
     @property
     def tp_group(self):
@@ -72,6 +88,23 @@ class ParallelDims:
         return self.groups["sp"]
 
     @property
+    def cp_group(self):
+        """The ring: ranks with the same Ulysses coordinate and different chunk pairs of one
+        sequence; k/v blocks travel between them."""
+        return self.groups["cp"]
+
+    @property
+    def cp_next_rank(self) -> int:
+        """Global rank of the next ring neighbour (k/v blocks go there)."""
+        ranks = self.group_ranks["cp"]
+        return ranks[(self.cp_rank + 1) % len(ranks)]
+
+    @property
+    def cp_prev_rank(self) -> int:
+        ranks = self.group_ranks["cp"]
+        return ranks[(self.cp_rank - 1) % len(ranks)]
+
+    @property
     def dp_group(self):
         return self.groups["dp"]
 
@@ -81,7 +114,8 @@ class ParallelDims:
 
     @property
     def dp_sp_group(self):
-        """DP x SP: gradient reduction and ZeRO sharding (parameters are replicated over both)."""
+        """DP x CP x SP: gradient reduction and ZeRO sharding (parameters are replicated over
+        all three)."""
         return self.groups["dp_sp"]
 
     @property
@@ -127,9 +161,9 @@ class ParallelDims:
 _state: ParallelDims | None = None
 
 
-def _grid(world: int, tp: int, sp: int, pp: int) -> torch.Tensor:
-    dp = world // (tp * sp * pp)
-    return torch.arange(world).view(pp, dp, sp, tp)
+def _grid(world: int, tp: int, sp: int, pp: int, cp: int = 1) -> torch.Tensor:
+    dp = world // (tp * sp * pp * cp)
+    return torch.arange(world).view(pp, dp, cp, sp, tp)
 
 
 def _groups_varying(grid: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]]:
@@ -146,24 +180,30 @@ def _groups_varying(grid: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]
 def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               sequence_parallel_size: int = 1,
                               pipeline_model_parallel_size: int = 1,
-                              timeout: datetime.timedelta | None = None) -> ParallelDims:
+                              timeout: datetime.timedelta | None = None,
+                              context_parallel_size: int = 1) -> ParallelDims:
     """Build every group and return the grid. Must be called on all ranks after
     init_process_group."""
     global _state
     world = dist.get_world_size()
     rank = dist.get_rank()
     tp, sp, pp = tensor_model_parallel_size, sequence_parallel_size, pipeline_model_parallel_size
-    if world % (tp * sp * pp) != 0:
-        raise ValueError(f"world size {world} is not divisible by TP*SP*PP = {tp}*{sp}*{pp}")
-    grid = _grid(world, tp, sp, pp)
+    cp = context_parallel_size
+    if world % (tp * sp * pp * cp) != 0:
+        raise ValueError(f"world size {world} is not divisible by TP*SP*CP*PP = "
+                         f"{tp}*{sp}*{cp}*{pp}")
+    grid = _grid(world, tp, sp, pp, cp)
     dp = grid.shape[1]
     where = (grid == rank).nonzero()[0].tolist()
     coords = dict(zip(_AXES, where))
 
     layouts = {
         "tp": ("tp",), "sp": ("sp",), "dp": ("dp",), "pp": ("pp",),
-        "dp_sp": ("dp", "sp"),      # parameters are replicated over both: grads reduce here
-        "tp_sp": ("sp", "tp"),      # one model replica's data-parallel-free slice (checks)
+        "cp": ("cp",),              # the ring: k/v blocks travel between its ranks
+        "sp_cp": ("cp", "sp"),      # all ranks that split one sequence
+        # parameters are replicated over DP, CP and SP: grads reduce here (and ZeRO shards)
+        "dp_sp": ("dp", "cp", "sp"),
+        "tp_sp": ("cp", "sp", "tp"),  # one model replica's data-parallel-free slice (checks)
         "mp": ("pp", "tp"),         # model-parallel: clipping norms, consistency checks
     }
     groups, group_ranks = {}, {}
@@ -174,7 +214,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
             if rank in ranks:
                 groups[name], group_ranks[name] = group, ranks
 
-    # Embedding group: first and last pipeline stage of each (dp, sp, tp) column, for tied
+    # Embedding group: first and last pipeline stage of each (dp, cp, sp, tp) column, for tied
     # input/output embeddings.
     embedding_ranks = None
     for pp_ranks in _groups_varying(grid, ("pp",)):
@@ -183,7 +223,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         if rank in ranks:
             groups["embedding"], embedding_ranks = group, ranks
     group_ranks["embedding"] = embedding_ranks or []
-    _state = ParallelDims(tp, sp, dp, pp, coords, groups, group_ranks, embedding_ranks or [])
+    _state = ParallelDims(tp, sp, dp, pp, coords, groups, group_ranks, embedding_ranks or [],
+                          cp=cp)
     return _state
 
 
@@ -194,6 +235,27 @@ def model_parallel_is_initialized() -> bool:
 def destroy_model_parallel() -> None:
     global _state
     _state = None
+
+
+def single_rank_dims() -> ParallelDims:
+    """A grid of one rank with no groups (sizes 1, coordinates 0)."""
+    names = ("tp", "sp", "dp", "pp", "dp_sp", "tp_sp", "mp", "embedding")
+    return ParallelDims(1, 1, 1, 1, dict.fromkeys(_AXES, 0), dict.fromkeys(names),
+                        {n: [0] for n in names}, [])
+
+
+@contextlib.contextmanager
+def single_rank_view():
+    """Within the block the process-wide grid is single_rank_dims(), whatever was initialised
+    before: to build a model's TP1/PP1 modules on the meta device, e.g. for the parameter table
+    of a layout this process is not running (pipeline/param_table.py)."""
+    global _state
+    saved = _state
+    _state = single_rank_dims()
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def get_parallel_dims() -> ParallelDims:
@@ -221,12 +283,17 @@ def get_data_parallel_group():
     return _get().groups["dp"]
 
 
+def get_context_parallel_group():
+    return _get().cp_group
+
+
 def get_pipeline_model_parallel_group():
     return _get().groups["pp"]
 
 
 def get_data_sequence_parallel_group():
-    """DP x SP: gradient reduction and ZeRO sharding (parameters are replicated over both)."""
+    """DP x CP x SP: gradient reduction and ZeRO sharding (parameters are replicated over
+    all three)."""
     return _get().groups["dp_sp"]
 
 
@@ -268,6 +335,26 @@ def get_sequence_parallel_rank() -> int:
     return _get().coords["sp"]
 
 
+def get_context_parallel_world_size() -> int:
+    return _get().cp
+
+
+def get_context_parallel_rank() -> int:
+    return _get().cp_rank
+
+
+def get_context_parallel_next_rank() -> int:
+    return _get().cp_next_rank
+
+
+def get_context_parallel_prev_rank() -> int:
+    return _get().cp_prev_rank
+
+
+def get_sequence_split() -> tuple[int, int]:
+    return _get().sequence_split
+
+
 def get_data_parallel_world_size() -> int:
     return _get().dp
 
@@ -285,12 +372,11 @@ def get_pipeline_model_parallel_rank() -> int:
 
 
 def get_data_sequence_parallel_world_size() -> int:
-    return _get().dp * _get().sp
+    return _get().dp_sp_size
 
 
 def get_data_sequence_parallel_rank() -> int:
-    s = _get()
-    return s.coords["sp"] + s.sp * s.coords["dp"]
+    return _get().dp_sp_rank
 
 
 def is_pipeline_first_stage() -> bool:

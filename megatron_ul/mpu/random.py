@@ -80,7 +80,7 @@ def get_rng_tracker() -> RNGStatesTracker:
 def model_parallel_seed(seed: int, device_type: str = "cpu") -> None:
     """Seed the default generator and the model-parallel stream (Megatron's offsets)."""
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    sp_rank = ps.get_sequence_parallel_rank()
+    sp_rank = ps.get_sequence_split()[0]   # Ulysses × ring: each holds different tokens
     tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
     default_seed = seed + 100 * pp_rank + 1009 * sp_rank
     model_parallel = seed + 2718 + 100 * pp_rank + tp_rank + tp * 1009 * sp_rank

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from .offload import offloaded_checkpoint
 from .random import get_rng_tracker
 
 
@@ -64,9 +65,12 @@ def layers_to_checkpoint(num_layers: int, granularity, method, recompute_num_lay
     return [[i] for i in range(min(recompute_num_layers, num_layers))]
 
 
-def run_layers(layers, x: torch.Tensor, plan: list[list[int]], *args) -> torch.Tensor:
-    """x through every layer in order; each run of indices in `plan` is one checkpoint."""
+def run_layers(layers, x: torch.Tensor, plan: list[list[int]], *args,
+               offloader=None) -> torch.Tensor:
+    """x through every layer in order; each run of indices in `plan` is one checkpoint, whose
+    input is kept in host memory when an offloader (mpu.offload.HostOffloader) is given."""
     starts = {run[0]: run for run in plan}
+    chain: list = []   # this pass's offloaded inputs, in order
     i = 0
     while i < len(layers):
         run = starts.get(i)
@@ -81,6 +85,9 @@ def run_layers(layers, x: torch.Tensor, plan: list[list[int]], *args) -> torch.T
                 hidden = layer(hidden, *inner)
             return hidden
 
-        x = checkpoint(forward_chunk, x, *args)
+        if offloader is not None:
+            x = offloaded_checkpoint(forward_chunk, offloader, chain, x, *args)
+        else:
+            x = checkpoint(forward_chunk, x, *args)
         i += len(run)
     return x

@@ -37,12 +37,14 @@ into the per-parameter form plain AdamW checkpoints use, so they load on any lay
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 from .grad_buckets import BucketLauncher, split_into_buckets
 from .grads import _all_reduce_coalesced, _counts_once
@@ -53,14 +55,16 @@ FORMAT = "megatron_ul.zero1.v2"
 class DistributedOptimizer:
     """Drop-in for the torch optimizer in train_step; owns gradient reduction and clipping."""
 
-    def __init__(self, model: torch.nn.Module, train: TrainConfig, *, max_bucket_elements: int,
+    def __init__(self, model: torch.nn.Module, train: TrainConfig,
+                 dims: Optional[ParallelDims] = None, *, max_bucket_elements: int,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  deferred_params=()):
+        self.dims = dims or ps.get_parallel_dims()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if len({p.dtype for _, p in named}) != 1 or named[0][1].dtype != torch.float32:
             raise ValueError("the distributed optimizer expects fp32 parameters "
                              "(mixed precision runs under autocast)")
-        self.group = ps.get_data_sequence_parallel_group()
+        self.group = self.dims.dp_sp_group
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         deferred_ids = {id(p) for p in deferred_params}
         regular = [(n, p) for n, p in named if id(p) not in deferred_ids]
@@ -138,7 +142,7 @@ class DistributedOptimizer:
     def _launch_grad_reduce(self, b: int) -> None:
         sequence_parallel = [p.grad for p in self.buckets[b]
                              if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(sequence_parallel, ps.get_tensor_model_parallel_group())
+        _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if self.size == 1:
             return
         (lo, hi), (own_lo, own_hi) = self.bucket_ranges[b], self.shard_ranges[b]
@@ -168,9 +172,9 @@ class DistributedOptimizer:
     def _global_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float64, device=self.grad_buffer.device)
         for _, p, _, lo, hi in self.pieces:
-            if _counts_once(p):
+            if _counts_once(p, self.dims):
                 sq += self.grad_buffer[lo:hi].double().pow(2).sum()
-        for group in (self.group, ps.get_model_parallel_group()):
+        for group in (self.group, self.dims.mp_group):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
         return math.sqrt(sq.item())

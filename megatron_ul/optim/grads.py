@@ -11,12 +11,14 @@ while backward still runs; both give the same bits.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 from .grad_buckets import BucketLauncher, bucket_elements, split_into_buckets
 
@@ -51,14 +53,16 @@ class DataParallelGradSync:
     reduced only in `finish`, after the caller has summed them over the embedding group."""
 
     def __init__(self, params: list[torch.nn.Parameter], max_bucket_elements: int,
-                 overlap: bool = False, deferred_params=()):
+                 dims: Optional[ParallelDims] = None, overlap: bool = False,
+                 deferred_params=()):
+        self.dims = dims or ps.get_parallel_dims()
         deferred_ids = {id(p) for p in deferred_params}
         ordered = list(reversed(params))
         buckets = split_into_buckets([p for p in ordered if id(p) not in deferred_ids],
                                      max_bucket_elements)
         deferred = [p for p in ordered if id(p) in deferred_ids]
         self.buckets = buckets + ([deferred] if deferred else [])
-        self.group = ps.get_data_sequence_parallel_group()
+        self.group = self.dims.dp_sp_group
         self.in_flight: dict[int, tuple] = {}
         self.launcher = BucketLauncher(
             self.buckets, self._launch,
@@ -71,7 +75,7 @@ class DataParallelGradSync:
     def _launch(self, i: int) -> None:
         with_grad = [p for p in self.buckets[i] if p.grad is not None]
         sequence_parallel = [p.grad for p in with_grad if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(sequence_parallel, ps.get_tensor_model_parallel_group())
+        _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if dist.get_world_size(self.group) == 1 or not with_grad:
             return
         grads = [p.grad for p in with_grad]
@@ -91,42 +95,46 @@ class DataParallelGradSync:
         self.in_flight.clear()
 
 
-def reduce_gradients(params: list[torch.nn.Parameter],
+def reduce_gradients(params: list[torch.nn.Parameter], dims: Optional[ParallelDims] = None,
                      max_bucket_elements: int | None = None) -> None:
     """Finish the backward pass without overlap: Megatron-SP replicated weights over TP,
-    everything over dp_sp, in the buckets an overlapped run would use."""
-    group = ps.get_data_sequence_parallel_group()
+    everything over dp_sp (the groups of `dims`, default: the run's), in the buckets an
+    overlapped run would use."""
+    dims = dims or ps.get_parallel_dims()
     if max_bucket_elements is None:
-        max_bucket_elements = bucket_elements(None, dist.get_world_size(group))
-    DataParallelGradSync(params, max_bucket_elements).finish()
+        max_bucket_elements = bucket_elements(None, dims.dp_sp_size)
+    DataParallelGradSync(params, max_bucket_elements, dims).finish()
 
 
-def _counts_once(p: torch.nn.Parameter) -> bool:
+def _counts_once(p: torch.nn.Parameter, dims: Optional[ParallelDims] = None) -> bool:
     """Is this rank the one that counts p in the global norm (no double counting of copies)?"""
     if getattr(p, "shared_embedding_replica", False):  # tied output copy on the last PP stage
         return False
     if getattr(p, "tensor_model_parallel", False):
         return True
-    return ps.get_tensor_model_parallel_rank() == 0
+    return (dims or ps.get_parallel_dims()).tp_rank == 0
 
 
-def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
+def global_grad_norm(params: list[torch.nn.Parameter],
+                     dims: Optional[ParallelDims] = None) -> float:
     """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
-    grads = [p.grad for p in params if p.grad is not None and _counts_once(p)]
-    device = grads[0].device if grads else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float64, device=device)
+    dims = dims or ps.get_parallel_dims()
+    grads = [p.grad for p in params if p.grad is not None and _counts_once(p, dims)]
+    # the parameters' device even when this rank counts no gradient (the reduction needs it)
+    sq = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for g in grads:
         sq += g.detach().double().pow(2).sum()
-    group = ps.get_model_parallel_group()
+    group = dims.mp_group
     if dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
     return math.sqrt(sq.item())
 
 
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float) -> float:
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float,
+                   dims: Optional[ParallelDims] = None) -> float:
     """Scale all gradients so that their global norm is at most max_norm; returns the norm
     before clipping (what Megatron logs as grad-norm)."""
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, dims)
     if max_norm > 0 and math.isfinite(norm):
         coeff = max_norm / (norm + 1e-6)
         if coeff < 1.0:

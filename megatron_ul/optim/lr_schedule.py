@@ -41,9 +41,18 @@ class LRSchedule:
         self.num_steps += 1
         self._apply()
 
+    # Everything that decides the schedule (checkpoint/io.py checks them on resume).
+    HYPER_PARAMETERS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
+
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps}
+        return {"num_steps": self.num_steps,
+                **{k: getattr(self, k) for k in self.HYPER_PARAMETERS}}
 
     def load_state_dict(self, state: dict) -> None:
+        """Position and, where saved, the schedule itself (checkpoints before the schedule was
+        saved hold only num_steps)."""
+        for key in self.HYPER_PARAMETERS:
+            if key in state:
+                setattr(self, key, state[key])
         self.num_steps = state["num_steps"]
         self._apply()

@@ -57,10 +57,11 @@ class GradScaler:
         Updates the scale and logs a skipped step."""
         grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                  for p in params if p.grad is not None]
-        found = torch.zeros((), dtype=torch.float32)
+        # On the training device: NCCL has no CPU tensors, and one host sync is enough.
+        found = torch.zeros((), dtype=torch.float32, device=params[0].device)
         for g in grads:
             g.mul_(1.0 / self.scale)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float().cpu())
+            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)   # skip everywhere or nowhere
         found_inf = bool(found.item())

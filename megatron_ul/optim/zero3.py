@@ -21,6 +21,7 @@ TP rank 0 only). The update is plain torch AdamW on the DTensor shards.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,18 +30,20 @@ from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
 from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import ParallelDims
 from ..model.chunks import model_chunks
 from .grads import _all_reduce_coalesced, _counts_once
 
 # Attributes our parallel layers hang on parameters; FSDP2 makes new Parameter objects.
 _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
-                     "sequence_parallel", "shared_embedding_replica", "init_spec")
+                     "sequence_parallel", "shared_embedding_replica", "init_spec", "spec")
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, dims: Optional[ParallelDims] = None) -> torch.nn.Module:
     """fully_shard each transformer layer, then each model chunk as a root, over the dp_sp
-    mesh (in place); a PipelineStageModel itself stays a plain container."""
-    mesh = ps.get_data_sequence_parallel_mesh()
+    mesh of `dims` (default: the run's), in place; a PipelineStageModel stays a plain
+    container."""
+    mesh = (dims or ps.get_parallel_dims()).dp_sp_mesh
     saved = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
              for name, p in model.named_parameters()}
     for chunk in model_chunks(model):
@@ -64,7 +67,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Zero3Optimizer:
     """torch AdamW over the FSDP2 shards, plus the reduction and clipping FSDP2 leaves to us."""
 
-    def __init__(self, model: torch.nn.Module, train: TrainConfig):
+    def __init__(self, model: torch.nn.Module, train: TrainConfig,
+                 dims: Optional[ParallelDims] = None):
+        self.dims = dims or ps.get_parallel_dims()
         self.params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in self.params if p.dim() != 1]
         no_decay = [p for p in self.params if p.dim() == 1]
@@ -83,12 +88,12 @@ class Zero3Optimizer:
         with_grad = [p for p in self.params if p.grad is not None]
         sequence_parallel = [_local(p.grad) for p in with_grad
                              if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(sequence_parallel, ps.get_tensor_model_parallel_group())
+        _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
         for p in with_grad:
-            if _counts_once(p):
+            if _counts_once(p, self.dims):
                 sq += _local(p.grad).double().pow(2).sum()
-        for group in (ps.get_data_sequence_parallel_group(), ps.get_model_parallel_group()):
+        for group in (self.dims.dp_sp_group, self.dims.mp_group):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
         norm = math.sqrt(sq.item())

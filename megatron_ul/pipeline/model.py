@@ -27,10 +27,24 @@ from ..timers import NO_TIMERS, Timers
 def num_model_chunks(cfg: Config) -> int:
     """Virtual pipeline stages per pp rank (1 without interleaving)."""
     p = cfg.parallel
-    if p.num_layers_per_virtual_pipeline_stage is None:
+    return chunks_per_stage(cfg.model.num_layers, p.pipeline_model_parallel_size,
+                            p.num_layers_per_virtual_pipeline_stage)
+
+
+def chunks_per_stage(num_layers: int, pipeline_size: int, layers_per_chunk: int | None) -> int:
+    """Model chunks per pp rank when chunks hold `layers_per_chunk` layers (None: one chunk);
+    ValueError when the layers do not split that way (config.validate says it with flags)."""
+    if num_layers % pipeline_size != 0:
+        raise ValueError(f"--num-layers {num_layers} is not divisible by the pipeline size "
+                         f"{pipeline_size}")
+    if layers_per_chunk is None:
         return 1
-    return cfg.model.num_layers // (p.pipeline_model_parallel_size
-                                    * p.num_layers_per_virtual_pipeline_stage)
+    if pipeline_size == 1 or num_layers % (pipeline_size * layers_per_chunk) != 0:
+        raise ValueError(f"--num-layers {num_layers} does not split into {pipeline_size} "
+                         f"pipeline stages of chunks of {layers_per_chunk} layers; the virtual "
+                         f"pipeline size needs PP > 1 and num_layers divisible by "
+                         f"PP x {layers_per_chunk}")
+    return num_layers // (pipeline_size * layers_per_chunk)
 
 
 def chunk_layer_numbers(num_layers: int, pipeline_size: int, chunks: int, pp_rank: int,
@@ -52,23 +66,33 @@ class PipelineStageModel(nn.Module):
 
 def build_pipeline_model(cfg: Config, device, timers: Timers = NO_TIMERS,
                          dims: Optional[ParallelDims] = None) -> PipelineStageModel:
-    """This rank's model chunks; the tied output copy on the last stage is marked as a replica
-    so the gradient norm counts the embedding once."""
-    pp, rank = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    v = num_model_chunks(cfg)
-    chunks = []
-    for c in range(v):
+    """This rank's model chunks."""
+    return PipelineStageModel(build_stage_chunks(
+        cfg.model, cfg.train.seed, cfg.parallel.sequence_parallel,
+        ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
+        num_model_chunks(cfg), device, timers, dims))
+
+
+def build_stage_chunks(model_cfg, seed: int, sequence_parallel: bool, pp: int, rank: int,
+                       chunks: int, device, timers: Timers = NO_TIMERS,
+                       dims: Optional[ParallelDims] = None) -> list[GPTModel]:
+    """The model chunks of pp rank `rank` (of `pp`, `chunks` chunks each) — the one rule that
+    places layers, embeddings and heads on stages (pipeline/param_table.py reads it too). The
+    tied output copy on the last stage is marked as a replica so the gradient norm counts the
+    embedding once."""
+    out = []
+    for c in range(chunks):
         pre = rank == 0 and c == 0
-        post = rank == pp - 1 and c == v - 1
-        chunk = GPTModel(cfg.model, seed=cfg.train.seed,
-                         sequence_parallel=cfg.parallel.sequence_parallel, pre_process=pre,
-                         post_process=post,
-                         layer_numbers=chunk_layer_numbers(cfg.model.num_layers, pp, v, rank, c),
+        post = rank == pp - 1 and c == chunks - 1
+        chunk = GPTModel(model_cfg, seed=seed, sequence_parallel=sequence_parallel,
+                         pre_process=pre, post_process=post,
+                         layer_numbers=chunk_layer_numbers(model_cfg.num_layers, pp, chunks,
+                                                           rank, c),
                          device=device, timers=timers, dims=dims)
         if post and not pre and hasattr(chunk, "word_embeddings"):
             chunk.word_embeddings.weight.shared_embedding_replica = True
-        chunks.append(chunk)
-    return PipelineStageModel(chunks)
+        out.append(chunk)
+    return out
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
@@ -82,7 +106,13 @@ def global_named_parameters(model: nn.Module):
     Chunk prefixes are dropped and `layers.{i}` is renumbered to the 0-based global layer
     index (layer_number - 1), so the names are exactly the PP=1 GPTModel's module names. The
     last stage's tied embedding replica is yielded as `replica.word_embeddings.weight`."""
-    for chunk in model_chunks(model):
+    for _, name, p in chunk_named_parameters(model):
+        yield name, p
+
+
+def chunk_named_parameters(model: nn.Module):
+    """(model chunk index, global name, parameter) triples; see global_named_parameters."""
+    for index, chunk in enumerate(model_chunks(model)):
         for name, p in chunk.named_parameters():
             match = _LAYER.match(name)
             if match:
@@ -90,7 +120,7 @@ def global_named_parameters(model: nn.Module):
                 name = f"layers.{layer.layer_number - 1}." + name[match.end():]
             if getattr(p, "shared_embedding_replica", False):
                 name = REPLICA_PREFIX + name
-            yield name, p
+            yield index, name, p
 
 
 def replicated_name(name: str) -> str:

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from ..model.document_attention import document_mask_of
 from ..mpu import parallel_state as ps
 from .model import model_chunks
 from .p2p import StageCommunicator
@@ -30,7 +31,7 @@ from ..timers import NO_TIMERS, Timers
 
 def micro_batch_loss_sum(model, batch: dict) -> torch.Tensor:
     """Sum over this rank's tokens of the masked per-token loss of one micro-batch."""
-    losses = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+    losses = model(batch["tokens"], batch["position_ids"], document_mask_of(batch),
                    labels=batch["labels"])
     return (losses * batch["loss_mask"]).sum()
 
@@ -124,7 +125,7 @@ def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tenso
                 not forward_only)
             with timers("forward"), _autocast(device.type, autocast_dtype), (
                     torch.no_grad() if forward_only else contextlib.nullcontext()):
-                out = chunk(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
+                out = chunk(batch["tokens"], batch["position_ids"], document_mask_of(batch),
                             labels=batch["labels"] if chunk.post_process else None,
                             hidden_states=inp)
             if chunk.post_process:

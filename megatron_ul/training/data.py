@@ -1,5 +1,5 @@
 """Wire the data pipeline into training: tokenizer, datasets, sampler, and per-rank
-micro-batches (each DP rank its samples, each SP rank its slice of every sequence)."""
+micro-batches (each DP rank its samples, each SP×CP rank its slice of every sequence)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -24,6 +24,15 @@ def build_tokenizer_for(cfg: Config):
                            vocab_size=cfg.model.vocab_size or None)
 
 
+def eod_token_for(cfg: Config):
+    """The end-of-document id: the tokenizer's; for --mock-data without a tokenizer
+    vocab_size - 1, Megatron's NullTokenizer convention (mock samples carry documents)."""
+    tokenizer = build_tokenizer_for(cfg)
+    if tokenizer is not None:
+        return tokenizer.eod
+    return cfg.model.vocab_size - 1 if cfg.data.mock_data else None
+
+
 def build_datasets(cfg: Config):
     """(train, valid, test) datasets sized for the whole run."""
     t, m, d = cfg.train, cfg.model, cfg.data
@@ -31,8 +40,10 @@ def build_datasets(cfg: Config):
     eval_runs = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     valid_samples = eval_runs * t.eval_iters * t.global_batch_size
     if d.mock_data:
-        train = MockGPTDataset(train_samples, m.seq_length, m.vocab_size, t.seed)
-        valid = MockGPTDataset(max(valid_samples, 1), m.seq_length, m.vocab_size, t.seed + 1)
+        eod = eod_token_for(cfg)
+        train = MockGPTDataset(train_samples, m.seq_length, m.vocab_size, t.seed, eod)
+        valid = MockGPTDataset(max(valid_samples, 1), m.seq_length, m.vocab_size, t.seed + 1,
+                               eod)
         return train, valid, None
     return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length,
                                            (train_samples, valid_samples, 0), t.seed,
@@ -47,6 +58,7 @@ def global_batches(cfg: Config, dataset, device, eod_token, consumed_samples: in
                                  ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
     texts = micro_batch_iterator(dataset, sampler)
     sp_rank, sp = ps.get_sequence_parallel_rank(), ps.get_sequence_parallel_world_size()
+    cp_rank, cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
     d = cfg.data
     while True:
         batch = []
@@ -58,7 +70,7 @@ def global_batches(cfg: Config, dataset, device, eod_token, consumed_samples: in
             mb = build_micro_batch(text, sp_rank, sp, eod_token=eod_token,
                                    reset_position_ids=d.reset_position_ids,
                                    reset_attention_mask=d.reset_attention_mask,
-                                   eod_mask_loss=d.eod_mask_loss)
+                                   eod_mask_loss=d.eod_mask_loss, cp_rank=cp_rank, cp_size=cp)
             batch.append({k: (v.to(device) if isinstance(v, torch.Tensor) else v)
                           for k, v in mb.items()})
         yield batch

@@ -2,35 +2,84 @@
 torch.distributed or building the model."""
 from __future__ import annotations
 
+import math
+
+import torch
+
 from ..config import Config
+from ..model.attention import planned_attention
 from .memory_estimator import (GiB, estimate_config, init_peak_bytes, layout_from_config,
                                recompute_of)
+
+
+def _number(x: float) -> str:
+    """2^32 rather than 4.29497e+09."""
+    exponent = math.log2(x) if x > 0 else 0.5
+    return f"2^{int(exponent)}" if exponent == int(exponent) and x >= 1024 else f"{x:g}"
+
+
+def precision_of(cfg: Config) -> tuple[str, torch.dtype]:
+    """(description, activation dtype) of the precision a run with these flags uses."""
+    t = cfg.train
+    if t.bf16:
+        return "bf16 (autocast; fp32 master weights)", torch.bfloat16
+    if t.fp16:
+        scale = (f"constant loss scale {_number(t.loss_scale)}" if t.loss_scale is not None
+                 else f"dynamic loss scaling from {_number(t.initial_loss_scale)}")
+        return f"fp16 (autocast; fp32 master weights; {scale})", torch.float16
+    return "fp32", torch.float32
 
 
 def describe(cfg: Config) -> str:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, sp, pp, dp = (p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
                       p.pipeline_model_parallel_size, p.data_parallel_size)
+    cp = p.context_parallel_size
     est = estimate_config(cfg)
     zero = getattr(p, "zero_stage", 0)
+    precision, activation_dtype = precision_of(cfg)
+    activation_bytes = torch.empty((), dtype=activation_dtype).element_size()
     lines = [
-        f"world {p.world_size} = TP {tp} × SP {sp} × PP {pp} × DP {dp}"
+        f"world {p.world_size} = TP {tp} × SP {sp}{f' × CP {cp}' if cp > 1 else ''} × PP {pp} "
+        f"× DP {dp}"
         f"{' (Megatron-SP on)' if p.sequence_parallel else ''}",
         f"model: {m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads "
         f"({m.query_groups} kv groups), ffn {m.ffn_size}, seq {m.seq_length} "
-        f"({m.seq_length // sp} tokens per Ulysses rank), padded vocab "
+        f"({m.seq_length // (sp * cp)} tokens per "
+        f"{'Ulysses × ring' if cp > 1 else 'Ulysses'} rank), padded vocab "
         f"{m.padded_vocab_size(tp)}",
         f"batch: micro {t.micro_batch_size} × {cfg.num_micro_batches} micro-batches × DP {dp} "
         f"= global {t.global_batch_size} ({t.global_batch_size * m.seq_length} tokens/iter)",
-        f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision "
-        f"{'bf16 (autocast)' if t.bf16 else 'fp32'}; ZeRO stage {zero}; recompute "
+        f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision {precision}, "
+        f"{activation_bytes}-byte activations; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
+        "attention: " + (f"ring attention over CP {cp} (fp32 block kernel, log-sum-exp merge)"
+                         if cp > 1 else
+                         planned_attention(m.use_flash_attn, activation_dtype, has_mask=False))
+        + (" (per document, varlen)" if cfg.data.reset_attention_mask else ""),
+        "long context: " + long_context(cfg),
         "memory estimate per GPU: " + est.describe(),
         f"initialisation peak per GPU: "
         f"{init_peak_bytes(m, layout_from_config(cfg), zero) / GiB:.2f} GiB (each rank computes "
         f"only the parameters it holds, on its device)",
     ]
     return "\n".join(lines)
+
+
+def long_context(cfg: Config) -> str:
+    """The long-sequence options in effect (docs/long_context.md)."""
+    m, d = cfg.model, cfg.data
+    parts = [f"tiled loss {m.tiled_loss_chunk_size} tokens/chunk" if m.tiled_loss_chunk_size
+             else "loss untiled",
+             f"tiled MLP {m.tiled_mlp_chunk_size} tokens/chunk" if m.tiled_mlp_chunk_size
+             else "MLP untiled"]
+    if m.activation_checkpoint_cpu_offload:
+        parts.append("full-recompute layer inputs offloaded to host")
+    if d.reset_attention_mask:
+        parts.append("document masking (O(N) cu_seqlens)")
+    if m.attention_window is not None:
+        parts.append(f"sliding window {m.attention_window}")
+    return "; ".join(parts)
 
 
 def dry_run(cfg: Config) -> int:

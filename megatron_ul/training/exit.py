@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.io import save_checkpoint
+from ..checkpoint.io import Resume, save_checkpoint
 from ..config import Config
 
 log = logging.getLogger("megatron_ul")
@@ -40,10 +40,13 @@ class RunControl:
     """Called after every iteration; saves checkpoints and decides whether to stop."""
 
     def __init__(self, cfg: Config, model, optimizer, scheduler, start_iteration: int = 0,
-                 grad_scaler=None):
+                 grad_scaler=None, position: Resume | None = None):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.grad_scaler = grad_scaler
+        self.device = next(model.parameters()).device   # where collectives' tensors must live
         self.iteration = self.last_saved = start_iteration
+        # The data position: samples really consumed, whatever global batch earlier runs used.
+        self.position = position or Resume(start_iteration)
         self.started = PROGRAM_START
         self._previous_handlers = (catch_exit_signals() if cfg.checkpoint.exit_signal_handler
                                    else {})
@@ -55,14 +58,16 @@ class RunControl:
             return False, False
         over_time = (c.exit_duration_in_mins is not None
                      and time.monotonic() - self.started > c.exit_duration_in_mins * 60)
-        flags = torch.tensor([float(_signal_received is not None), float(over_time)])
+        # On the training device: with NCCL the default group cannot reduce CPU tensors.
+        flags = torch.tensor([float(_signal_received is not None), float(over_time)],
+                             device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
 
     def after_iteration(self, iteration: int) -> bool:
         """Save if due; True when training must stop now."""
-        self.iteration = iteration
+        self._advance(iteration)
         c = self.cfg.checkpoint
         by_signal, by_time = self._stop_flags()
         by_interval = bool(c.exit_interval) and iteration % c.exit_interval == 0
@@ -75,12 +80,20 @@ class RunControl:
             log.info("exiting at iteration %d (%s)", iteration, reason)
         return stop
 
+    def _advance(self, iteration: int) -> None:
+        t = self.cfg.train
+        for done in range(self.iteration + 1, iteration + 1):
+            self.position.consumed_samples += t.global_batch_size
+            if t.eval_interval and done % t.eval_interval == 0:
+                self.position.consumed_valid_samples += t.eval_iters * t.global_batch_size
+        self.iteration = self.position.iteration = iteration
+
     def save(self) -> None:
         finish = getattr(self.optimizer, "finish_param_sync", None)
         if finish is not None:   # --overlap-param-gather: the parameters must be complete
             finish()
         save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.iteration,
-                        grad_scaler=self.grad_scaler)
+                        grad_scaler=self.grad_scaler, position=self.position)
         self.last_saved = self.iteration
 
     def finish(self) -> None:

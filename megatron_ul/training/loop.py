@@ -77,4 +77,4 @@ def run_evaluation(cfg: Config, model, valid_batches, iteration: int, dtype) -> 
 def is_reporting_rank() -> bool:
     """Megatron reports from the last pipeline stage's first TP/SP/DP rank."""
     return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_sequence_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
+            and ps.get_data_sequence_parallel_rank() == 0)

@@ -2,8 +2,8 @@
 that fits a given GPU memory.
 
 Parameters, gradients and Adam state follow what megatron_ul allocates: fp32 parameters,
-fp32 gradients and two fp32 Adam moments (16 bytes per parameter); --bf16 runs under autocast,
-which also keeps a bf16 copy of every matmul weight alive from forward to backward (2 bytes).
+fp32 gradients and two fp32 Adam moments (16 bytes per parameter); --bf16 and --fp16 run under
+autocast, which also keeps a 2-byte copy of every matmul weight alive from forward to backward.
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
 parameters, over the data × sequence parallel group (Ulysses ranks hold replicated weights, as
 in DeepSpeed).
@@ -11,17 +11,27 @@ in DeepSpeed).
 Activations follow Korthikanti et al. (2022), "Reducing Activation Recomputation in Large
 Transformer Models", counted tensor by tensor for *this* implementation (what autograd keeps
 for backward in model/transformer.py), in units of one [s, b, h] tensor:
-  s = N / SP on the Ulysses side (each rank holds N/SP tokens between layers), with the
+  s = N / (SP·CP) on the Ulysses side (each rank holds N/(SP·CP) tokens between layers; CP is
+  the ring degree, --context-parallel-size), with the
   norms and dropouts ÷TP again under --sequence-parallel; tensors inside the TP region
   (QKV output, attention output, MLP hidden) ÷TP. Under Megatron-SP the column-parallel
   linears (QKV, fc1, the output head) keep only their [s/TP, b, h] input shard and all-gather
   it again in backward, as Megatron-LM does. GQA's k and v are not repeated up to the query
   heads (SDPA's enable_gqa).
-With a fused attention kernel (flash / SDPA) nothing of size N² is kept; without one
+With a fused attention kernel (flash / SDPA) nothing of size N² is kept (ring attention keeps
+only q, k, v, its fp32 output and log-sum-exp, the output counted twice); without one
 (--attention-kernel math) the scores and probabilities, a/(TP·SP) heads × N² per sample, are.
+Long sequences (docs/long_context.md): --tiled-loss-chunk-size keeps no logits; its working set
+is one chunk's logits and their shifted copy, 2·c·TP_gathered·b·V/TP fp32. --tiled-mlp-chunk-size
+keeps no MLP intermediate; one chunk's is counted. --activation-checkpoint-cpu-offload moves
+the full-recompute layer inputs to host memory (reported as host_bytes); two stay on the GPU
+(the one being recomputed and the one prefetched). Document masking and sliding windows add
+nothing of size N² (O(N) offsets).
 Pipelining with 1F1B keeps min(PP, micro-batches) micro-batches of L/PP layers alive on the
-first stage. Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU),
-and short-lived buffers such as the logits' gradient.
+first stage. The loss's short-lived logits copy (or tiled chunk) and the gradients alive while a
+layer backpropagates (8 [s, b, h] tensors) are counted as their own rows.
+Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU), and the
+backward's other short-lived gradient buffers.
 """
 from __future__ import annotations
 
@@ -43,15 +53,21 @@ class Layout:
     sequence_parallel: bool = False   # Megatron-SP over the TP group
     micro_batch_size: int = 1
     num_micro_batches: int = 1
+    cp: int = 1                       # ring-attention degree (--context-parallel-size)
 
     @property
     def world(self) -> int:
-        return self.tp * self.sp * self.pp * self.dp
+        return self.tp * self.sp * self.cp * self.pp * self.dp
+
+    @property
+    def sequence_ranks(self) -> int:
+        """Ranks that split one sequence: Ulysses × ring."""
+        return self.sp * self.cp
 
 
 @dataclass(frozen=True)
 class Precision:
-    bf16: bool = False
+    bf16: bool = False            # 2-byte autocast activations: --bf16 or --fp16
     dropout_mask_bytes: int = 1   # CUDA keeps a bool mask; the CPU kernel keeps a float mask
     fused_attention: bool = True  # flash / SDPA: no N×N tensors kept for backward
 
@@ -63,16 +79,24 @@ class MemoryEstimate:
     gradient_bytes: float
     optimizer_bytes: float
     activation_bytes: float
+    host_bytes: float = 0.0        # offloaded activations, in host memory (not in total)
+    loss_working_bytes: float = 0.0  # the loss's short-lived logits copy (or tiled chunk)
+    backward_working_bytes: float = 0.0  # gradients alive while one layer backpropagates
 
     @property
     def total_bytes(self) -> float:
         return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
-                + self.activation_bytes)
+                + self.activation_bytes + self.loss_working_bytes
+                + self.backward_working_bytes)
 
     def rows(self) -> list[tuple[str, float]]:
         return [("parameters", self.parameter_bytes), ("gradients", self.gradient_bytes),
                 ("optimizer state", self.optimizer_bytes),
-                ("activations", self.activation_bytes), ("total", self.total_bytes)]
+                ("activations", self.activation_bytes),
+                ("loss working set", self.loss_working_bytes),
+                ("backward working set", self.backward_working_bytes),
+                ("total", self.total_bytes)] + (
+                    [("host memory (offloaded)", self.host_bytes)] if self.host_bytes else [])
 
     def describe(self) -> str:
         return " | ".join(f"{name} {value / GiB:.2f} GiB" for name, value in self.rows())
@@ -113,7 +137,7 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
                            recompute: str = "none") -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one rank."""
     tp, sp, b = layout.tp, layout.sp, layout.micro_batch_size
-    s = m.seq_length / sp
+    s = m.seq_length / layout.sequence_ranks
     sbh = s * b * m.hidden_size
     norm_region = sbh / (tp if layout.sequence_parallel else 1)   # norms, dropouts, residual
     residual_bytes = 4                       # the residual stream stays fp32 under autocast
@@ -124,13 +148,17 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
     qkv = s * b * (heads + 2 * groups) * d / tp
     attn_out = s * b * heads * d / tp
     ffn = s * b * m.ffn_size / tp
+    if m.tiled_mlp_chunk_size:               # only one chunk's intermediate at a time
+        local_tokens = s / (tp if layout.sequence_parallel else 1)
+        ffn *= min(1.0, m.tiled_mlp_chunk_size / local_tokens)
     mlp = (4 if m.swiglu else 2) * ffn       # GELU: its input and output; SwiGLU: [gate; up],
     #                                          silu(gate) and the product
     # Column-parallel linear inputs: TP-replicated, or the local shard under Megatron-SP.
     linear_in = norm_region
     elements = (linear_in                    # QKV linear input (norm output)
                 + qkv                        # q, k, v kept by the attention kernel
-                + attn_out                   # attention output kept by the kernel
+                + attn_out * (2 if layout.cp > 1 else 1)  # attention output kept by the
+                #                                kernel (the ring keeps it in fp32)
                 + attn_out                   # projection input (re-laid-out output)
                 + linear_in                  # fc1 input
                 + mlp)
@@ -142,7 +170,7 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
     total = norms + elements * act
     if m.hidden_dropout > 0:
         total += 2 * norm_region * precision.dropout_mask_bytes
-    if not precision.fused_attention and recompute != "selective":
+    if not precision.fused_attention and recompute != "selective" and layout.cp == 1:
         scores = heads / (tp * sp) * b * m.seq_length ** 2
         total += 2 * scores * act + (scores * precision.dropout_mask_bytes
                                      if m.attention_dropout > 0 else 0)
@@ -151,12 +179,45 @@ def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
 
 def head_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
     """Final norm, output-layer input and the fp32 softmax the vocab-parallel loss keeps."""
+    s = m.seq_length / layout.sequence_ranks
+    sbh = s * layout.micro_batch_size * m.hidden_size
+    norm_region = sbh / (layout.tp if layout.sequence_parallel else 1)
+    act = 2 if precision.bf16 else 4
+    softmax = 0.0 if _loss_is_tiled(m, layout) else _logits_bytes(m, layout, s)
+    return norm_region * 4 + norm_region * act + softmax  # output-layer input: see linear_in
+
+
+def _loss_is_tiled(m: ModelConfig, layout: Layout) -> bool:
+    gathered = layout.tp if layout.sequence_parallel else 1
+    chunk = m.tiled_loss_chunk_size
+    return bool(chunk) and chunk < m.seq_length / layout.sp / gathered
+
+
+def _logits_bytes(m: ModelConfig, layout: Layout, rows: float) -> float:
+    """fp32 logits of `rows` tokens on one TP rank."""
+    return rows * layout.micro_batch_size * m.padded_vocab_size(layout.tp) / layout.tp * 4
+
+
+def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
+    """Gradients alive at once while one layer backpropagates, in units of [s, b, h]: the
+    incoming, residual and norm-input gradients in the fp32 residual stream (3), and dq, dk,
+    dv, the attention output's and the MLP input's gradients in the activation dtype (5).
+    On CPU (fp32) the benchmark measures about this much above the kept activations."""
     s = m.seq_length / layout.sp
     sbh = s * layout.micro_batch_size * m.hidden_size
     norm_region = sbh / (layout.tp if layout.sequence_parallel else 1)
     act = 2 if precision.bf16 else 4
-    softmax = s * layout.micro_batch_size * m.padded_vocab_size(layout.tp) / layout.tp * 4
-    return norm_region * 4 + norm_region * act + softmax  # output-layer input: see linear_in
+    return 3 * norm_region * 4 + 5 * sbh / layout.tp * act
+
+
+def loss_working_bytes(m: ModelConfig, layout: Layout) -> float:
+    """The loss's short-lived buffers on the last stage: untiled, the output layer's logits
+    and the shifted copy the softmax is made of coexist in forward (the copy is kept); tiled,
+    one chunk's logits and shifted copy, [c·TP_gathered, b, V/TP] each."""
+    if not _loss_is_tiled(m, layout):
+        return _logits_bytes(m, layout, m.seq_length / layout.sp)
+    gathered = layout.tp if layout.sequence_parallel else 1
+    return 2 * _logits_bytes(m, layout, m.tiled_loss_chunk_size * gathered)
 
 
 def activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
@@ -166,6 +227,8 @@ def activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
     in_flight = min(layout.pp, layout.num_micro_batches)
     per_layer = layer_activation_bytes(m, layout, precision, recompute)
     total = layers * in_flight * per_layer
+    if recompute == "full" and m.activation_checkpoint_cpu_offload:
+        total = min(total, 2 * per_layer)    # the rest waits in host memory
     if recompute == "full":  # during backward one layer is rebuilt with all its activations
         total += layer_activation_bytes(m, layout, precision, "none")
     if layout.pp == 1:
@@ -181,15 +244,22 @@ def estimate(m: ModelConfig, layout: Layout, *, zero_stage: int = 0, recompute: 
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3 (got {zero_stage})")
     params = stage_parameters(m, layout.tp, layout.pp)
-    shards = layout.dp * layout.sp  # ZeRO partitions over the data × sequence parallel group
+    # ZeRO partitions over the data × ring × Ulysses group (all replicas of the parameters)
+    shards = layout.dp * layout.sp * layout.cp
     param_bytes = 4 * params / (shards if zero_stage >= 3 else 1)
     if precision.bf16:  # autocast's bf16 weight copies, kept for backward (under ZeRO-3 only
         # the gathered layers' copies live at once: counted as a shard, a lower bound)
         param_bytes += 2 * params / (shards if zero_stage >= 3 else 1)
     grad_bytes = 4 * params / (shards if zero_stage >= 2 else 1)
     optimizer_bytes = 8 * params / (shards if zero_stage >= 1 else 1)
+    host = 0.0
+    if recompute == "full" and m.activation_checkpoint_cpu_offload:
+        host = (-(-m.num_layers // layout.pp) * min(layout.pp, layout.num_micro_batches)
+                * layer_activation_bytes(m, layout, precision, "full"))
     return MemoryEstimate(params, param_bytes, grad_bytes, optimizer_bytes,
-                          activation_bytes(m, layout, precision, recompute))
+                          activation_bytes(m, layout, precision, recompute), host,
+                          loss_working_bytes(m, layout),
+                          backward_working_bytes(m, layout, precision))
 
 
 def init_peak_bytes(m: ModelConfig, layout: Layout, zero_stage: int = 0) -> float:
@@ -207,7 +277,8 @@ def layout_from_config(cfg: Config) -> Layout:
     return Layout(tp=p.tensor_model_parallel_size, sp=p.ds_sequence_parallel_size,
                   pp=p.pipeline_model_parallel_size, dp=max(p.data_parallel_size, 1),
                   sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size,
-                  num_micro_batches=max(cfg.num_micro_batches, 1))
+                  num_micro_batches=max(cfg.num_micro_batches, 1),
+                  cp=getattr(p, "context_parallel_size", 1))
 
 
 def estimate_config(cfg: Config) -> MemoryEstimate:
@@ -215,7 +286,8 @@ def estimate_config(cfg: Config) -> MemoryEstimate:
     zero = getattr(cfg.parallel, "zero_stage", 0) or (
         1 if getattr(cfg.parallel, "use_distributed_optimizer", False) else 0)
     return estimate(cfg.model, layout_from_config(cfg), zero_stage=zero,
-                    recompute=recompute_of(cfg), precision=Precision(bf16=cfg.train.bf16))
+                    recompute=recompute_of(cfg),
+                    precision=Precision(bf16=cfg.train.bf16 or cfg.train.fp16))
 
 
 def recompute_of(cfg: Config) -> str:

@@ -4,14 +4,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
 
 from ..arguments import parse_args
 from ..checkpoint.files import CheckpointError
-from ..checkpoint.io import Resume, load_checkpoint
+from ..checkpoint.io import Resume, claim_save_dir, load_checkpoint
 from ..config import Config, ConfigError, resolve, validate
 from ..data.gpt_dataset import parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
@@ -25,7 +25,7 @@ from ..pipeline.model import build_pipeline_model
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
-from .data import build_datasets, build_tokenizer_for, global_batches
+from .data import build_datasets, build_tokenizer_for, eod_token_for, global_batches
 from .exit import RunControl, catch_exit_signals
 from .loop import is_reporting_rank, train
 
@@ -38,8 +38,9 @@ def configure(argv=None, world_size: int | None = None) -> Config:
     tokenizer = build_tokenizer_for(cfg)
     if tokenizer is not None and not cfg.data.mock_data:
         cfg.model.vocab_size = tokenizer.vocab_size
-    if cfg.data.mock_data and not cfg.model.vocab_size:
-        raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N")
+    if cfg.data.mock_data and cfg.model.vocab_size < 2:
+        raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N (N >= 2: "
+                          "id N-1 is the end-of-document token)")
     if cfg.data.data_path and tokenizer is None:
         raise ConfigError("invalid configuration:\n  --data-path needs --tokenizer-type "
                           "(and its --tokenizer-model or --vocab-file/--merge-file)")
@@ -85,10 +86,13 @@ class Trainer:
     start_iteration: int = 0
     grad_scaler: Optional[GradScaler] = None   # fp16 only; checkpointed with the model
     timers: Timers = NO_TIMERS                 # --timing-log-level; the model holds them too
+    resume: Optional[Resume] = None            # data position loaded from the checkpoint
 
     def train(self) -> list[float]:
+        position = replace(self.resume) if self.resume else None
         control = RunControl(self.cfg, self.model, self.optimizer, self.scheduler,
-                             self.start_iteration, grad_scaler=self.grad_scaler)
+                             self.start_iteration, grad_scaler=self.grad_scaler,
+                             position=position)
         losses = train(self.cfg, self.model, self.optimizer, self.scheduler, self.train_batches,
                        self.valid_batches, self.start_iteration, control.after_iteration,
                        grad_scaler=self.grad_scaler, timers=self.timers)
@@ -99,16 +103,19 @@ class Trainer:
 def setup(cfg: Config) -> Trainer:
     """Initialize distributed state and build everything training needs."""
     device = initialize_distributed(cfg)
+    if cfg.checkpoint.save:
+        claim_save_dir(cfg)   # a second job saving into the same directory stops here
     if torch.distributed.get_rank() != 0 and not is_reporting_rank():
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
     timers = Timers(cfg.logging.timing_log_level, device.type)
+    dims = ps.get_parallel_dims()   # built once by initialize_distributed; handed to what needs it
     if cfg.parallel.zero_stage == 3:
         # Build on the meta device, shard over dp_sp, then compute only this rank's shards.
         with deferred():
-            model = build_model(cfg, device, timers, ps.get_parallel_dims())
-        model = materialize(shard_model(model), device)
+            model = build_model(cfg, device, timers, dims)
+        model = materialize(shard_model(model, dims), device)
     else:   # each rank computes only its TP/PP part
-        model = build_model(cfg, device, timers, ps.get_parallel_dims())
+        model = build_model(cfg, device, timers, dims)
     if torch.distributed.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
@@ -117,21 +124,20 @@ def setup(cfg: Config) -> Trainer:
         log.info("transformer layers: %s", f"fused (torch.compile per layer, backend "
                  f"{m.fused_layers_backend})" if m.fused_layers else
                  "eager (--fused-layers compiles them; off by default: compile time)")
-    optimizer = build_optimizer(model, cfg.train, cfg.parallel)
+    optimizer = build_optimizer(model, cfg.train, cfg.parallel, dims)
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,
                            decay_steps=t.lr_decay_iters, decay_style=t.lr_decay_style)
     grad_scaler = build_grad_scaler(cfg.train)
     resume = (load_checkpoint(cfg, model, optimizer, scheduler, grad_scaler)
               if cfg.checkpoint.load else Resume())
-    tokenizer = build_tokenizer_for(cfg)
-    eod = tokenizer.eod if tokenizer is not None else None
+    eod = eod_token_for(cfg)
     train_ds, valid_ds, _ = build_datasets(cfg)
     train_batches = global_batches(cfg, train_ds, device, eod, resume.consumed_samples)
     valid_batches = (global_batches(cfg, valid_ds, device, eod, resume.consumed_valid_samples)
                      if valid_ds is not None else None)
     return Trainer(cfg, model, optimizer, scheduler, train_batches, valid_batches,
-                   resume.iteration, grad_scaler, timers)
+                   resume.iteration, grad_scaler, timers, resume)
 
 
 def main(argv=None) -> int:

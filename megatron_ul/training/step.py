@@ -15,10 +15,11 @@ from ..timers import NO_TIMERS, Timers
 
 
 def count_tokens(micro_batches: list[dict], device) -> torch.Tensor:
-    """Loss-bearing tokens in the whole global batch (summed over DP and SP ranks)."""
-    # Summed on the device (no host sync per micro-batch), in fp64 so large counts stay exact.
+    """Loss-bearing tokens in the whole global batch (summed over DP and SP ranks), exactly:
+    an fp64 tensor on `device` (integers up to 2^53; fp32 was inexact above 2^24 tokens)."""
+    # Summed on the device (no host sync per micro-batch) and all-reduced in fp64.
     local = torch.stack([mb["loss_mask"].sum(dtype=torch.float64) for mb in micro_batches]).sum()
-    total = local.to(device=device, dtype=torch.float32)
+    total = local.to(device=device, dtype=torch.float64)
     group = ps.get_data_sequence_parallel_group()
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
@@ -48,7 +49,9 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
                timers: Timers = NO_TIMERS) -> tuple[float, float]:
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
-    num_tokens = count_tokens(micro_batches, device)
+    # The exact count, rounded once to the fp32 the losses are divided by (the same value on
+    # every rank and layout).
+    num_tokens = count_tokens(micro_batches, device).float()
     # fp16: backpropagate loss · scale; dividing the token count by a power of two is exact.
     divisor = num_tokens / grad_scaler.scale if grad_scaler is not None else num_tokens
     # Plain DP and ZeRO-1 reduce gradients in buckets, from backward's hooks when overlapping.
@@ -64,11 +67,13 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     if grad_scaler is not None and not grad_scaler.unscale_and_check(params, iteration):
         optimizer.zero_grad(set_to_none=True)   # fp16 overflow: skip the step (logged)
         return loss, float("nan")
-    # Tied embedding copies (first and last pipeline stage) sum their gradients; sums commute,
-    # so this may come before or after the dp_sp reduction.
-    allreduce_embedding_grads(model)
+    # Tied embedding copies (first and last pipeline stage) sum their gradients.
     reduce_and_clip = getattr(optimizer, "reduce_and_clip_gradients", None)
     if reduce_and_clip is not None:  # ZeRO: the optimizer owns the (sharded) gradients
+        # Before: a reduce-scatter leaves no full gradient to sum. ZeRO-1 keeps the tied
+        # weights in a deferred bucket of their own (the same layout on both stages), reduced
+        # only inside reduce_and_clip, so both copies still end bitwise equal.
+        allreduce_embedding_grads(model)
         with timers("grad-reduce"):
             grad_norm = reduce_and_clip(clip_grad)
     else:
@@ -77,6 +82,10 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
                 grad_sync.finish()
             else:
                 reduce_gradients(params)
+            # After the dp_sp reduction, so both copies end bitwise equal (a + b == b + a):
+            # before it, each stage's copy would be reduced inside differently laid-out
+            # buckets, and with 3+ dp_sp ranks the summation orders (and roundings) differ.
+            allreduce_embedding_grads(model)
         with timers("grad-clip", level=2):
             grad_norm = clip_gradients(params, clip_grad)
     if not math.isfinite(grad_norm):
@@ -90,7 +99,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
 @torch.no_grad()
 def evaluate_loss(model, micro_batches: list[dict], autocast_dtype=None) -> float:
     device = next(model.parameters()).device
-    num_tokens = count_tokens(micro_batches, device)
+    num_tokens = count_tokens(micro_batches, device).float()
     model.eval()
     try:
         loss_sum = schedule_for(model)(model, micro_batches, num_tokens, autocast_dtype,

@@ -107,7 +107,8 @@ def test_saving_an_existing_iteration_replaces_it_whole(saved, single_rank):
     old = listing(saved)
     from megatron_ul.checkpoint.io import save_checkpoint
     save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 2)
-    assert sorted(os.listdir(saved)) == ["iter_0000002", files.TRACKER]   # no tmp/old left
+    left = sorted(n for n in os.listdir(saved) if n != files.LOCK)
+    assert left == ["iter_0000002", files.TRACKER]   # no tmp/old left
     assert listing(saved).keys() == old.keys()
 
 
@@ -116,3 +117,29 @@ def test_kill_between_renames_loads_the_copy_set_aside(saved):
     the new one in leaves only iter_0000002.old-<id>: the tracker still names 2, and it loads."""
     os.rename(os.path.join(saved, "iter_0000002"), os.path.join(saved, "iter_0000002.old-ab12"))
     assert setup(configure(ARGV + ["--load", saved], 1)).start_iteration == 2
+
+
+@pytest.mark.parametrize("tp, sp, named", [(8, 1, "--tensor-model-parallel-size"),
+                                           (4, 2, "--ds-sequence-parallel-size")])
+def test_conversion_target_is_validated_by_the_trainer_before_writing(saved, tmp_path, tp, sp,
+                                                                      named):
+    """4 heads: TP8, or TP4 × SP2, would be refused at start-up; convert refuses them first."""
+    target = str(tmp_path / "out")
+    with pytest.raises(files.CheckpointError, match="would be refused by the trainer") as info:
+        convert(saved, target, tp, 1, sp=sp)
+    assert named in str(info.value) and not os.path.exists(target)
+
+
+def test_failed_conversion_leaves_no_temporary(saved, tmp_path, monkeypatch):
+    target = str(tmp_path / "out")
+    real, calls = files.save_torch, []
+
+    def disk_full_on_second_file(obj, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device", path)
+        real(obj, path)
+    monkeypatch.setattr(files, "save_torch", disk_full_on_second_file)
+    with pytest.raises(OSError):
+        convert(saved, target, 2, 1)
+    assert os.listdir(target) == []

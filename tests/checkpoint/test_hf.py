@@ -48,7 +48,9 @@ def _hf_models():
     llama = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=8,
                  num_key_value_heads=2, intermediate_size=48, vocab_size=VOCAB,
                  max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=5000.0)
+    gpt2_untied = transformers.GPT2Config(**{**gpt2.to_dict(), "tie_word_embeddings": False})
     return {"gpt2": lambda: transformers.GPT2LMHeadModel(gpt2),
+            "gpt2-untied": lambda: transformers.GPT2LMHeadModel(gpt2_untied),
             "llama-untied": lambda: transformers.LlamaForCausalLM(
                 transformers.LlamaConfig(**llama, tie_word_embeddings=False)),
             "llama-tied": lambda: transformers.LlamaForCausalLM(
@@ -77,6 +79,34 @@ def test_import_then_export_matches_hugging_face(kind, tmp_path, single_rank):
     export_diff = (_our_logits(ours, tokens) - _their_logits(back, tokens)).abs().max()
     print(f"{kind}: import max |logit diff| {import_diff:.2e}, export {export_diff:.2e}")
     assert import_diff < 1e-5 and export_diff < 1e-5
+    untied = not theirs.config.tie_word_embeddings
+    assert fields["untie_embeddings_and_output_weights"] == untied
+    assert back.config.tie_word_embeddings == theirs.config.tie_word_embeddings
+    # a tokenizer-less run records Megatron's NullTokenizer end-of-document id
+    assert (back.config.bos_token_id, back.config.eos_token_id) == (VOCAB - 1, VOCAB - 1)
+
+
+def test_export_carries_the_imported_special_tokens(tmp_path, single_rank):
+    torch.manual_seed(0)
+    theirs = _hf_models()["llama-untied"]()
+    theirs.config.bos_token_id, theirs.config.eos_token_id = 5, 7
+    theirs.save_pretrained(tmp_path / "hf", safe_serialization=True)
+    import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    export_checkpoint(str(tmp_path / "ours"), str(tmp_path / "hf2"))
+    back = transformers.AutoConfig.from_pretrained(tmp_path / "hf2")
+    assert (back.bos_token_id, back.eos_token_id) == (5, 7)
+    export_checkpoint(str(tmp_path / "ours"), str(tmp_path / "hf3"),
+                      special_tokens={"bos_token_id": 1, "eos_token_id": 2})
+    back = transformers.AutoConfig.from_pretrained(tmp_path / "hf3")
+    assert (back.bos_token_id, back.eos_token_id) == (1, 2)
+
+
+def test_import_validates_the_target_layout_before_writing(tmp_path, single_rank):
+    from megatron_ul.checkpoint.files import CheckpointError
+    _hf_models()["gpt2"]().save_pretrained(tmp_path / "hf", safe_serialization=True)
+    with pytest.raises(CheckpointError, match="--tensor-model-parallel-size"):
+        import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ours"), tp=8)
+    assert not (tmp_path / "ours").exists()
 
 
 class _NoSchedule:

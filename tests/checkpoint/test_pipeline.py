@@ -18,17 +18,20 @@ FOUR_LAYERS = TINY + NO_DROPOUT + ["--num-layers", "4"]
 def test_interleaved_stage_names_follow_the_runtime_assignment():
     """Chunks of 1 layer on PP2: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3 (the
     pipeline's chunk c·PP + r rule), and the last stage gets the tied table's replica."""
-    from megatron_ul.checkpoint.reshard import stage_names
-    model = {"num_layers": 4, "untie_embeddings_and_output_weights": False}
-    names = ["word_embeddings.weight", "final_norm.weight"] + [
-        f"layers.{i}.mlp.fc1.weight" for i in range(4)]
-    assert stage_names(names, 0, 2, model, vp=1) == [
-        "word_embeddings.weight", "layers.0.mlp.fc1.weight", "layers.2.mlp.fc1.weight"]
-    assert stage_names(names, 1, 2, model, vp=1) == [
-        "final_norm.weight", "layers.1.mlp.fc1.weight", "layers.3.mlp.fc1.weight",
-        "replica.word_embeddings.weight"]
-    untied = {**model, "untie_embeddings_and_output_weights": True}
-    assert "replica.word_embeddings.weight" not in stage_names(names, 1, 2, untied)
+    from megatron_ul.config import ModelConfig
+    from megatron_ul.pipeline.param_table import parameter_table, stage_parameter_names
+    model = ModelConfig(num_layers=4, max_position_embeddings=16, vocab_size=100)
+
+    def stage(s, pp=2, vp=1, **kw):
+        table = parameter_table(ModelConfig(**{**model.__dict__, **kw}), 1, pp, vp)
+        return [n for n in stage_parameter_names(table, s)
+                if n.endswith("fc1.weight") or "word_embeddings" in n]
+    assert stage(0) == ["word_embeddings.weight", "layers.0.mlp.fc1.weight",
+                        "layers.2.mlp.fc1.weight"]
+    assert stage(1) == ["layers.1.mlp.fc1.weight", "replica.word_embeddings.weight",
+                        "layers.3.mlp.fc1.weight"]
+    assert "replica.word_embeddings.weight" not in stage(
+        1, untie_embeddings_and_output_weights=True)
 
 
 def test_bad_virtual_pipeline_target_is_refused_before_writing(tmp_path, single_rank):
@@ -37,7 +40,8 @@ def test_bad_virtual_pipeline_target_is_refused_before_writing(tmp_path, single_
     from megatron_ul.training.pretrain import configure, setup
     src = str(tmp_path / "src")
     setup(configure(TINY + ["--train-iters", "1", "--save", src], 1)).train()
-    with pytest.raises(CheckpointError, match="chunks of 3 layers"):
+    with pytest.raises(CheckpointError, match="refused by the trainer(.|\n)*"
+                                              "--num-layers-per-virtual-pipeline-stage = 2×3"):
         convert(src, str(tmp_path / "out"), tp=1, pp=2, vp=3)
     assert not os.path.exists(tmp_path / "out")
 

@@ -8,6 +8,7 @@ import torch
 
 from megatron_ul.data.batches import PretrainingSampler, build_micro_batch, micro_batch_iterator
 from megatron_ul.data.mock import MockGPTDataset
+from megatron_ul.model.document_attention import DocumentMask, dense_document_mask
 
 EOD = 0
 
@@ -98,11 +99,12 @@ def test_full_batch_matches_megatron(reset_position_ids, reset_attention_mask, e
     assert torch.equal(batch["labels"], texts[:, 1:])
     assert torch.equal(batch["loss_mask"], loss_mask) and batch["loss_mask"].dtype == torch.float
     assert torch.equal(batch["position_ids"], position_ids)
-    if reset_attention_mask:
-        assert batch["attention_mask"].dtype == torch.bool and batch["attention_mask"].shape == (3, 1, 24, 24)
-        assert torch.equal(batch["attention_mask"], mask)
+    assert "attention_mask" not in batch   # never a dense [b, 1, N, N] mask
+    if reset_attention_mask:   # O(N) document offsets that mean exactly Megatron's mask
+        assert batch["cu_seqlens"].dtype == torch.int32
+        assert torch.equal(dense_document_mask(DocumentMask(batch["cu_seqlens"], 3)), mask)
     else:
-        assert batch["attention_mask"] is None
+        assert "cu_seqlens" not in batch
 
 
 @pytest.mark.parametrize("sp_size", [2, 3, 4])
@@ -115,7 +117,7 @@ def test_sp_slices_concatenate_to_full_batch(sp_size):
         assert all(s[key].shape == (3, 24 // sp_size) for s in slices)
         assert torch.equal(torch.cat([s[key] for s in slices], dim=1), full[key])
     for s in slices:
-        assert torch.equal(s["attention_mask"], full["attention_mask"])
+        assert torch.equal(s["cu_seqlens"], full["cu_seqlens"])   # the full sequence's
     # Without resets, rank r's positions are global: r * N/sp onward.
     plain = build_micro_batch(texts, sp_size - 1, sp_size)
     shard = 24 // sp_size

@@ -16,7 +16,7 @@ from megatron_ul.training.pretrain import configure
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.sh"))
                  + glob.glob(os.path.join(ROOT, "scripts", "slurm", "*.sbatch")))
-# Helpers and the install/test wrappers launch no training.
+# Helpers and the install/test/lint wrappers launch no training.
 SCRIPTS = [s for s in SCRIPTS
            if os.path.basename(s) not in ("common.sh", "install.sh", "test.sh", "lint.sh")]
 SBATCH = [s for s in SCRIPTS if s.endswith(".sbatch")]

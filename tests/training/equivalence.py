@@ -43,7 +43,7 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
         full = p.full_tensor() if isinstance(p, DTensor) else p
         shards[name] = (full.detach().clone(), getattr(p, "partition_dim", None),
                         getattr(p, "partition_stride", 1))
-    if ps.get_data_parallel_rank() != 0 or ps.get_sequence_parallel_rank() != 0:
+    if ps.get_data_sequence_parallel_rank() != 0:   # keep DP, CP and SP coordinate 0
         shards = {}
     return {"losses": losses, "tp_rank": ps.get_tensor_model_parallel_rank(), "shards": shards,
             "optimizer_state": _optimizer_state_bytes(trainer.optimizer)}

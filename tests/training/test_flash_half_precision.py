@@ -20,6 +20,12 @@ RUNS = {  # name -> extra flags
     "bf16-flash": ["--bf16", "--use-flash-attn"],
     "fp16-sdpa": ["--fp16", "--initial-loss-scale", "4096"],
     "fp16-flash": ["--fp16", "--initial-loss-scale", "4096", "--use-flash-attn"],
+    # mock data carries EOD-separated documents: loss masking and position resets keep the
+    # flash path; document masking runs per document through flash_attn_varlen_func
+    "fp32-sdpa-eod": ["--eod-mask-loss", "--reset-position-ids"],
+    "bf16-flash-eod": ["--bf16", "--use-flash-attn", "--eod-mask-loss", "--reset-position-ids"],
+    "bf16-flash-documents": ["--bf16", "--use-flash-attn", "--eod-mask-loss",
+                             "--reset-position-ids", "--reset-attention-mask"],
 }
 
 
@@ -29,12 +35,12 @@ def train_each(rank, world, runs: dict):
     import flash_attn  # the stand-in (the test's fixture put it on sys.path)
     results = {}
     for name, argv in runs.items():
-        before = flash_attn.calls["flash_attn_func"]
+        before = sum(flash_attn.calls.values())
         trainer = setup(configure(argv, world))
         with count_communication() as counts:
             losses = trainer.train()
         results[name] = {"losses": losses, "all_to_all_bytes": counts["all_to_all"]["bytes"],
-                         "flash_calls": flash_attn.calls["flash_attn_func"] - before}
+                         "flash_calls": sum(flash_attn.calls.values()) - before}
         ps.destroy_model_parallel()
     return results
 
@@ -53,7 +59,7 @@ def results(flash_attn_stand_in):
 def test_flash_path_runs_and_matches_sdpa_in_bf16_and_fp16(results):
     for rank_results in results:
         for name, r in rank_results.items():
-            assert (r["flash_calls"] > 0) == name.endswith("flash"), name
+            assert (r["flash_calls"] > 0) == ("flash" in name), name
     r = results[0]
     for precision in ("bf16", "fp16"):
         flash, sdpa = r[f"{precision}-flash"]["losses"], r[f"{precision}-sdpa"]["losses"]
@@ -72,3 +78,12 @@ def test_ulysses_all_to_all_moves_half_the_bytes_in_bf16(results):
         assert fp32 > 0
         for name in ("bf16-sdpa", "bf16-flash", "fp16-sdpa", "fp16-flash"):
             assert rank_results[name]["all_to_all_bytes"] == fp32 / 2, name
+
+
+def test_eod_documents_on_mock_data_with_the_flash_path(results):
+    r = results[0]
+    flash, fp32 = r["bf16-flash-eod"]["losses"], r["fp32-sdpa-eod"]["losses"]
+    assert max(abs(a - b) for a, b in zip(flash, fp32)) < 2e-2
+    assert fp32 != r["fp32-sdpa"]["losses"]            # the EOD flags changed the problem
+    masked = r["bf16-flash-documents"]["losses"]        # per document, flash_attn_varlen_func
+    assert masked != flash and max(abs(a - b) for a, b in zip(masked, flash)) < 0.5

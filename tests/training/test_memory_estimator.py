@@ -2,6 +2,7 @@
 exactly, parameter + gradient + Adam bytes and the bytes each layer keeps for backward within
 15%, single rank, Ulysses SP2 and TP2 with and without Megatron-SP; that Megatron-SP's
 column-parallel linears keep only their input shard; plus the GPU-count search."""
+import dataclasses
 import functools
 
 import pytest
@@ -102,3 +103,27 @@ def test_zero_and_recompute_shrink_what_they_should():
     assert zero3.parameter_bytes == pytest.approx(plain.parameter_bytes / 8)
     full = me.estimate(cfg.model, layout, recompute="full")
     assert full.activation_bytes < plain.activation_bytes
+
+
+def test_long_context_options_shrink_what_they_should():
+    """Tiled loss: no [s, b, V] softmax kept, a 2-chunk working set; tiled MLP: one chunk's
+    intermediate; offload: the full-recompute inputs move to host_bytes."""
+    cfg = configure(BASE + ["--hidden-dropout", "0", "--seq-length", "4096", "--num-layers", "8"],
+                    1)
+    m, layout = cfg.model, me.layout_from_config(cfg)
+    plain = me.estimate(m, layout, recompute="full")
+    vocab, s, b = m.padded_vocab_size(1), 4096, 2
+    tiled = me.estimate(dataclasses.replace(m, tiled_loss_chunk_size=256), layout,
+                        recompute="full")
+    assert plain.loss_working_bytes == s * b * vocab * 4
+    assert tiled.loss_working_bytes == 2 * 256 * b * vocab * 4
+    assert plain.activation_bytes - tiled.activation_bytes == s * b * vocab * 4
+    mlp = me.layer_activation_bytes(dataclasses.replace(m, tiled_mlp_chunk_size=512), layout,
+                                    me.Precision())
+    untiled = me.layer_activation_bytes(m, layout, me.Precision())
+    assert untiled - mlp == pytest.approx(2 * s * b * m.ffn_size * 4 * (1 - 512 / s))
+    off = me.estimate(dataclasses.replace(m, activation_checkpoint_cpu_offload=True), layout,
+                      recompute="full")
+    per_input = me.layer_activation_bytes(m, layout, me.Precision(), "full")
+    assert off.host_bytes == 8 * per_input
+    assert plain.activation_bytes - off.activation_bytes == 6 * per_input

@@ -39,7 +39,7 @@ def model_state_worker(rank, world, argv):
     model, optimizer = trainer.model, trainer.optimizer
     train_step(model, optimizer, next(trainer.train_batches), clip_grad=1.0)  # Adam state exists
     batch = next(trainer.train_batches)  # gradients of one more step exist while we measure
-    forward_backward_no_pipelining(model, batch, count_tokens(batch, torch.device("cpu")))
+    forward_backward_no_pipelining(model, batch, count_tokens(batch, torch.device("cpu")).float())
     return model_state_bytes(model, optimizer)
 
 
@@ -138,7 +138,7 @@ def longest_sequence_worker(rank, world, argv, cap_bytes, start):
         x, rotary = _layer_inputs(model, cfg, tokens, positions)
         _, layer = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),  # noqa: B023
                                           exclude=params)
-        need = torch.tensor(float(state + kept + layer))
+        need = torch.tensor(float(state + kept + layer), device=tokens.device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         if need.item() > cap_bytes:
             return best

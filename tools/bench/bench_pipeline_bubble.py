@@ -91,7 +91,7 @@ def _measure_rank(rank, world, flags, iters):
         walls, blocked = [], []
         for it in range(iters + 1):
             micro_batches = next(batches)
-            num_tokens = count_tokens(micro_batches, device)
+            num_tokens = count_tokens(micro_batches, device).float()
             dist.barrier()
             counter["blocked"], start = 0.0, time.perf_counter()
             schedule_for(model)(model, micro_batches, num_tokens)

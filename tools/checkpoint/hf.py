@@ -31,6 +31,9 @@ def main(argv=None) -> int:
     exp.add_argument("--hf-dir", required=True)
     exp.add_argument("--model-type", choices=["gpt2", "llama"], default=None,
                      help="default: llama for SwiGLU models, else gpt2")
+    exp.add_argument("--bos-token-id", type=int, default=None,
+                     help="default: as recorded in the checkpoint (its tokenizer or import)")
+    exp.add_argument("--eos-token-id", type=int, default=None)
     a = p.parse_args(argv)
     try:
         if a.command == "import":
@@ -40,7 +43,8 @@ def main(argv=None) -> int:
         else:
             if not os.path.isdir(a.load_dir):
                 raise CheckpointError(f"--load-dir {a.load_dir}: no such directory")
-            print(f"wrote {export_checkpoint(a.load_dir, a.hf_dir, a.model_type)}")
+            ids = {"bos_token_id": a.bos_token_id, "eos_token_id": a.eos_token_id}
+            print(f"wrote {export_checkpoint(a.load_dir, a.hf_dir, a.model_type, ids)}")
     except (CheckpointError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

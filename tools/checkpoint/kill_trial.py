@@ -99,7 +99,8 @@ def main() -> int:
         print(f"trial {trial + 1:3d}: killed after {r['delay']:.2f}s "
               f"{'mid-save' if r['mid_save'] else 'between saves'}, last reported save "
               f"{r['last_saved']}, loadable: {r['loadable']} ({r['detail']})", flush=True)
-    leftovers = sorted(n for n in os.listdir(a.dir) if ".tmp-" in n or ".old-" in n)
+    leftovers = sorted(n for n in os.listdir(a.dir)
+                       if ".tmp-" in n or ".old-" in n or ".del-" in n)
     ok = sum(r["loadable"] for r in results)
     print(f"\n| trials | killed mid-save | loadable afterwards | unfinished dirs left |\n"
           f"|---|---|---|---|\n| {len(results)} | {sum(r['mid_save'] for r in results)} | "

@@ -1,0 +1,361 @@
+"""Legacy Megatron-LM / Megatron-DeepSpeed checkpoints <-> megatron_ul checkpoints.
+
+The legacy format ("torch" checkpoints of Megatron-LM's legacy GPT model, checkpoint_version
+3.0, also written by Megatron-DeepSpeed when DeepSpeed's engine is not used), as derived from
+Megatron-LM's source (megatron/legacy/model/{gpt_model,language_model,transformer}.py,
+megatron/training/checkpointing.py, tools/checkpoint/loader_legacy.py, before their removal):
+
+    DIR/latest_checkpointed_iteration.txt          an iteration number, or "release"
+    DIR/iter_0000100/mp_rank_TT[_PPP]/model_optim_rng.pt   (or DIR/release/...)
+      {"args": argparse.Namespace, "checkpoint_version": 3.0, "iteration": N,
+       "model": {...}  (or "model0", "model1", ... with virtual pipeline stages),
+       "optimizer", "opt_param_scheduler", "rng_state" (not read, not written)}
+    model = {"language_model": {
+                 "embedding": {"word_embeddings": {"weight"},          (first stage)
+                               "position_embeddings": {"weight"}},     (learned positions)
+                 "encoder": {"layers.{local}.{name}": tensor, "final_norm.{weight,bias}"},
+                 "output_layer": {"weight"}},                          (untied, last stage)
+             "word_embeddings_for_head": {"weight"}}                   (tied, last stage, PP>1)
+
+Layers are numbered locally per model chunk; global = the pipeline's own placement
+(pipeline.model.chunk_layer_numbers: Megatron's offsets). Names per layer (Megatron-DeepSpeed
+and older Megatron-LM spell the norms `*_layernorm`; both are read, Megatron-LM's are written):
+
+    input_norm | input_layernorm                    -> layers.i.input_norm
+    self_attention.query_key_value                  -> layers.i.attention.qkv
+    self_attention.dense                            -> layers.i.attention.proj
+    post_attention_norm | post_attention_layernorm  -> layers.i.post_attention_norm
+    mlp.dense_h_to_4h                               -> layers.i.mlp.fc1
+    mlp.dense_4h_to_h                               -> layers.i.mlp.fc2
+    final_norm | final_layernorm                    -> final_norm
+
+Tensor layouts are the same as ours, so tensors move unchanged once TP shards are merged by the
+parameter table: the fused QKV rows are [query groups, q_per_group + 2, head_dim] per TP rank
+(Megatron's `view(sq, b, ng, (np/ng + 2) * hn)` then split; for MHA that is [q, k, v] per head),
+SwiGLU's dense_h_to_4h is [gate_r; up_r] per TP rank (our stride-2 fc1), the vocabulary is
+padded to a multiple of make_vocab_size_divisible_by × TP in both. One difference: Megatron's
+softmax includes the padded vocabulary rows and ours excludes them; importing keeps
+`args.vocab_size` when the checkpoint records it, else the padded size (so the imported model
+computes exactly what Megatron computed).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+from dataclasses import asdict
+
+import torch
+
+from ..config import ModelConfig
+from ..pipeline.model import chunk_layer_numbers
+from . import files, reshard
+from .files import CheckpointError
+
+log = logging.getLogger("megatron_ul")
+
+# (Megatron-LM's legacy name, our name); the first spelling of each is written on export.
+LAYER_NAMES = [("input_norm", "input_norm"), ("input_layernorm", "input_norm"),
+               ("self_attention.query_key_value", "attention.qkv"),
+               ("self_attention.dense", "attention.proj"),
+               ("post_attention_norm", "post_attention_norm"),
+               ("post_attention_layernorm", "post_attention_norm"),
+               ("mlp.dense_h_to_4h", "mlp.fc1"), ("mlp.dense_4h_to_h", "mlp.fc2")]
+FINAL_NORM = ("final_norm", "final_layernorm")
+_LOCAL_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+# ---- reading ---------------------------------------------------------------------------------
+def _load(path: str, trust_pickle: bool) -> dict:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing; the Megatron-LM checkpoint is incomplete")
+    if trust_pickle:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001 - unpickling refused or file damaged
+            raise CheckpointError(
+                f"{path}: cannot be read safely ({type(e).__name__}: {str(e)[:300]}); if the "
+                f"file comes from a source you trust, pass --trust-pickle (full unpickling "
+                f"runs code from the file)") from e
+
+
+def _iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
+    if iteration is None:
+        tracker = os.path.join(load_dir, files.TRACKER)
+        if not os.path.isfile(tracker):
+            raise CheckpointError(f"{tracker}: missing; --load-dir must be a Megatron-LM "
+                                  f"checkpoint directory")
+        text = open(tracker).read().strip()
+        if text == "release":
+            return os.path.join(load_dir, "release"), 0
+        try:
+            iteration = int(text)
+        except ValueError:
+            raise CheckpointError(f"{tracker}: expected an iteration or 'release', found "
+                                  f"{text[:40]!r}") from None
+    return os.path.join(load_dir, files.iteration_dir_name(iteration)), iteration
+
+
+def model_config_from_args(args, true_vocab_size: int | None = None) -> dict:
+    """Our ModelConfig fields for a legacy Megatron-LM GPT's args; refuses what we do not
+    compute the same way."""
+    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    unsupported = [(get("num_experts"), "mixture of experts"),
+                   (get("apply_residual_connection_post_layernorm"),
+                    "--apply-residual-connection-post-layernorm"),
+                   (get("squared_relu"), "--squared-relu"),
+                   ((get("rotary_percent", 1.0) or 1.0) != 1.0, "--rotary-percent < 1"),
+                   (get("add_qkv_bias") and not get("add_bias_linear", True), "--add-qkv-bias"),
+                   (get("transformer_impl", "local") not in ("local", None)
+                    and not get("use_legacy_models", True), "a Megatron-core model")]
+    refused = [what for flag, what in unsupported if flag]
+    if refused:
+        raise CheckpointError(f"the Megatron-LM checkpoint uses {', '.join(refused)}, which "
+                              f"megatron_ul does not implement")
+    heads, hidden = args.num_attention_heads, args.hidden_size
+    kv = get("kv_channels")
+    padded = args.padded_vocab_size
+    vocab = true_vocab_size or get("vocab_size") or padded
+    swiglu, bias = bool(get("swiglu")), get("add_bias_linear", True)
+    # Megatron's GELU: tanh-approximated with --openai-gelu or its fused bias-gelu kernel
+    tanh = not swiglu and (get("openai_gelu") or (bias and get("bias_gelu_fusion", True)))
+    rope = get("position_embedding_type") == "rope" or get("use_rotary_position_embeddings")
+    return {"num_layers": args.num_layers, "hidden_size": hidden, "num_attention_heads": heads,
+            "ffn_hidden_size": get("ffn_hidden_size"),
+            "num_query_groups": (get("num_query_groups") if get("group_query_attention")
+                                 else None),
+            "kv_channels": kv if kv and kv * heads != hidden else None,
+            "seq_length": args.seq_length,
+            "max_position_embeddings": get("max_position_embeddings") or args.seq_length,
+            "vocab_size": vocab,
+            "make_vocab_size_divisible_by": get("make_vocab_size_divisible_by", 128),
+            "position_embedding_type": "rope" if rope else "learned_absolute",
+            "rotary_base": float(get("rotary_base", 10000) or 10000),
+            "normalization": get("normalization", "LayerNorm"),
+            "norm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
+            "swiglu": swiglu, "add_bias_linear": bias,
+            "untie_embeddings_and_output_weights": bool(
+                get("untie_embeddings_and_output_weights")),
+            "gelu_approximate": "tanh" if tanh else "none"}
+
+
+def _our_name(legacy: str) -> str | None:
+    for theirs, ours in LAYER_NAMES:
+        if legacy == theirs:
+            return ours
+    return None
+
+
+def _stage_tensors(model: dict, num_layers: int, pp: int, chunks: int, pp_rank: int,
+                   chunk: int, path: str) -> dict:
+    """{our global name: tensor} of one model chunk of a legacy stage file."""
+    lm = model.get("language_model")
+    if lm is None:
+        raise CheckpointError(f"{path}: no 'language_model' in the model state; not a legacy "
+                              f"Megatron-LM GPT checkpoint (Megatron-core checkpoints are not "
+                              f"read)")
+    out = {}
+    embedding = lm.get("embedding") or {}
+    for key in ("word_embeddings", "position_embeddings"):
+        if key in embedding:
+            out[f"{key}.weight"] = embedding[key]["weight"]
+    encoder = lm.get("encoder", lm.get("transformer")) or {}
+    numbers = chunk_layer_numbers(num_layers, pp, chunks, pp_rank, chunk)
+    for key, tensor in encoder.items():
+        if tensor is None or key.endswith("_extra_state"):
+            continue
+        match = _LOCAL_LAYER.match(key)
+        if match:
+            ours = _our_name(match.group(2))
+            if ours is None:
+                raise CheckpointError(f"{path}: unknown layer tensor {key!r}")
+            local = int(match.group(1))
+            out[f"layers.{numbers[local] - 1}.{ours}.{match.group(3)}"] = tensor
+        elif key.split(".")[0] in FINAL_NORM:
+            out["final_norm." + key.split(".")[-1]] = tensor
+        else:
+            raise CheckpointError(f"{path}: unknown encoder tensor {key!r}")
+    if "output_layer" in lm:
+        out["output_layer.weight"] = lm["output_layer"]["weight"]
+    if "word_embeddings_for_head" in model:
+        out["replica.word_embeddings.weight"] = model["word_embeddings_for_head"]["weight"]
+    return out
+
+
+def read_megatron(load_dir: str, iteration: int | None = None,
+                  true_vocab_size: int | None = None,
+                  trust_pickle: bool = False) -> reshard.FullCheckpoint:
+    """A legacy Megatron-LM checkpoint merged to TP1/PP1 in our names (weights only)."""
+    iter_dir, iteration = _iteration_dir(load_dir, iteration)
+    first = _load(files.model_file(iter_dir, 0, 0, 1), trust_pickle) if os.path.isfile(
+        files.model_file(iter_dir, 0, 0, 1)) else None
+    if first is None:     # PP > 1 names even stage 0 with its pipeline rank
+        first = _load(files.model_file(iter_dir, 0, 0, 2), trust_pickle)
+    args = first.get("args")
+    if args is None:
+        raise CheckpointError(f"{iter_dir}: the checkpoint holds no 'args'; cannot tell its "
+                              f"model and layout")
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    fields = model_config_from_args(args, true_vocab_size)
+    model_cfg = asdict(ModelConfig(**fields))
+    meta = {"model": model_cfg}
+    table = reshard.layout_table(meta, tp, pp, args.num_layers // (pp * chunks)
+                                 if chunks > 1 else None)
+    shards: dict[str, list] = {}
+    for s in range(pp):
+        for t in range(tp):
+            path = files.model_file(iter_dir, t, s, pp)
+            state = first if (t, s) == (0, 0) else _load(path, trust_pickle)
+            keys = ["model"] if chunks == 1 else [f"model{c}" for c in range(chunks)]
+            for c, key in enumerate(keys):
+                if key not in state:
+                    raise CheckpointError(f"{path}: no {key!r} entry")
+                for name, tensor in _stage_tensors(state[key], args.num_layers, pp, chunks, s,
+                                                   c, path).items():
+                    shards.setdefault(name, []).append(tensor)
+            del state
+    missing = sorted(set(table) - set(shards))
+    unexpected = sorted(set(shards) - set(table))
+    if missing or unexpected:
+        raise CheckpointError(f"{iter_dir}: the tensors do not fit the model its args describe:"
+                              f" missing {missing[:4]}, unexpected {unexpected[:4]}")
+    params, vocab = {}, model_cfg["vocab_size"]
+    for name, info in table.items():
+        merged = reshard._merge_one(shards[name], info, vocab)
+        if info["replica_of"]:
+            if not torch.equal(merged, params.get(info["replica_of"], merged)):
+                log.warning("%s: word_embeddings_for_head differs from the first stage's "
+                            "table; keeping the first stage's", iter_dir)
+            continue
+        params[name] = merged.float().contiguous()
+    meta = {"format": files.FORMAT, "iteration": iteration, "model": model_cfg,
+            "layout": {"tp": 1, "pp": 1, "sp": 1, "dp": 1, "world": 1,
+                       "sequence_parallel": False, "vp": None},
+            "params": reshard.layout_table(meta, 1, 1, None), "optimizer": None, "rng": False,
+            "source": f"megatron-lm legacy checkpoint {iter_dir}"}
+    common = {"iteration": iteration, "checkpoint_version": 3.0,
+              "opt_param_scheduler": {"num_steps": iteration},
+              "consumed_samples": getattr(args, "consumed_train_samples", 0) or 0,
+              "consumed_valid_samples": getattr(args, "consumed_valid_samples", 0) or 0,
+              "args": {}}
+    return reshard.FullCheckpoint(meta, common, params, None, None)
+
+
+def import_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
+                    vp: int | None = None, iteration: int | None = None,
+                    true_vocab_size: int | None = None, trust_pickle: bool = False) -> str:
+    """Write a legacy Megatron-LM checkpoint as a megatron_ul checkpoint (weights only; train
+    on with --finetune, or --no-load-optim to keep the iteration) in layout TP × PP."""
+    full = read_megatron(load_dir, iteration, true_vocab_size, trust_pickle)
+    reshard.check_target_layout(full.metadata, tp, pp, 1, 1, vp)
+    target = reshard.target_metadata(full, tp, pp, 1, 1, with_optim=False, vp=vp)
+    return reshard.write_layout(full, target, save_dir, full.common["iteration"], tp, pp,
+                                with_optim=False, vp=vp)
+
+
+# ---- writing -----------------------------------------------------------------------------------
+def megatron_args(m: dict, tp: int, pp: int, iteration: int, common: dict) -> argparse.Namespace:
+    """The args a legacy Megatron-LM GPT with model `m` runs with (flags must match them)."""
+    heads = m["num_attention_heads"]
+    return argparse.Namespace(
+        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+        ffn_hidden_size=m["ffn_hidden_size"] or ModelConfig(**m).ffn_size,
+        num_attention_heads=heads, kv_channels=m["kv_channels"] or m["hidden_size"] // heads,
+        group_query_attention=m["num_query_groups"] is not None,
+        num_query_groups=m["num_query_groups"] or heads, seq_length=m["seq_length"],
+        max_position_embeddings=m["max_position_embeddings"], vocab_size=m["vocab_size"],
+        padded_vocab_size=ModelConfig(**m).padded_vocab_size(tp),
+        make_vocab_size_divisible_by=m["make_vocab_size_divisible_by"],
+        position_embedding_type=m["position_embedding_type"], rotary_base=m["rotary_base"],
+        rotary_percent=1.0, normalization=m["normalization"], norm_epsilon=m["norm_epsilon"],
+        swiglu=m["swiglu"], add_bias_linear=m["add_bias_linear"],
+        add_qkv_bias=m["add_bias_linear"],
+        untie_embeddings_and_output_weights=m["untie_embeddings_and_output_weights"],
+        bias_gelu_fusion=m["gelu_approximate"] == "tanh" and m["add_bias_linear"],
+        openai_gelu=m["gelu_approximate"] == "tanh" and not m["add_bias_linear"],
+        apply_residual_connection_post_layernorm=False, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
+        iteration=iteration, consumed_train_samples=common.get("consumed_samples", 0),
+        consumed_valid_samples=common.get("consumed_valid_samples", 0),
+        params_dtype=torch.float32, fp16=False, bf16=False, use_legacy_models=True,
+        transformer_impl="local", model_type="GPT")
+
+
+def _legacy_state(tensors: dict, m: dict, pp: int, pp_rank: int) -> dict:
+    """Our names of one stage (TP-cut) -> the legacy nested state dict."""
+    to_theirs = {ours: theirs for theirs, ours in reversed(LAYER_NAMES)}
+    numbers = chunk_layer_numbers(m["num_layers"], pp, 1, pp_rank, 0)
+    local = {n - 1: i for i, n in enumerate(numbers)}
+    embedding, encoder, lm, model = {}, {}, {}, {}
+    for name, tensor in tensors.items():
+        if name.startswith("replica."):
+            model["word_embeddings_for_head"] = {"weight": tensor}
+        elif name.startswith(("word_embeddings.", "position_embeddings.")):
+            embedding[name.split(".")[0]] = {"weight": tensor}
+        elif name.startswith("layers."):
+            _, index, rest = name.split(".", 2)
+            module, kind = rest.rsplit(".", 1)
+            encoder[f"layers.{local[int(index)]}.{to_theirs[module]}.{kind}"] = tensor
+        elif name.startswith("final_norm."):
+            encoder[name] = tensor
+        elif name == "output_layer.weight":
+            lm["output_layer"] = {"weight": tensor}
+        else:
+            raise CheckpointError(f"no Megatron-LM name for parameter {name}")
+    if embedding:
+        lm["embedding"] = embedding
+    lm["encoder"] = encoder
+    model["language_model"] = lm
+    return model
+
+
+def export_megatron(load_dir: str, save_dir: str, tp: int | None = None,
+                    pp: int | None = None) -> str:
+    """Write the latest iteration of a megatron_ul checkpoint (any layout) as a legacy
+    Megatron-LM checkpoint with TP × PP shards (default: the source's), weights only."""
+    iteration = files.read_tracker(load_dir)
+    if iteration is None:
+        raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
+                              f"checkpoint in {load_dir}")
+    iter_dir = files.find_iteration_dir(load_dir, iteration)
+    old = files.read_json(os.path.join(iter_dir, files.METADATA), "checkpoint metadata")
+    tp, pp = tp or old["layout"]["tp"], pp or old["layout"]["pp"]
+    reshard.check_target_layout(old, tp, pp, 1, 1, None)
+    final = os.path.join(save_dir, files.iteration_dir_name(iteration))
+    if os.path.exists(final):
+        raise CheckpointError(f"{final} already exists; choose an empty --save-dir")
+    full = reshard.read_full(iter_dir, with_optim=False)
+    m, table = full.metadata["model"], reshard.layout_table(full.metadata, tp, pp, None)
+    args = megatron_args(m, tp, pp, iteration, full.common)
+    os.makedirs(save_dir, exist_ok=True)
+    tmp = f"{final}.tmp-export"
+    try:
+        for s in range(pp):
+            names = [n for n, e in table.items() if e["stage"] == s]
+            for t in range(tp):
+                tensors, _ = reshard.shard_for(full, table, names, t, tp)
+                files.save_torch({"args": args, "checkpoint_version": 3.0,
+                                  "iteration": iteration,
+                                  "model": _legacy_state(tensors, m, pp, s)},
+                                 files.model_file(tmp, t, s, pp))
+    except BaseException:
+        files.rmtree_quietly(tmp)
+        raise
+    os.rename(tmp, final)
+    files.write_tracker(save_dir, iteration)
+    return final
+
+
+def megatron_flags(m: dict) -> list[str]:
+    """Megatron-LM flags that build the exported model (besides the layout and data flags)."""
+    from .hf import model_flags
+    flags = [f for f in model_flags(m) if f != "--gelu-approximate" and f != "tanh"]
+    if not m["swiglu"] and m["gelu_approximate"] == "none":
+        flags.append("--no-bias-gelu-fusion")          # erf GELU, as F.gelu
+    elif not m["swiglu"] and not m["add_bias_linear"]:
+        flags.append("--openai-gelu")                  # tanh GELU without the fused bias kernel
+    return flags + ["--use-legacy-models", "--no-load-optim", "--no-load-rng"]

@@ -1,0 +1,197 @@
+"""Causal attention within documents and/or a sliding window, in memory linear in N.
+
+Packed pretraining samples hold several documents; with --reset-attention-mask a token sees
+only earlier tokens of its own document (Megatron's EOD rule). The documents of a micro-batch
+are described by `cu_seqlens`: int32 offsets of every document start over the flattened batch
+[b·N] (so every sample start is one), plus b·N at the end — flash-attn's varlen format. It is
+O(N); no [N, N] mask is built anywhere. The offsets are those of the full sequence: every
+Ulysses rank computes them from the full sample (data/batches.py), and attention runs after the
+all-to-all on the full sequence.
+
+--window-size LEFT,0 (Megatron-core's window_size): token i sees keys i-LEFT .. i of its own
+document.
+
+Backends:
+  flash (when attention.flash_attn_refusal allows the call: CUDA, fp16/bf16, flash-attn
+    importable): flash_attn_varlen_func with cu_seqlens (documents) or flash_attn_func (window
+    only), window_size=(LEFT, 0), q/k/v packed [b·N, h, d].
+  sdpa (CPU, fp32, and every other fallback): an autograd Function that runs SDPA per
+    document (is_causal, the fused kernel keeps O(L) per document) or, with a window, per
+    block of queries against the keys the window can reach; backward recomputes block by
+    block and adds into dq/dk/dv. Memory is O(N·h·d) plus one block's scores, never O(N²).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..mpu.random import _device_rng_get, _device_rng_set, get_rng_tracker
+from .attention import _announce_once, _flash_attn_module, flash_attn_refusal, require_one_dtype
+
+# queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
+WINDOW_QUERY_BLOCK = 512
+
+
+@dataclass
+class DocumentMask:
+    """The documents of one micro-batch: cu_seqlens [docs + 1] int32 over [b·N], N the full
+    sequence length."""
+    cu_seqlens: torch.Tensor
+    batch_size: int
+    _host: Optional[list] = field(default=None, repr=False)
+
+    @property
+    def seq_length(self) -> int:
+        return self.offsets[-1] // self.batch_size
+
+    @property
+    def offsets(self) -> list[int]:
+        if self._host is None:   # one device->host copy per micro-batch, not per layer
+            self._host = self.cu_seqlens.tolist()
+        return self._host
+
+    @property
+    def max_seqlen(self) -> int:
+        offsets = self.offsets
+        return max(b - a for a, b in zip(offsets, offsets[1:]))
+
+
+def document_mask_of(batch: dict) -> Optional[DocumentMask]:
+    """The DocumentMask of a micro-batch dict (None without --reset-attention-mask)."""
+    cu = batch.get("cu_seqlens")
+    if cu is None:
+        return None
+    return DocumentMask(cu, batch["tokens"].shape[0])
+
+
+# ---- the memory-linear SDPA path -----------------------------------------------------------
+def _blocks(offsets: list[int], seq_length: int, window: Optional[int]):
+    """(sample, q0, q1, k0, k1, needs_mask) per block, positions within the sample."""
+    blocks = []
+    for start, end in zip(offsets, offsets[1:]):
+        sample, ds = divmod(start, seq_length)
+        de = end - sample * seq_length
+        if window is None or window >= de - ds - 1:
+            blocks.append((sample, ds, de, ds, de, False))
+            continue
+        for q0 in range(ds, de, WINDOW_QUERY_BLOCK):
+            q1 = min(q0 + WINDOW_QUERY_BLOCK, de)
+            blocks.append((sample, q0, q1, max(ds, q0 - window), q1, True))
+    return blocks
+
+
+def _block_attention(q, k, v, block, window, dropout_p, scale):
+    """One block: q [Lq, h, d], k/v [Lk, hk, d] -> [Lq, h, d]."""
+    _, q0, q1, k0, k1, needs_mask = block
+    q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, h, L, d]
+    gqa = k.shape[1] != q.shape[1]
+    if not needs_mask:
+        out = F.scaled_dot_product_attention(q_, k_, v_, dropout_p=dropout_p, is_causal=True,
+                                             scale=scale, enable_gqa=gqa)
+    else:
+        distance = (torch.arange(q0, q1, device=q.device).unsqueeze(1)
+                    - torch.arange(k0, k1, device=q.device).unsqueeze(0))
+        visible = (distance >= 0) & (distance <= window)
+        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=visible, dropout_p=dropout_p,
+                                             scale=scale, enable_gqa=gqa)
+    return out.squeeze(0).transpose(0, 1)
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """q [N, b, hq, d], k/v [N, b, hk, d] -> [N, b, hq, d]; keeps only q, k, v (and the
+    generator state, so that backward redraws the same dropout masks block by block)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, blocks, window, dropout_p, scale):
+        ctx.rng = _device_rng_get(q.device.type) if dropout_p > 0 else None
+        out = q.new_empty(q.shape)
+        for block in blocks:
+            b, q0, q1, k0, k1, _ = block
+            out[q0:q1, b] = _block_attention(q[q0:q1, b], k[k0:k1, b], v[k0:k1, b], block,
+                                             window, dropout_p, scale)
+        ctx.save_for_backward(q, k, v)
+        ctx.blocks, ctx.window, ctx.dropout_p, ctx.scale = blocks, window, dropout_p, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v = ctx.saved_tensors
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        device_type = q.device.type
+        current = _device_rng_get(device_type)
+        if ctx.rng is not None:
+            _device_rng_set(ctx.rng, device_type)
+        try:
+            for block in ctx.blocks:
+                b, q0, q1, k0, k1, _ = block
+                pieces = [t.detach().requires_grad_() for t in
+                          (q[q0:q1, b], k[k0:k1, b], v[k0:k1, b])]
+                with torch.enable_grad():
+                    out = _block_attention(*pieces, block, ctx.window, ctx.dropout_p, ctx.scale)
+                gq, gk, gv = torch.autograd.grad(out, pieces, grad_out[q0:q1, b])
+                dq[q0:q1, b] += gq
+                dk[k0:k1, b] += gk
+                dv[k0:k1, b] += gv
+        finally:
+            _device_rng_set(current, device_type)
+        return dq, dk, dv, None, None, None, None
+
+
+# ---- flash-attn ----------------------------------------------------------------------------
+def _flash(q, k, v, documents, window, dropout_p, scale):
+    n, b = q.shape[:2]
+    flash_attn = _flash_attn_module()
+    window_size = (window, 0) if window is not None else (-1, -1)
+    if documents is None:
+        out = flash_attn.flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                              dropout_p=dropout_p, softmax_scale=scale, causal=True,
+                              window_size=window_size)
+        return out.transpose(0, 1)
+    packed = [t.transpose(0, 1).reshape(b * n, *t.shape[2:]) for t in (q, k, v)]
+    cu = documents.cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
+    longest = documents.max_seqlen
+    out = flash_attn.flash_attn_varlen_func(*packed, cu, cu, longest, longest, dropout_p=dropout_p,
+                                 softmax_scale=scale, causal=True, window_size=window_size)
+    return out.reshape(b, n, *out.shape[1:]).transpose(0, 1)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
+                       dropout_p: float, documents: Optional[DocumentMask] = None,
+                       window: Optional[int] = None,
+                       softmax_scale: Optional[float] = None) -> torch.Tensor:
+    """Causal attention restricted to documents and/or a window of `window` earlier keys.
+
+    q [N, b, hq, d]; k, v [N, b, hk, d] (GQA: hq a multiple of hk), N the full sequence.
+    Returns [N, b, hq, d].
+    """
+    n, b = q.shape[:2]
+    if documents is not None and documents.seq_length != n:
+        raise ValueError(f"document offsets are for sequences of {documents.seq_length} tokens, "
+                         f"attention got {n}")
+    require_one_dtype(q, k, v)
+    use_flash = backend == "flash" and flash_attn_refusal(q.device, q.dtype) is None
+    what = ("documents" if documents is not None else "") + (
+        f"{' + ' if documents is not None else ''}window {window}" if window is not None else "")
+    _announce_once(f"{what}: " + ("flash-attn 2 (varlen / window_size)" if use_flash else
+                                  "memory-linear blockwise SDPA"))
+    with get_rng_tracker().fork():   # attention dropout: a per-(TP, SP)-rank stream
+        if use_flash:
+            return _flash(q, k, v, documents, window, dropout_p, softmax_scale)
+        offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
+        return _BlockwiseAttention.apply(q, k, v, _blocks(offsets, n, window), window,
+                                         dropout_p, softmax_scale)
+
+
+def dense_document_mask(documents: DocumentMask) -> torch.Tensor:
+    """Megatron's dense [b, 1, N, N] bool mask (True = masked) for the same documents: the
+    O(N²) reference that tests compare against at small N. Never used for training."""
+    b, n = documents.batch_size, documents.seq_length
+    doc_id = torch.zeros(b * n, dtype=torch.long)
+    doc_id[torch.tensor(documents.offsets[1:-1], dtype=torch.long)] = 1
+    doc_id = doc_id.cumsum(0).view(b, n)
+    same = doc_id.unsqueeze(2) == doc_id.unsqueeze(1)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    return (~(same & causal)).unsqueeze(1)

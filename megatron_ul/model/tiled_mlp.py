@@ -1,0 +1,23 @@
+"""Tiled MLP (ALST): the MLP over chunks of the sequence, each chunk recomputed in backward.
+
+An MLP is token-wise, so running it chunk by chunk changes nothing but memory: only one
+chunk's intermediate ([c, b, ffn/TP], SwiGLU [c, b, 2·ffn/TP] plus its products) exists at a
+time, in forward and in backward. Under Megatron-SP each TP rank cuts its own s/TP tokens into
+the same number of chunks; fc1 all-gathers a chunk from every TP rank and fc2 reduce-scatters
+the result back in the same rank order, so every rank gets its own chunk back.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..mpu.recompute import checkpoint
+
+
+def tiled_mlp(mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+              chunk_tokens: int) -> torch.Tensor:
+    """mlp(x) for x [s, b, h], computed over chunks of `chunk_tokens` along s."""
+    if x.shape[0] <= chunk_tokens:
+        return mlp(x)
+    return torch.cat([checkpoint(mlp, piece) for piece in x.split(chunk_tokens, dim=0)])

@@ -1,0 +1,41 @@
+"""How a parameter is laid out across ranks, attached to it by the layer that creates it.
+
+The layers in mpu/layers.py own the sharding rules, so they are the only place that writes
+these facts; everything that needs them (checkpoint resharding and conversion, ZeRO state, the
+Hugging Face and Megatron-LM mappings) reads them back from `param_spec(p)` or from the table
+built from a model (pipeline/param_table.py), never from the parameter's name.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+# Values of ParamSpec.fused: how the rows (dim 0) of a fused weight are organised.
+FUSED_QKV = "qkv"          # [query groups, q_per_group + 2, head_dim, ...]: each group's q, k, v
+FUSED_GATE_UP = "gate_up"  # [gate; up] of a SwiGLU MLP (TP-split with stride 2)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    partition_dim: Optional[int] = None   # TP split dimension; None = replicated over TP
+    partition_stride: int = 1             # blocks laid end to end along partition_dim
+    vocab_padded: bool = False            # dim 0 is the vocabulary, padded for the TP size
+    fused: Optional[str] = None           # FUSED_QKV, FUSED_GATE_UP or None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def param_spec(p: torch.Tensor) -> ParamSpec:
+    """The spec a layer attached to `p` (replicated when none was: norms, position table)."""
+    return getattr(p, "spec", None) or ParamSpec()
+
+
+def full_shape(p: torch.Tensor, tp: int) -> list[int]:
+    """The TP-merged shape of this rank's piece `p` (padded vocabulary rows included)."""
+    spec, shape = param_spec(p), list(p.shape)
+    if spec.partition_dim is not None:
+        shape[spec.partition_dim] *= tp
+    return shape
