@@ -239,7 +239,7 @@ def destroy_model_parallel() -> None:
 
 def single_rank_dims() -> ParallelDims:
     """A grid of one rank with no groups (sizes 1, coordinates 0)."""
-    names = ("tp", "sp", "dp", "pp", "dp_sp", "tp_sp", "mp", "embedding")
+    names = ("tp", "sp", "cp", "dp", "pp", "dp_sp", "tp_sp", "mp", "embedding")
     return ParallelDims(1, 1, 1, 1, dict.fromkeys(_AXES, 0), dict.fromkeys(names),
                         {n: [0] for n in names}, [])
 
