@@ -212,12 +212,18 @@ class DataConfig:
     data_path: list[str] = flag(default_factory=list,
                                 help="dataset prefixes, or 'weight prefix' pairs to blend")
     split: str = flag("969,30,1", help="train,valid,test weights of each dataset")
-    data_cache_path: Optional[str] = flag(None, help="where the sample index files are cached")
-    tokenizer_type: Optional[Literal["GPT2BPETokenizer", "SentencePieceTokenizer",
-                                     "NullTokenizer"]] = flag(None, help="tokenizer of the data")
+    data_cache_path: Optional[str] = flag(
+        None, help="where the sample index files are cached (default: index_cache/ beside the "
+                   "first --data-path)")
+    # The names of megatron_ul/data/tokenizers.py's TOKENIZER_TYPES (a test keeps them equal).
+    tokenizer_type: Optional[Literal[
+        "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+        "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer"]] = flag(
+        None, help="tokenizer of the data (docs/data.md)")
     vocab_file: Optional[str] = flag(None, help="GPT2BPETokenizer: vocab.json")
     merge_file: Optional[str] = flag(None, help="GPT2BPETokenizer: merges.txt")
-    tokenizer_model: Optional[str] = flag(None, help="SentencePieceTokenizer: the .model file")
+    tokenizer_model: Optional[str] = flag(
+        None, help="SentencePiece .model file, or HuggingFaceTokenizer's local tokenizer folder")
     reset_position_ids: bool = flag(False, help="restart position ids after each end-of-document")
     reset_attention_mask: bool = flag(False, help="no attention across end-of-document tokens")
     eod_mask_loss: bool = flag(False, help="no loss on end-of-document tokens")

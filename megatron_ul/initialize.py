@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .mpu import parallel_state as ps
+from .mpu.parallel_state import ParallelDims
 from .mpu.random import model_parallel_seed
 
 log = logging.getLogger(__name__)
@@ -37,10 +38,11 @@ def world_size_from_env() -> int:
     return _rank_env()[1]
 
 
-def initialize_distributed(cfg: Config) -> torch.device:
+def initialize_distributed(cfg: Config) -> tuple[torch.device, ParallelDims]:
     """Start the process group (if needed), build every parallel group, seed the RNGs.
 
-    Returns the device this rank computes on.
+    Returns the device this rank computes on and the rank grid, which the caller hands to
+    everything that communicates (the one ParallelDims of the run).
     """
     rank, world, local_rank = _rank_env()
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
@@ -61,15 +63,15 @@ def initialize_distributed(cfg: Config) -> torch.device:
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     p = cfg.parallel
-    ps.initialize_model_parallel(p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
+    dims = ps.initialize_model_parallel(p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
                                  p.pipeline_model_parallel_size, timeout=timeout,
                                  context_parallel_size=p.context_parallel_size)
-    model_parallel_seed(cfg.train.seed, device.type)
+    model_parallel_seed(cfg.train.seed, dims, device.type)
     if rank == 0:
         log.info("world %d = PP %d × DP %d × CP %d × SP %d × TP %d on %s (%s)", world,
                  p.pipeline_model_parallel_size, p.data_parallel_size, p.context_parallel_size,
                  p.ds_sequence_parallel_size, p.tensor_model_parallel_size, device, backend)
-    return device
+    return device, dims
 
 
 def shutdown() -> None:

@@ -39,7 +39,8 @@ def flag_table(parser: argparse.ArgumentParser) -> dict:
 
 
 def contains(new: dict, old: dict, path: str = "") -> list[str]:
-    """Where `old` differs from `new`, ignoring keys only `new` has."""
+    """Where `old` differs from `new`, ignoring keys only `new` has (and choices only `new`
+    offers: a flag may gain choices, never lose one)."""
     diffs = []
     for key, value in old.items():
         where = f"{path}.{key}" if path else key
@@ -47,6 +48,8 @@ def contains(new: dict, old: dict, path: str = "") -> list[str]:
             diffs.append(f"{where}: gone")
         elif isinstance(value, dict) and isinstance(new[key], dict):
             diffs += contains(new[key], value, where)
+        elif key == "choices" and isinstance(value, list) and isinstance(new[key], list):
+            diffs += [f"{where}: {c!r} gone" for c in value if c not in new[key]]
         elif new[key] != value:
             diffs.append(f"{where}: {value!r} before, {new[key]!r} now")
     return diffs
@@ -79,7 +82,7 @@ def test_every_flag_has_help_and_one_field():
         for name in fl.names:
             assert name not in seen, f"{name} declared twice ({seen.get(name)})"
             seen[name] = f"{fl.section}.{fl.field}"
-    assert len(seen) == sum(len(fields(cls)) for _, cls, _ in sections())
+    assert len(set(seen.values())) == sum(len(fields(cls)) for _, cls, _ in sections())
 
 
 def test_num_query_groups_needs_group_query_attention():

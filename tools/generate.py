@@ -50,7 +50,8 @@ def _tokenizer(a, model):
     return build_tokenizer(kind, vocab_file=a.vocab_file or saved.get("vocab_file"),
                            merge_file=a.merge_file or saved.get("merge_file"),
                            tokenizer_model=a.tokenizer_model or saved.get("tokenizer_model"),
-                           vocab_size=model.cfg.vocab_size)
+                           # NullTokenizer --vocab-size N trains a vocabulary of N + 1 (EOD = N).
+                           vocab_size=model.cfg.vocab_size - (kind == "NullTokenizer"))
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,7 @@ Like preprocess_data.py, output goes to temporary files renamed at the end (the 
 
 import argparse
 import os
+import signal
 import sys
 
 from megatron_ul.data.indexed_dataset import (
@@ -48,13 +49,27 @@ def merge(prefixes, output_prefix) -> int:
     return sum(dataset.num_documents for dataset in datasets)
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: leave no partial output (merge removes its temporary files)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         num_documents = merge(args.input, args.output_prefix)
     except (IndexedDatasetError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("terminated (SIGTERM); no output written", file=sys.stderr)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"wrote {data_file_path(args.output_prefix)} and {index_file_path(args.output_prefix)}: "
           f"{num_documents} documents from {len(args.input)} datasets")
     return 0

@@ -1,80 +1,139 @@
 #!/usr/bin/env python
-"""Tokenizes a JSONL corpus into Megatron's MMIDIDX ``{prefix}_{key}_document.bin/.idx``.
+"""Tokenizes a corpus into Megatron's MMIDIDX ``{prefix}_{key}_{document|sentence}.bin/.idx``.
 
-Same flags as Megatron-LM's tools/preprocess_data.py. Worker processes parse and
-tokenize chunks of lines; the main process reads the input, writes the tokens in
+Same flags and the same bytes as Megatron-LM's tools/preprocess_data.py (see
+docs/data.md). ``--input`` is a JSON-lines file (.gz/.zst too), a Parquet
+file, a directory or a glob of shards. Worker processes parse and tokenize
+chunks of records; the main process reads the input, writes the tokens in
 input order, and renames temporary outputs into place only when everything
-succeeded (the .idx last), so an interrupted run never leaves a pair that looks
-complete.
+succeeded (the .idx last), so an interrupted or killed (SIGTERM) run never
+leaves a pair that looks complete.
 """
 
 import argparse
-import gzip
 import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
 import numpy as np
 
+from megatron_ul.data import corpus
 from megatron_ul.data.indexed_dataset import (
     IndexedDatasetBuilder, data_file_path, index_file_path, token_dtype_for_vocab)
+from megatron_ul.data.sentences import SentenceSplitterError, build_sentence_splitter, split_sentences
 from megatron_ul.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
-LINES_PER_CHUNK = 1024
-CHUNK_BYTES = 1 << 20
+# Chunk sizes live in corpus.py; kept here as names tests may shrink.
+LINES_PER_CHUNK = corpus.LINES_PER_CHUNK
+CHUNK_BYTES = corpus.CHUNK_BYTES
 
 
 class InputError(Exception):
     """A problem with the command line or the input found before or during the run."""
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived (e.g. Slurm preemption): clean up like Ctrl-C."""
+
+
+class TerminationRequest:
+    """Set by the SIGTERM handler, acted on between chunks: raising from inside the
+    handler could interrupt multiprocessing's own locks and hang the pool."""
+
+    requested = False
+
+    @classmethod
+    def handler(cls, signum, frame):
+        cls.requested = True
+
+    @classmethod
+    def check(cls):
+        if cls.requested:
+            raise Terminated()
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True, help="JSONL file, one document per line (.gz accepted)")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract from each line")
+    group.add_argument("--input", required=True,
+                       help="JSONL file (.gz/.zst accepted), Parquet file, a directory or a glob of shards")
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys (columns) to extract from each record")
+    group.add_argument("--split-sentences", action="store_true",
+                       help="split texts into sentences with NLTK Punkt (needs nltk and its punkt_tab data)")
+    group.add_argument("--keep-newlines", action="store_true",
+                       help="with --split-sentences: keep the newlines (whitespace) after each sentence")
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
-    group.add_argument("--tokenizer-model", default=None, help="SentencePiece .model")
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocabulary size")
-    group.add_argument("--append-eod", action="store_true", help="append the EOD token to every document")
+    group.add_argument("--tokenizer-model", default=None,
+                       help="SentencePiece .model, or a Hugging Face tokenizer folder for HuggingFaceTokenizer")
+    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids 0..N-1, EOD = N")
+    group.add_argument("--append-eod", action="store_true",
+                       help="append the EOD token to every non-empty document")
+    group.add_argument("--lang", default="english", help="Punkt model for --split-sentences")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     group.add_argument("--dataset-impl", default="mmap", choices=["mmap"],
                        help="accepted for older Megatron command lines; mmap (MMIDIDX) is the only format")
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    group.add_argument("--partitions", type=int, default=1,
+                       help="Megatron-LM's output order for N partitions: record i goes to partition i %% N, "
+                            "partitions are concatenated in order (all in one process here)")
+    group.add_argument("--keep-sequential-samples", action="store_true",
+                       help="with --partitions: partitions are contiguous blocks, i.e. input order is kept")
+    group.add_argument("--shard-block", default=None, metavar="I/N",
+                       help="process only block I of N contiguous blocks of the sorted input shards (Slurm "
+                            "arrays: merging the N outputs in order with tools/merge_datasets.py gives the "
+                            "bytes of one run over all shards); an empty block writes an empty dataset")
     group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
-    group.add_argument("--strict", action="store_true", help="stop at the first malformed line instead of skipping")
+    group.add_argument("--strict", action="store_true", help="stop at the first malformed record instead of skipping")
     args = parser.parse_args(argv)
-    if args.workers < 1:
-        parser.error("--workers must be >= 1")
-    if args.log_interval < 1:
-        parser.error("--log-interval must be >= 1")
+    for flag in ("workers", "partitions", "log_interval"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.keep_newlines and not args.split_sentences:
+        parser.error("--keep-newlines only applies with --split-sentences")
+    if args.shard_block is not None:
+        try:
+            index, count = (int(part) for part in args.shard_block.split("/"))
+        except ValueError:
+            parser.error(f"--shard-block {args.shard_block!r}: expected I/N, e.g. 3/16")
+        if not 0 <= index < count:
+            parser.error(f"--shard-block {args.shard_block!r}: need 0 <= I < N")
+        args.shard_block = (index, count)
+        if args.partitions > 1 and not args.keep_sequential_samples:
+            parser.error("--shard-block cannot reproduce --partitions' interleaved order; use one or the other")
     return args
 
 
-def open_input(path):
-    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+def shard_block(shards, index, count):
+    """Block ``index`` of ``count`` contiguous, near-equal blocks (sizes differ by at most one)."""
+    start = index * len(shards) // count
+    return shards[start:(index + 1) * len(shards) // count]
 
 
-def check_input(path) -> None:
-    """Unreadable, corrupt-gzip or empty input stops the run before any output exists."""
-    if not os.path.isfile(path):
-        raise InputError(f"--input {path}: no such file (or not a regular file)")
+def output_level(args) -> str:
+    return "sentence" if args.split_sentences else "document"
+
+
+def check_inputs(args) -> list:
+    """Every shard readable (and at least one record) before any output exists."""
     try:
-        with open_input(path) as handle:
-            for line in handle:
-                if line.strip():
-                    return
-    except (OSError, EOFError) as error:
-        raise InputError(f"--input {path}: cannot be read ({error})") from error
-    raise InputError(f"--input {path}: empty input (no non-blank line)")
+        shards = corpus.expand_inputs(args.input)
+        if args.shard_block is not None:
+            shards = shard_block(shards, *args.shard_block)
+        has_records = [corpus.check_shard(path, args.json_keys) for path in shards]
+    except corpus.CorpusError as error:
+        raise InputError(str(error)) from error
+    if not any(has_records) and args.shard_block is None:
+        raise InputError(f"--input {args.input}: empty input (no non-blank line)")
+    return shards
 
 
 def check_output_prefix(prefix) -> None:
@@ -98,168 +157,263 @@ def build_tokenizer_from_args(args):
     return tokenizer
 
 
+def build_splitter_from_args(args):
+    if not args.split_sentences:
+        return None
+    try:
+        return build_sentence_splitter(args.lang, args.keep_newlines)
+    except SentenceSplitterError as error:
+        raise InputError(str(error)) from error
+
+
 class ChunkEncoder:
-    """Runs in each worker: parses and tokenizes one chunk of numbered lines.
+    """Runs in each worker: parses, splits and tokenizes one corpus.Chunk.
 
     The tokenizer lives on the class (set by the pool initializer in each
     worker) because the pool pickles a fresh copy of the instance per task.
     """
 
     tokenizer = None
+    splitter = None
     dtype = None
 
     def __init__(self, args):
         self.args = args
 
-    def initializer(self):
+    def initializer(self, in_worker=True):
+        if in_worker:
+            # Only the main process reacts to Ctrl-C / SIGTERM; it stops the workers.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         ChunkEncoder.tokenizer = build_tokenizer_from_args(self.args)
+        ChunkEncoder.splitter = build_splitter_from_args(self.args)
         ChunkEncoder.dtype = token_dtype_for_vocab(ChunkEncoder.tokenizer.vocab_size)
 
     def encode(self, chunk):
-        """Returns (first line number, lines, bytes, errors, {key: (tokens, lengths)}, empty docs)."""
-        first_line_number, lines = chunk
-        errors, line_numbers, documents = [], [], []
-        for line_number, line in enumerate(lines, start=first_line_number):
-            document = parse_line(line, self.args.json_keys, line_number, errors)
+        """Returns an EncodedChunk for the chunk's valid records."""
+        errors, record_ids, documents = [], [], []
+        for position, record in enumerate(chunk.records):
+            where = (chunk.path, chunk.first_in_shard + position + 1)
+            document = parse_record(record, self.args.json_keys, where, errors)
             if document is not None:
-                line_numbers.append(line_number)
-                documents.append(document)
-        ids_per_key = self.tokenize_documents(documents, line_numbers, errors)
+                record_ids.append(chunk.first + position)
+                documents.append((where, document))
+        sentence_ids = self.tokenize_documents(documents, errors)
+        keep = [position for position, ids in enumerate(sentence_ids) if ids is not None]
         outputs, empty = {}, 0
-        for key, ids in ids_per_key.items():
-            outputs[key] = self.to_arrays(ids)
-            empty = max(empty, int(np.count_nonzero(outputs[key][1] == 0)))
+        for key_position, key in enumerate(self.args.json_keys):
+            per_document = [sentence_ids[position][key_position] for position in keep]
+            outputs[key] = self.to_arrays(per_document)
+        empty = sum(1 for position in keep if any(not any(sentences) for sentences in sentence_ids[position]))
         errors.sort()
-        return first_line_number, len(lines), sum(map(len, lines)), errors, outputs, empty
+        return EncodedChunk(chunk, errors, [record_ids[position] for position in keep], outputs, empty)
 
-    def tokenize_documents(self, documents, line_numbers, errors):
-        """{key: [ids per document]}; a document any key fails to tokenize is dropped for all keys."""
-        ids_per_key, failed = {}, set()
-        for key in self.args.json_keys:
-            texts = [document[key] for document in documents]
-            try:
-                ids_per_key[key] = self.tokenizer.tokenize_batch(texts) if texts else []
-            except Exception:  # noqa: BLE001 -- retry one by one to find and report the culprit
-                ids_per_key[key] = []
-                for position, text in enumerate(texts):
-                    try:
-                        ids_per_key[key].append(self.tokenizer.tokenize(text))
-                    except Exception as error:  # noqa: BLE001
-                        errors.append((line_numbers[position], f"cannot tokenize key {key!r} ({error})"))
-                        ids_per_key[key].append(None)
-                        failed.add(position)
-        if failed:
-            ids_per_key = {key: [ids for position, ids in enumerate(all_ids) if position not in failed]
-                           for key, all_ids in ids_per_key.items()}
-        return ids_per_key
+    def sentences_of(self, value):
+        if isinstance(value, list):  # Megatron's format for text already split into sentences
+            return value
+        if self.splitter is not None:
+            return split_sentences(self.splitter, value)
+        return [value]
 
-    def to_arrays(self, ids):
-        if self.args.append_eod:
-            eod = self.tokenizer.eod
-            for document_ids in ids:
-                document_ids.append(eod)
-        lengths = np.fromiter((len(document_ids) for document_ids in ids), dtype=np.int32, count=len(ids))
-        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype, count=int(lengths.sum()))
-        return tokens, lengths
+    def tokenize_documents(self, documents, errors):
+        """Per document: [per key: [ids per sentence]], or None if it failed (reported)."""
+        keys = self.args.json_keys
+        texts, shapes = [], []
+        for _, document in documents:
+            shape = []
+            for key in keys:
+                sentences = self.sentences_of(document[key])
+                texts.extend(sentences)
+                shape.append(len(sentences))
+            shapes.append(shape)
+        try:
+            flat = self.tokenizer.tokenize_batch(texts) if texts else []
+        except Exception:  # noqa: BLE001 -- retry document by document to report the culprit
+            flat = None
+        results, cursor = [], 0
+        for (where, _), shape in zip(documents, shapes):
+            count = sum(shape)
+            ids = flat[cursor:cursor + count] if flat is not None else self.tokenize_one(texts[cursor:cursor + count],
+                                                                                           where, errors)
+            cursor += count
+            if ids is None:
+                results.append(None)
+                continue
+            per_key, start = [], 0
+            for num_sentences in shape:
+                per_key.append(ids[start:start + num_sentences])
+                start += num_sentences
+            results.append(per_key)
+        return results
+
+    def tokenize_one(self, texts, where, errors):
+        try:
+            return [self.tokenizer.tokenize(text) for text in texts]
+        except Exception as error:  # noqa: BLE001
+            errors.append((*where, f"cannot tokenize ({error})"))
+            return None
+
+    def to_arrays(self, documents):
+        """Megatron's rule per document: drop empty sentences; EOD joins the last one
+        (a document without tokens gets no EOD and no sequence)."""
+        eod = self.tokenizer.eod if self.args.append_eod else None
+        lengths, counts, pieces = [], [], []
+        for sentences in documents:
+            kept = [ids for ids in sentences if len(ids)]
+            if kept and eod is not None:
+                kept[-1] = list(kept[-1]) + [eod]
+            counts.append(len(kept))
+            lengths.extend(len(ids) for ids in kept)
+            pieces.extend(kept)
+        lengths = np.asarray(lengths, dtype=np.int32)
+        tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=self.dtype, count=int(lengths.sum()))
+        return tokens, lengths, np.asarray(counts, dtype=np.int64)
 
 
-def parse_line(line, keys, line_number, errors):
-    """Returns the decoded JSON object, or None after recording why the line is skipped."""
-    if not line.strip():
-        return None
-    try:
-        document = json.loads(line)
-    except ValueError as error:
-        errors.append((line_number, f"malformed JSON ({error})"))
-        return None
-    if not isinstance(document, dict):
-        errors.append((line_number, "not a JSON object"))
-        return None
+class EncodedChunk:
+    __slots__ = ("chunk_bytes", "position", "errors", "record_ids", "outputs", "empty")
+
+    def __init__(self, chunk, errors, record_ids, outputs, empty):
+        self.chunk_bytes, self.position = chunk.num_bytes, chunk.position
+        self.errors, self.record_ids, self.outputs, self.empty = errors, record_ids, outputs, empty
+
+    @property
+    def num_documents(self):
+        return len(self.record_ids)
+
+    @property
+    def num_tokens(self):
+        return sum(len(tokens) for tokens, _, _ in self.outputs.values())
+
+
+def parse_record(record, keys, where, errors):
+    """Returns the record as a dict, or None after recording why it is skipped."""
+    if isinstance(record, dict):
+        document = record
+    else:
+        if not record.strip():
+            return None
+        try:
+            document = json.loads(record)
+        except ValueError as error:
+            errors.append((*where, f"malformed JSON ({error})"))
+            return None
+        if not isinstance(document, dict):
+            errors.append((*where, "not a JSON object"))
+            return None
     for key in keys:
         if key not in document:
-            errors.append((line_number, f"missing key {key!r}"))
+            errors.append((*where, f"missing key {key!r}"))
             return None
-        if not isinstance(document[key], str):
-            errors.append((line_number, f"key {key!r} is not a string"))
+        value = document[key]
+        if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value))):
+            errors.append((*where, f"key {key!r} is not a string or a list of strings"))
             return None
     return document
 
 
-def read_chunks(path, max_lines=None, max_bytes=None):
-    """Yields (first line number, [line bytes]) chunks; line numbers start at 1.
-
-    Chunks are capped in bytes as well as lines so that corpora of large
-    documents still spread evenly over the workers.
-    """
-    max_lines = max_lines or LINES_PER_CHUNK
-    max_bytes = max_bytes or CHUNK_BYTES
-    with open_input(path) as handle:
-        line_number = 1
-        lines, size = [], 0
-        for line in handle:
-            lines.append(line)
-            size += len(line)
-            if len(lines) >= max_lines or size >= max_bytes:
-                yield line_number, lines
-                line_number += len(lines)
-                lines, size = [], 0
-        if lines:
-            yield line_number, lines
-
-
 class OutputSet:
-    """One builder per JSON key, writing temporary files until ``commit``."""
+    """Per JSON key, one builder per partition, writing temporary files until ``commit``.
 
-    def __init__(self, prefix, keys, dtype):
-        self.final_prefixes = {key: f"{prefix}_{key}_document" for key in keys}
+    With one partition the builder writes the final file's temporary name
+    directly; with N (Megatron-LM's ``--partitions`` order) partitions 1..N-1
+    go to their own temporary files and are appended at commit time.
+    """
+
+    def __init__(self, prefix, keys, dtype, level="document", partitions=1):
+        self.final_prefixes = {key: f"{prefix}_{key}_{level}" for key in keys}
         self.suffix = f".tmp-{os.getpid()}"
+        self.partitions = partitions
         self.builders = {}
         for key, final in self.final_prefixes.items():
-            self.builders[key] = IndexedDatasetBuilder(data_file_path(final) + self.suffix, dtype=dtype)
+            self.builders[key] = [IndexedDatasetBuilder(data_file_path(final) + self.suffix, dtype=dtype)]
+            self.builders[key] += [IndexedDatasetBuilder(data_file_path(self.partition_prefix(final, p)), dtype=dtype)
+                                   for p in range(1, partitions)]
 
-    def write(self, outputs):
-        for key, (tokens, lengths) in outputs.items():
-            self.builders[key].add_documents(tokens, lengths)
+    def partition_prefix(self, final, partition):
+        return f"{final}-partition{partition}{self.suffix}"
+
+    def write(self, encoded: EncodedChunk):
+        if self.partitions == 1:
+            for key, (tokens, lengths, counts) in encoded.outputs.items():
+                self.builders[key][0].add_documents(tokens, lengths, counts)
+            return
+        partition_of = np.asarray(encoded.record_ids, dtype=np.int64) % self.partitions
+        for key, (tokens, lengths, counts) in encoded.outputs.items():
+            sequence_ends = np.cumsum(counts)
+            token_ends = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+            for position, partition in enumerate(partition_of):
+                first_sequence = int(sequence_ends[position] - counts[position])
+                last_sequence = int(sequence_ends[position])
+                self.builders[key][partition].add_documents(
+                    tokens[token_ends[first_sequence]:token_ends[last_sequence]],
+                    lengths[first_sequence:last_sequence], [counts[position]])
 
     def commit(self):
         for key, final in self.final_prefixes.items():
-            self.builders[key].finalize(index_file_path(final) + self.suffix)
+            builders = self.builders[key]
+            for partition in range(1, self.partitions):
+                builders[partition].finalize(index_file_path(self.partition_prefix(final, partition)))
+                builders[0].add_index(self.partition_prefix(final, partition))
+            builders[0].finalize(index_file_path(final) + self.suffix)
         for final in self.final_prefixes.values():
             # Remove a stale .idx first so no moment pairs the new .bin with an old .idx.
             if os.path.exists(index_file_path(final)):
                 os.remove(index_file_path(final))
             os.replace(data_file_path(final) + self.suffix, data_file_path(final))
             os.replace(index_file_path(final) + self.suffix, index_file_path(final))
+        self.remove_partition_files()
+
+    def remove_partition_files(self):
+        for final in self.final_prefixes.values():
+            for partition in range(1, self.partitions):
+                prefix = self.partition_prefix(final, partition)
+                for path in (data_file_path(prefix), index_file_path(prefix)):
+                    if os.path.exists(path):
+                        os.remove(path)
 
     def discard(self):
         for key, final in self.final_prefixes.items():
-            self.builders[key].abort()
+            for builder in self.builders[key]:
+                builder.abort()
             for path in (data_file_path(final) + self.suffix, index_file_path(final) + self.suffix):
                 if os.path.exists(path):
                     os.remove(path)
+        self.remove_partition_files()
 
 
 class Progress:
-    def __init__(self, log_interval):
+    """Documents/s, MB/s, tokens/s, share of the input read and ETA, on stderr."""
+
+    def __init__(self, log_interval, total_bytes):
         self.log_interval = log_interval
+        self.total_bytes = max(int(total_bytes), 1)
         self.start = time.time()
-        self.documents = self.skipped = self.empty = self.tokens = self.bytes = 0
+        self.documents = self.skipped = self.empty = self.tokens = self.bytes = self.position = 0
         self.next_log = log_interval
 
-    def update(self, num_documents, num_skipped, num_empty, num_tokens, num_bytes):
-        self.documents += num_documents
-        self.skipped += num_skipped
-        self.empty += num_empty
-        self.tokens += num_tokens
-        self.bytes += num_bytes
+    def update(self, encoded: EncodedChunk):
+        self.documents += encoded.num_documents
+        self.skipped += len(encoded.errors)
+        self.empty += encoded.empty
+        self.tokens += encoded.num_tokens
+        self.bytes += encoded.chunk_bytes
+        self.position = max(self.position, encoded.position)
         if self.documents >= self.next_log:
             self.next_log = (self.documents // self.log_interval + 1) * self.log_interval
-            print(f"processed {self.documents} documents: {self.rates()}", file=sys.stderr, flush=True)
+            print(f"processed {self.documents} documents: {self.rates()}, {self.eta()}", file=sys.stderr, flush=True)
 
     def rates(self):
         elapsed = max(time.time() - self.start, 1e-9)
         return (f"{self.documents / elapsed:.0f} docs/s, {self.bytes / elapsed / 1e6:.2f} MB/s, "
                 f"{self.tokens / elapsed / 1e6:.3f} M tokens/s")
+
+    def eta(self):
+        done = min(self.position / self.total_bytes, 1.0)
+        if done <= 0:
+            return "ETA unknown"
+        remaining = (time.time() - self.start) * (1 - done) / done
+        return f"{100 * done:.1f}% of input, ETA {remaining:.0f} s"
 
     def summary(self, outputs):
         elapsed = time.time() - self.start
@@ -272,25 +426,34 @@ class Progress:
 
 def run(args) -> Progress:
     """Tokenizes the input into the output files; raises InputError on bad input."""
-    check_input(args.input)
+    shards = check_inputs(args)
     check_output_prefix(args.output_prefix)
     tokenizer = build_tokenizer_from_args(args)
+    build_splitter_from_args(args)  # a missing NLTK model stops the run here, not in a worker
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
     encoder = ChunkEncoder(args)
-    progress = Progress(args.log_interval)
-    outputs = OutputSet(args.output_prefix, args.json_keys, dtype)
+    progress = Progress(args.log_interval, sum(os.path.getsize(path) for path in shards))
+    # Contiguous partitions (--keep-sequential-samples) concatenate back to input order.
+    partitions = 1 if args.keep_sequential_samples else args.partitions
+    outputs = OutputSet(args.output_prefix, args.json_keys, dtype, output_level(args), partitions)
     pool = None
     try:
         pool = start_workers(encoder, args.workers)
-        encoded_chunks = pool.imap(encoder.encode, read_chunks(args.input)) if pool else \
-            map(encoder.encode, read_chunks(args.input))
-        for _, _, num_bytes, errors, encoded, empty in encoded_chunks:
-            report_errors(errors, args.strict)
-            num_documents = len(encoded[args.json_keys[0]][1])
-            num_tokens = sum(len(tokens) for tokens, _ in encoded.values())
+        chunks = corpus.read_chunks(shards, args.json_keys, LINES_PER_CHUNK, CHUNK_BYTES)
+        encoded_chunks = pool.imap(encoder.encode, chunks) if pool else map(encoder.encode, chunks)
+        for encoded in encoded_chunks:
+            TerminationRequest.check()
+            report_errors(encoded.errors, args.strict)
             outputs.write(encoded)
-            progress.update(num_documents, len(errors), empty, num_tokens, num_bytes)
+            progress.update(encoded)
+        TerminationRequest.check()
         outputs.commit()
+    except corpus.CorpusError as error:
+        outputs.discard()
+        raise InputError(str(error)) from error
+    except OSError as error:
+        outputs.discard()
+        raise InputError(f"--output-prefix {args.output_prefix}: write failed ({error}); nothing written") from error
     except BaseException:
         outputs.discard()
         raise
@@ -306,14 +469,16 @@ def start_workers(encoder, workers):
     """A pool for several workers; one worker runs in this process, which saves
     shipping every line and token to another process and back."""
     if workers == 1:
-        encoder.initializer()
+        encoder.initializer(in_worker=False)
         return None
-    return multiprocessing.Pool(workers, initializer=encoder.initializer)
+    # Spawned, not forked: a fork taken while another thread of this process holds a lock
+    # (torch, logging, a caller's threads) can leave the worker blocked forever.
+    return multiprocessing.get_context("spawn").Pool(workers, initializer=encoder.initializer)
 
 
 def report_errors(errors, strict) -> None:
-    for line_number, message in errors:
-        text = f"line {line_number}: {message}"
+    for path, line_number, message in errors:
+        text = f"{path} line {line_number}: {message}"
         if strict:
             raise InputError(f"{text} (--strict: stopping)")
         print(f"{text}; skipped", file=sys.stderr, flush=True)
@@ -321,6 +486,8 @@ def report_errors(errors, strict) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    TerminationRequest.requested = False
+    previous = signal.signal(signal.SIGTERM, TerminationRequest.handler)
     try:
         run(args)
     except InputError as error:
@@ -329,6 +496,11 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted; no output written", file=sys.stderr, flush=True)
         return 130
+    except Terminated:
+        print("terminated (SIGTERM); no output written", file=sys.stderr, flush=True)
+        return 143
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
 
 

@@ -3,7 +3,7 @@
 
 Defaults aim at a quick, usable model for the demo: BPE with byte fallback (no
 unknown tokens on code), whitespace kept as-is, and a cap on sentences sampled.
-The model's EOS (</s>) is what SentencePieceTokenizer uses as EOD.
+The model's EOS (</s>) is what GPTSentencePieceTokenizer uses as EOD.
 """
 
 import argparse

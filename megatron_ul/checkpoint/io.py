@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 import torch.distributed as dist
 
 from ..config import Config
-from ..mpu import parallel_state as ps
+from ..model.chunks import model_dims
 from . import files, reshard
 from .files import CheckpointError
 from .files import FORMAT
@@ -133,10 +133,10 @@ def _begin_save(save_dir: str) -> str:
 
 def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str,
                       grad_scaler, position: Resume):
-    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    pp = ps.get_pipeline_model_parallel_world_size()
+    dims = model_dims(model)
+    tp_rank, pp_rank, pp = dims.tp_rank, dims.pp_rank, dims.pp
     save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
-    writer = ps.get_data_sequence_parallel_rank() == 0   # DP, CP and SP coordinates all 0
+    writer = dims.dp_sp_rank == 0   # DP, CP and SP coordinates all 0
     # Collective over dp_sp under ZeRO (gathers one parameter at a time); None off the writer.
     model_sd = checkpoint_model_state(model)
     optim_sd = checkpoint_optimizer_state(model, optimizer) if save_optim else None
@@ -148,7 +148,7 @@ def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, 
         error = str(e)
     # Each pipeline stage knows its own parameters; rank 0 records them all, with every
     # rank's file records; an error on any rank fails the save on every rank.
-    mine = local_parameter_table(model, ps.get_tensor_model_parallel_world_size(), pp_rank) \
+    mine = local_parameter_table(model, dims.tp, pp_rank) \
         if writer and tp_rank == 0 else {}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, records, error))
@@ -300,7 +300,8 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
     """(payload with the common entries, model state, optimizer state) for this rank, resharding
     in memory when the checkpoint's TP/PP layout differs from this run's."""
     saved, ours = meta["layout"], _layout(cfg)
-    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    dims = model_dims(model)
+    tp_rank, pp_rank = dims.tp_rank, dims.pp_rank
     # A stage file holds the layers of every model chunk of its pp rank: the virtual pipeline
     # size decides which layers those are, as much as TP and PP do.
     if (saved["tp"], saved["pp"], saved.get("vp")) == (ours["tp"], ours["pp"], ours["vp"]):

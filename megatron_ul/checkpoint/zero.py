@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..mpu import parallel_state as ps
+from ..model.chunks import model_dims
 from .state import load_optimizer_state, named_parameters, optimizer_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -26,15 +26,15 @@ def _zero1(optimizer) -> bool:
     return isinstance(optimizer, DistributedOptimizer)
 
 
-def _is_dp_sp_root() -> bool:
-    return dist.get_rank(ps.get_data_sequence_parallel_group()) == 0
+def _is_dp_sp_root(model) -> bool:
+    return model_dims(model).dp_sp_rank == 0
 
 
 # ---- save ----------------------------------------------------------------------------------
 def checkpoint_model_state(model) -> dict[str, torch.Tensor] | None:
     """{name: full CPU tensor} on the dp_sp root, None elsewhere. Collective over dp_sp when
     parameters are DTensors (ZeRO-3): gathered one at a time."""
-    params, root = named_parameters(model), _is_dp_sp_root()
+    params, root = named_parameters(model), _is_dp_sp_root(model)
     if not root and not any(isinstance(p, DTensor) for p in params.values()):
         return None
     out = {}
@@ -50,10 +50,10 @@ def checkpoint_optimizer_state(model, optimizer) -> dict | None:
     Collective over dp_sp for ZeRO-1 and ZeRO-3."""
     if _zero1(optimizer):
         return _gather_zero1(model, optimizer)
-    if not _is_dp_sp_root() and not any(isinstance(p, DTensor) for p in
+    if not _is_dp_sp_root(model) and not any(isinstance(p, DTensor) for p in
                                         named_parameters(model).values()):
         return None    # plain AdamW: replicated over dp_sp, the root has it all
-    state, root = optimizer_state(model, optimizer), _is_dp_sp_root()
+    state, root = optimizer_state(model, optimizer), _is_dp_sp_root(model)
     for per_param in state["state"].values():       # ZeRO-3: DTensor moments, one at a time
         for key, value in per_param.items():
             if isinstance(value, DTensor):
@@ -72,7 +72,7 @@ def _gather_zero1(model, optimizer) -> dict | None:
     piece_state = {(name, lo): inner.state.get(piece, {}) for (name, _, _, lo, _), piece in
                    zip(optimizer.pieces, _inner_params(optimizer))}
     step = next((s["step"] for s in piece_state.values() if "step" in s), None)
-    is_root = _is_dp_sp_root()
+    is_root = _is_dp_sp_root(model)
     pieces_of = {}
     for name, p, offset, lo, hi in optimizer.pieces:
         pieces_of.setdefault(id(p), []).append((offset, lo, hi, piece_state[(name, lo)]))
@@ -93,7 +93,7 @@ def _gather_zero1(model, optimizer) -> dict | None:
             gathered[names[id(p)]] = {"step": step.clone() if torch.is_tensor(step) else step,
                                       **{k: both[i].view_as(p).cpu().clone()
                                          for i, k in enumerate(MOMENTS)}}
-    if not _is_dp_sp_root():
+    if not _is_dp_sp_root(model):
         return None
     return {"state": gathered, "param_groups": _zero1_groups(model, optimizer)}
 

@@ -1,44 +1,56 @@
-"""GPT pretraining datasets over MMIDIDX files, with Megatron's indices and blending.
+"""GPT pretraining datasets over MMIDIDX files: megatron-core's splits, indices and blends.
 
 A ``GPTDataset`` sample is ``seq_length + 1`` consecutive tokens of a shuffled
-stream of documents (samples cross document boundaries; consecutive samples
+stream of sequences (samples cross sequence boundaries; consecutive samples
 share one token so every token is predicted once). Three indices define it,
-as in Megatron-LM:
+built exactly as megatron-core's GPTDataset builds them (same arrays for the
+same .bin/.idx, split, sample count and seed):
 
-* document index: the split's document ids, repeated for as many epochs as the
+* document index: the split's sequence ids, repeated for as many epochs as the
   requested samples need, shuffled (a short final epoch is shuffled apart);
 * sample index: row i = (position in the document index, token offset) where
   sample i starts; row i + 1 is where it ends (inclusive);
 * shuffle index: a permutation of the samples.
 
-They are cached as .npy files named by a hash of everything they depend on, so
-restarts reuse them and every rank reads the same ones.
+``--split`` cuts the sequences (megatron-core splits GPT data by sequence, with
+Python's round()); blends follow megatron-core's BlendedMegatronDatasetBuilder.
+Indices are cached by index_cache.IndexCache.
 """
 
-import hashlib
-import json
+import functools
+import logging
 import math
 import os
-import time
+import re
 
 import numpy as np
 
+from megatron_ul.data.index_cache import IndexCache
 from megatron_ul.data.indexed_dataset import IndexedDataset
 
+log = logging.getLogger("megatron_ul")
+
 INDEX_KINDS = ("document_index", "sample_index", "shuffle_index")
-# Megatron shuffles a final epoch separately when it would contribute less
+SPLIT_NAMES = ("train", "valid", "test")
+# megatron-core shuffles a final epoch separately when it would contribute less
 # than this fraction of an epoch, so that its samples are not all clumped late.
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
-# Each blended component gets this much headroom over its expected share.
-BLEND_OVERSAMPLING = 1.005
-CACHE_WAIT_TIMEOUT_S = 1800.0
+# Each weighted blend component is built with this surplus over its share
+# (megatron-core's mid_level_dataset_surplus).
+MID_LEVEL_DATASET_SURPLUS = 0.005
+DEFAULT_CACHE_FOLDER = "index_cache"
+
+
+class DataError(ValueError):
+    """Data that training cannot use; the message names the flag and file."""
 
 
 def parse_data_path(data_path):
     """Splits ``--data-path`` values into (prefixes, weights or None).
 
     Accepts ``[prefix, ...]`` or ``[weight, prefix, weight, prefix, ...]``;
-    a single string is split on whitespace.
+    a single string is split on whitespace. Weights must be finite and > 0
+    (megatron-core asserts that only when it blends).
     """
     if isinstance(data_path, str):
         data_path = [data_path]
@@ -48,8 +60,9 @@ def parse_data_path(data_path):
     if len(items) % 2 == 0 and all(_is_number(items[i]) for i in range(0, len(items), 2)):
         weights = [float(items[i]) for i in range(0, len(items), 2)]
         prefixes = items[1::2]
-        if any(weight < 0 for weight in weights) or sum(weights) <= 0:
-            raise ValueError(f"--data-path weights must be >= 0 and not all 0, got {weights}")
+        bad = [weight for weight in weights if not math.isfinite(weight) or weight <= 0]
+        if bad:
+            raise ValueError(f"--data-path: weights must be finite and > 0, got {bad[0]} in {items}")
         return prefixes, weights
     numeric = [item for item in items if _is_number(item)]
     if numeric:
@@ -65,26 +78,37 @@ def _is_number(text):
     return True
 
 
+def normalize(weights) -> list:
+    """megatron-core's normalisation (numpy float64 division), for bit-equal weights."""
+    weights = np.array(weights, dtype=np.float64)
+    return (weights / np.sum(weights)).tolist()
+
+
 def parse_split(split: str) -> list:
-    """``'949,50,1'`` -> three fractions summing to 1 (missing parts are 0)."""
-    try:
-        parts = [float(part) for part in split.replace("/", ",").split(",") if part.strip()]
-    except ValueError as error:
-        raise ValueError(f"--split {split!r}: expected comma-separated numbers like 949,50,1") from error
-    if not parts or len(parts) > 3 or any(part < 0 for part in parts) or sum(parts) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers, not all 0")
+    """``'949,50,1'`` -> three fractions summing to 1 (missing parts are 0), as megatron-core."""
+    parts = [float(part) for part in re.findall(r"[.0-9]+", split) if part.strip(".")]
+    if not parts or len(parts) > 3 or sum(parts) <= 0 or re.search(r"[^.0-9,/\s]", split):
+        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers like 969,30,1, not all 0")
     parts += [0.0] * (3 - len(parts))
-    total = sum(parts)
-    return [part / total for part in parts]
+    return normalize(parts)
 
 
-def split_boundaries(split: str, num_documents: int) -> list:
-    """Megatron's document boundaries [0, a, b, num_documents] for train/valid/test."""
-    boundaries = [0]
-    for fraction in parse_split(split):
-        boundaries.append(boundaries[-1] + int(round(fraction * num_documents)))
-    excess = boundaries[-1] - num_documents
-    return [boundaries[0]] + [boundary - excess for boundary in boundaries[1:]]
+def split_matrix(split: str) -> list:
+    """Per split, its (start, end) fraction of the data, or None when empty."""
+    cumulative = functools.reduce(lambda acc, part: acc + [acc[-1] + part], parse_split(split), [0])
+    return [(low, high) if high > low else None for low, high in zip(cumulative[:-1], cumulative[1:])]
+
+
+def split_ranges(split: str, num_sequences: int) -> list:
+    """megatron-core's sequence ranges [begin, end) per split (None when the split is empty)."""
+    ranges = []
+    for bookends in split_matrix(split):
+        if bookends is None:
+            ranges.append(None)
+            continue
+        ranges.append((int(round(bookends[0] * float(num_sequences))),
+                       int(round(bookends[1] * float(num_sequences)))))
+    return ranges
 
 
 def build_document_index(documents, num_epochs, rng, separate_final_epoch) -> np.ndarray:
@@ -131,9 +155,12 @@ def build_shuffle_index(num_samples, total_size, rng) -> np.ndarray:
 
 
 def plan_epochs(tokens_per_epoch, num_samples, seq_length):
-    """Megatron's epoch count and whether the final epoch is shuffled apart."""
+    """megatron-core's epoch count, whether the final epoch is shuffled apart, and
+    the samples before it. ``num_samples`` None means exactly one epoch."""
     if tokens_per_epoch <= 1:
         raise ValueError(f"only {tokens_per_epoch} tokens in the split; cannot build samples")
+    if num_samples is None:
+        return 1, False, None
     tokens_needed = num_samples * seq_length + 1
     num_epochs = max(1, math.ceil(tokens_needed / tokens_per_epoch))
     if num_epochs == 1:
@@ -145,104 +172,38 @@ def plan_epochs(tokens_per_epoch, num_samples, seq_length):
     return num_epochs, separate, samples_before_final
 
 
-class IndexCache:
-    """Builds a set of named arrays once and shares them through .npy files.
-
-    One process builds (rank 0 of torch.distributed when initialised, else
-    the process whose RANK env var is 0 or unset), writing every file through a
-    temporary name and the description file last; the others wait for it
-    (barrier, or polling with a timeout) and memory-map the result.
-    """
-
-    def __init__(self, cache_dir, description: dict, label: str):
-        self.cache_dir = cache_dir
-        self.description_text = json.dumps(description, sort_keys=True, indent=2)
-        digest = hashlib.sha256(self.description_text.encode("utf-8")).hexdigest()[:20]
-        self.stem = f"{digest}-{label}"
-
-    def path(self, name):
-        return os.path.join(self.cache_dir, f"{self.stem}-{name}.npy")
-
-    @property
-    def marker_path(self):
-        return os.path.join(self.cache_dir, f"{self.stem}-description.json")
-
-    def load_or_build(self, names, build_fn) -> dict:
-        if self.cache_dir is None:
-            return build_fn()
-        distributed_rank = _distributed_rank()
-        if distributed_rank is not None:
-            # Every rank reaches the barrier, whether or not it sees the files,
-            # so ranks can never disagree on the number of collective calls.
-            if distributed_rank == 0 and not os.path.isfile(self.marker_path):
-                self._write(build_fn())
-            import torch.distributed
-
-            torch.distributed.barrier()
-        elif not os.path.isfile(self.marker_path):
-            if int(os.environ.get("RANK", "0")) == 0:
-                self._write(build_fn())
-            else:
-                self._wait_for_marker()
-        return {name: np.load(self.path(name), mmap_mode="r", allow_pickle=False) for name in names}
-
-    def _write(self, arrays: dict) -> None:
-        os.makedirs(self.cache_dir, exist_ok=True)
-        for name, array in arrays.items():
-            temporary = self.path(name) + f".tmp-{os.getpid()}.npy"
-            np.save(temporary, array, allow_pickle=False)
-            os.replace(temporary, self.path(name))
-        temporary = self.marker_path + f".tmp-{os.getpid()}"
-        with open(temporary, "w", encoding="utf-8") as handle:
-            handle.write(self.description_text)
-        os.replace(temporary, self.marker_path)
-
-    def _wait_for_marker(self) -> None:
-        deadline = time.time() + CACHE_WAIT_TIMEOUT_S
-        while not os.path.isfile(self.marker_path):
-            if time.time() > deadline:
-                raise TimeoutError(f"{self.marker_path}: not written by rank 0 within {CACHE_WAIT_TIMEOUT_S:.0f} s")
-            time.sleep(0.5)
-
-
-def _distributed_rank():
-    """This process's torch.distributed rank, or None when not initialised."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        return None
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return None
-
-
 class GPTDataset:
-    """Samples of ``seq_length + 1`` tokens from a document range of an IndexedDataset.
+    """Samples of ``seq_length + 1`` tokens from a sequence range of an IndexedDataset.
 
     ``dataset[i] == {'text': np.ndarray[int64] of length seq_length + 1}``.
-    Length is at least ``num_samples`` (whole epochs may give a few more).
+    Length is at least ``num_samples`` (whole epochs may give a few more);
+    ``num_samples=None`` builds exactly one epoch (megatron-core's unweighted blends).
+    ``cache_path``: a folder for the index cache, or None to build in memory.
     """
 
-    def __init__(self, indexed_dataset: IndexedDataset, document_range, num_samples: int, seq_length: int,
+    def __init__(self, indexed_dataset: IndexedDataset, sequence_range, num_samples, seq_length: int,
                  seed: int, split_name: str = "train", cache_path=None):
-        if seq_length < 1 or num_samples < 1:
-            raise ValueError(f"need seq_length >= 1 and num_samples >= 1, got {seq_length}, {num_samples}")
+        if seq_length < 1 or (num_samples is not None and num_samples < 0):
+            raise ValueError(f"need seq_length >= 1 and num_samples >= 0, got {seq_length}, {num_samples}")
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
-        first_doc, last_doc = document_range
-        # Documents map to sequence ranges; for GPT data each is one sequence.
-        first_seq = int(indexed_dataset.document_indices[first_doc])
-        last_seq = int(indexed_dataset.document_indices[last_doc])
-        self.sequences = np.arange(first_seq, last_seq, dtype=np.int32)
+        self.num_samples = num_samples
+        first, last = (int(bound) for bound in sequence_range)
+        if not 0 <= first < last <= len(indexed_dataset):
+            raise ValueError(f"{indexed_dataset.path_prefix}: the {split_name} split has no sequences "
+                             f"(range [{first}, {last}) of {len(indexed_dataset)})")
+        self.sequences = np.arange(first, last, dtype=np.int32)
+        self.sequence_range = (first, last)
         description = {
-            "class": "GPTDataset", "path_prefix": indexed_dataset.path_prefix, "split": split_name,
-            "document_range": [int(first_doc), int(last_doc)], "num_samples": int(num_samples),
-            "seq_length": int(seq_length), "seed": int(seed),
-            "num_sequences": len(indexed_dataset), "num_tokens": int(indexed_dataset.sequence_lengths.sum()),
+            "class": "GPTDataset", "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
+            "idx_fingerprint": indexed_dataset.fingerprint() if cache_path is not None else None,
+            "split": split_name, "sequence_range": [first, last], "num_samples": num_samples,
+            "seq_length": int(seq_length), "seed": int(seed), "add_extra_token_to_sequence": 1,
         }
         cache_dir = None if cache_path is None else os.path.join(cache_path, "GPTDataset_indices")
         self.cache = IndexCache(cache_dir, description, f"GPTDataset-{split_name}")
-        indices = self.cache.load_or_build(INDEX_KINDS, lambda: self._build_indices(num_samples, seed))
+        indices = self.cache.load_or_build(INDEX_KINDS, lambda: self._build_indices(num_samples, seed),
+                                           self._validate)
         self.document_index = indices["document_index"]
         self.sample_index = indices["sample_index"]
         self.shuffle_index = indices["shuffle_index"]
@@ -258,6 +219,23 @@ class GPTDataset:
         total = sample_index.shape[0] - 1
         shuffle_index = build_shuffle_index(samples_before_final if separate_final else total, total, rng)
         return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+
+    def _validate(self, indices) -> None:
+        """Cheap whole-array checks that catch a corrupt or foreign cached index set."""
+        document_index, sample_index, shuffle_index = (indices[name] for name in INDEX_KINDS)
+        first, last = self.sequence_range
+        if len(document_index) == 0 or len(document_index) % (last - first):
+            raise ValueError(f"document index of length {len(document_index)} is not whole epochs")
+        if document_index.min() < first or document_index.max() >= last:
+            raise ValueError("document index holds sequences outside the split")
+        if sample_index.ndim != 2 or sample_index.shape[1] != 2 or len(shuffle_index) != len(sample_index) - 1:
+            raise ValueError(f"sample index {sample_index.shape} and shuffle index {shuffle_index.shape} disagree")
+        if np.any(np.diff(sample_index[:, 0]) < 0) or sample_index[-1, 0] >= len(document_index):
+            raise ValueError("sample index rows are not ordered positions in the document index")
+        if len(shuffle_index) and (shuffle_index.min() < 0 or shuffle_index.max() >= len(shuffle_index)):
+            raise ValueError("shuffle index points outside the samples")
+        if self.num_samples is not None and len(shuffle_index) < self.num_samples:
+            raise ValueError(f"{len(shuffle_index)} samples, fewer than the {self.num_samples} requested")
 
     def __len__(self) -> int:
         return len(self.shuffle_index)
@@ -277,19 +255,19 @@ class GPTDataset:
 
 
 def build_blending_indices(weights, size):
-    """Megatron's greedy blend: each sample goes to the dataset furthest behind its share.
+    """megatron-core's greedy blend: each sample goes to the dataset furthest behind its share.
 
-    Returns (dataset_index, dataset_sample_index); after n samples every
-    dataset's count is within one of weight * n.
+    Returns (dataset_index int16, dataset_sample_index int64); after n samples
+    every dataset's count is within one of weight * n. Ties go to the lower index.
     """
     weights = [float(weight) for weight in weights]
     counts = [0] * len(weights)
     dataset_index = np.empty(size, dtype=np.int16)
     dataset_sample_index = np.empty(size, dtype=np.int64)
+    indices = range(len(weights))
     for sample in range(size):
-        target = max(sample, 1)
-        errors = [weight * target - count for weight, count in zip(weights, counts)]
-        chosen = errors.index(max(errors))
+        target = float(max(sample, 1))
+        chosen = max(indices, key=lambda i: (weights[i] * target - counts[i], -i))
         dataset_index[sample] = chosen
         dataset_sample_index[sample] = counts[chosen]
         counts[chosen] += 1
@@ -302,21 +280,28 @@ class BlendedDataset:
     def __init__(self, datasets, weights, size: int, cache_path=None, description=None):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError("BlendedDataset needs one weight per dataset")
-        total = float(sum(weights))
         self.datasets = datasets
-        self.weights = [weight / total for weight in weights]
+        self.weights = normalize(weights)
         self.size = size
         description = dict(description or {}, **{"class": "BlendedDataset", "weights": self.weights, "size": size})
         cache_dir = None if cache_path is None else os.path.join(cache_path, "BlendedDataset_indices")
         cache = IndexCache(cache_dir, description, "BlendedDataset")
         names = ("dataset_index", "dataset_sample_index")
-        indices = cache.load_or_build(names, lambda: dict(zip(names, build_blending_indices(self.weights, size))))
+        indices = cache.load_or_build(names, lambda: dict(zip(names, build_blending_indices(self.weights, size))),
+                                      self._validate)
         self.dataset_index = indices["dataset_index"]
         self.dataset_sample_index = indices["dataset_sample_index"]
         for dataset_id, dataset in enumerate(datasets):
             needed = int(np.count_nonzero(np.asarray(self.dataset_index) == dataset_id))
             if needed > len(dataset):
                 raise ValueError(f"blend needs {needed} samples from dataset {dataset_id}, which has {len(dataset)}")
+
+    def _validate(self, indices) -> None:
+        dataset_index, sample_index = indices["dataset_index"], indices["dataset_sample_index"]
+        if len(dataset_index) != self.size or len(sample_index) != self.size:
+            raise ValueError(f"blending indices of length {len(dataset_index)}, expected {self.size}")
+        if self.size and (dataset_index.min() < 0 or dataset_index.max() >= len(self.datasets)):
+            raise ValueError("dataset index names datasets outside the blend")
 
     def __len__(self) -> int:
         return self.size
@@ -326,51 +311,93 @@ class BlendedDataset:
         return self.datasets[dataset_id][int(self.dataset_sample_index[index])]
 
 
-def build_train_valid_test_datasets(data_path, split: str, seq_length: int, train_valid_test_num_samples,
-                                    seed: int, cache_path=None):
-    """Builds (train, valid, test) datasets from ``--data-path`` and ``--split``.
+def default_cache_path(prefix: str) -> str:
+    """Where indices are cached without ``--data-cache-path``: beside the data."""
+    return os.path.join(os.path.dirname(os.path.abspath(prefix)), DEFAULT_CACHE_FOLDER)
 
-    A split is None when it has no documents or zero samples were requested.
-    Several prefixes are blended by their weights (or, without weights, by
-    their token counts in that split).
+
+def max_token_id(indexed: IndexedDataset, cache_path=None) -> int:
+    """The largest token id in the .bin (-1 when empty), cached by the .idx fingerprint."""
+    def scan():
+        largest = -1
+        tokens = indexed.tokens
+        for start in range(0, len(tokens), 1 << 26):
+            largest = max(largest, int(tokens[start:start + (1 << 26)].max()))
+        return {"max_token_id": np.array([largest], dtype=np.int64)}
+
+    cache_dir = None if cache_path is None else os.path.join(cache_path, "TokenStats")
+    description = {"class": "TokenStats", "path_prefix": os.path.abspath(indexed.path_prefix),
+                   "idx_fingerprint": indexed.fingerprint() if cache_path is not None else None}
+    cache = IndexCache(cache_dir, description, "TokenStats")
+    return int(cache.load_or_build(("max_token_id",), scan)["max_token_id"][0])
+
+
+def check_vocabulary(indexed_datasets, vocab_size: int, cache_path=None) -> None:
+    """Refuses data holding token ids the model's vocabulary cannot embed."""
+    for indexed in indexed_datasets:
+        largest = max_token_id(indexed, cache_path)
+        if largest >= vocab_size:
+            raise DataError(
+                f"--data-path {indexed.path_prefix}: token id {largest} does not fit the vocabulary of "
+                f"{vocab_size} (--tokenizer-type / --vocab-size); the data was tokenized with another tokenizer")
+
+
+def build_train_valid_test_datasets(data_path, split: str, seq_length: int, train_valid_test_num_samples,
+                                    seed: int, cache_path="default", vocab_size=None):
+    """(train, valid, test) datasets from ``--data-path`` and ``--split``, as megatron-core's
+    BlendedMegatronDatasetBuilder builds them:
+
+    * one prefix without weight: a GPTDataset per split of the requested size;
+    * weights (even for one prefix): component i gets ceil(ceil(n * w_i) * 1.005)
+      samples, the blend sum_i ceil(n * w_i) samples;
+    * several prefixes without weights: one epoch of each component, blended by
+      their sample counts, the blend min(n, total) samples.
+
+    A split is None when it is empty or zero samples were requested.
+    ``cache_path``: a folder, None (build in memory), or "default" (beside the first prefix).
+    ``vocab_size``: when given, data with a token id >= vocab_size is refused (DataError).
     """
     prefixes, weights = parse_data_path(data_path)
+    if cache_path == "default":
+        cache_path = default_cache_path(prefixes[0])
     indexed = [IndexedDataset(prefix) for prefix in prefixes]
-    boundaries = [split_boundaries(split, dataset.num_documents) for dataset in indexed]
+    if vocab_size is not None:
+        check_vocabulary(indexed, vocab_size, cache_path)
+    ranges = [split_ranges(split, len(dataset)) for dataset in indexed]
     results = []
-    for split_id, split_name in enumerate(("train", "valid", "test")):
+    for split_id, split_name in enumerate(SPLIT_NAMES):
         num_samples = int(train_valid_test_num_samples[split_id])
-        ranges = [(bounds[split_id], bounds[split_id + 1]) for bounds in boundaries]
-        if num_samples <= 0 or all(first >= last for first, last in ranges):
+        if num_samples <= 0 or ranges[0][split_id] is None:
             results.append(None)
             continue
-        if len(indexed) == 1:
-            results.append(GPTDataset(indexed[0], ranges[0], num_samples, seq_length, seed, split_name, cache_path))
-            continue
-        split_weights = weights or [_tokens_in_range(dataset, doc_range) for dataset, doc_range in zip(indexed, ranges)]
-        results.append(_build_blend(indexed, ranges, split_weights, num_samples, seq_length, seed, split_name,
-                                    cache_path))
+        split_ranges_here = [dataset_ranges[split_id] for dataset_ranges in ranges]
+        if len(indexed) == 1 and weights is None:
+            results.append(GPTDataset(indexed[0], split_ranges_here[0], num_samples, seq_length, seed, split_name,
+                                      cache_path))
+        elif weights is not None:
+            results.append(_build_weighted_blend(indexed, split_ranges_here, normalize(weights), num_samples,
+                                                 seq_length, seed, split_name, cache_path))
+        else:
+            results.append(_build_unweighted_blend(indexed, split_ranges_here, num_samples, seq_length, seed,
+                                                   split_name, cache_path))
     return tuple(results)
 
 
-def _tokens_in_range(dataset, document_range):
-    first = int(dataset.document_indices[document_range[0]])
-    last = int(dataset.document_indices[document_range[1]])
-    return float(dataset.sequence_lengths[first:last].sum(dtype=np.int64))
+def _build_weighted_blend(indexed, ranges, weights, num_samples, seq_length, seed, split_name, cache_path):
+    targets = [int(math.ceil(num_samples * weight)) for weight in weights]
+    components = [GPTDataset(dataset, sequence_range, int(math.ceil(target * (1 + MID_LEVEL_DATASET_SURPLUS))),
+                             seq_length, seed, split_name, cache_path)
+                  for dataset, sequence_range, target in zip(indexed, ranges, targets)]
+    return BlendedDataset(components, weights, sum(targets), cache_path, _blend_description(components, split_name))
 
 
-def _build_blend(indexed, ranges, weights, num_samples, seq_length, seed, split_name, cache_path):
-    total = float(sum(weights))
-    components, component_weights, prefixes = [], [], []
-    for dataset, doc_range, weight in zip(indexed, ranges, weights):
-        if weight <= 0:
-            continue
-        if doc_range[0] >= doc_range[1]:
-            raise ValueError(f"{dataset.path_prefix}: no documents in the {split_name} split")
-        component_samples = math.ceil(num_samples * weight / total * BLEND_OVERSAMPLING)
-        components.append(GPTDataset(dataset, doc_range, component_samples, seq_length, seed, split_name, cache_path))
-        component_weights.append(weight)
-        prefixes.append(dataset.path_prefix)
-    description = {"split": split_name, "prefixes": prefixes, "seq_length": seq_length, "seed": seed,
-                   "components": [len(component) for component in components]}
-    return BlendedDataset(components, component_weights, num_samples, cache_path, description)
+def _build_unweighted_blend(indexed, ranges, num_samples, seq_length, seed, split_name, cache_path):
+    components = [GPTDataset(dataset, sequence_range, None, seq_length, seed, split_name, cache_path)
+                  for dataset, sequence_range in zip(indexed, ranges)]
+    sizes = [len(component) for component in components]
+    return BlendedDataset(components, sizes, min(num_samples, sum(sizes)), cache_path,
+                          _blend_description(components, split_name))
+
+
+def _blend_description(components, split_name):
+    return {"split": split_name, "components": [component.cache.key_text for component in components]}

@@ -14,6 +14,7 @@
 ``.bin`` is the token sequences back to back in that dtype, nothing else.
 """
 
+import hashlib
 import os
 import struct
 
@@ -100,11 +101,22 @@ class IndexedDatasetBuilder:
         self.add_sequences(tokens, lengths)
         self.end_document()
 
-    def add_documents(self, tokens, lengths) -> None:
-        """Fast path: many one-sequence documents, tokens concatenated in one array."""
+    def add_documents(self, tokens, lengths, sequences_per_document=None) -> None:
+        """Fast path: many documents, tokens concatenated in one array.
+
+        ``sequences_per_document[i]`` sequences of ``lengths`` make document i
+        (default: one each). A document of 0 sequences is an empty document:
+        Megatron-LM records its end in the document indices and writes no sequence.
+        """
         start = self.num_sequences
         self.add_sequences(tokens, lengths)
-        self.document_ends.extend(range(start + 1, self.num_sequences + 1))
+        if sequences_per_document is None:
+            self.document_ends.extend(range(start + 1, self.num_sequences + 1))
+            return
+        ends = start + np.cumsum(np.asarray(sequences_per_document, dtype=np.int64))
+        if len(ends) and ends[-1] != self.num_sequences:
+            raise ValueError(f"sequences_per_document sums to {ends[-1] - start}, not {len(lengths)}")
+        self.document_ends.extend(ends.tolist())
 
     def add_sequences(self, tokens, lengths) -> None:
         array = np.asarray(tokens, dtype=self.dtype)
@@ -228,6 +240,21 @@ class IndexedDataset:
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the .idx contents (plus the .bin size): what cached indices depend on.
+        Computed once per opened dataset (the files are read-only while it is open)."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = self._compute_fingerprint()
+        return self._fingerprint
+
+    def _compute_fingerprint(self) -> str:
+        digest = hashlib.sha256()
+        with open(index_file_path(self.path_prefix), "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 24), b""):
+                digest.update(block)
+        digest.update(str(os.path.getsize(data_file_path(self.path_prefix))).encode())
+        return digest.hexdigest()
 
     @property
     def num_documents(self) -> int:

@@ -1,15 +1,34 @@
-"""Tokenizers selected by ``--tokenizer-type``, with Megatron's common interface.
+"""Tokenizers selected by ``--tokenizer-type``: Megatron-LM's names, ids and special tokens.
 
 Every tokenizer exposes ``vocab_size``, ``tokenize(text) -> list[int]``,
 ``detokenize(ids) -> str`` and ``eod`` (the end-of-document id that
 ``--append-eod`` appends and ``--eod-mask-loss`` / ``--reset-*`` look for).
+Each type means what it means in Megatron-LM's tokenizer module (the one its
+tools/preprocess_data.py and training use):
+
+* ``GPT2BPETokenizer``: byte-level BPE, EOD ``<|endoftext|>``.
+* ``SentencePieceTokenizer``: the model's pieces plus Megatron's special tokens
+  ``<CLS> <SEP> <EOD> <MASK>`` and the pad/BOS/EOS pieces (``<PAD>``/``<BOS>``/
+  ``<EOS>`` appended when the model has none); EOD is ``<EOD>``, so an
+  8000-piece model without pad has vocab 8005 and EOD 8002. Special-token text
+  in the input maps to its id.
+* ``GPTSentencePieceTokenizer``: the model's pieces only; EOD is the model's EOS.
+* ``Llama2Tokenizer``: as GPTSentencePieceTokenizer, with BOS before every text.
+* ``HuggingFaceTokenizer``: a local tokenizer folder (``--tokenizer-model``),
+  through ``transformers`` when installed (as Megatron-LM), else through
+  ``tokenizers`` from its ``tokenizer.json``; vocab includes added tokens, EOD
+  is the EOS token, special tokens are added as the tokenizer's post-processor says.
+* ``NullTokenizer``: text is space-separated ids; ``--vocab-size N`` gives
+  vocab N + 1 and EOD N.
 """
 
 import json
 import os
+import re
 from functools import lru_cache
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                   "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 
 # GPT-2's pre-tokenization pattern: contractions, letter runs, digit runs,
 # punctuation runs, and whitespace (trailing whitespace kept apart so that a
@@ -75,8 +94,7 @@ class GPT2BPETokenizer(AbstractTokenizer):
     def __init__(self, vocab_file: str, merge_file: str):
         import regex  # imported here so other tokenizers work without it
 
-        with open(vocab_file, encoding="utf-8") as handle:
-            self.encoder = json.load(handle)
+        self.encoder = _read_json(vocab_file, "--vocab-file")
         self.decoder = {token_id: token for token, token_id in self.encoder.items()}
         self.merge_ranks = _read_merges(merge_file)
         self.byte_encoder = bytes_to_unicode()
@@ -144,20 +162,35 @@ def _merge_pair(parts: list, pair: tuple) -> list:
     return merged
 
 
-class SentencePieceTokenizer(AbstractTokenizer):
-    """A SentencePiece ``.model``; EOD is the model's EOS id (``</s>``).
+def _read_json(path, flag):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"{flag} {path}: not a JSON file ({error})") from error
+
+
+def _sentencepiece_processor(model_file):
+    import sentencepiece
+
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=model_file)
+    except (RuntimeError, OSError) as error:
+        raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model ({error})") from error
+
+
+class GPTSentencePieceTokenizer(AbstractTokenizer):
+    """A SentencePiece ``.model`` as is; EOD is the model's EOS (``</s>``).
 
     Batched tokenization runs single-threaded on purpose: parallelism comes from
     preprocess_data's worker processes, so ``--workers`` means what it says.
     """
 
-    name = "SentencePieceTokenizer"
+    name = "GPTSentencePieceTokenizer"
 
     def __init__(self, model_file: str):
-        import sentencepiece
-
         self.model_file = model_file
-        self.processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+        self.processor = _sentencepiece_processor(model_file)
 
     @property
     def vocab_size(self) -> int:
@@ -168,8 +201,8 @@ class SentencePieceTokenizer(AbstractTokenizer):
         eos_id = self.processor.eos_id()
         if eos_id < 0:
             raise ValueError(
-                f"{self.model_file}: SentencePiece model has no EOS piece, which is used as EOD; "
-                "retrain it with an eos_id (tools/train_tokenizer.py does)"
+                f"--tokenizer-model {self.model_file}: SentencePiece model has no EOS piece, which "
+                f"{self.name} uses as EOD; retrain it with an eos_id (tools/train_tokenizer.py does)"
             )
         return eos_id
 
@@ -183,15 +216,185 @@ class SentencePieceTokenizer(AbstractTokenizer):
         return self.processor.decode([int(token_id) for token_id in ids])
 
 
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    """Megatron's Llama2Tokenizer: every text starts with BOS; EOD is EOS."""
+
+    name = "Llama2Tokenizer"
+
+    def __init__(self, model_file: str):
+        super().__init__(model_file)
+        self.bos = self.processor.bos_id()
+        if self.bos < 0:
+            raise ValueError(f"--tokenizer-model {model_file}: SentencePiece model has no BOS piece, "
+                             f"which {self.name} puts before every text")
+
+    def tokenize(self, text: str) -> list:
+        return [self.bos] + self.processor.encode(text)
+
+    def tokenize_batch(self, texts: list) -> list:
+        return [[self.bos] + ids for ids in self.processor.encode(texts, num_threads=1)]
+
+
+class SentencePieceTokenizer(AbstractTokenizer):
+    """Megatron's SentencePieceTokenizer: the model's pieces plus special tokens.
+
+    Specials, in Megatron's order: ``<CLS> <SEP> <EOD> <MASK>``, then the
+    model's pad, BOS and EOS pieces (``<PAD>``, ``<BOS>``, ``<EOS>`` when the
+    model lacks one). A name the model already has keeps its id; the others get
+    the next ids. The text is cut at every special token's text (the leftmost;
+    at one position, the first in that order) and those map to their ids.
+    """
+
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, model_file: str):
+        self.model_file = model_file
+        self.processor = _sentencepiece_processor(model_file)
+        self.vocab = {self.processor.id_to_piece(i): i for i in range(self.processor.get_piece_size())}
+        self.special_tokens = {}
+        for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
+            self._add_special(token)
+        for piece_id, fallback in ((self.processor.pad_id(), "<PAD>"), (self.processor.bos_id(), "<BOS>"),
+                                   (self.processor.eos_id(), "<EOS>")):
+            self._add_special(self.processor.id_to_piece(piece_id) if 0 <= piece_id < len(self.vocab) else fallback)
+        self.inverse_special_tokens = {token_id: token for token, token_id in self.special_tokens.items()}
+        self.special_pattern = re.compile("|".join(re.escape(token) for token in self.special_tokens))
+
+    def _add_special(self, token):
+        if token not in self.vocab:
+            self.vocab[token] = len(self.vocab)
+        self.special_tokens[token] = self.vocab[token]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def eod(self) -> int:
+        return self.special_tokens["<EOD>"]
+
+    def tokenize(self, text: str) -> list:
+        ids, start = [], 0
+        for match in self.special_pattern.finditer(text):
+            ids.extend(self.processor.encode(text[start:match.start()]))
+            ids.append(self.special_tokens[match.group()])
+            start = match.end()
+        ids.extend(self.processor.encode(text[start:]))
+        return ids
+
+    def tokenize_batch(self, texts: list) -> list:
+        plain = [position for position, text in enumerate(texts) if not self.special_pattern.search(text)]
+        results = [None] * len(texts)
+        for position, ids in zip(plain, self.processor.encode([texts[p] for p in plain], num_threads=1)):
+            results[position] = ids
+        for position, ids in enumerate(results):
+            if ids is None:
+                results[position] = self.tokenize(texts[position])
+        return results
+
+    def detokenize(self, ids) -> str:
+        # Megatron's rendering: each special token as its text between spaces.
+        ids = [int(token_id) for token_id in ids]
+        text, last = "", 0
+        for position, token_id in enumerate(ids):
+            if token_id in self.inverse_special_tokens:
+                text += self.processor.decode(ids[last:position]) + " " + self.inverse_special_tokens[token_id] + " "
+                last = position + 1
+        return text + self.processor.decode(ids[last:])
+
+
+class HuggingFaceTokenizer(AbstractTokenizer):
+    """A local Hugging Face tokenizer folder (``tokenizer.json`` and its config files).
+
+    With ``transformers`` installed this is Megatron-LM's behaviour exactly
+    (``AutoTokenizer``: ``tokenizer(text).input_ids``, ``len(tokenizer)``,
+    ``eos_token_id``). Without it, the ``tokenizers`` library runs the same
+    ``tokenizer.json`` (special tokens added by its post-processor) and the EOS
+    token is read from ``tokenizer_config.json``. Nothing is downloaded.
+    """
+
+    name = "HuggingFaceTokenizer"
+
+    def __init__(self, folder: str, prefer_transformers: bool = True):
+        self.folder = folder
+        self.backend = None
+        if prefer_transformers:
+            try:
+                import transformers  # noqa: F401
+            except ImportError:
+                pass
+            else:
+                self._load_transformers()
+        if self.backend is None:
+            self._load_tokenizers()
+
+    def _load_transformers(self):
+        import transformers
+
+        try:
+            self.hf = transformers.AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"--tokenizer-model {self.folder}: not a Hugging Face tokenizer folder ({error})") \
+                from error
+        self.backend = "transformers"
+        self._vocab_size = len(self.hf)
+        self._eod = self.hf.eos_token_id
+
+    def _load_tokenizers(self):
+        try:
+            import tokenizers
+        except ImportError as error:
+            raise ValueError("HuggingFaceTokenizer needs the transformers or the tokenizers package") from error
+        path = os.path.join(self.folder, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--tokenizer-model {self.folder}: no tokenizer.json in the folder "
+                                    "(install transformers to read other tokenizer formats)")
+        try:
+            self.hf = tokenizers.Tokenizer.from_file(path)
+        except Exception as error:  # noqa: BLE001 -- the Rust side raises plain Exception
+            raise ValueError(f"--tokenizer-model {path}: not a tokenizers file ({error})") from error
+        self.backend = "tokenizers"
+        self._vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+        config_path = os.path.join(self.folder, "tokenizer_config.json")
+        eos = _read_json(config_path, "--tokenizer-model").get("eos_token") if os.path.isfile(config_path) else None
+        if isinstance(eos, dict):
+            eos = eos.get("content")
+        self._eod = self.hf.token_to_id(eos) if eos else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        if self._eod is None:
+            raise ValueError(f"--tokenizer-model {self.folder}: the tokenizer has no EOS token, used as EOD")
+        return self._eod
+
+    def tokenize(self, text: str) -> list:
+        if self.backend == "transformers":
+            return list(self.hf(text).input_ids)
+        return self.hf.encode(text).ids
+
+    def tokenize_batch(self, texts: list) -> list:
+        if self.backend == "transformers":
+            return [list(ids) for ids in self.hf(texts).input_ids] if texts else []
+        return [encoding.ids for encoding in self.hf.encode_batch(texts)]
+
+    def detokenize(self, ids) -> str:
+        return self.hf.decode([int(token_id) for token_id in ids])
+
+
 class NullTokenizer(AbstractTokenizer):
-    """Text is whitespace-separated integer ids; EOD is ``vocab_size - 1`` (as in Megatron)."""
+    """Text is space-separated integer ids. As in Megatron, ``--vocab-size N``
+    means ids 0..N-1 plus EOD = N, so ``vocab_size`` is N + 1."""
 
     name = "NullTokenizer"
 
     def __init__(self, vocab_size: int):
-        if vocab_size is None or int(vocab_size) < 2:
-            raise ValueError("NullTokenizer needs --vocab-size >= 2")
-        self._vocab_size = int(vocab_size)
+        if vocab_size is None or int(vocab_size) < 1:
+            raise ValueError("NullTokenizer needs --vocab-size >= 1")
+        self._vocab_size = int(vocab_size) + 1
 
     @property
     def vocab_size(self) -> int:
@@ -228,8 +431,19 @@ def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None,
             _require_file(vocab_file, "--vocab-file", tokenizer_type),
             _require_file(merge_file, "--merge-file", tokenizer_type),
         )
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(_require_file(tokenizer_model, "--tokenizer-model", tokenizer_type))
+    sentencepiece_types = {"SentencePieceTokenizer": SentencePieceTokenizer,
+                           "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+                           "Llama2Tokenizer": Llama2Tokenizer}
+    if tokenizer_type in sentencepiece_types:
+        return sentencepiece_types[tokenizer_type](_require_file(tokenizer_model, "--tokenizer-model",
+                                                                 tokenizer_type))
+    if tokenizer_type == "HuggingFaceTokenizer":
+        if tokenizer_model is None:
+            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a local tokenizer folder)")
+        if not os.path.isdir(tokenizer_model):
+            raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: no such folder "
+                                    "(HuggingFaceTokenizer reads a local tokenizer folder; nothing is downloaded)")
+        return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("NullTokenizer needs --vocab-size")

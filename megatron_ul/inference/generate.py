@@ -16,6 +16,7 @@ from ..checkpoint.files import CheckpointError
 from ..checkpoint.io import load_model_state
 from ..checkpoint.state import named_parameters
 from ..model.gpt import GPTModel
+from ..mpu.parallel_state import single_rank_dims
 
 
 def sample_next(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 0.0,
@@ -48,7 +49,7 @@ def load_for_generation(load_dir: str, device="cpu") -> GPTModel:
     full = reshard.read_full(files.find_iteration_dir(load_dir, iteration), with_optim=False)
     cfg = reshard.model_config(full.metadata)
     cfg.attention_dropout = cfg.hidden_dropout = 0.0
-    model = GPTModel(cfg, seed=0, device=device)
+    model = GPTModel(cfg, seed=0, device=device, dims=single_rank_dims())   # no communication
     table = reshard.layout_table(full.metadata, 1, 1, None)
     state, _ = reshard.shard_for(full, table, list(named_parameters(model)), 0, 1)
     load_model_state(model, state, files.find_iteration_dir(load_dir, iteration))

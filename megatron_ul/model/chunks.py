@@ -12,3 +12,8 @@ from torch import nn
 def model_chunks(model: nn.Module) -> list[nn.Module]:
     chunks = getattr(model, "chunks", None)
     return list(chunks) if isinstance(chunks, nn.ModuleList) else [model]
+
+
+def model_dims(model: nn.Module):
+    """The rank grid (ParallelDims) the model was built on: every chunk holds it."""
+    return model_chunks(model)[0].dims

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..mpu import parallel_state as ps
 from ..mpu.cross_entropy import vocab_parallel_cross_entropy
 from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, sequence_parallel_linear
 from ..mpu.param_init import new_parameter
@@ -35,11 +34,11 @@ class GPTModel(nn.Module):
                  pre_process: bool = True, post_process: bool = True,
                  layer_numbers: Optional[Iterable[int]] = None, device=None,
                  dtype=torch.float32, timers: Timers = NO_TIMERS,
-                 dims: Optional[ParallelDims] = None):
+                 dims: ParallelDims):
         super().__init__()
         self.cfg, self.sequence_parallel = cfg, sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
-        dims = dims or ps.get_parallel_dims()   # the rank grid: every layer takes its groups here
+        self.dims = dims   # the rank grid: every layer takes its groups here
         self.tp_group, self.tp_size = dims.tp_group, dims.tp
         tp = dims.tp
         self.padded_vocab_size = cfg.padded_vocab_size(tp)

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from ..mpu import parallel_state as ps
 from ..mpu.layers import ColumnParallelLinear, RowParallelLinear
 from ..mpu.param_spec import FUSED_GATE_UP, FUSED_QKV
 from ..mpu.parallel_state import ParallelDims
@@ -41,10 +40,9 @@ def dropout(x: torch.Tensor, p: float, training: bool, sharded_sequence: bool) -
 
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, key: str, seed: int, sequence_parallel: bool,
-                 num_layers: int, device, dtype, timers: Timers = NO_TIMERS,
-                 dims: Optional[ParallelDims] = None):
+                 num_layers: int, device, dtype, timers: Timers = NO_TIMERS, *,
+                 dims: ParallelDims):
         super().__init__()
-        dims = dims or ps.get_parallel_dims()
         tp = dims.tp
         self.head_dim = cfg.head_dim
         self.q_heads = cfg.num_attention_heads // tp
@@ -84,9 +82,9 @@ class SelfAttention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, key: str, seed: int, sequence_parallel: bool,
-                 num_layers: int, device, dtype, dims: Optional[ParallelDims] = None):
+                 num_layers: int, device, dtype, *, dims: ParallelDims):
         super().__init__()
-        tp_group = (dims or ps.get_parallel_dims()).tp_group
+        tp_group = dims.tp_group
         self.swiglu, self.gelu_approximate = cfg.swiglu, cfg.gelu_approximate
         self.chunk_tokens = cfg.tiled_mlp_chunk_size
         ffn = cfg.ffn_size
@@ -120,8 +118,8 @@ class MLP(nn.Module):
 
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_number: int, seed: int, sequence_parallel: bool,
-                 device=None, dtype=torch.float32, timers: Timers = NO_TIMERS,
-                 dims: Optional[ParallelDims] = None):
+                 device=None, dtype=torch.float32, timers: Timers = NO_TIMERS, *,
+                 dims: ParallelDims):
         super().__init__()
         key = f"layers.{layer_number}"
         self.layer_number = layer_number

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 
 from ..timers import NO_TIMERS, Timers
-from . import parallel_state as ps
 from .comm_stats import record
 
 
@@ -182,52 +181,53 @@ class _UlyssesAllToAll(torch.autograd.Function):
 
 
 # ---- public API ----------------------------------------------------------------------------------
-# As in Megatron-core, every function takes its group; None means this run's TP group (SP group
-# for the all-to-all) from the ParallelDims that initialize_model_parallel built.
+# As in Megatron-core, every function takes its group (from the ParallelDims it was handed);
+# None is a grid of one rank (parallel_state.single_rank_dims): the op is the identity.
 def _tp(group):
+    """mpu/layers.py's default group until its layers are handed theirs (issue 16)."""
+    from . import parallel_state as ps
     return ps.get_tensor_model_parallel_group() if group is None else group
 
 
-def copy_to_tensor_model_parallel_region(x, group=None):
-    return _CopyToTP.apply(x, _tp(group))
+def copy_to_tensor_model_parallel_region(x, group):
+    return _CopyToTP.apply(x, group)
 
 
-def reduce_from_tensor_model_parallel_region(x, group=None):
-    return _ReduceFromTP.apply(x, _tp(group))
+def reduce_from_tensor_model_parallel_region(x, group):
+    return _ReduceFromTP.apply(x, group)
 
 
-def scatter_to_tensor_model_parallel_region(x, group=None):
-    return _ScatterToTP.apply(x, _tp(group))
+def scatter_to_tensor_model_parallel_region(x, group):
+    return _ScatterToTP.apply(x, group)
 
 
-def gather_from_tensor_model_parallel_region(x, group=None):
-    return _GatherFromTP.apply(x, _tp(group))
+def gather_from_tensor_model_parallel_region(x, group):
+    return _GatherFromTP.apply(x, group)
 
 
-def scatter_to_sequence_parallel_region(x, group=None):
+def scatter_to_sequence_parallel_region(x, group):
     """Megatron-SP: keep this TP rank's chunk of the sequence (dim 0)."""
-    return _ScatterToSequenceParallel.apply(x, _tp(group))
+    return _ScatterToSequenceParallel.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad: bool = True,
-                                         group=None):
+def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad: bool = True, *,
+                                         group):
     """Megatron-SP: all-gather the sequence (dim 0) across TP."""
-    return _GatherFromSequenceParallel.apply(x, tensor_parallel_output_grad, _tp(group))
+    return _GatherFromSequenceParallel.apply(x, tensor_parallel_output_grad, group)
 
 
-def reduce_scatter_to_sequence_parallel_region(x, group=None):
+def reduce_scatter_to_sequence_parallel_region(x, group):
     """Megatron-SP: sum partial results across TP and keep this rank's sequence chunk."""
-    return _ReduceScatterToSequenceParallel.apply(x, _tp(group))
+    return _ReduceScatterToSequenceParallel.apply(x, group)
 
 
-def ulysses_all_to_all(x, scatter_dim: int, gather_dim: int, group=None,
+def ulysses_all_to_all(x, scatter_dim: int, gather_dim: int, group,
                        timers: Timers = NO_TIMERS):
     """DeepSpeed-Ulysses all-to-all over the SP group; backward is the inverse all-to-all.
 
     Sequence-sharded -> head-sharded: scatter_dim = heads, gather_dim = sequence.
     Head-sharded -> sequence-sharded: the reverse. Both directions are timed as "all-to-all".
     """
-    group = ps.get_sequence_parallel_group() if group is None else group
     if _size(group) == 1:
         return x
     return _UlyssesAllToAll.apply(x, scatter_dim, gather_dim, group, timers)

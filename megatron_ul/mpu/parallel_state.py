@@ -9,8 +9,10 @@ Each group is a slice of `torch.arange(world).view(PP, DP, CP, SP, TP)` along so
 This is the only module that creates process groups.
 
 `initialize_model_parallel` builds one `ParallelDims` (the grid's sizes, this rank's
-coordinates and its groups) and returns it; code that is handed it uses it directly. The
-module-level getters below (Megatron's names) read the same object, the one run's grid.
+coordinates and its groups) and returns it; code is handed it and uses it directly. The
+module-level getters below (Megatron's names) read the same object; they remain only for
+tests and for mpu/layers.py and optim/*, not yet converted (tests/test_explicit_groups.py
+keeps every other module off them).
 """
 from __future__ import annotations
 
@@ -239,7 +241,7 @@ def destroy_model_parallel() -> None:
 
 def single_rank_dims() -> ParallelDims:
     """A grid of one rank with no groups (sizes 1, coordinates 0)."""
-    names = ("tp", "sp", "cp", "dp", "pp", "dp_sp", "tp_sp", "mp", "embedding")
+    names = ("tp", "sp", "cp", "dp", "pp", "sp_cp", "dp_sp", "tp_sp", "mp", "embedding")
     return ParallelDims(1, 1, 1, 1, dict.fromkeys(_AXES, 0), dict.fromkeys(names),
                         {n: [0] for n in names}, [])
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import parallel_state as ps
+from .parallel_state import ParallelDims
 
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
@@ -77,11 +77,12 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
-def model_parallel_seed(seed: int, device_type: str = "cpu") -> None:
-    """Seed the default generator and the model-parallel stream (Megatron's offsets)."""
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    sp_rank = ps.get_sequence_split()[0]   # Ulysses × ring: each holds different tokens
-    tp_rank, tp = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+def model_parallel_seed(seed: int, dims: ParallelDims, device_type: str = "cpu") -> None:
+    """Seed the default generator and the model-parallel stream (Megatron's offsets) for this
+    rank's place in `dims`."""
+    pp_rank = dims.pp_rank
+    sp_rank = dims.sequence_split[0]   # Ulysses × ring: each holds different tokens
+    tp_rank, tp = dims.tp_rank, dims.tp
     default_seed = seed + 100 * pp_rank + 1009 * sp_rank
     model_parallel = seed + 2718 + 100 * pp_rank + tp_rank + tp * 1009 * sp_rank
     torch.manual_seed(default_seed)

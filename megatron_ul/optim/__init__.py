@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
-from ..mpu import parallel_state as ps
+from ..model.chunks import model_dims
 from ..pipeline.model import tied_embedding_weights
 from .grad_buckets import bucket_elements
 from .grads import DataParallelGradSync
@@ -19,9 +19,9 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel=None, d
     """AdamW; biases and norm weights (1-D parameters) get no weight decay, as in Megatron.
     With ZeRO (parallel.zero_stage 1 or 3) the optimizer also owns gradient reduction; without,
     `optimizer.grad_sync` does it (in buckets, overlapped with backward on request). Either
-    reduces over the groups of `dims` (the run's ParallelDims; default: the one
-    initialize_distributed built)."""
-    dims = dims or ps.get_parallel_dims()
+    reduces over the groups of `dims` (the run's ParallelDims; default: the grid the model was
+    built on)."""
+    dims = dims or model_dims(model)
     stage = parallel.zero_stage if parallel is not None else 0
     overlap = bool(parallel is not None and parallel.overlap_grad_reduce)
     dp_sp = dist.get_world_size(dims.dp_sp_group)

@@ -8,7 +8,6 @@ into PP·v blocks of n layers and virtual stage (model chunk) c on pp rank r hol
 from __future__ import annotations
 
 import re
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -18,7 +17,6 @@ from torch.distributed.tensor import DTensor
 from ..config import Config
 from ..model.chunks import model_chunks
 from ..model.gpt import GPTModel
-from ..mpu import parallel_state as ps
 from ..mpu.comm_stats import record
 from ..mpu.parallel_state import ParallelDims
 from ..timers import NO_TIMERS, Timers
@@ -62,20 +60,20 @@ class PipelineStageModel(nn.Module):
         super().__init__()
         self.chunks = nn.ModuleList(chunks)
         self.padded_vocab_size = chunks[0].padded_vocab_size
+        self.dims = chunks[0].dims
 
 
 def build_pipeline_model(cfg: Config, device, timers: Timers = NO_TIMERS,
-                         dims: Optional[ParallelDims] = None) -> PipelineStageModel:
+                         *, dims: ParallelDims) -> PipelineStageModel:
     """This rank's model chunks."""
     return PipelineStageModel(build_stage_chunks(
-        cfg.model, cfg.train.seed, cfg.parallel.sequence_parallel,
-        ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank(),
-        num_model_chunks(cfg), device, timers, dims))
+        cfg.model, cfg.train.seed, cfg.parallel.sequence_parallel, dims.pp, dims.pp_rank,
+        num_model_chunks(cfg), device, timers, dims=dims))
 
 
 def build_stage_chunks(model_cfg, seed: int, sequence_parallel: bool, pp: int, rank: int,
-                       chunks: int, device, timers: Timers = NO_TIMERS,
-                       dims: Optional[ParallelDims] = None) -> list[GPTModel]:
+                       chunks: int, device, timers: Timers = NO_TIMERS, *,
+                       dims: ParallelDims) -> list[GPTModel]:
     """The model chunks of pp rank `rank` (of `pp`, `chunks` chunks each) — the one rule that
     places layers, embeddings and heads on stages (pipeline/param_table.py reads it too). The
     tied output copy on the last stage is marked as a replica so the gradient norm counts the
@@ -146,14 +144,14 @@ def tied_embedding_weights(model: nn.Module) -> list[torch.nn.Parameter]:
     return weights
 
 
-def allreduce_embedding_grads(model: nn.Module) -> None:
+def allreduce_embedding_grads(model: nn.Module, dims: ParallelDims) -> None:
     """Megatron's _allreduce_embedding_grads: sum the tied table's gradient over the first and
     last stage so both copies take the same optimizer step. Under ZeRO-3 the gradients are
     FSDP2 DTensor shards; both copies are sharded alike over their dp_sp groups, so summing the
     local shards is summing the tables."""
-    if ps.get_pipeline_model_parallel_world_size() == 1 or not ps.is_rank_in_embedding_group():
+    if dims.pp == 1 or dist.get_rank() not in dims.embedding_ranks:
         return
-    group = ps.get_embedding_group()
+    group = dims.embedding_group
     for weight in tied_embedding_weights(model):
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 
 FORWARD_TAG = 1
@@ -23,11 +23,10 @@ BACKWARD_TAG = 2
 class StageCommunicator:
     """send/recv of activations and their gradients between adjacent pipeline stages."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device, dims: ParallelDims):
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
-        self.group = ps.get_pipeline_model_parallel_group()
-        self.next_rank = ps.get_pipeline_model_parallel_next_rank()
-        self.prev_rank = ps.get_pipeline_model_parallel_prev_rank()
+        self.group = dims.pp_group
+        self.next_rank, self.prev_rank = dims.next_stage_rank, dims.prev_stage_rank
         self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:

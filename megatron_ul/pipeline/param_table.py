@@ -46,7 +46,8 @@ def parameter_table(model_cfg: ModelConfig, tp: int = 1, pp: int = 1,
     table = {}
     with ps.single_rank_view(), torch.device("meta"):
         for stage in range(pp):
-            built = build_stage_chunks(cfg, 0, False, pp, stage, chunks, device=None)
+            built = build_stage_chunks(cfg, 0, False, pp, stage, chunks, device=None,
+                                       dims=ps.single_rank_dims())
             for chunk, name, p in chunk_named_parameters(PipelineStageModel(built)):
                 table[name] = _entry(p, 1, stage, chunk, name)
     for entry in table.values():     # built at TP1: pad the vocabulary for TP `tp`

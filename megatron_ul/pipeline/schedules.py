@@ -23,8 +23,7 @@ from typing import Callable
 import torch
 
 from ..model.document_attention import document_mask_of
-from ..mpu import parallel_state as ps
-from .model import model_chunks
+from ..model.chunks import model_chunks, model_dims
 from .p2p import StageCommunicator
 from ..timers import NO_TIMERS, Timers
 
@@ -103,7 +102,7 @@ def activation_shape(chunk, batch: dict) -> tuple[int, int, int]:
     """[N/SP (÷TP under Megatron-SP), b, h] of the hidden states between stages."""
     b, local_seq = batch["tokens"].shape
     if chunk.sequence_parallel:
-        local_seq //= ps.get_tensor_model_parallel_world_size()
+        local_seq //= chunk.dims.tp
     return local_seq, b, chunk.cfg.hidden_size
 
 
@@ -115,7 +114,8 @@ def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tenso
     chunks = model_chunks(model)
     device = num_tokens.device
     dtype = next(chunks[0].parameters()).dtype
-    comm = StageCommunicator(activation_shape(chunks[0], micro_batches[0]), dtype, device)
+    comm = StageCommunicator(activation_shape(chunks[0], micro_batches[0]), dtype, device,
+                             model_dims(model))
     total = torch.zeros((), dtype=torch.float32, device=device)
     saved: dict[tuple[int, int], tuple] = {}     # (chunk, micro-batch) -> (input, output)
     for op, c, i in order:
@@ -151,8 +151,8 @@ def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tenso
 def forward_backward_pipelining_without_interleaving(model, micro_batches, num_tokens,
                                                      autocast_dtype=None, forward_only=False,
                                                      timers: Timers = NO_TIMERS):
-    order = one_f_one_b_order(ps.get_pipeline_model_parallel_world_size(),
-                              ps.get_pipeline_model_parallel_rank(), len(micro_batches),
+    dims = model_dims(model)
+    order = one_f_one_b_order(dims.pp, dims.pp_rank, len(micro_batches),
                               forward_only)
     return run_pipeline_order(model, micro_batches, num_tokens, order, autocast_dtype,
                               forward_only, timers)
@@ -161,8 +161,8 @@ def forward_backward_pipelining_without_interleaving(model, micro_batches, num_t
 def forward_backward_pipelining_with_interleaving(model, micro_batches, num_tokens,
                                                   autocast_dtype=None, forward_only=False,
                                                   timers: Timers = NO_TIMERS):
-    order = interleaved_order(ps.get_pipeline_model_parallel_world_size(),
-                              ps.get_pipeline_model_parallel_rank(), len(micro_batches),
+    dims = model_dims(model)
+    order = interleaved_order(dims.pp, dims.pp_rank, len(micro_batches),
                               len(model_chunks(model)), forward_only)
     return run_pipeline_order(model, micro_batches, num_tokens, order, autocast_dtype,
                               forward_only, timers)

@@ -11,7 +11,18 @@ from ..data.batches import PretrainingSampler, build_micro_batch, micro_batch_it
 from ..data.gpt_dataset import build_train_valid_test_datasets
 from ..data.mock import MockGPTDataset
 from ..data.tokenizers import build_tokenizer
-from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import ParallelDims
+
+
+# configure() replaces --vocab-size by the tokenizer's vocabulary (NullTokenizer --vocab-size N
+# has N + 1); building the tokenizer again from that resolved config would shift NullTokenizer's
+# EOD, so the resolved configs' tokenizers are kept by what defines them.
+_RESOLVED_TOKENIZERS: dict[tuple, object] = {}
+
+
+def _tokenizer_key(cfg: Config) -> tuple:
+    d = cfg.data
+    return (d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model, cfg.model.vocab_size)
 
 
 def build_tokenizer_for(cfg: Config):
@@ -19,18 +30,29 @@ def build_tokenizer_for(cfg: Config):
     d = cfg.data
     if d.tokenizer_type is None:
         return None
+    resolved = _RESOLVED_TOKENIZERS.get(_tokenizer_key(cfg))
+    if resolved is not None:
+        return resolved
     return build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
                            tokenizer_model=d.tokenizer_model,
                            vocab_size=cfg.model.vocab_size or None)
 
 
+def set_vocab_from_tokenizer(cfg: Config, tokenizer) -> None:
+    """The model's vocabulary is the tokenizer's; later build_tokenizer_for(cfg) calls return
+    this tokenizer."""
+    cfg.model.vocab_size = tokenizer.vocab_size
+    _RESOLVED_TOKENIZERS[_tokenizer_key(cfg)] = tokenizer
+
+
 def eod_token_for(cfg: Config):
-    """The end-of-document id: the tokenizer's; for --mock-data without a tokenizer
-    vocab_size - 1, Megatron's NullTokenizer convention (mock samples carry documents)."""
+    """The end-of-document id: the tokenizer's; for --mock-data the last id of the model's
+    vocabulary, vocab_size - 1 (mock samples carry documents; the model's vocabulary is
+    --vocab-size there, which a tokenizer's EOD may lie outside of, e.g. NullTokenizer's N)."""
+    if cfg.data.mock_data:
+        return cfg.model.vocab_size - 1
     tokenizer = build_tokenizer_for(cfg)
-    if tokenizer is not None:
-        return tokenizer.eod
-    return cfg.model.vocab_size - 1 if cfg.data.mock_data else None
+    return tokenizer.eod if tokenizer is not None else None
 
 
 def build_datasets(cfg: Config):
@@ -45,20 +67,23 @@ def build_datasets(cfg: Config):
         valid = MockGPTDataset(max(valid_samples, 1), m.seq_length, m.vocab_size, t.seed + 1,
                                eod)
         return train, valid, None
+    # Without --data-cache-path the indices are cached beside the data (see docs/data.md).
     return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length,
                                            (train_samples, valid_samples, 0), t.seed,
-                                           d.data_cache_path)
+                                           d.data_cache_path or "default",
+                                           vocab_size=m.vocab_size)
 
 
-def global_batches(cfg: Config, dataset, device, eod_token, consumed_samples: int = 0
-                   ) -> Iterator[list[dict]]:
-    """Yield, per iteration, this rank's list of micro-batch dicts on `device`."""
+def global_batches(cfg: Config, dims: ParallelDims, dataset, device, eod_token,
+                   consumed_samples: int = 0) -> Iterator[list[dict]]:
+    """Yield, per iteration, this rank's list of micro-batch dicts on `device` (its data
+    shard and sequence chunk from its place in `dims`)."""
     t = cfg.train
     sampler = PretrainingSampler(len(dataset), consumed_samples, t.micro_batch_size,
-                                 ps.get_data_parallel_rank(), ps.get_data_parallel_world_size())
+                                 dims.dp_rank, dims.dp)
     texts = micro_batch_iterator(dataset, sampler)
-    sp_rank, sp = ps.get_sequence_parallel_rank(), ps.get_sequence_parallel_world_size()
-    cp_rank, cp = ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()
+    sp_rank, sp = dims.sp_rank, dims.sp
+    cp_rank, cp = dims.cp_rank, dims.cp
     d = cfg.data
     while True:
         batch = []

@@ -6,7 +6,8 @@ import logging
 import torch
 
 from ..config import Config
-from ..mpu import parallel_state as ps
+from ..model.chunks import model_dims
+from ..mpu.parallel_state import ParallelDims
 from ..optim.precision import build_grad_scaler
 from ..timers import NO_TIMERS, Timers
 from .metrics import MetricsLogger
@@ -30,7 +31,8 @@ def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches
     timers: the run's phase timers (the model's all-to-alls report to the same object).
     """
     metrics = MetricsLogger(cfg, model.padded_vocab_size,
-                            is_reporting_rank=is_reporting_rank(), timers=timers)
+                            is_reporting_rank=is_reporting_rank(model_dims(model)),
+                            timers=timers)
     losses = []
     model.train()
     dtype = autocast_dtype(cfg)
@@ -69,12 +71,11 @@ def finish_param_sync(optimizer) -> None:
 def run_evaluation(cfg: Config, model, valid_batches, iteration: int, dtype) -> float:
     losses = [evaluate_loss(model, next(valid_batches), dtype) for _ in range(cfg.train.eval_iters)]
     value = sum(losses) / len(losses)
-    if is_reporting_rank():
+    if is_reporting_rank(model_dims(model)):
         log.info("validation at iteration %d | lm loss %.6E", iteration, value)
     return value
 
 
-def is_reporting_rank() -> bool:
+def is_reporting_rank(dims: ParallelDims) -> bool:
     """Megatron reports from the last pipeline stage's first TP/SP/DP rank."""
-    return (ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0
-            and ps.get_data_sequence_parallel_rank() == 0)
+    return dims.is_last_stage and dims.tp_rank == 0 and dims.dp_sp_rank == 0

@@ -40,11 +40,11 @@ class SavedTensorMeter:
 
 def measure(rank: int, world: int, argv: list[str]) -> dict:
     cfg = configure(argv, world)
-    device = initialize_distributed(cfg)
-    model = build_model(cfg, device)
-    optimizer = build_optimizer(model, cfg.train)
+    device, dims = initialize_distributed(cfg)
+    model = build_model(cfg, device, dims)
+    optimizer = build_optimizer(model, cfg.train, dims=dims)
     train_ds, _, _ = build_datasets(cfg)
-    batch = next(global_batches(cfg, train_ds, device, None))[0]
+    batch = next(global_batches(cfg, dims, train_ds, device, None))[0]
     meter = SavedTensorMeter(model)
     with meter.hooks():
         loss = micro_batch_loss_sum(model, batch)

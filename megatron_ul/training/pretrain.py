@@ -13,11 +13,10 @@ from ..arguments import parse_args
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.io import Resume, claim_save_dir, load_checkpoint
 from ..config import Config, ConfigError, resolve, validate
-from ..data.gpt_dataset import parse_data_path
+from ..data.gpt_dataset import DataError, parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
 from ..model.gpt import GPTModel
 from ..mpu.param_init import deferred, materialize
-from ..mpu import parallel_state as ps
 from ..mpu.parallel_state import ParallelDims
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
@@ -25,7 +24,8 @@ from ..pipeline.model import build_pipeline_model
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
-from .data import build_datasets, build_tokenizer_for, eod_token_for, global_batches
+from .data import (build_datasets, build_tokenizer_for, eod_token_for, global_batches,
+                   set_vocab_from_tokenizer)
 from .exit import RunControl, catch_exit_signals
 from .loop import is_reporting_rank, train
 
@@ -37,7 +37,7 @@ def configure(argv=None, world_size: int | None = None) -> Config:
     cfg = parse_args(argv, world_size if world_size is not None else world_size_from_env())
     tokenizer = build_tokenizer_for(cfg)
     if tokenizer is not None and not cfg.data.mock_data:
-        cfg.model.vocab_size = tokenizer.vocab_size
+        set_vocab_from_tokenizer(cfg, tokenizer)
     if cfg.data.mock_data and cfg.model.vocab_size < 2:
         raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N (N >= 2: "
                           "id N-1 is the end-of-document token)")
@@ -64,12 +64,21 @@ def _check_data_files(data_path: list[str]) -> None:
                           "path without .bin/.idx, e.g. data/demo_text_document)")
 
 
-def build_model(cfg: Config, device, timers: Timers = NO_TIMERS,
-                dims: Optional[ParallelDims] = None) -> GPTModel:
-    """This rank's model (chunks under pipelining) on the rank grid `dims` (default: the one
-    initialize_distributed built)."""
+def build_model(cfg: Config, device, dims: ParallelDims,
+                timers: Timers = NO_TIMERS) -> GPTModel:
+    """This rank's model (chunks under pipelining) on the rank grid `dims`. Each rank computes
+    only the parameters it holds: its TP slice and pipeline stage and, under ZeRO-3, its dp_sp
+    shard (built on the meta device, sharded by FSDP2, then materialised)."""
+    if cfg.parallel.zero_stage == 3:
+        with deferred():
+            model = _build_unsharded(cfg, device, dims, timers)
+        return materialize(shard_model(model, dims), device)
+    return _build_unsharded(cfg, device, dims, timers)
+
+
+def _build_unsharded(cfg: Config, device, dims: ParallelDims, timers: Timers) -> GPTModel:
     if cfg.parallel.pipeline_model_parallel_size > 1:
-        return build_pipeline_model(cfg, device, timers, dims)  # this rank's model chunks
+        return build_pipeline_model(cfg, device, timers, dims=dims)  # this rank's model chunks
     return GPTModel(cfg.model, seed=cfg.train.seed,
                     sequence_parallel=cfg.parallel.sequence_parallel,
                     device=device, timers=timers, dims=dims)
@@ -102,20 +111,14 @@ class Trainer:
 
 def setup(cfg: Config) -> Trainer:
     """Initialize distributed state and build everything training needs."""
-    device = initialize_distributed(cfg)
+    # The rank grid is built once here and handed to everything that communicates.
+    device, dims = initialize_distributed(cfg)
     if cfg.checkpoint.save:
         claim_save_dir(cfg)   # a second job saving into the same directory stops here
-    if torch.distributed.get_rank() != 0 and not is_reporting_rank():
+    if torch.distributed.get_rank() != 0 and not is_reporting_rank(dims):
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
     timers = Timers(cfg.logging.timing_log_level, device.type)
-    dims = ps.get_parallel_dims()   # built once by initialize_distributed; handed to what needs it
-    if cfg.parallel.zero_stage == 3:
-        # Build on the meta device, shard over dp_sp, then compute only this rank's shards.
-        with deferred():
-            model = build_model(cfg, device, timers, dims)
-        model = materialize(shard_model(model, dims), device)
-    else:   # each rank computes only its TP/PP part
-        model = build_model(cfg, device, timers, dims)
+    model = build_model(cfg, device, dims, timers)
     if torch.distributed.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
@@ -133,8 +136,9 @@ def setup(cfg: Config) -> Trainer:
               if cfg.checkpoint.load else Resume())
     eod = eod_token_for(cfg)
     train_ds, valid_ds, _ = build_datasets(cfg)
-    train_batches = global_batches(cfg, train_ds, device, eod, resume.consumed_samples)
-    valid_batches = (global_batches(cfg, valid_ds, device, eod, resume.consumed_valid_samples)
+    train_batches = global_batches(cfg, dims, train_ds, device, eod, resume.consumed_samples)
+    valid_batches = (global_batches(cfg, dims, valid_ds, device, eod,
+                                    resume.consumed_valid_samples)
                      if valid_ds is not None else None)
     return Trainer(cfg, model, optimizer, scheduler, train_batches, valid_batches,
                    resume.iteration, grad_scaler, timers, resume)
@@ -155,7 +159,7 @@ def main(argv=None) -> int:
         catch_exit_signals()   # a signal during start-up stops training after its first iteration
     try:
         setup(cfg).train()
-    except CheckpointError as e:
+    except (CheckpointError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:

@@ -7,41 +7,41 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import ParallelDims
 from ..optim.grads import clip_gradients, reduce_gradients
-from ..pipeline.model import allreduce_embedding_grads, model_chunks
+from ..model.chunks import model_chunks, model_dims
+from ..pipeline.model import allreduce_embedding_grads
 from ..pipeline.schedules import get_forward_backward_func
 from ..timers import NO_TIMERS, Timers
 
 
-def count_tokens(micro_batches: list[dict], device) -> torch.Tensor:
+def count_tokens(micro_batches: list[dict], device, dims: ParallelDims) -> torch.Tensor:
     """Loss-bearing tokens in the whole global batch (summed over DP and SP ranks), exactly:
     an fp64 tensor on `device` (integers up to 2^53; fp32 was inexact above 2^24 tokens)."""
     # Summed on the device (no host sync per micro-batch) and all-reduced in fp64.
     local = torch.stack([mb["loss_mask"].sum(dtype=torch.float64) for mb in micro_batches]).sum()
     total = local.to(device=device, dtype=torch.float64)
-    group = ps.get_data_sequence_parallel_group()
+    group = dims.dp_sp_group
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total.clamp_min(1.0)
 
 
-def global_mean_loss(local_loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> float:
-    group = ps.get_data_sequence_parallel_group()
+def global_mean_loss(local_loss_sum: torch.Tensor, num_tokens: torch.Tensor,
+                     dims: ParallelDims) -> float:
+    group = dims.dp_sp_group
     if dist.get_world_size(group) > 1:
         local_loss_sum = local_loss_sum.clone()
         dist.all_reduce(local_loss_sum, group=group)
-    if ps.get_pipeline_model_parallel_world_size() > 1:
+    if dims.pp > 1:
         # Only the last stage has the loss: every rank reports the same value.
-        pp_ranks = ps.get_group_ranks("pp")
         local_loss_sum = local_loss_sum.clone()
-        dist.broadcast(local_loss_sum, pp_ranks[-1], group=ps.get_pipeline_model_parallel_group())
+        dist.broadcast(local_loss_sum, dims.group_ranks["pp"][-1], group=dims.pp_group)
     return float(local_loss_sum / num_tokens)
 
 
 def schedule_for(model):
-    return get_forward_backward_func(ps.get_pipeline_model_parallel_world_size(),
-                                     len(model_chunks(model)))
+    return get_forward_backward_func(model_dims(model).pp, len(model_chunks(model)))
 
 
 def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
@@ -51,7 +51,8 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     device = params[0].device
     # The exact count, rounded once to the fp32 the losses are divided by (the same value on
     # every rank and layout).
-    num_tokens = count_tokens(micro_batches, device).float()
+    dims = model_dims(model)
+    num_tokens = count_tokens(micro_batches, device, dims).float()
     # fp16: backpropagate loss · scale; dividing the token count by a power of two is exact.
     divisor = num_tokens / grad_scaler.scale if grad_scaler is not None else num_tokens
     # Plain DP and ZeRO-1 reduce gradients in buckets, from backward's hooks when overlapping.
@@ -59,7 +60,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     if grad_sync is not None:
         grad_sync.start(len(micro_batches))
     loss_sum = schedule_for(model)(model, micro_batches, divisor, autocast_dtype, timers=timers)
-    loss = global_mean_loss(loss_sum, num_tokens)
+    loss = global_mean_loss(loss_sum, num_tokens, dims)
     if not math.isfinite(loss):
         # Megatron's --check-for-nan-in-loss-and-grad: stop rather than train on garbage.
         raise FloatingPointError(f"iteration {iteration}: loss is {loss}; stopping. Lower --lr, "
@@ -73,7 +74,7 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
         # Before: a reduce-scatter leaves no full gradient to sum. ZeRO-1 keeps the tied
         # weights in a deferred bucket of their own (the same layout on both stages), reduced
         # only inside reduce_and_clip, so both copies still end bitwise equal.
-        allreduce_embedding_grads(model)
+        allreduce_embedding_grads(model, dims)
         with timers("grad-reduce"):
             grad_norm = reduce_and_clip(clip_grad)
     else:
@@ -81,13 +82,13 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
             if grad_sync is not None:
                 grad_sync.finish()
             else:
-                reduce_gradients(params)
+                reduce_gradients(params, dims)
             # After the dp_sp reduction, so both copies end bitwise equal (a + b == b + a):
             # before it, each stage's copy would be reduced inside differently laid-out
             # buckets, and with 3+ dp_sp ranks the summation orders (and roundings) differ.
-            allreduce_embedding_grads(model)
+            allreduce_embedding_grads(model, dims)
         with timers("grad-clip", level=2):
-            grad_norm = clip_gradients(params, clip_grad)
+            grad_norm = clip_gradients(params, clip_grad, dims)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"iteration {iteration}: grad norm is {grad_norm}; stopping")
     with timers("optimizer"):
@@ -99,11 +100,12 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
 @torch.no_grad()
 def evaluate_loss(model, micro_batches: list[dict], autocast_dtype=None) -> float:
     device = next(model.parameters()).device
-    num_tokens = count_tokens(micro_batches, device).float()
+    dims = model_dims(model)
+    num_tokens = count_tokens(micro_batches, device, dims).float()
     model.eval()
     try:
         loss_sum = schedule_for(model)(model, micro_batches, num_tokens, autocast_dtype,
                                        forward_only=True)
     finally:
         model.train()
-    return global_mean_loss(loss_sum, num_tokens)
+    return global_mean_loss(loss_sum, num_tokens, dims)

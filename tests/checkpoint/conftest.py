@@ -5,6 +5,8 @@ import torch.distributed as dist
 
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
+from megatron_ul.training.pretrain import configure, setup
+from tests.checkpoint.runs import TINY_TWO_ITERS
 from tests.distributed import free_port
 
 
@@ -15,8 +17,16 @@ def single_rank(monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     dist.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1, 1)
-    model_parallel_seed(0)
-    yield
+    dims = ps.initialize_model_parallel(1, 1, 1)
+    model_parallel_seed(0, dims)
+    yield dims
     ps.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def saved(tmp_path, single_rank):
+    """A checkpoint of the tiny model after two iterations (one rank): its directory."""
+    d = str(tmp_path / "ckpt")
+    setup(configure(TINY_TWO_ITERS + ["--save", d], 1)).train()
+    return d

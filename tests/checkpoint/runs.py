@@ -15,6 +15,7 @@ TINY = ["--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", 
         "--lr", "1e-3", "--lr-warmup-iters", "1", "--min-lr", "1e-4", "--seed", "7",
         "--log-interval", "100", "--distributed-timeout-minutes", "1.5", "--adam-eps", "1e-6"]
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
+TINY_TWO_ITERS = TINY + ["--train-iters", "2"]   # conftest's `saved` checkpoint
 
 
 def assert_continues_the_curve(out: dict) -> None:

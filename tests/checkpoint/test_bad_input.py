@@ -12,16 +12,8 @@ from megatron_ul.checkpoint import files
 from megatron_ul.checkpoint.reshard import convert
 from megatron_ul.config import ConfigError
 from megatron_ul.training.pretrain import configure, setup
-from tests.checkpoint.runs import TINY, listing
+from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV, listing
 
-ARGV = TINY + ["--train-iters", "2"]
-
-
-@pytest.fixture
-def saved(tmp_path, single_rank):
-    d = str(tmp_path / "ckpt")
-    setup(configure(ARGV + ["--save", d], 1)).train()
-    return d
 
 
 def _load_error(argv) -> str:

@@ -13,6 +13,7 @@ from megatron_ul.checkpoint.hf import export_checkpoint, import_checkpoint  # no
 from megatron_ul.checkpoint.io import load_checkpoint, save_checkpoint  # noqa: E402
 from megatron_ul.config import CheckpointConfig, Config, ModelConfig  # noqa: E402
 from megatron_ul.model.gpt import GPTModel  # noqa: E402
+from megatron_ul.mpu.parallel_state import single_rank_dims  # noqa: E402
 
 VOCAB = 100   # not a multiple of 128: our table is padded, theirs is not
 
@@ -28,7 +29,7 @@ def _perturb(model):
 
 def _ours(fields: dict) -> GPTModel:
     cfg = ModelConfig(**{**fields, "attention_dropout": 0.0, "hidden_dropout": 0.0})
-    return GPTModel(cfg, seed=3).eval()
+    return GPTModel(cfg, seed=3, dims=single_rank_dims()).eval()
 
 
 def _our_logits(model, tokens):

@@ -73,7 +73,7 @@ def test_pp2_checkpoint_exports_to_hugging_face_and_generates(tmp_path, single_r
                                                  "--pipeline-model-parallel-size", "2"], 2)
     meta = read_json(os.path.join(save, "iter_0000002", METADATA), "metadata")
     assert meta["layout"]["pp"] == 2 and "replica.word_embeddings.weight" in meta["params"]
-    ours = GPTModel(ModelConfig(**meta["model"]), seed=0).eval()
+    ours = GPTModel(ModelConfig(**meta["model"]), seed=0, dims=single_rank).eval()
     params = dict(ours.named_parameters())
     assert params.keys() == trained.keys()          # global names are the PP1 module names
     with torch.no_grad():

@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from megatron_ul.data import gpt_dataset
+from megatron_ul.data import gpt_dataset, index_cache
 from megatron_ul.data.gpt_dataset import (GPTDataset, build_sample_index, build_train_valid_test_datasets,
-                                          parse_data_path, split_boundaries)
+                                          parse_data_path, split_ranges)
 from megatron_ul.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_ul.data.mock import MockGPTDataset
 
@@ -82,7 +82,7 @@ def test_samples_are_windows_of_the_shuffled_document_stream(tmp_path, num_sampl
 
 def test_index_determinism_and_cache(tmp_path):
     prefix = write_dataset(tmp_path / "d", documents_with_token_range(1, 40, 0, 500))
-    args = (["1", prefix], "80,15,5", 8, (300, 20, 10), 1234)
+    args = ([prefix], "80,15,5", 8, (300, 20, 10), 1234)
     in_memory = build_train_valid_test_datasets(*args, cache_path=None)
     again = build_train_valid_test_datasets(*args, cache_path=None)
     cache = str(tmp_path / "cache")
@@ -109,7 +109,7 @@ def test_non_builder_rank_waits_for_rank_zero(tmp_path, monkeypatch):
     dataset = IndexedDataset(prefix)
     cache = str(tmp_path / "cache")
     monkeypatch.setenv("RANK", "1")
-    monkeypatch.setattr(gpt_dataset, "CACHE_WAIT_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(index_cache, "CACHE_WAIT_TIMEOUT_S", 0.2)
     with pytest.raises(TimeoutError, match="description.json"):
         GPTDataset(dataset, (0, 20), 50, 8, seed=3, cache_path=cache)
     monkeypatch.setenv("RANK", "0")
@@ -119,20 +119,25 @@ def test_non_builder_rank_waits_for_rank_zero(tmp_path, monkeypatch):
     np.testing.assert_array_equal(loaded.shuffle_index, built.shuffle_index)
 
 
-def test_split_boundaries_and_parsing():
-    assert split_boundaries("949,50,1", 1000) == [0, 949, 999, 1000]
-    assert split_boundaries("1", 7) == [0, 7, 7, 7]
-    assert split_boundaries("98,2", 100) == [0, 98, 100, 100]
-    boundaries = split_boundaries("1,1,1", 10)
-    assert boundaries[0] == 0 and boundaries[-1] == 10 and sorted(boundaries) == boundaries
+def test_split_ranges_and_parsing():
+    # megatron-core: cumulative fractions, round(fraction * sequences) with Python's round.
+    assert split_ranges("969,30,1", 1758) == [(0, 1704), (1704, 1756), (1756, 1758)]
+    assert split_ranges("949,50,1", 1000) == [(0, 949), (949, 999), (999, 1000)]
+    assert split_ranges("1", 7) == [(0, 7), None, None]
+    assert split_ranges("98,2", 100) == [(0, 98), (98, 100), None]
+    assert split_ranges("1,1,1", 10) == [(0, 3), (3, 7), (7, 10)]
+    assert split_ranges("1,1,2", 10) == [(0, 2), (2, 5), (5, 10)]  # round(2.5) == 2: half to even
     with pytest.raises(ValueError, match="--split"):
-        split_boundaries("a,b", 10)
+        split_ranges("a,b", 10)
+    with pytest.raises(ValueError, match="--split"):
+        split_ranges("0,0,0", 10)
     assert parse_data_path(["a/b_text_document"]) == (["a/b_text_document"], None)
     assert parse_data_path(["0.3", "x", "0.7", "y"]) == (["x", "y"], [0.3, 0.7])
     assert parse_data_path(["0.3 x 0.7 y"]) == (["x", "y"], [0.3, 0.7])
     assert parse_data_path(["x", "y"]) == (["x", "y"], None)
-    with pytest.raises(ValueError, match="--data-path"):
-        parse_data_path(["0.3", "x", "y"])
+    for bad in (["0.3", "x", "y"], ["nan", "x"], ["inf", "x", "1", "y"], ["0", "x", "1", "y"], ["-1", "x"]):
+        with pytest.raises(ValueError, match="--data-path"):
+            parse_data_path(bad)
 
 
 def test_split_documents_are_disjoint(tmp_path):
@@ -198,8 +203,32 @@ def test_two_distributed_ranks_share_one_build(tmp_path):
     cache = str(tmp_path / "cache")
     results = mp.Manager().dict()
     mp.start_processes(_build_on_rank, args=(2, str(tmp_path / "init"), prefix, cache, results), nprocs=2,
-                       start_method="fork")
+                       start_method="spawn")   # fork after torch threads can crash
     assert results[0] == results[1] and results[0][1]
     reference = GPTDataset(IndexedDataset(prefix), (0, 30), 80, 8, seed=11)
     assert results[0][0] == reference.shuffle_index.tolist()
     assert len(os.listdir(os.path.join(cache, "GPTDataset_indices"))) == 4
+
+
+def test_fixed_indices_recorded_from_megatron_core(tmp_path):
+    """Values recorded from megatron-core 0.16.1's BlendedMegatronDatasetBuilder on these files
+    (tests/data/test_data_vs_megatron_core.py compares live when it is installed)."""
+    p = write_dataset(tmp_path / "p", documents_with_token_range(2, 20, 0, 100))
+    q = write_dataset(tmp_path / "q", documents_with_token_range(3, 15, 100, 200))
+    train, valid, test = build_train_valid_test_datasets([p], "80,15,5", 8, (60, 10, 5), 3, cache_path=None)
+    assert [split.sequence_range for split in (train, valid, test)] == [(0, 16), (16, 19), (19, 20)]
+    assert train.document_index.tolist() == [4, 1, 5, 14, 12, 11, 4, 15, 2, 2, 0, 1, 7, 10, 7, 13, 12, 13, 6, 6, 9,
+                                             11, 15, 3, 5, 0, 8, 14, 3, 9, 8, 10]
+    assert train.sample_index[:6].tolist() == [[0, 0], [1, 8], [1, 16], [1, 24], [1, 32], [3, 1]]
+    assert train.shuffle_index.tolist() == [
+        19, 40, 9, 47, 26, 36, 3, 22, 58, 6, 53, 34, 25, 12, 8, 35, 4, 2, 62, 17, 50, 39, 49, 5, 13, 31, 23, 11, 60,
+        59, 32, 44, 38, 16, 27, 10, 52, 1, 54, 55, 57, 51, 18, 41, 45, 0, 28, 14, 21, 30, 20, 37, 48, 15, 61, 43, 56,
+        7, 24, 42, 29, 33, 46]
+    assert train[0]["text"].tolist() == [26, 10, 29, 41, 81, 45, 9, 33, 60]
+    weighted = build_train_valid_test_datasets(["0.7", p, "0.3", q], "1", 8, (40, 0, 0), 5, cache_path=None)[0]
+    assert weighted.dataset_index.tolist() == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0] * 4
+    assert weighted.dataset_sample_index.tolist()[:12] == [0, 0, 1, 2, 1, 3, 4, 2, 5, 6, 7, 3]
+    # Unweighted: one epoch per prefix (41 and 26 samples), the blend capped at their sum.
+    unweighted = build_train_valid_test_datasets([p, q], "1", 8, (1000, 0, 0), 5, cache_path=None)[0]
+    assert len(unweighted) == 67 and [len(d) for d in unweighted.datasets] == [41, 26]
+    assert unweighted.dataset_index[:20].tolist() == [0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 0, 1, 0, 0, 1]

@@ -50,9 +50,9 @@ def test_tokens_and_documents_written_in_order(tmp_path, monkeypatch, workers):
     text = IndexedDataset(f"{prefix}_text_document")
     assert text.dtype == np.uint16 and len(text) == 50 == text.num_documents
     for index, document in enumerate(documents):
-        assert text[index].tolist() == document + [99]
+        assert text[index].tolist() == document + [100]  # NullTokenizer: EOD = --vocab-size
     titles = IndexedDataset(f"{prefix}_title_document")
-    assert [titles[i].tolist() for i in range(50)] == [[len(doc), 99] for doc in documents]
+    assert [titles[i].tolist() for i in range(50)] == [[len(doc), 100] for doc in documents]
     assert output_files(tmp_path) == ["out_text_document.bin", "out_text_document.idx",
                                       "out_title_document.bin", "out_title_document.idx"]
 
@@ -67,7 +67,7 @@ def test_sentencepiece_output_matches_tokenizer(tmp_path):
     assert code == 0
     model = str(tmp_path / "sp.model")
     assert preprocess_data.main(["--input", source, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
-                                 "SentencePieceTokenizer", "--tokenizer-model", model, "--append-eod"]) == 0
+                                 "GPTSentencePieceTokenizer", "--tokenizer-model", model, "--append-eod"]) == 0
     processor = sentencepiece.SentencePieceProcessor(model_file=model)
     dataset = IndexedDataset(str(tmp_path / "o_text_document"))
     for index, text in enumerate(texts):
@@ -77,14 +77,14 @@ def test_sentencepiece_output_matches_tokenizer(tmp_path):
 
 def test_malformed_and_missing_key_lines_are_skipped_with_line_numbers(tmp_path, capsys):
     lines = ['{"text": "1 2 3"}', '{"text": "4 5', '{"other": "6"}', "", '{"text": "7 8"}', "[1, 2]",
-             '{"text": "5 100"}', '{"text": 12}']
+             '{"text": "5 101"}', '{"text": 12}']
     source = write_jsonl(tmp_path / "in.jsonl", lines)
     assert preprocess_data.main(null_args(source, tmp_path / "out")) == 0
     stderr = capsys.readouterr().err
     assert "line 2: malformed JSON" in stderr
     assert "line 3: missing key 'text'" in stderr
     assert "line 6: not a JSON object" in stderr
-    assert "line 7: cannot tokenize key 'text'" in stderr  # id 100 is outside --vocab-size 100
+    assert "line 7: cannot tokenize" in stderr  # id 101 is outside ids 0..99 + EOD 100
     assert "line 8: key 'text' is not a string" in stderr
     assert "line 4" not in stderr and "line 5" not in stderr
     assert "5 bad lines skipped" in stderr

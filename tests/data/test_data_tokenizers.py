@@ -8,8 +8,9 @@ import random
 import pytest
 import regex
 
-from megatron_ul.data.tokenizers import (GPT2BPETokenizer, NullTokenizer, SentencePieceTokenizer,
-                                         build_tokenizer)
+from megatron_ul.data.tokenizers import (GPT2BPETokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer,
+                                         Llama2Tokenizer, NullTokenizer, SentencePieceTokenizer, build_tokenizer)
+from tests.data.fixtures import SP_TEXTS, hf_tokenizer_folder
 
 SAMPLE_TEXTS = [
     "Hello world! Hello, hello... it's 2024 and we've 3.14159 reasons.",
@@ -44,12 +45,12 @@ def sp_model(tmp_path_factory):
     return str(directory / "m.model")
 
 
-def test_sentencepiece_matches_sentencepiece(sp_model):
+def test_gpt_sentencepiece_matches_sentencepiece(sp_model):
     import sentencepiece
 
     reference = sentencepiece.SentencePieceProcessor(model_file=sp_model)
-    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
-    assert isinstance(tokenizer, SentencePieceTokenizer)
+    tokenizer = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=sp_model)
+    assert isinstance(tokenizer, GPTSentencePieceTokenizer)
     assert tokenizer.vocab_size == reference.get_piece_size() == 400
     assert tokenizer.eod == reference.eos_id() == reference.piece_to_id("</s>")
     texts = SAMPLE_TEXTS + make_corpus(seed=1, num_lines=50)
@@ -58,6 +59,69 @@ def test_sentencepiece_matches_sentencepiece(sp_model):
         assert tokenizer.detokenize(tokenizer.tokenize(text)) == reference.decode(reference.encode(text))
     assert tokenizer.tokenize_batch(texts) == [reference.encode(text) for text in texts]
     assert any(len(tokenizer.tokenize(text)) > 1 for text in texts)
+
+
+def test_megatron_sentencepiece_special_tokens(sp_model):
+    """Megatron's SentencePieceTokenizer: <CLS> <SEP> <EOD> <MASK> <PAD> get the ids after the
+    pieces (the model has <s> and </s> but no pad), so 400 pieces -> vocab 405, EOD 402
+    (an 8000-piece model: 8005 and 8002)."""
+    import sentencepiece
+
+    reference = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
+    assert isinstance(tokenizer, SentencePieceTokenizer)
+    assert tokenizer.vocab_size == 405 and tokenizer.eod == 402
+    assert tokenizer.special_tokens == {"<CLS>": 400, "<SEP>": 401, "<EOD>": 402, "<MASK>": 403, "<PAD>": 404,
+                                        "<s>": 1, "</s>": 2}
+    text = "a <EOD>b</s><s><MASK> c<SEP>"
+    expected = (reference.encode("a ") + [402] + reference.encode("b") + [2, 1, 403] + reference.encode(" c")
+                + [401])
+    assert tokenizer.tokenize(text) == expected
+    texts = SAMPLE_TEXTS + [text]
+    assert tokenizer.tokenize_batch(texts) == [tokenizer.tokenize(t) for t in texts]
+    for plain in SAMPLE_TEXTS:
+        assert tokenizer.tokenize(plain) == reference.encode(plain)
+    assert tokenizer.detokenize([402]) == " <EOD> "
+
+
+def test_llama2_tokenizer_prepends_bos(sp_model):
+    import sentencepiece
+
+    reference = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    tokenizer = build_tokenizer("Llama2Tokenizer", tokenizer_model=sp_model)
+    assert isinstance(tokenizer, Llama2Tokenizer)
+    assert tokenizer.vocab_size == 400 and tokenizer.eod == reference.eos_id() == 2
+    assert tokenizer.tokenize("hello") == [1] + reference.encode("hello")
+    assert tokenizer.tokenize("") == [1]
+    assert tokenizer.tokenize_batch(["x", "y z"]) == [tokenizer.tokenize("x"), tokenizer.tokenize("y z")]
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+def test_huggingface_tokenizer_both_backends_agree(tmp_path):
+    folder = hf_tokenizer_folder(str(tmp_path / "hf"))
+    light = HuggingFaceTokenizer(folder, prefer_transformers=False)
+    assert light.backend == "tokenizers"
+    texts = SP_TEXTS[:20] + SAMPLE_TEXTS
+    ids = light.tokenize_batch(texts)
+    assert ids == [light.tokenize(text) for text in texts]
+    assert all(token_ids[0] == 1 for token_ids in ids)  # <s> from the post-processor
+    assert light.eod == 2 and light.vocab_size == 400
+    assert light.detokenize(light.tokenize("the quick fox")) == "<s>the quick fox" or \
+        light.detokenize(light.tokenize("the quick fox")).endswith("the quick fox")
+    pytest.importorskip("transformers")
+    full = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder)
+    assert full.backend == "transformers"
+    assert (full.vocab_size, full.eod) == (light.vocab_size, light.eod)
+    assert full.tokenize_batch(texts) == ids
+
+
+def test_huggingface_tokenizer_bad_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="--tokenizer-model"):
+        build_tokenizer("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "missing"))
+    with pytest.raises((ValueError, FileNotFoundError), match="--tokenizer-model"):
+        HuggingFaceTokenizer(str(tmp_path), prefer_transformers=False)
 
 
 # ---------------------------------------------------------------- GPT-2 BPE reference
@@ -201,13 +265,22 @@ def test_gpt2_bpe_hand_made_merges(tmp_path):
 
 
 def test_null_tokenizer():
+    # Megatron: --vocab-size N means ids 0..N-1 and EOD = N (no collision with a real id).
     tokenizer = build_tokenizer("NullTokenizer", vocab_size=100)
     assert isinstance(tokenizer, NullTokenizer)
     assert tokenizer.tokenize(" 5 17\n99 0 ") == [5, 17, 99, 0]
     assert tokenizer.detokenize([5, 17]) == "5 17"
-    assert tokenizer.eod == 99 and tokenizer.vocab_size == 100
+    assert tokenizer.eod == 100 and tokenizer.vocab_size == 101
     with pytest.raises(ValueError):
-        tokenizer.tokenize("100")
+        tokenizer.tokenize("101")
+
+
+def test_vocab_file_that_is_not_json_names_the_file(tmp_path):
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab.write_text("not json")
+    merges.write_text("")
+    with pytest.raises(ValueError, match=f"--vocab-file {vocab}"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
 
 
 @pytest.mark.parametrize("kwargs, flag", [
@@ -226,3 +299,13 @@ def test_gpt2_missing_merge_file_names_flag(gpt2_files):
     _, _, vocab_file, _ = gpt2_files
     with pytest.raises(FileNotFoundError, match="--merge-file"):
         build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file="/nonexistent/merges.txt")
+
+
+def test_training_flag_accepts_every_tokenizer_type():
+    import typing
+
+    from megatron_ul.config import DataConfig
+    from megatron_ul.data.tokenizers import TOKENIZER_TYPES
+
+    literal = typing.get_args(typing.get_type_hints(DataConfig)["tokenizer_type"])[0]
+    assert typing.get_args(literal) == TOKENIZER_TYPES

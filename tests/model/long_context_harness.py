@@ -32,10 +32,10 @@ def _batch(cfg, seed: int = 0):
     return text[:, :-1][:, shard], positions[:, shard], text[:, 1:][:, shard], mask[:, shard]
 
 
-def loss_and_grads(cfg, autocast_dtype=None, attention_mask_fn=None):
-    model_parallel_seed(cfg.train.seed)
+def loss_and_grads(cfg, dims, autocast_dtype=None, attention_mask_fn=None):
+    model_parallel_seed(cfg.train.seed, dims)
     model = GPTModel(cfg.model, seed=cfg.train.seed,
-                     sequence_parallel=cfg.parallel.sequence_parallel)
+                     sequence_parallel=cfg.parallel.sequence_parallel, dims=dims)
     tokens, positions, labels, mask = _batch(cfg)
     mask_arg = attention_mask_fn(cfg) if attention_mask_fn else None
     with (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
@@ -50,11 +50,12 @@ def compare_runs(rank, world, base_argv, option_argv, sizes, autocast_dtype=None
     """(max |loss diff| / max |loss|, max over params of max|grad diff| / max|grad|) between
     base_argv and base_argv + option_argv (each with its own attention mask function)."""
     tp, sp = sizes
-    ps.initialize_model_parallel(tp, sp, 1)
+    dims = ps.initialize_model_parallel(tp, sp, 1)
     base = validate(resolve(parse_args(base_argv, world)))
     option = validate(resolve(parse_args(base_argv + option_argv, world)))
-    ref_loss, ref_grads = loss_and_grads(base, autocast_dtype, attention_mask_fn)
-    loss, grads = loss_and_grads(option, autocast_dtype, option_mask_fn or attention_mask_fn)
+    ref_loss, ref_grads = loss_and_grads(base, dims, autocast_dtype, attention_mask_fn)
+    loss, grads = loss_and_grads(option, dims, autocast_dtype,
+                                 option_mask_fn or attention_mask_fn)
     loss_diff = float((loss - ref_loss).abs().max() / ref_loss.abs().max())
     grad_diff = max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
                     for n, g in ref_grads.items())

@@ -17,7 +17,7 @@ CFG = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, seq_lengt
 
 def _build_with_own_groups(rank, world):
     run_dims = ps.initialize_model_parallel(2, 2, 1)    # TP2 × SP2
-    model_parallel_seed(1)
+    model_parallel_seed(1, run_dims)
     # The same ranks as fresh group objects: a model handed these must use them everywhere.
     # (new_group is collective over the world: every rank creates every group, in order.)
     fresh = {tuple(ranks): dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])}
@@ -26,7 +26,7 @@ def _build_with_own_groups(rank, world):
     own = dataclasses.replace(run_dims, groups={**run_dims.groups, "tp": tp_group,
                                                 "sp": sp_group})
     model = GPTModel(CFG, seed=3, dims=own)
-    reference = GPTModel(CFG, seed=3)                   # the run's groups
+    reference = GPTModel(CFG, seed=3, dims=run_dims)    # the run's groups
     groups = {m.tp_group for m in model.modules() if hasattr(m, "tp_group")}
     cores = {m.core.group for m in model.modules() if hasattr(m, "core")}
     tokens = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))

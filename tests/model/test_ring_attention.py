@@ -133,8 +133,8 @@ def test_ring_r4_and_hybrid_u2r2_match_full_attention_and_send_what_they_should(
 
 def _check_hybrid(rank, world):
     ulysses = 2
-    ps.initialize_model_parallel(1, ulysses, 1, context_parallel_size=world // ulysses)
-    model_parallel_seed(0)
+    dims = ps.initialize_model_parallel(1, ulysses, 1, context_parallel_size=world // ulysses)
+    model_parallel_seed(0, dims)
     ring = Ring.from_dims(ps.get_parallel_dims())
     attention = DistributedAttention(ulysses, "sdpa", ps.get_sequence_parallel_group(), ring=ring)
     positions = rank_positions(N, ps.get_sequence_parallel_rank(), ulysses, ring.rank, ring.size)

@@ -31,8 +31,8 @@ def _inputs(hq, hk):
 
 
 def _check(rank, world):
-    ps.initialize_model_parallel(1, world, 1)
-    model_parallel_seed(0)
+    dims = ps.initialize_model_parallel(1, world, 1)
+    model_parallel_seed(0, dims)
     sp_rank = ps.get_sequence_parallel_rank()
     attention = DistributedAttention(world, "sdpa", ps.get_sequence_parallel_group())
     for hq, hk in CASES:

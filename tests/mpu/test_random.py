@@ -9,13 +9,13 @@ from tests.distributed import run_distributed
 
 
 def _draws(rank, world):
-    ps.initialize_model_parallel(2, 2, 1)
-    model_parallel_seed(1234)
+    dims = ps.initialize_model_parallel(2, 2, 1)
+    model_parallel_seed(1234, dims)
     default_a = torch.rand(4)
     with get_rng_tracker().fork():
         forked = torch.rand(4)
     default_b = torch.rand(4)
-    model_parallel_seed(1234)
+    model_parallel_seed(1234, dims)
     torch.rand(4)
     replay = torch.rand(4)  # the fork did not advance the default stream
     return {"tp": ps.get_tensor_model_parallel_rank(), "sp": ps.get_sequence_parallel_rank(),

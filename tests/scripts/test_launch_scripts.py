@@ -16,9 +16,11 @@ from megatron_ul.training.pretrain import configure
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPTS = sorted(glob.glob(os.path.join(ROOT, "scripts", "*.sh"))
                  + glob.glob(os.path.join(ROOT, "scripts", "slurm", "*.sbatch")))
-# Helpers and the install/test/lint wrappers launch no training.
+# Helpers, the install/test/lint wrappers and data preprocessing (tests/data covers
+# preprocess_array.sbatch) launch no training.
 SCRIPTS = [s for s in SCRIPTS
-           if os.path.basename(s) not in ("common.sh", "install.sh", "test.sh", "lint.sh")]
+           if os.path.basename(s) not in ("common.sh", "install.sh", "test.sh", "lint.sh",
+                                          "preprocess_array.sbatch")]
 SBATCH = [s for s in SCRIPTS if s.endswith(".sbatch")]
 # The runs that must survive a restart (the demo is a fixed 2-minute showcase).
 TRAINING = [s for s in SCRIPTS if os.path.basename(s) != "demo_cpu.sh"]

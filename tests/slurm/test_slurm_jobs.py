@@ -171,7 +171,7 @@ def reference(cluster, workdir, time_limit_run):
 def test_two_node_job_completes_and_loss_falls(reference):
     log = reference.log()
     assert reference.info["JobState"] == "COMPLETED" and reference.info["ExitCode"] == "0:0", log
-    assert "2 nodes x 1 ranks" in log and "world 2 = PP 1 × DP 1 × SP 2 × TP 1" in log
+    assert "2 nodes x 1 ranks" in log and "world 2 = PP 1 × DP 1 × CP 1 × SP 2 × TP 1" in log
     losses = reference.losses()
     assert sorted(losses) == list(range(1, ITERS + 1)), log
     first, last = float(losses[1]), float(losses[ITERS])
@@ -240,13 +240,15 @@ def test_time_limit_kill_leaves_a_loadable_checkpoint(cluster, time_limit_run):
           f"last checkpoint {saved}")
     assert saved == max(losses), "the SIGTERM at the time limit saves the last iteration"
 
-    run.submit(env={"TRAIN_ITERS": str(saved + 3), "TP": "2"}, sbatch=["--time=5"])
+    # a few more iterations than the checkpoint's schedule planned: keep its LR schedule
+    run.submit(env={"TRAIN_ITERS": str(saved + 3), "TP": "2"}, sbatch=["--time=5"],
+               flags=["--use-checkpoint-opt_param-scheduler"])
     info = run.wait({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     TIMES["(c) time limit + resubmitted"] = time.monotonic() - run.started
     log = run.log()
     assert info["JobState"] == "COMPLETED", log
     assert f"loaded checkpoint {run.dir}/checkpoints/iter_{saved:07d} at iteration {saved}" in log
-    assert "world 2 = PP 1 × DP 1 × SP 1 × TP 2" in log and "resharding" in log, log
+    assert "world 2 = PP 1 × DP 1 × CP 1 × SP 1 × TP 2" in log and "resharding" in log, log
     resumed = run.losses()
     assert sorted(resumed) == [saved + 1, saved + 2, saved + 3], log
     # the weights were loaded, not re-initialised: the loss continues from where it was

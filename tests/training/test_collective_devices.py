@@ -53,6 +53,7 @@ def test_fp16_scaler_reduces_found_inf_on_the_parameters_device(handed):
 def test_exit_flags_are_reduced_on_the_parameters_device(handed):
     cfg = Config()
     cfg.checkpoint.exit_duration_in_mins = 60.0
+    cfg.train.global_batch_size = 1   # resolved, as setup() hands it (the data position)
     control = RunControl(cfg, torch.nn.Linear(2, 2, device=META), None, None)
     with pytest.raises(Handed):
         control.after_iteration(1)
@@ -68,19 +69,18 @@ def test_grad_norm_is_reduced_on_the_parameters_device_even_without_gradients(ha
 
 
 def test_token_count_is_reduced_in_fp64_on_the_training_device(handed, monkeypatch):
-    monkeypatch.setattr(step_module.ps, "get_data_sequence_parallel_group", lambda: None)
     batches = [{"loss_mask": torch.ones(2, 8)}]
     with pytest.raises(Handed):
-        step_module.count_tokens(batches, META)
+        step_module.count_tokens(batches, META, SimpleNamespace(dp_sp_group=None))
     assert handed == [(META, torch.float64)]
 
 
 def test_token_count_is_exact_past_fp32s_integers(monkeypatch):
-    monkeypatch.setattr(step_module.ps, "get_data_sequence_parallel_group", lambda: None)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     n = 2**24 + 1   # the first integer fp32 cannot hold
     batches = [{"loss_mask": torch.ones(1, 2**23)}, {"loss_mask": torch.ones(1, 2**23 + 1)}]
-    assert int(step_module.count_tokens(batches, torch.device("cpu")).item()) == n
+    assert int(step_module.count_tokens(batches, torch.device("cpu"),
+                                         SimpleNamespace(dp_sp_group=None)).item()) == n
 
 
 def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):

@@ -31,11 +31,17 @@ def one_layer(rank, world, seq, hidden, heads, layout):
     """Bytes this rank sends in one layer's forward and in its backward."""
     tp, sp = (1, world) if layout == "ulysses" else (world, 1)
     megatron_sp = layout == "megatron-sp"
-    ps.initialize_model_parallel(tp, sp, 1)
-    model_parallel_seed(1, "cpu")
+    return layer_bytes(ps.initialize_model_parallel(tp, sp, 1), world, seq, hidden, heads,
+                       megatron_sp)
+
+
+def layer_bytes(dims, world, seq, hidden, heads, megatron_sp=False):
+    """Bytes this rank sends in the forward and in the backward of one transformer layer built
+    on `dims` (fed this rank's seq/world tokens): per collective, {op: bytes}."""
+    model_parallel_seed(1, dims, "cpu")
     cfg = ModelConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads,
                       seq_length=seq, vocab_size=128, attention_dropout=0.0, hidden_dropout=0.0)
-    layer = TransformerLayer(cfg, 1, seed=1, sequence_parallel=megatron_sp)
+    layer = TransformerLayer(cfg, 1, seed=1, sequence_parallel=megatron_sp, dims=dims)
     x = torch.randn(seq // world, 1, hidden, requires_grad=True)  # this rank's tokens
     with comm_stats.count_communication() as forward:
         y = layer(x)

@@ -43,12 +43,10 @@ def build_on_rank(rank, world, argv):
     from torch.distributed.tensor import DTensor
 
     from megatron_ul.initialize import initialize_distributed
-    from megatron_ul.mpu.param_init import deferred, materialize
-    from megatron_ul.optim.zero3 import shard_model
     from megatron_ul.training.pretrain import build_model, configure
 
     cfg = configure(argv, world)
-    device = initialize_distributed(cfg)
+    device, dims = initialize_distributed(cfg)
     # The ranks build one after another, so that each has the machine's cores to itself (as
     # each GPU's host share would) and the CPU times compare across layouts.
     for turn in range(world):
@@ -57,12 +55,7 @@ def build_on_rank(rank, world, argv):
             continue
         before = _rss_bytes()
         wall, cpu = time.perf_counter(), time.process_time()
-        if cfg.parallel.zero_stage == 3:
-            with deferred():
-                model = build_model(cfg, device)
-            model = materialize(shard_model(model), device)
-        else:
-            model = build_model(cfg, device)
+        model = build_model(cfg, device, dims)   # pretrain.setup's build, ZeRO-3 included
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4

@@ -39,7 +39,8 @@ def model_state_worker(rank, world, argv):
     model, optimizer = trainer.model, trainer.optimizer
     train_step(model, optimizer, next(trainer.train_batches), clip_grad=1.0)  # Adam state exists
     batch = next(trainer.train_batches)  # gradients of one more step exist while we measure
-    forward_backward_no_pipelining(model, batch, count_tokens(batch, torch.device("cpu")).float())
+    tokens = count_tokens(batch, torch.device("cpu"), model.dims).float()
+    forward_backward_no_pipelining(model, batch, tokens)
     return model_state_bytes(model, optimizer)
 
 

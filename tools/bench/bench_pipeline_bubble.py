@@ -83,15 +83,15 @@ def _measure_rank(rank, world, flags, iters):
     from megatron_ul.training.step import count_tokens, schedule_for
     try:
         cfg = configure(flags, world)
-        device = initialize_distributed(cfg)
-        model = build_model(cfg, device)
-        batches = global_batches(cfg, build_datasets(cfg)[0], device, None)
+        device, dims = initialize_distributed(cfg)
+        model = build_model(cfg, device, dims)
+        batches = global_batches(cfg, dims, build_datasets(cfg)[0], device, None)
         counter = {"blocked": 0.0}
         _instrument_waits(counter)
         walls, blocked = [], []
         for it in range(iters + 1):
             micro_batches = next(batches)
-            num_tokens = count_tokens(micro_batches, device).float()
+            num_tokens = count_tokens(micro_batches, device, dims).float()
             dist.barrier()
             counter["blocked"], start = 0.0, time.perf_counter()
             schedule_for(model)(model, micro_batches, num_tokens)

@@ -18,14 +18,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from tools.bench.bench_comm_volume import layer_bytes
 from tools.bench.common import markdown_table, report, run_ranks
 
-from megatron_ul.config import ModelConfig
 from megatron_ul.model import ring_attention
 from megatron_ul.model.ring_attention import Ring, measure_ring_time
-from megatron_ul.model.transformer import TransformerLayer
 from megatron_ul.model.ulysses import DistributedAttention
-from megatron_ul.mpu import comm_stats
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
 from megatron_ul.timers import Timers
@@ -43,18 +41,8 @@ def _name(u: int, r: int) -> str:
 
 
 def one_layer_bytes(rank, world, seq, hidden, heads, u, r):
-    ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
-    model_parallel_seed(1, "cpu")
-    cfg = ModelConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads,
-                      seq_length=seq, vocab_size=128, attention_dropout=0.0, hidden_dropout=0.0)
-    layer = TransformerLayer(cfg, 1, seed=1, sequence_parallel=False)
-    x = torch.randn(seq // world, 1, hidden, requires_grad=True)
-    with comm_stats.count_communication() as forward:
-        y = layer(x)
-    with comm_stats.count_communication() as backward:
-        y.sum().backward()
-    return ({op: v["bytes"] for op, v in forward.items()},
-            {op: v["bytes"] for op, v in backward.items()})
+    dims = ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
+    return layer_bytes(dims, world, seq, hidden, heads)
 
 
 def formula_nh(u: int, r: int) -> tuple[float, float]:
@@ -86,11 +74,11 @@ def table_bytes(seq: int, hidden: int, heads: int, sizes: list[int]) -> str:
 def attention_time(rank, world, seq, heads, head_dim, u, r, warmup, iters):
     """Per iteration: (wall s, exposed comm s, ring kernel CPU s) of the attention core; the
     kernel time is the fastest iteration's (other jobs on a shared machine only add to it)."""
-    ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
-    model_parallel_seed(1, "cpu")
+    dims = ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
+    model_parallel_seed(1, dims, "cpu")
     timers = Timers(1)   # times the Ulysses all-to-alls
-    core = DistributedAttention(u, "sdpa", ps.get_sequence_parallel_group(), timers=timers,
-                                ring=Ring.from_dims(ps.get_parallel_dims()))
+    core = DistributedAttention(u, "sdpa", dims.sp_group, timers=timers,
+                                ring=Ring.from_dims(dims))
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(seq // world, 1, heads, head_dim, generator=g).requires_grad_()
                for _ in range(3))

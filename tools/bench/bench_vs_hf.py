@@ -29,12 +29,12 @@ from megatron_ul.training.step import train_step
 def build_ours(a):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
-    ps.initialize_model_parallel(1, 1, 1)
-    model_parallel_seed(1, "cpu")
+    dims = ps.initialize_model_parallel(1, 1, 1)
+    model_parallel_seed(1, dims, "cpu")
     cfg = ModelConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
                       seq_length=a.seq, vocab_size=a.vocab, attention_dropout=0.0,
                       hidden_dropout=0.0, max_position_embeddings=a.seq)
-    model = GPTModel(cfg, seed=1)
+    model = GPTModel(cfg, seed=1, dims=dims)
     assert model.padded_vocab_size == a.vocab, "pick a --vocab that needs no padding"
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
 
