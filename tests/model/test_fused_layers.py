@@ -20,6 +20,16 @@ LAYOUTS = {  # name -> (flags, world)
     "SP2-selective-recompute": (["--ds-sequence-parallel-size", "2",
                                  "--recompute-granularity", "selective"], 2),
     "ZeRO-3 SP2": (["--ds-sequence-parallel-size", "2", "--zero-stage", "3"], 2),
+    "CP2-ring": (["--context-parallel-size", "2"], 2),
+    # The long-context features (docs/long_context.md): documents with a sliding window in the
+    # (eager) attention core, the tiled MLP inside the compiled layer, the tiled loss after it.
+    "SP2-long-context": (["--ds-sequence-parallel-size", "2", "--tokenizer-type",
+                          "NullTokenizer", "--vocab-size", "16", "--reset-attention-mask",
+                          "--reset-position-ids", "--eod-mask-loss", "--window-size", "8", "0",
+                          "--tiled-mlp-chunk-size", "4", "--tiled-loss-chunk-size", "4"], 2),
+    "SP2-offloaded-recompute": (["--ds-sequence-parallel-size", "2", "--recompute-granularity",
+                                 "full", "--recompute-method", "uniform",
+                                 "--activation-checkpoint-cpu-offload"], 2),
 }
 DEFAULT = {("llama", "SP2-full-recompute", "aot_eager")}
 SHORT = ["--train-iters", "3"]
