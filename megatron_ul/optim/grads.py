@@ -53,9 +53,8 @@ class DataParallelGradSync:
     reduced only in `finish`, after the caller has summed them over the embedding group."""
 
     def __init__(self, params: list[torch.nn.Parameter], max_bucket_elements: int,
-                 dims: Optional[ParallelDims] = None, overlap: bool = False,
-                 deferred_params=()):
-        self.dims = dims or ps.get_parallel_dims()
+                 dims: ParallelDims, overlap: bool = False, deferred_params=()):
+        self.dims = dims
         deferred_ids = {id(p) for p in deferred_params}
         ordered = list(reversed(params))
         buckets = split_into_buckets([p for p in ordered if id(p) not in deferred_ids],
