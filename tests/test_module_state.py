@@ -30,6 +30,9 @@ PINNED = {
     ("checkpoint/io.py", "last_load_report"):
         "what this process's last torch_dist load read (a measurement tests and benchmarks "
         "read after a run; nothing in the package reads it)",
+    ("mpu/param_init.py", "_deferred"):
+        "True only inside `with deferred()` (ZeRO-3's meta build, materialised after "
+        "sharding); restored when the block ends",
     ("timers.py", "NO_TIMERS"): "the shared do-nothing Timers (log level 0 records nothing)",
 }
 
