@@ -54,7 +54,7 @@ from .document_attention import DocumentMask
 
 KV_TAG, DKV_TAG = 11, 12   # distinct from the pipeline's tags; two streams share each link
 
-# Optional time split (benchmarks): CPU seconds in block kernels, wall seconds blocked on p2p.
+# Optional time split (benchmarks): CPU seconds in unit kernels, wall seconds blocked on p2p.
 _times: Optional[dict] = None
 
 
