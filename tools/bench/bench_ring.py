@@ -14,6 +14,7 @@
     python -m tools.bench.bench_ring [--seq-length 4096 --hidden-size 512] [--write-docs]
 """
 import argparse
+import random
 import time
 
 import torch
@@ -111,10 +112,14 @@ def _plan(rank: int, ring_size: int, length: int, balanced: bool) -> ring_attent
 
 
 def rank_step_seconds(plan: ring_attention._Plan, ring_size: int, heads: int, head_dim: int,
-                      length: int) -> list[float]:
+                      length: int, shift: int = 0) -> list[float]:
     """CPU seconds of each step of one rank's ring compute (R forward steps, then R backward
     steps), run alone on one thread: the module's own step functions (unit kernels, merges,
-    gradient accumulation), with no communication."""
+    gradient accumulation), with no communication. `shift` floats are allocated first, so
+    that repeats place the tensors at different addresses: the allocator would otherwise
+    give a rank's call the same memory every time, and a cache-unfriendly placement would
+    follow one rank through all repeats."""
+    padding = torch.empty(shift)   # noqa: F841 (held until the measurement ends)
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(length, 1, heads, head_dim, generator=g) for _ in range(4))
     scale, srcs = head_dim ** -0.5, [(plan.rank - s) % ring_size for s in range(ring_size)]
@@ -148,9 +153,11 @@ def table_balance(seq: int, heads: int, head_dim: int, sizes: list[int], repeats
             # burst of load elsewhere on the machine hits them alike.
             passes = [float("inf")] * r                   # fastest whole pass
             steps = [[float("inf")] * (2 * r) for _ in range(r)]   # fastest run of each step
+            shifts = random.Random(r)
             for repeat in range(repeats):
                 for c in ((repeat + i) % r for i in range(r)):
-                    run = rank_step_seconds(plans[c], r, heads, head_dim, length)
+                    run = rank_step_seconds(plans[c], r, heads, head_dim, length,
+                                            shifts.randrange(0, 2**16, 16))
                     passes[c] = min(passes[c], sum(run))
                     steps[c] = [min(a, b) for a, b in zip(steps[c], run)]
             per_step = [sum(s) for s in steps]
@@ -214,7 +221,9 @@ def main(argv=None):
                f"communication), so that ranks do not compete for the cores as concurrent "
                f"gloo ranks do. {args.repeats} rounds, the ranks taking turns in each; per "
                f"rank, the sum over its 2R steps of each step's fastest run, and its fastest "
-               f"whole pass.",
+               f"whole pass; each run places its tensors at a different address (a random "
+               f"padding allocation first), so that no rank keeps one memory placement "
+               f"through all rounds.",
                table_balance(s, heads, h // heads, args.balance_sizes, args.repeats),
                "Each ring step is cut into chunk × chunk units, so every rank runs the same "
                "sequence of kernel shapes (own step: causal, full, causal; every other step: "
