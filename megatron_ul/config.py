@@ -221,6 +221,13 @@ class CheckpointConfig:
     save: Optional[str] = flag(None, help="directory to save checkpoints in")
     load: Optional[str] = flag(None, help="directory to resume from (may equal --save)")
     save_interval: Optional[int] = flag(None, help="save every this many iterations")
+    ckpt_format: Literal["torch", "torch_dist"] = flag(
+        "torch", help="torch: one file per (TP, PP) rank, ZeRO state gathered into it; "
+                      "torch_dist: torch.distributed.checkpoint, every rank writes and reads "
+                      "only its own pieces (any layout loads either)")
+    async_save: bool = flag(
+        False, help="write torch_dist checkpoints in the background while training continues "
+                    "(the tracker moves once every rank has finished)")
     no_save_optim: bool = flag(False, help="do not save optimizer state")
     no_load_optim: bool = flag(False, help="do not load optimizer and LR-scheduler state")
     no_load_rng: bool = flag(False, help="do not load RNG states")
@@ -521,6 +528,9 @@ def _checkpoint_errors(cfg: Config) -> list[str]:
     if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
         errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
                       "conflict: pass the one that says whose LR schedule wins")
+    if c.async_save and c.ckpt_format != "torch_dist":
+        errors.append("--async-save needs --ckpt-format torch_dist (the torch format gathers "
+                      "and writes in one step)")
     if c.save is not None and os.path.exists(c.save) and not os.path.isdir(c.save):
         errors.append(f"--save {c.save} exists and is not a directory; choose another path")
     return errors

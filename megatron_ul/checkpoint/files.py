@@ -30,6 +30,7 @@ import torch
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 MODEL_FILE = "model_optim_rng.pt"
+COMMON_FILE = "common.pt"     # torch_dist: what is stored once besides the tensors
 # 2: 0-based global layer names (the PP=1 module names) and `replica.` tied-embedding copies.
 FORMAT = "megatron_ul-checkpoint-2"
 

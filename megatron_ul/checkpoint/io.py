@@ -6,6 +6,8 @@ Save protocol (every step survives a kill -9 of any process at any moment):
     broadcasts it; every rank writes (and fsyncs) its files into DIR/iter_N.tmp-<id>: the model
     and optimizer from the dp0/sp0 rank of each (tp, pp) (ZeRO state is first gathered over
     dp_sp into the same name-keyed form: checkpoint/zero.py), and every rank's RNG states;
+    with --ckpt-format torch_dist every rank writes its own pieces instead (dist_io.py), in
+    the background with --async-save (a PendingSave, completed once every writer finished);
  2. every rank reports its files' sizes and SHA-256 (or its error: then all ranks fail the
     save together); rank 0 writes metadata.json, fsyncs the directories and renames the tmp
     directory into place (an existing iter_N is first renamed aside and deleted only
@@ -25,7 +27,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..model.chunks import model_dims
-from . import files, reshard
+from . import dist_io, files, reshard
 from .files import CheckpointError
 from .files import FORMAT
 from ..pipeline.param_table import local_parameter_table
@@ -146,18 +148,61 @@ def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, 
                                position, writer, tp_rank, pp_rank, pp)
     except CheckpointError as e:
         error = str(e)
-    # Each pipeline stage knows its own parameters; rank 0 records them all, with every
-    # rank's file records; an error on any rank fails the save on every rank.
-    mine = local_parameter_table(model, dims.tp, pp_rank) \
-        if writer and tp_rank == 0 else {}
+    return records, error
+
+
+def _agree(model, iteration: int, records: dict, digests: dict, error: str | None):
+    """Collective, after every rank has written its files: (the parameter table, every
+    rank's file records, every rank's piece digests); an error on any rank fails the save on
+    every rank. Each pipeline stage knows its own parameters; rank 0 records them all."""
+    dims = model_dims(model)
+    mine = local_parameter_table(model, dims.tp, dims.pp_rank) \
+        if dims.dp_sp_rank == 0 and dims.tp_rank == 0 else {}
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (mine, records, error))
-    errors = [e for _, _, e in gathered if e]
+    dist.all_gather_object(gathered, (mine, records, digests, error))
+    errors = [e for _, _, _, e in gathered if e]
     if errors:
         raise CheckpointError(f"saving iteration {iteration} failed (the previous checkpoint "
                               f"is untouched):\n  " + "\n  ".join(errors[:4]))
-    return ({name: info for part, _, _ in gathered for name, info in part.items()},
-            {rel: record for _, part, _ in gathered for rel, record in part.items()})
+    return ({name: info for part, _, _, _ in gathered for name, info in part.items()},
+            {rel: record for _, part, _, _ in gathered for rel, record in part.items()},
+            {rel: {str(o): sha for o, sha in d.items()}
+             for _, _, part, _ in gathered for rel, d in part.items()})
+
+
+def _common_payload(cfg, scheduler, iteration, grad_scaler, position) -> dict:
+    """What every format stores once besides the tensors."""
+    return {"iteration": iteration, "checkpoint_version": 3.0,
+            "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+            "opt_param_scheduler": scheduler.state_dict(),
+            "consumed_samples": position.consumed_samples,
+            "consumed_valid_samples": position.consumed_valid_samples,
+            "args": asdict(cfg)}
+
+
+def _write_dist_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str,
+                      grad_scaler, position: Resume, background: bool):
+    """torch_dist: every rank writes its pieces (dist_io), rank 0 the common state, every rank
+    its RNG states. Returns (this rank's records so far, its error, the pieces' outcome: file
+    records and digests, or a Future of them)."""
+    save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
+    records, error, outcome = {}, None, None
+    try:
+        if dist.get_rank() == 0:
+            path = os.path.join(tmp, files.COMMON_FILE)
+            payload = {**_common_payload(cfg, scheduler, iteration, grad_scaler, position),
+                       "optimizer": dist_io.optimizer_common(optimizer) if save_optim else None}
+            records[files.COMMON_FILE] = files.save_torch(payload, path)
+        path = files.rng_file(tmp, dist.get_rank())
+        records[os.path.relpath(path, tmp)] = files.save_torch(rng_state(), path)
+    except CheckpointError as e:
+        error = str(e)
+    # Collective (DCP plans globally): every rank takes part even after a local error.
+    try:
+        outcome = dist_io.save(model, optimizer, save_optim, tmp, background)
+    except CheckpointError as e:
+        error = error or str(e)
+    return records, error, outcome
 
 
 def _write_files(cfg, model_sd, optim_sd, scheduler, iteration, tmp, grad_scaler, position,
@@ -165,13 +210,8 @@ def _write_files(cfg, model_sd, optim_sd, scheduler, iteration, tmp, grad_scaler
     """This rank's files; {path relative to the iteration directory: file record}."""
     written = {}
     if writer:
-        payload = {"iteration": iteration, "checkpoint_version": 3.0,
-                   "model": model_sd, "optimizer": optim_sd,
-                   "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
-                   "opt_param_scheduler": scheduler.state_dict(),
-                   "consumed_samples": position.consumed_samples,
-                   "consumed_valid_samples": position.consumed_valid_samples,
-                   "args": asdict(cfg)}
+        payload = {**_common_payload(cfg, scheduler, iteration, grad_scaler, position),
+                   "model": model_sd, "optimizer": optim_sd}
         path = files.model_file(tmp, tp_rank, pp_rank, pp)
         written[os.path.relpath(path, tmp)] = files.save_torch(payload, path)
     path = files.rng_file(tmp, dist.get_rank())
@@ -219,11 +259,14 @@ def _tidy(cfg: Config, save_id: str, iteration: int) -> None:
 
 
 def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
-                    grad_scaler=None, position: Resume | None = None) -> str:
-    """Collective over all ranks. Returns the iteration directory. optimizer=None saves the
-    weights only; grad_scaler is the fp16 loss scaler (optim/precision.py), if any; `position`
-    the true data position (samples consumed across batch-size changes; the training loop
-    keeps it), by default iteration × the current global batch."""
+                    grad_scaler=None, position: Resume | None = None,
+                    background: bool = False):
+    """Collective over all ranks. Returns the iteration directory, or with background=True
+    (--async-save; torch_dist only) a PendingSave that completes it once every rank's writer
+    has finished. optimizer=None saves the weights only; grad_scaler is the fp16 loss scaler
+    (optim/precision.py), if any; `position` the true data position (samples consumed across
+    batch-size changes; the training loop keeps it), by default iteration × the current global
+    batch."""
     if position is None:
         position = Resume(iteration, iteration * cfg.train.global_batch_size,
                           consumed_valid_samples(cfg, iteration))
@@ -231,30 +274,86 @@ def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
     save_id = _on_rank0(lambda: _begin_save(save_dir))
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     tmp = f"{final}.tmp-{save_id}"
-    try:
-        params, records = _write_rank_files(cfg, model, optimizer, scheduler, iteration, tmp,
-                                            grad_scaler, position)
-    except CheckpointError:
-        if dist.get_rank() == 0:
-            files.rmtree_quietly(tmp)
-        raise
-    _on_rank0(lambda: _finish_save(cfg, model, optimizer, iteration, tmp, final, save_id,
-                                   params, records))
+    pending = PendingSave(cfg, model, optimizer, iteration, tmp, final, save_id)
+    if cfg.checkpoint.ckpt_format == "torch_dist":
+        pending.records, pending.error, outcome = _write_dist_files(
+            cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler, position, background)
+        if background and outcome is not None:
+            pending.future = outcome
+            return pending
+        if outcome is not None:
+            pending.records = {**pending.records, **outcome[0]}
+            pending.digests = outcome[1]
+    else:
+        pending.records, pending.error = _write_rank_files(
+            cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler, position)
+    pending.complete()
     return final
 
 
+class PendingSave:
+    """A save whose files are (being) written: complete() agrees over all ranks that every
+    rank finished, then rank 0 writes metadata.json, renames the directory into place and
+    moves the tracker. Until then the previous checkpoint stays current."""
+
+    def __init__(self, cfg, model, optimizer, iteration, tmp, final, save_id):
+        self.cfg, self.model, self.optimizer = cfg, model, optimizer
+        self.iteration, self.tmp, self.final, self.save_id = iteration, tmp, final, save_id
+        self.records: dict = {}
+        self.digests: dict = {}
+        self.error: str | None = None
+        self.future = None          # the background writer's (records, digests)
+
+    def written_everywhere(self, device) -> bool:
+        """Collective: has every rank's background writer finished (successfully or not)?"""
+        import torch
+        done = torch.tensor([float(self.future is None or self.future.done())], device=device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return bool(done.item())
+
+    def complete(self) -> str:
+        """Collective: wait for this rank's writer, agree, publish. CheckpointError on every
+        rank when any rank failed (the tmp directory is removed, the previous checkpoint
+        stays current)."""
+        if self.future is not None:
+            try:
+                records, digests = self.future.result()
+                self.records, self.digests = {**self.records, **records}, digests
+            except CheckpointError as e:
+                self.error = self.error or str(e)
+            self.future = None
+        try:
+            params, records, digests = _agree(self.model, self.iteration, self.records,
+                                              self.digests, self.error)
+        except CheckpointError:
+            if dist.get_rank() == 0:
+                files.rmtree_quietly(self.tmp)
+            raise
+        _on_rank0(lambda: _finish_save(self.cfg, self.model, self.optimizer, self.iteration,
+                                       self.tmp, self.final, self.save_id, params, records,
+                                       digests))
+        return self.final
+
+
 def _finish_save(cfg: Config, model, optimizer, iteration: int, tmp: str, final: str,
-                 save_id: str, params: dict, records: dict) -> None:
+                 save_id: str, params: dict, records: dict, digests: dict) -> None:
     """Rank 0, after every rank has written its files: metadata, publication, tidying."""
     save_dir = cfg.checkpoint.save
+    dist_format = cfg.checkpoint.ckpt_format == "torch_dist"
+    with_optim = not (cfg.checkpoint.no_save_optim or optimizer is None)
     meta = {"format": FORMAT, "iteration": iteration, "layout": _layout(cfg),
             "model": asdict(cfg.model), "params": params,
-            # ZeRO state is stored gathered, like plain AdamW's: loads on any layout
-            "optimizer": (None if cfg.checkpoint.no_save_optim or optimizer is None else
-                          "replicated"),
+            "storage": cfg.checkpoint.ckpt_format,
+            # torch: ZeRO state is stored gathered, like plain AdamW's; torch_dist: in pieces.
+            # Either loads on any layout.
+            "optimizer": (None if not with_optim else "sharded" if dist_format
+                          else "replicated"),
             "zero_stage": cfg.parallel.zero_stage,
             "special_tokens": special_token_ids(cfg),
             "files": records, "rng": True}
+    if dist_format:
+        meta["piece_sha256"] = digests
     try:
         files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
         _publish(save_dir, tmp, final, save_id, iteration)
@@ -324,13 +423,39 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
     return full.common, iter_dir, model_sd, optim_sd
 
 
-def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> None:
+last_load_report: list = [None]     # this process's last torch_dist load (tests, benchmarks)
+
+
+def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool):
+    """torch_dist: this rank's pieces of the model (and Adam moments), whatever layout saved
+    them, straight into its parameters and optimizer state. Returns (common payload, source)."""
+    path = os.path.join(iter_dir, files.COMMON_FILE)
+    payload = files.load_torch(path, "common state", files.expected_record(meta, iter_dir, path))
+    if load_optim:
+        _check_optimizer_kind(meta, path, "sharded")
+    # An optimizer that had not stepped yet has no moments to read.
+    moments = load_optim and payload["optimizer"]["step"] is not None
+    report = dist_io.load(model, optimizer if moments else None, moments, iter_dir,
+                          dist_io.digests_of(meta), meta["files"].get(dist_io.DCP_METADATA))
+    log.debug("rank %d read %d bytes (%d of tensor data; it holds %d)", dist.get_rank(),
+              report.bytes_read, report.tensor_bytes_read, report.tensor_bytes_needed)
+    last_load_report[0] = report
+    if load_optim:
+        dist_io.restore_optimizer_common(optimizer, payload["optimizer"], path)
+    return payload, path
+
+
+def _check_optimizer_kind(meta: dict, source: str, kind: str) -> None:
     if meta.get("optimizer") is None:
         raise CheckpointError(f"{source}: the checkpoint holds no optimizer state (saved with "
                               f"--no-save-optim, or imported); pass --no-load-optim or --finetune")
-    if meta["optimizer"] != "replicated":
+    if meta["optimizer"] != kind:
         raise CheckpointError(f"{source}: unknown optimizer state kind {meta['optimizer']!r}; "
                               f"pass --no-load-optim to start the optimizer afresh")
+
+
+def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> None:
+    _check_optimizer_kind(meta, source, "replicated")
     # Name-keyed full state whatever optimizer saved it; ZeRO ranks keep their shard.
     load_checkpoint_optimizer_state(model, optimizer, optim_sd, source)
 
@@ -396,13 +521,16 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
     files.check_format(meta, meta_path)
     check_model_matches(meta, cfg, meta_path)
     load_optim = not (c.finetune or c.no_load_optim)
-    payload, source, model_sd, optim_sd = _read_model_and_optim(cfg, meta, iter_dir, model,
-                                                                load_optim)
-    load_model_state(model, model_sd, source)
+    if meta.get("storage") == "torch_dist":
+        payload, source = _read_dist(meta, iter_dir, model, optimizer, load_optim)
+    else:
+        payload, source, model_sd, optim_sd = _read_model_and_optim(cfg, meta, iter_dir, model,
+                                                                    load_optim)
+        load_model_state(model, model_sd, source)
     if c.finetune:
         log.info("loaded weights of %s for fine-tuning; starting at iteration 0", iter_dir)
         return Resume()
-    if load_optim:
+    if load_optim and meta.get("storage") != "torch_dist":
         _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
     _load_scheduler(cfg, scheduler, payload["opt_param_scheduler"], source)
     _load_grad_scaler(grad_scaler, payload, source)

@@ -119,6 +119,8 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
     meta_path = os.path.join(iter_dir, files.METADATA)
     meta = files.read_json(meta_path, "checkpoint metadata")
     files.check_format(meta, meta_path)
+    if meta.get("storage") == "torch_dist":
+        return _read_full_dist(meta, iter_dir, with_optim)
     layout, vocab = meta["layout"], meta["model"]["vocab_size"]
     tp, pp = layout["tp"], layout["pp"]
     table = saved_table(meta)
@@ -151,6 +153,33 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
             g["param_names"] = [n for n in g["param_names"] if not table[n]["replica_of"]]
     common = {k: v for k, v in by_stage[0][0].items() if k not in ("model", "optimizer")}
     return FullCheckpoint(meta, common, params, optim_state, groups)
+
+
+def _read_full_dist(meta: dict, iter_dir: str, with_optim: bool) -> FullCheckpoint:
+    """A torch_dist checkpoint, read one whole tensor at a time (dist_io.read_tensor)."""
+    from . import dist_io
+    path = os.path.join(iter_dir, files.COMMON_FILE)
+    common = files.load_torch(path, "common state", files.expected_record(meta, iter_dir, path))
+    saved_optim = common.pop("optimizer", None)
+    vocab, digests = meta["model"]["vocab_size"], dist_io.digests_of(meta)
+    table = {n: info for n, info in saved_table(meta).items() if not info["replica_of"]}
+
+    def full(key: str, info: dict) -> torch.Tensor:
+        t = dist_io.read_tensor(iter_dir, key, digests,
+                                meta["files"].get(dist_io.DCP_METADATA))
+        return set_vocab_rows(t, vocab) if info["vocab_padded"] else t
+    params = {name: full(f"model/{name}", info) for name, info in table.items()}
+    if not (with_optim and meta.get("optimizer") and saved_optim
+            and saved_optim["step"] is not None):
+        return FullCheckpoint(meta, common, params, None, None)
+    state = {name: {"step": saved_optim["step"].clone(),
+                    **{k: full(f"optim/{name}/{k}", info) for k in dist_io.MOMENTS}}
+             for name, info in table.items()}
+    # AdamW's two groups: weight decay for all but the 1-D parameters (optim/__init__.py)
+    groups = [{**hyper, "param_names": [n for n, info in table.items()
+                                        if (len(info["shape"]) == 1) == one_d]}
+              for hyper, one_d in zip(saved_optim["param_groups"], (False, True))]
+    return FullCheckpoint(meta, common, params, state, groups)
 
 
 def _load_shard(meta: dict, iter_dir: str, path: str) -> dict:
@@ -205,6 +234,8 @@ def target_metadata(full: FullCheckpoint, tp: int, pp: int, sp: int, dp: int,
     meta["params"] = layout_table(meta, tp, pp, vp)
     meta["optimizer"] = "replicated" if with_optim and full.optim_state is not None else None
     meta["rng"] = False   # per-rank RNG streams belong to the old layout
+    meta["storage"] = "torch"             # write_layout writes the torch format
+    meta.pop("piece_sha256", None)
     return meta
 
 

@@ -47,6 +47,7 @@ class RunControl:
         self.iteration = self.last_saved = start_iteration
         # The data position: samples really consumed, whatever global batch earlier runs used.
         self.position = position or Resume(start_iteration)
+        self.pending = None     # an --async-save still being written
         self.started = PROGRAM_START
         self._previous_handlers = (catch_exit_signals() if cfg.checkpoint.exit_signal_handler
                                    else {})
@@ -68,6 +69,8 @@ class RunControl:
     def after_iteration(self, iteration: int) -> bool:
         """Save if due; True when training must stop now."""
         self._advance(iteration)
+        if self.pending is not None and self.pending.written_everywhere(self.device):
+            self._complete_pending()
         c = self.cfg.checkpoint
         by_signal, by_time = self._stop_flags()
         by_interval = bool(c.exit_interval) and iteration % c.exit_interval == 0
@@ -89,14 +92,27 @@ class RunControl:
         self.iteration = self.position.iteration = iteration
 
     def save(self) -> None:
-        save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler, self.iteration,
-                        grad_scaler=self.grad_scaler, position=self.position)
+        """With --async-save the files are written in the background while training goes on;
+        the save is completed (metadata, tracker) once every rank's writer has finished, at the
+        latest before the next save or at the end of training."""
+        self._complete_pending()
+        saved = save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler,
+                                self.iteration, grad_scaler=self.grad_scaler,
+                                position=self.position, background=self.cfg.checkpoint.async_save)
+        self.pending = None if isinstance(saved, str) else saved
         self.last_saved = self.iteration
 
+    def _complete_pending(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.complete()
+
     def finish(self) -> None:
-        """End of training: save the last iteration unless it was just saved."""
+        """End of training (or exit): save the last iteration unless it was just saved, and
+        wait for a background save to complete."""
         if self.cfg.checkpoint.save and self.iteration != self.last_saved:
             self.save()
+        self._complete_pending()
         global _signal_received
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)

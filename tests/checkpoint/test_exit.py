@@ -5,16 +5,23 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from megatron_ul.checkpoint import files
 from tests.checkpoint.runs import TINY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def test_sigterm_saves_and_exits_zero(tmp_path):
+@pytest.mark.parametrize("fmt", [[], ["--ckpt-format", "torch_dist", "--async-save",
+                                      "--save-interval", "2"]],
+                         ids=["torch", "torch_dist-async"])
+def test_sigterm_saves_and_exits_zero(tmp_path, fmt):
+    """With --async-save (saving every 2 iterations in the background too) the exit save is
+    completed before the process exits 0."""
     save = str(tmp_path / "ckpt")
     cmd = [sys.executable, "pretrain_gpt.py", *TINY, "--train-iters", "100000", "--log-interval",
-           "1", "--save", save, "--exit-signal-handler"]
+           "1", "--save", save, "--exit-signal-handler", *fmt]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)

@@ -3,6 +3,7 @@
 check that the trainer still loads the latest checkpoint it reported complete.
 
     python -m tools.checkpoint.kill_trial --trials 30 [--dir /tmp/kill_trial]
+        [--ckpt-format torch_dist [--async-save]]
 
 Each trial starts a child that saves checkpoints back to back into one directory (every
 iteration twice, so half of the saves replace an existing iteration), kills it with SIGKILL
@@ -25,44 +26,78 @@ MODEL = ["--mock-data", "--vocab-size", "1000", "--num-layers", "4", "--hidden-s
          "--train-iters", "1000000", "--log-interval", "1000000"]
 
 
-def child(directory: str) -> None:
-    """Save forever: iterations t+1, t+1, t+2, t+2, ... after the tracker's t."""
+def child(directory: str, fmt: list[str], background: bool, write_delay: float) -> None:
+    """Save forever: iterations t+1, t+1, t+2, t+2, ... after the tracker's t. With
+    --async-save each save is written in the background and completed just before the next
+    one starts ("writing N" once it is under way, "saved N" once the tracker names it)."""
     from megatron_ul.checkpoint import files
     from megatron_ul.checkpoint.io import save_checkpoint
     from megatron_ul.training.pretrain import configure, setup
-    trainer = setup(configure(MODEL + ["--save", directory]))
+    if write_delay:     # a slow file system: the background writer sleeps before writing
+        from torch.distributed.checkpoint import FileSystemWriter
+        write_data = FileSystemWriter.write_data
+
+        def slow(self, plan, planner):
+            time.sleep(write_delay)
+            return write_data(self, plan, planner)
+        FileSystemWriter.write_data = slow
+    trainer = setup(configure(MODEL + fmt + ["--save", directory]))
     start = files.read_tracker(directory) or 0
     print("ready", flush=True)
+    pending = None
     for n in range(2, 10**6):
         iteration = start + n // 2
+        if pending is not None:
+            pending.complete()
+            print(f"saved {pending.iteration}", flush=True)
         print(f"saving {iteration}", flush=True)
-        save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler,
-                        iteration)
-        print(f"saved {iteration}", flush=True)
+        result = save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer,
+                                 trainer.scheduler, iteration, background=background)
+        if background:
+            pending = result
+            print(f"writing {iteration}", flush=True)
+        else:
+            print(f"saved {iteration}", flush=True)
 
 
-def one_trial(directory: str, max_delay: float, rng: random.Random) -> dict:
+def start_child(directory: str, fmt: list[str], background: bool, write_delay: float = 0.0):
+    """The child process, once it is ready to save."""
     # the child picks its own rendezvous port (this process holds one after the first check)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    child_cmd = [sys.executable, "-m", "tools.checkpoint.kill_trial", "--child", directory]
+    child_cmd = [sys.executable, "-m", "tools.checkpoint.kill_trial", "--child", directory,
+                 "--write-delay", str(write_delay), *fmt] + (["--async-save"] if background
+                                                              else [])
     proc = subprocess.Popen(child_cmd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     first = [proc.stdout.readline()]
     while first[-1] and first[-1].strip() != "ready":
         first.append(proc.stdout.readline())
     assert first[-1], f"child failed to start: {''.join(first)}"
-    delay = rng.uniform(0.0, max_delay)
-    time.sleep(delay)
-    proc.kill()                                   # SIGKILL: no cleanup of any kind
+    return proc
+
+
+def outcome(proc, seen: str = "") -> dict:
+    """Kill the child (SIGKILL: no cleanup of any kind) and read what it reported (`seen`:
+    what the caller already read of its output)."""
+    proc.kill()
     proc.wait()
-    lines = proc.stdout.read().split()
+    lines = (seen + proc.stdout.read()).split()
     saved = [int(v) for k, v in zip(lines[::2], lines[1::2]) if k == "saved"]
-    mid_save = len(lines) >= 2 and lines[-2] == "saving"
-    return {"delay": delay, "last_saved": saved[-1] if saved else None, "mid_save": mid_save,
+    mid_save = len(lines) >= 2 and lines[-2] in ("saving", "writing")
+    return {"last_saved": saved[-1] if saved else None, "mid_save": mid_save,
             "saves": len(saved)}
 
 
+def one_trial(directory: str, max_delay: float, rng: random.Random, fmt: list[str],
+              background: bool) -> dict:
+    proc = start_child(directory, fmt, background)
+    delay = rng.uniform(0.0, max_delay)
+    time.sleep(delay)
+    return {"delay": delay, **outcome(proc)}
+
+
 def check_loadable(directory: str, last_saved) -> tuple[bool, str]:
+    """The trainer loads `directory` (any format) at an iteration >= the last reported save."""
     from megatron_ul.mpu import parallel_state as ps
     from megatron_ul.training.pretrain import configure, setup
     try:
@@ -83,17 +118,22 @@ def main() -> int:
     p.add_argument("--dir", default="/tmp/megatron_ul_kill_trial")
     p.add_argument("--max-delay", type=float, default=2.0, help="seconds after start-up")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ckpt-format", default="torch", choices=("torch", "torch_dist"))
+    p.add_argument("--async-save", action="store_true", help="torch_dist written in the "
+                   "background, completed before the next save")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--write-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     a = p.parse_args()
+    fmt = ["--ckpt-format", a.ckpt_format]
     if a.child:
-        child(a.child)
+        child(a.child, fmt, a.async_save, a.write_delay)
         return 0
     import logging
     logging.basicConfig(level=logging.ERROR)
     shutil.rmtree(a.dir, ignore_errors=True)
     rng, results = random.Random(a.seed), []
     for trial in range(a.trials):
-        r = one_trial(a.dir, a.max_delay, rng)
+        r = one_trial(a.dir, a.max_delay, rng, fmt, a.async_save)
         r["loadable"], r["detail"] = check_loadable(a.dir, r["last_saved"])
         results.append(r)
         print(f"trial {trial + 1:3d}: killed after {r['delay']:.2f}s "
