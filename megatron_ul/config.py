@@ -84,6 +84,12 @@ class ModelConfig:
                    "checkpoint the first --recompute-num-layers layers of each stage")
     recompute_num_layers: int = flag(1, help="layers per recomputed chunk (see "
                                              "--recompute-method)")
+    fused_layers: bool = flag(
+        False, help="torch.compile each transformer layer (fuses the elementwise work around "
+                    "the matmuls); off by default: it costs compile time at every start-up")
+    fused_layers_backend: Literal["inductor", "aot_eager"] = flag(
+        "inductor", help="torch.compile backend for --fused-layers (aot_eager: traced, not "
+                         "fused)")
     # Long sequences (docs/long_context.md); chunk sizes count tokens of this rank's sequence.
     tiled_loss_chunk_size: Optional[int] = flag(
         None, help="compute the output layer and loss over chunks of this many tokens, never "
@@ -147,6 +153,13 @@ class ParallelConfig:
     use_distributed_optimizer: bool = flag(
         False, help="ZeRO-1: shard the optimizer state over DP×SP (same as --zero-stage 1)")
     zero_stage: int = flag(0, help="1: ZeRO-1 (distributed optimizer); 3: ZeRO-3 via FSDP2")
+    overlap_grad_reduce: bool = flag(
+        False, help="reduce gradients over DP×SP in buckets while backward runs (plain data "
+                    "parallelism and ZeRO-1; ZeRO-3/FSDP2 always overlaps)")
+    overlap_param_gather: bool = flag(
+        False, help="ZeRO-1: all-gather the updated parameters while the next forward runs")
+    ddp_bucket_size: Optional[int] = flag(
+        None, help="elements per gradient-reduction bucket (default max(40M, 1M·DP×SP))")
     world_size: int = flag(1, help="planned number of processes, for --dry-run outside a "
                                    "launcher (otherwise the launcher's WORLD_SIZE)")
 
@@ -342,6 +355,7 @@ def validate(cfg: Config) -> Config:
     errors += _recompute_errors(m)
     errors += _long_context_errors(cfg)
     errors += _zero_errors(p)
+    errors += _overlap_errors(p, t)
     errors += _loss_scale_errors(t)
     errors += _batch_errors(t, dp)
     errors += _logging_errors(cfg.logging)
@@ -509,10 +523,6 @@ def _ring_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int, cp: int) -
         errors.append(f"--attention-dropout {m.attention_dropout} is not supported with "
                       f"--context-parallel-size {cp} (ring attention has no dropout); pass "
                       f"--attention-dropout 0")
-    if m.attention_window is not None:
-        errors.append(f"--window-size is not supported with --context-parallel-size {cp} (the "
-                      f"ring's blocks are causal or document-masked only); drop --window-size "
-                      f"or use Ulysses alone (--context-parallel-size 1)")
     return errors
 
 
@@ -591,6 +601,23 @@ def _zero_errors(p: ParallelConfig) -> list[str]:
     if p.use_distributed_optimizer and p.zero_stage == 3:
         errors.append("--use-distributed-optimizer (ZeRO-1) and --zero-stage 3 conflict; "
                       "pass only one of them")
+    return errors
+
+
+def _overlap_errors(p: ParallelConfig, t: TrainConfig) -> list[str]:
+    """Megatron's rules for --overlap-grad-reduce, --overlap-param-gather, --ddp-bucket-size."""
+    errors = []
+    if p.ddp_bucket_size is not None and p.ddp_bucket_size < 1:
+        errors.append(f"--ddp-bucket-size must be >= 1 element (got {p.ddp_bucket_size})")
+    if p.overlap_param_gather and not p.use_distributed_optimizer:
+        errors.append("--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1); "
+                      "ZeRO-3 (FSDP2) prefetches its all-gathers by itself")
+    if p.overlap_param_gather and not p.overlap_grad_reduce:
+        errors.append("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
+    if p.overlap_grad_reduce and t.fp16:
+        errors.append("--overlap-grad-reduce with --fp16 is not supported (the loss scaler "
+                      "unscales gradients before they are reduced); use --bf16 or drop "
+                      "--overlap-grad-reduce")
     return errors
 
 

@@ -10,7 +10,10 @@
   2. speed and memory of a 1.3B GPT (24 layers, hidden 2048, 16 heads, RoPE, bf16) at 8K and
      32K tokens and at the longest sequence that fits (doubling from 64K with full recompute,
      while the time budget lasts): tokens/s, TFLOP/s, MFU, peak memory
-     (torch.cuda.max_memory_allocated) next to the memory estimator's figure for the same run.
+     (torch.cuda.max_memory_allocated) next to the memory estimator's figure for the same run;
+  3. start-up and fusion of the same 1.3B GPT at 8K tokens: initialisation time and peak memory
+     (each rank computes only its own shard, on the device), and step time with eager layers
+     against --fused-layers (torch.compile per layer; its compile time is left out).
 
     python -m tools.gpu_check                  # on a GPU; --write-docs puts the tables in
                                                # docs/benchmarks.md
@@ -218,7 +221,12 @@ def measure(argv: list[str], device: str, warmup: int, timed: int) -> dict:
     cfg = configure(argv, world_size=1)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
     trainer = setup(cfg)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    init_seconds = time.perf_counter() - start
+    init_peak, _ = peak_memory_gib()
     dtype = autocast_dtype(cfg)
     try:
         times = []
@@ -241,7 +249,8 @@ def measure(argv: list[str], device: str, warmup: int, timed: int) -> dict:
         memory, kind = peak_memory_gib()
         return {"seconds": per_iter, "tokens_per_s": tokens / per_iter, "tflops": tflops,
                 "mfu": tflops / peak if peak else None, "peak_gib": memory, "kind": kind,
-                "estimate_gib": estimate_config(cfg).total_bytes / GiB}
+                "estimate_gib": estimate_config(cfg).total_bytes / GiB,
+                "init_seconds": init_seconds, "init_peak_gib": init_peak}
     finally:
         del trainer
         _release()
@@ -295,6 +304,23 @@ def performance(mode: Mode, deadline: float) -> str:
     return table + "\n\n" + note
 
 
+def initialisation_and_fusion(mode: Mode) -> str:
+    """Item 3 of the module docstring: init time/memory, step time eager vs --fused-layers."""
+    use_flash = attention.flash_attn_refusal(torch.device(mode.device), torch.bfloat16) is None
+    argv = perf_argv(mode, mode.lengths[0], use_flash, recompute=False)
+    # On CPU the reduced mode traces without inductor's C++ compile (seconds, not minutes).
+    backend = ["--fused-layers-backend", "aot_eager"] if mode.device == "cpu" else []
+    eager = measure(argv, mode.device, warmup=1, timed=2)
+    fused = measure(argv + ["--fused-layers"] + backend, mode.device, warmup=2, timed=2)
+    rows = [[name, f"{r['init_seconds']:.2f}", f"{r['init_peak_gib']:.2f} ({r['kind']})",
+             f"{r['seconds']:.3f}", f"{r['peak_gib']:.2f}"]
+            for name, r in (("eager layers", eager), ("--fused-layers", fused))]
+    table = markdown_table(["layers", "init s", "init peak GiB", "s/iter", "peak memory GiB"],
+                           rows)
+    return (table + f"\n\nSequence {mode.lengths[0]}, no recompute. Fused / eager step time: "
+            f"{fused['seconds'] / eager['seconds']:.2f}× (after 2 warm-up steps that compile).")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cpu", action="store_true",
@@ -320,6 +346,8 @@ def main(argv=None) -> int:
     body = "### Correctness against fp32\n\n" + table
     if not args.skip_performance:
         body += "\n\n### Speed and memory\n\n" + performance(mode, deadline)
+        body += ("\n\n### Initialisation and fused layers\n\n"
+                 + initialisation_and_fusion(mode))
     report("gpu-check", "GPU check (tools/gpu_check.py)", setup_text, body,
            conclusion="" if ok else "**A correctness check FAILED.**",
            write_docs=args.write_docs)

@@ -74,6 +74,8 @@ def main(argv=None) -> int:
           f"{layout.dp}; ZeRO {zero}; recompute {recompute}; "
           f"{est.params_per_rank / 1e6:.1f} M parameters per rank\n")
     print(table(est.rows()))
+    print(f"\ninitialisation peak: {me.init_peak_bytes(cfg.model, layout, zero) / me.GiB:.2f} "
+          f"GiB per GPU (each rank computes only the parameters it holds)")
     if ours.gpu_memory_gb is not None:
         found = me.smallest_fitting_layout(cfg.model, layout, ours.gpu_memory_gb,
                                            zero_stage=zero, recompute=recompute,

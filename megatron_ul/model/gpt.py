@@ -15,10 +15,12 @@ from torch import nn
 from ..config import ModelConfig
 from ..mpu.cross_entropy import vocab_parallel_cross_entropy
 from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, sequence_parallel_linear
+from ..mpu.param_init import new_parameter
 from ..mpu.mappings import copy_to_tensor_model_parallel_region, scatter_to_sequence_parallel_region
 from ..mpu.offload import HostOffloader
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.recompute import layers_to_checkpoint, run_layers
+from .fusion import fuse_layers
 from ..timers import NO_TIMERS, Timers
 from .init import normal_init
 from .norms import Norm
@@ -52,11 +54,10 @@ class GPTModel(nn.Module):
                 tp_group=dims.tp_group)
         if pre_process and cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
-                                                    device=device, dtype=dtype)
-            full = torch.empty(cfg.max_position_embeddings, cfg.hidden_size)
-            normal_init(std, seed, "embedding.position")(full)
-            with torch.no_grad():
-                self.position_embeddings.weight.copy_(full)
+                                                    device="meta", dtype=dtype)
+            self.position_embeddings.weight = new_parameter(
+                normal_init(std, seed, "embedding.position"),
+                (cfg.max_position_embeddings, cfg.hidden_size), device=device, dtype=dtype)
 
         numbers = list(layer_numbers) if layer_numbers is not None else list(
             range(1, cfg.num_layers + 1))
@@ -64,6 +65,8 @@ class GPTModel(nn.Module):
             TransformerLayer(cfg, n, seed, sequence_parallel, device=device, dtype=dtype,
                              timers=timers, dims=dims)
             for n in numbers)
+        if cfg.fused_layers:
+            fuse_layers(self.layers, cfg.fused_layers_backend)
 
         if post_process:
             self.final_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,

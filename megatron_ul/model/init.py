@@ -1,29 +1,21 @@
-"""Deterministic, layout-independent parameter initialisation.
+"""Megatron's initialisation methods, as layout-independent, shard-only initialisers.
 
-Each parameter draws from its own generator seeded by (seed, parameter name), so a parameter's
-initial value does not depend on which other parameters a rank builds (TP slices, pipeline
-stages) or in what order.
+Each parameter has its own stream, keyed by (seed, parameter name); mpu/param_init.py computes
+any element of it from its position alone, so a rank computes only the shard it holds and the
+values do not depend on the layout.
 """
 from __future__ import annotations
 
 import math
-import zlib
 
-import torch
-
-
-def _generator(seed: int, key: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(key.encode())) % 2**63)
+from ..mpu.param_init import Normal
 
 
-def normal_init(std: float, seed: int, key: str):
-    """init_method for mpu layers: fills a full (unsharded) CPU weight with N(0, std²)."""
-    def fill(weight: torch.Tensor) -> None:
-        with torch.no_grad():
-            weight.normal_(0.0, std, generator=_generator(seed, key))
-    return fill
+def normal_init(std: float, seed: int, key: str) -> Normal:
+    """N(0, std²) (Megatron's init_method_normal)."""
+    return Normal(std, seed, key)
 
 
-def scaled_normal_init(std: float, num_layers: int, seed: int, key: str):
+def scaled_normal_init(std: float, num_layers: int, seed: int, key: str) -> Normal:
     """Megatron's init for the output projections of residual branches: std / sqrt(2L)."""
-    return normal_init(std / math.sqrt(2.0 * num_layers), seed, key)
+    return Normal(std / math.sqrt(2.0 * num_layers), seed, key)

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..mpu.param_init import Constant, new_parameter
+
 log = logging.getLogger(__name__)
 
 try:  # optional acceleration; the PyPI package named "apex" is unrelated and has no such module
@@ -40,8 +42,8 @@ class Norm(nn.Module):
                  device=None, dtype=torch.float32):
         super().__init__()
         self.kind, self.eps, self.size = kind, eps, (size,)
-        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
-        self.bias = (nn.Parameter(torch.zeros(size, device=device, dtype=dtype))
+        self.weight = new_parameter(Constant(1.0), (size,), device=device, dtype=dtype)
+        self.bias = (new_parameter(Constant(0.0), (size,), device=device, dtype=dtype)
                      if kind == "LayerNorm" else None)
         for p in self.parameters():
             # Under Megatron-SP each TP rank normalises a different sequence chunk: the

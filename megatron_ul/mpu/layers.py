@@ -1,17 +1,15 @@
 """Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 
-Every layer materialises its *full* weight once on the CPU, initialises it with the caller's
-`init_method(full_weight)`, and keeps this TP rank's slice. Initialisation is therefore identical
-for every layout (the single-process run included), which is what lets the layout-equivalence
-tests compare parameters directly.
+Every layer computes only this TP rank's slice of its weights, on its device, from the caller's
+`init_method` (an mpu.param_init.Init): an element's value depends only on its position in the full
+weight, so initialisation is identical for every layout (the single-process run included), which
+is what lets the layout-equivalence tests compare parameters directly.
 
 Sharded parameters carry `tensor_model_parallel = True` and `partition_dim`; replicated
 parameters that see only a TP-chunk of the sequence under Megatron-SP carry
 `sequence_parallel = True` (their gradients are summed over TP).
 """
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,8 +23,9 @@ from .mappings import (_all_gather, _reduce_scatter, _size, _tp,
                        gather_from_tensor_model_parallel_region,
                        reduce_from_tensor_model_parallel_region,
                        reduce_scatter_to_sequence_parallel_region)
+from .param_init import Constant, Init, new_parameter
 
-InitMethod = Callable[[torch.Tensor], None]
+InitMethod = Init
 
 
 def tp_slice(full: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> torch.Tensor:
@@ -37,23 +36,31 @@ def tp_slice(full: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> t
     return torch.cat([b.chunk(tp, dim=dim)[rank] for b in blocks], dim=dim)
 
 
-def _shard(full: torch.Tensor, dim: int, device, dtype, stride: int = 1,
-           vocab_padded: bool = False, fused: str | None = None) -> nn.Parameter:
-    """This rank's slice of `full` (see tp_slice) as a parameter tagged with its partitioning
+def tp_index(size: int, stride: int, tp: int, rank: int) -> torch.Tensor:
+    """Positions along a dimension of `size` that TP rank `rank` holds (see tp_slice)."""
+    block, part = size // stride, size // (stride * tp)
+    return torch.cat([torch.arange(b * block + rank * part, b * block + (rank + 1) * part)
+                      for b in range(stride)])
+
+
+def _sharded(init: Init, shape: tuple, dim: int, device, dtype, stride: int = 1,
+             vocab_padded: bool = False, fused: str | None = None) -> nn.Parameter:
+    """This rank's slice (see tp_slice) of a `shape` parameter, tagged with its partitioning
     (the ParamSpec that checkpoints and conversions read back)."""
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    if full.shape[dim] % (tp * stride) != 0:
-        raise ValueError(f"dimension {dim} of size {full.shape[dim]} is not divisible by "
+    if shape[dim] % (tp * stride) != 0:
+        raise ValueError(f"dimension {dim} of size {shape[dim]} is not divisible by "
                          f"TP×stride = {tp}×{stride}")
-    part = tp_slice(full, dim, stride, tp, rank).to(device=device, dtype=dtype).contiguous()
-    param = nn.Parameter(part)
+    index = [torch.arange(n) for n in shape]
+    index[dim] = tp_index(shape[dim], stride, tp, rank)
+    param = new_parameter(init, shape, tuple(index), device=device, dtype=dtype)
     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
     param.spec = ParamSpec(dim, stride, vocab_padded, fused)
     return param
 
 
 def _zeros(n: int, device, dtype, sequence_parallel: bool) -> nn.Parameter:
-    param = nn.Parameter(torch.zeros(n, device=device, dtype=dtype))
+    param = new_parameter(Constant(0.0), (n,), device=device, dtype=dtype)
     param.sequence_parallel = sequence_parallel
     return param
 
@@ -110,13 +117,12 @@ class ColumnParallelLinear(nn.Module):
                  device=None, dtype=torch.float32, tp_group=None):
         super().__init__()
         self.tp_group = _tp(tp_group)
-        full = torch.empty(output_size, input_size, dtype=torch.float32)
-        init_method(full)
-        self.weight = _shard(full, 0, device, dtype, stride, vocab_padded, fused)
+        self.weight = _sharded(init_method, (output_size, input_size), 0, device, dtype, stride,
+                               vocab_padded, fused)
         tp = ps.get_tensor_model_parallel_world_size()
         if bias:
-            self.bias = _shard(torch.zeros(output_size), 0, device, dtype, stride, vocab_padded,
-                               fused)
+            self.bias = _sharded(Constant(0.0), (output_size,), 0, device, dtype, stride,
+                                 vocab_padded, fused)
         else:
             self.register_parameter("bias", None)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -145,9 +151,7 @@ class RowParallelLinear(nn.Module):
                  device=None, dtype=torch.float32, tp_group=None):
         super().__init__()
         self.tp_group = _tp(tp_group)
-        full = torch.empty(output_size, input_size, dtype=torch.float32)
-        init_method(full)
-        self.weight = _shard(full, 1, device, dtype)
+        self.weight = _sharded(init_method, (output_size, input_size), 1, device, dtype)
         self.bias = _zeros(output_size, device, dtype, sequence_parallel) if bias else None
         self.sequence_parallel = sequence_parallel
 
@@ -181,9 +185,8 @@ class VocabParallelEmbedding(nn.Module):
                  device=None, dtype=torch.float32, tp_group=None):
         super().__init__()
         self.tp_group = _tp(tp_group)
-        full = torch.empty(padded_vocab_size, embedding_dim, dtype=torch.float32)
-        init_method(full)
-        self.weight = _shard(full, 0, device, dtype, vocab_padded=True)
+        self.weight = _sharded(init_method, (padded_vocab_size, embedding_dim), 0, device, dtype,
+                               vocab_padded=True)
         self.vocab_start, self.vocab_end = vocab_range(padded_vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -4,21 +4,40 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
 from ..config import TrainConfig
+from ..model.chunks import model_dims
+from ..pipeline.model import tied_embedding_weights
+from .grad_buckets import bucket_elements
+from .grads import DataParallelGradSync
 
 log = logging.getLogger(__name__)
 
 
 def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel=None, dims=None):
     """AdamW; biases and norm weights (1-D parameters) get no weight decay, as in Megatron.
-    With ZeRO (parallel.zero_stage 1 or 3) the optimizer also owns gradient reduction, over the
-    groups of `dims` (the run's ParallelDims; default: the one initialize_distributed built)."""
+    With ZeRO (parallel.zero_stage 1 or 3) the optimizer also owns gradient reduction; without,
+    `optimizer.grad_sync` does it (in buckets, overlapped with backward on request). Either
+    reduces over the groups of `dims` (the run's ParallelDims; default: the grid the model was
+    built on)."""
+    dims = dims or model_dims(model)
     stage = parallel.zero_stage if parallel is not None else 0
+    overlap = bool(parallel is not None and parallel.overlap_grad_reduce)
+    dp_sp = dist.get_world_size(dims.dp_sp_group)
+    elements = bucket_elements(parallel.ddp_bucket_size if parallel is not None else None, dp_sp)
+    # Weights tied across pipeline stages are summed over the embedding group first.
+    tied = (tied_embedding_weights(model)
+            if dims.pp > 1 else [])
     if stage == 1:
         from .distributed_optimizer import DistributedOptimizer
-        log.info("optimizer: ZeRO-1 distributed AdamW over dp_sp")
-        return DistributedOptimizer(model, train, dims)
+        log.info("optimizer: ZeRO-1 distributed AdamW over dp_sp (gradient reduce-scatter %s, "
+                 "parameter all-gather %s)", "overlapped" if overlap else "after backward",
+                 "overlapped" if parallel.overlap_param_gather else "after the step")
+        return DistributedOptimizer(model, train, dims, max_bucket_elements=elements,
+                                    overlap_grad_reduce=overlap,
+                                    overlap_param_gather=parallel.overlap_param_gather,
+                                    deferred_params=tied)
     if stage == 3:
         from .zero3 import Zero3Optimizer
         log.info("optimizer: ZeRO-3 (FSDP2 over dp_sp), torch AdamW on the shards")
@@ -31,6 +50,12 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel=None, d
               {"params": no_decay, "weight_decay": 0.0}]
     on_gpu = any(p.is_cuda for p in model.parameters())
     kwargs = {"fused": True} if on_gpu else {"foreach": True}
-    log.info("optimizer: torch AdamW (%s)", "fused CUDA kernel" if on_gpu else "foreach, CPU")
-    return torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
-                             eps=train.adam_eps, **kwargs)
+    log.info("optimizer: torch AdamW (%s); gradient all-reduce over dp_sp %s",
+             "fused CUDA kernel" if on_gpu else "foreach, CPU",
+             "overlapped with backward" if overlap else "after backward")
+    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
+                                  eps=train.adam_eps, **kwargs)
+    optimizer.grad_sync = DataParallelGradSync(
+        [p for p in model.parameters() if p.requires_grad], elements, dims, overlap=overlap,
+        deferred_params=tied)
+    return optimizer

@@ -1,27 +1,32 @@
 """ZeRO-1 over the DP×SP group (--use-distributed-optimizer): Adam state and the fp32 master
 weights are sharded over dp_sp; every rank keeps full parameters and full gradients.
 
-Layout. All trainable parameters are packed, in model.parameters() order, into one contiguous
-fp32 buffer padded to a multiple of N = dp_sp size; the model's parameters become views of
-it. Rank r owns elements [r·S, (r+1)·S) with S = padded / N. Parameters stay fp32 (--bf16 and
---fp16 compute under autocast), so the owned slice of this buffer *is* the fp32 master copy of
-the shard: no second copy is kept. Gradients are views of a twin buffer, so autograd
-accumulates straight into it.
+Layout. All trainable parameters are packed into one contiguous fp32 buffer, bucket after
+bucket (grad_buckets.py: runs of about --ddp-bucket-size elements in model.parameters() order;
+a weight tied across pipeline stages in a bucket of its own, last); the model's parameters
+become views of it. Each bucket is padded to a multiple of N = dp_sp size and rank r owns the
+r-th N-th of every bucket, as in Megatron's distributed optimizer, so each bucket is one
+reduce-scatter and one all-gather. Parameters stay fp32 (--bf16 and --fp16 compute under
+autocast), so the owned slices of this buffer *are* the fp32 master copy of the shard: no second
+copy is kept. Gradients are views of a twin buffer, so autograd accumulates straight into it.
 
 Step. (1) Megatron-SP replicated weights: all-reduce over TP, as in grads.py. (2) Reduce-
-scatter the gradient buffer over dp_sp with SUM (the loss is already divided by the global
-token count, see training/step.py), in place: the owned slice receives the sum, the rest of
-the buffer is stale until zero_grad. (3) Global norm from the local shard: sum of squares of
-the owned elements, all-reduced over dp_sp, then over the model-parallel group; TP-replicated
-parameters count only on TP rank 0 (grads._counts_once). (4) Clip the shard. (5) torch AdamW
-steps views of the owned slice, one view per (parameter ∩ shard), in Megatron's weight-decay
-groups (no decay for 1-D parameters) — element for element the same arithmetic as the
-unsharded optimizer. (6) All-gather the parameter buffer (in place).
+scatter each bucket of the gradient buffer over dp_sp with SUM (the loss is already divided by
+the global token count, see training/step.py), in place: the owned slices receive the sum, the
+rest of the buffer is stale until zero_grad. With --overlap-grad-reduce, (1) and (2) run per
+bucket from gradient hooks while backward still runs (same collectives, same bits). (3) Global
+norm from the owned slices: sum of squares, all-reduced over dp_sp, then over the
+model-parallel group; TP-replicated parameters count only on TP rank 0 (grads._counts_once).
+(4) Clip the shard. (5) torch AdamW steps views of the owned slices, one view per (parameter ∩
+owned slice), in Megatron's weight-decay groups (no decay for 1-D parameters) — element for
+element the same arithmetic as the unsharded optimizer. (6) All-gather each bucket of the
+parameter buffer (in place); with --overlap-param-gather asynchronously, each module waiting
+for its parameters' buckets just before its next forward (or `finish_param_sync`).
 
-Checkpoint format (state_dict(), one per dp_sp rank; load on the same layout):
-    {"format": "megatron_ul.zero1.v1",
-     "dp_sp_rank": r, "dp_sp_size": N, "numel": total elements, "padded_numel": N·S,
-     "shard": (start, end) — this rank's elements of the flat buffer,
+Per-rank state format (state_dict(); load on the same layout and bucket size):
+    {"format": "megatron_ul.zero1.v2",
+     "dp_sp_rank": r, "dp_sp_size": N, "numel": total elements, "padded_numel": buffer size,
+     "shard": [(start, end) per bucket] — this rank's elements of the flat buffer,
      "pieces": [(param name, param offset in buffer, piece start, piece end)] in the inner
                optimizer's parameter order (start/end are flat-buffer indices),
      "optimizer": torch AdamW state_dict over those pieces (exp_avg, exp_avg_sq, step)}
@@ -41,57 +46,83 @@ from ..config import TrainConfig
 from ..mpu import parallel_state as ps
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
+from .grad_buckets import BucketLauncher, split_into_buckets
 from .grads import _all_reduce_coalesced, _counts_once
 
-FORMAT = "megatron_ul.zero1.v1"
+FORMAT = "megatron_ul.zero1.v2"
 
 
 class DistributedOptimizer:
     """Drop-in for the torch optimizer in train_step; owns gradient reduction and clipping."""
 
     def __init__(self, model: torch.nn.Module, train: TrainConfig,
-                 dims: Optional[ParallelDims] = None):
+                 dims: Optional[ParallelDims] = None, *, max_bucket_elements: int,
+                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
+                 deferred_params=()):
         self.dims = dims or ps.get_parallel_dims()
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if len({p.dtype for _, p in named}) != 1 or named[0][1].dtype != torch.float32:
             raise ValueError("the distributed optimizer expects fp32 parameters "
                              "(mixed precision runs under autocast)")
-        self.params = [p for _, p in named]
         self.group = self.dims.dp_sp_group
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        deferred_ids = {id(p) for p in deferred_params}
+        regular = [(n, p) for n, p in named if id(p) not in deferred_ids]
+        tied = [(n, p) for n, p in named if id(p) in deferred_ids]
+        names = {id(p): n for n, p in named}
+        buckets = split_into_buckets([p for _, p in regular], max_bucket_elements)
+        if tied:
+            buckets.append([p for _, p in tied])
+        named = [(names[id(p)], p) for bucket in buckets for p in bucket]
+        self.params = [p for _, p in named]
         device = self.params[0].device
         self.numel = sum(p.numel() for p in self.params)
-        self.shard_numel = math.ceil(self.numel / self.size)
-        padded = self.shard_numel * self.size
-        self.start, self.end = self.rank * self.shard_numel, (self.rank + 1) * self.shard_numel
-        self.param_buffer = torch.zeros(padded, dtype=torch.float32, device=device)
-        self.grad_buffer = torch.zeros(padded, dtype=torch.float32, device=device)
-        # Reduce-scatter and all-gather run in place on these slices (as Megatron does):
-        # no extra shard-sized buffers.
-        self.grad_shard = self.grad_buffer[self.start:self.end]
-        self.pieces = self._bind_params(named)
+        # Bucket b spans [bounds[b], bounds[b] + N·S_b); rank r owns its r-th S_b elements.
+        self.bucket_ranges, self.shard_ranges, offset = [], [], 0
+        for bucket in buckets:
+            per_rank = math.ceil(sum(p.numel() for p in bucket) / self.size)
+            self.bucket_ranges.append((offset, offset + per_rank * self.size))
+            self.shard_ranges.append((offset + self.rank * per_rank,
+                                      offset + (self.rank + 1) * per_rank))
+            offset += per_rank * self.size
+        self.param_buffer = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.grad_buffer = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.pieces = self._bind_params(named, buckets)
         self.optimizer = self._build_inner(train)
+        self.grad_sync = self
+        self._grads_in_flight: dict[int, object] = {}
+        self.launcher = BucketLauncher(
+            buckets, self._launch_grad_reduce, overlap=overlap_grad_reduce and self.size > 1,
+            deferred=frozenset([len(buckets) - 1]) if tied else frozenset())
+        self.buckets = buckets
+        self._params_in_flight: dict[int, object] = {}
+        self.overlap_param_gather = overlap_param_gather and self.size > 1
+        if self.overlap_param_gather:
+            self._register_param_wait_hooks(model)
 
-    def _bind_params(self, named) -> list[tuple]:
-        """Make params/grads views of the buffers; return the pieces this rank owns."""
-        pieces, offset = [], 0
-        for name, p in named:
-            n = p.numel()
-            view = self.param_buffer[offset:offset + n].view_as(p)
-            view.copy_(p.detach())
-            p.data = view
-            p.grad = self.grad_buffer[offset:offset + n].view_as(p)
-            lo, hi = max(offset, self.start), min(offset + n, self.end)
-            if lo < hi:
-                pieces.append((name, p, offset, lo, hi))
-            offset += n
+    def _bind_params(self, named, buckets) -> list[tuple]:
+        """Make params/grads views of the buffers, bucket by bucket; return the pieces this
+        rank owns."""
+        pieces, by_id = [], {id(p): n for n, p in named}
+        for bucket, (offset, _), (lo_own, hi_own) in zip(buckets, self.bucket_ranges,
+                                                         self.shard_ranges):
+            for p in bucket:
+                n = p.numel()
+                view = self.param_buffer[offset:offset + n].view_as(p)
+                view.copy_(p.detach())
+                p.data = view
+                p.grad = self.grad_buffer[offset:offset + n].view_as(p)
+                lo, hi = max(offset, lo_own), min(offset + n, hi_own)
+                if lo < hi:
+                    pieces.append((by_id[id(p)], p, offset, lo, hi))
+                offset += n
         return pieces
 
     def _build_inner(self, train: TrainConfig) -> torch.optim.AdamW:
         decay, no_decay = [], []
         for _, p, _, lo, hi in self.pieces:
             piece = self.param_buffer[lo:hi]
-            piece.grad = self.grad_shard[lo - self.start:hi - self.start]
+            piece.grad = self.grad_buffer[lo:hi]
             (no_decay if p.dim() == 1 else decay).append(piece)
         groups = [{"params": decay, "weight_decay": train.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
@@ -103,37 +134,85 @@ class DistributedOptimizer:
     def param_groups(self):
         return self.optimizer.param_groups
 
+    # ---- gradient reduction (steps 1-2), possibly overlapped with backward ------------------
+    def start(self, num_micro_batches: int) -> None:
+        """Arm the gradient hooks for a step of `num_micro_batches` backward passes."""
+        self.launcher.start(num_micro_batches)
+
+    def _launch_grad_reduce(self, b: int) -> None:
+        sequence_parallel = [p.grad for p in self.buckets[b]
+                             if getattr(p, "sequence_parallel", False)]
+        _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
+        if self.size == 1:
+            return
+        (lo, hi), (own_lo, own_hi) = self.bucket_ranges[b], self.shard_ranges[b]
+        record("reduce_scatter", self.grad_buffer[lo:hi], self.group)
+        self._grads_in_flight[b] = dist.reduce_scatter_tensor(
+            self.grad_buffer[own_lo:own_hi], self.grad_buffer[lo:hi], group=self.group,
+            async_op=True)
+
+    def finish(self) -> None:
+        """Launch the buckets backward has not, and wait for all of them."""
+        self.launcher.launch_remaining()
+        for b in sorted(self._grads_in_flight):
+            self._grads_in_flight[b].wait()
+        self._grads_in_flight.clear()
+
     def reduce_and_clip_gradients(self, max_norm: float) -> float:
         """Steps (1)-(4) of the module docstring; returns the norm before clipping."""
-        sequence_parallel = [p.grad for p in self.params if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
-        if self.size > 1:
-            record("reduce_scatter", self.grad_buffer, self.group)
-            dist.reduce_scatter_tensor(self.grad_shard, self.grad_buffer, group=self.group)
+        self.finish()
         norm = self._global_norm()
         if max_norm > 0 and math.isfinite(norm):
             coeff = max_norm / (norm + 1e-6)
             if coeff < 1.0:
-                self.grad_shard.mul_(coeff)
+                for lo, hi in self.shard_ranges:
+                    self.grad_buffer[lo:hi].mul_(coeff)
         return norm
 
     def _global_norm(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64, device=self.grad_shard.device)
+        sq = torch.zeros((), dtype=torch.float64, device=self.grad_buffer.device)
         for _, p, _, lo, hi in self.pieces:
             if _counts_once(p, self.dims):
-                sq += self.grad_shard[lo - self.start:hi - self.start].double().pow(2).sum()
+                sq += self.grad_buffer[lo:hi].double().pow(2).sum()
         for group in (self.group, self.dims.mp_group):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
         return math.sqrt(sq.item())
 
+    # ---- update and parameter all-gather (steps 5-6) ---------------------------------------
     @torch.no_grad()
     def step(self) -> None:
+        self.finish_param_sync()
         self.optimizer.step()
-        if self.size > 1:
-            record("all_gather", self.param_buffer, self.group)
-            dist.all_gather_into_tensor(self.param_buffer, self.param_buffer[self.start:self.end],
-                                        group=self.group)
+        if self.size == 1:
+            return
+        for b, ((lo, hi), (own_lo, own_hi)) in enumerate(zip(self.bucket_ranges,
+                                                             self.shard_ranges)):
+            record("all_gather", self.param_buffer[lo:hi], self.group)
+            self._params_in_flight[b] = dist.all_gather_into_tensor(
+                self.param_buffer[lo:hi], self.param_buffer[own_lo:own_hi], group=self.group,
+                async_op=True)
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
+    def finish_param_sync(self, buckets=None) -> None:
+        """Wait for the parameter all-gathers of `buckets` (default: all) still in flight.
+        Anything that reads the parameters outside a forward pass calls this first."""
+        for b in sorted(self._params_in_flight) if buckets is None else buckets:
+            handle = self._params_in_flight.pop(b, None)
+            if handle is not None:
+                handle.wait()
+
+    def _register_param_wait_hooks(self, model: torch.nn.Module) -> None:
+        """Before a module's forward, wait for the buckets holding its own parameters."""
+        bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        for module in model.modules():
+            own = {bucket_of[id(p)] for p in module.parameters(recurse=False)
+                   if id(p) in bucket_of}
+            if own:
+                buckets = sorted(own)
+                module.register_forward_pre_hook(
+                    lambda _m, _args, buckets=buckets: self.finish_param_sync(buckets))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero in place: the parameters' .grad must stay views of the gradient buffer."""
@@ -144,15 +223,22 @@ class DistributedOptimizer:
     def state_dict(self) -> dict:
         return {"format": FORMAT, "dp_sp_rank": self.rank, "dp_sp_size": self.size,
                 "numel": self.numel, "padded_numel": self.param_buffer.numel(),
-                "shard": (self.start, self.end),
+                "shard": [tuple(r) for r in self.shard_ranges],
                 "pieces": [(name, offset, lo, hi) for name, _, offset, lo, hi in self.pieces],
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
         for key in ("format", "dp_sp_rank", "dp_sp_size", "numel", "shard", "pieces"):
-            if state.get(key) != mine[key]:
+            if _as_lists(state.get(key)) != _as_lists(mine[key]):
                 raise ValueError(f"distributed-optimizer checkpoint does not match this run "
                                  f"({key}: saved {state.get(key)!r}, now {mine[key]!r}); load it "
                                  f"with the same model and the same DP×SP size")
         self.optimizer.load_state_dict(state["optimizer"])
+
+
+def _as_lists(value):
+    """Tuples and lists compare alike (a saved state may have turned one into the other)."""
+    if isinstance(value, (list, tuple)):
+        return [_as_lists(v) for v in value]
+    return value

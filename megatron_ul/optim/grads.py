@@ -4,6 +4,9 @@ Parameters are replicated over data- and sequence-parallel ranks, so their gradi
 *summed* over the dp_sp group: the loss each rank backpropagates is already divided by the
 number of tokens in the whole global batch (see training/step.py), so the sum is the gradient
 of the global token-mean loss, whatever the layout.
+
+The sum runs in buckets (grad_buckets.py), after backward or, with --overlap-grad-reduce,
+while backward still runs; both give the same bits.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from ..mpu import parallel_state as ps
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
+from .grad_buckets import BucketLauncher, bucket_elements, split_into_buckets
 
 _BUCKET_BYTES = 64 * 2**20
 
@@ -40,15 +44,65 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
                 g.copy_(reduced)
 
 
-def reduce_gradients(params: list[torch.nn.Parameter],
-                     dims: Optional[ParallelDims] = None) -> None:
-    """Finish the backward pass: Megatron-SP replicated weights over TP, everything over dp_sp
-    (the groups of `dims`, default: the run's)."""
+class DataParallelGradSync:
+    """Sums the gradients of `params` over dp_sp in buckets (and Megatron-SP replicated
+    weights' over TP first), after backward or overlapped with it.
+
+    Buckets follow the reverse parameter order, roughly the order backward produces them;
+    `deferred_params` (weights tied across pipeline stages) get buckets of their own that are
+    reduced only in `finish`, after the caller has summed them over the embedding group."""
+
+    def __init__(self, params: list[torch.nn.Parameter], max_bucket_elements: int,
+                 dims: ParallelDims, overlap: bool = False, deferred_params=()):
+        self.dims = dims
+        deferred_ids = {id(p) for p in deferred_params}
+        ordered = list(reversed(params))
+        buckets = split_into_buckets([p for p in ordered if id(p) not in deferred_ids],
+                                     max_bucket_elements)
+        deferred = [p for p in ordered if id(p) in deferred_ids]
+        self.buckets = buckets + ([deferred] if deferred else [])
+        self.group = self.dims.dp_sp_group
+        self.in_flight: dict[int, tuple] = {}
+        self.launcher = BucketLauncher(
+            self.buckets, self._launch,
+            overlap=overlap and dist.get_world_size(self.group) > 1,
+            deferred=frozenset(range(len(buckets), len(self.buckets))))
+
+    def start(self, num_micro_batches: int) -> None:
+        self.launcher.start(num_micro_batches)
+
+    def _launch(self, i: int) -> None:
+        with_grad = [p for p in self.buckets[i] if p.grad is not None]
+        sequence_parallel = [p.grad for p in with_grad if getattr(p, "sequence_parallel", False)]
+        _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
+        if dist.get_world_size(self.group) == 1 or not with_grad:
+            return
+        grads = [p.grad for p in with_grad]
+        flat = _flatten_dense_tensors(grads)
+        record("all_reduce", flat, self.group)
+        self.in_flight[i] = (grads, flat, dist.all_reduce(flat, group=self.group,
+                                                          async_op=True))
+
+    def finish(self) -> None:
+        """Launch what backward has not, wait for every bucket and write the sums back."""
+        self.launcher.launch_remaining()
+        for i in sorted(self.in_flight):
+            grads, flat, handle = self.in_flight[i]
+            handle.wait()
+            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+        self.in_flight.clear()
+
+
+def reduce_gradients(params: list[torch.nn.Parameter], dims: Optional[ParallelDims] = None,
+                     max_bucket_elements: int | None = None) -> None:
+    """Finish the backward pass without overlap: Megatron-SP replicated weights over TP,
+    everything over dp_sp (the groups of `dims`, default: the run's), in the buckets an
+    overlapped run would use."""
     dims = dims or ps.get_parallel_dims()
-    with_grad = [p for p in params if p.grad is not None]
-    sequence_parallel = [p.grad for p in with_grad if getattr(p, "sequence_parallel", False)]
-    _all_reduce_coalesced(sequence_parallel, dims.tp_group)
-    _all_reduce_coalesced([p.grad for p in with_grad], dims.dp_sp_group)
+    if max_bucket_elements is None:
+        max_bucket_elements = bucket_elements(None, dims.dp_sp_size)
+    DataParallelGradSync(params, max_bucket_elements, dims).finish()
 
 
 def _counts_once(p: torch.nn.Parameter, dims: Optional[ParallelDims] = None) -> bool:

@@ -36,7 +36,7 @@ from .grads import _all_reduce_coalesced, _counts_once
 
 # Attributes our parallel layers hang on parameters; FSDP2 makes new Parameter objects.
 _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
-                     "sequence_parallel", "shared_embedding_replica", "spec")
+                     "sequence_parallel", "shared_embedding_replica", "init_spec", "spec")
 
 
 def shard_model(model: torch.nn.Module, dims: Optional[ParallelDims] = None) -> torch.nn.Module:

@@ -8,7 +8,8 @@ import torch
 
 from ..config import Config
 from ..model.attention import planned_attention
-from .memory_estimator import GiB, estimate_config, recompute_of
+from .memory_estimator import (GiB, estimate_config, init_peak_bytes, layout_from_config,
+                               recompute_of)
 
 
 def _number(x: float) -> str:
@@ -58,6 +59,9 @@ def describe(cfg: Config) -> str:
         + (" (per document, varlen)" if cfg.data.reset_attention_mask else ""),
         "long context: " + long_context(cfg),
         "memory estimate per GPU: " + est.describe(),
+        f"initialisation peak per GPU: "
+        f"{init_peak_bytes(m, layout_from_config(cfg), zero) / GiB:.2f} GiB (each rank computes "
+        f"only the parameters it holds, on its device)",
     ]
     return "\n".join(lines)
 

@@ -96,6 +96,9 @@ class RunControl:
         the save is completed (metadata, tracker) once every rank's writer has finished, at the
         latest before the next save or at the end of training."""
         self._complete_pending()
+        finish = getattr(self.optimizer, "finish_param_sync", None)
+        if finish is not None:   # --overlap-param-gather: the parameters must be complete
+            finish()
         saved = save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler,
                                 self.iteration, grad_scaler=self.grad_scaler,
                                 position=self.position, background=self.cfg.checkpoint.async_save)

@@ -55,8 +55,17 @@ def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches
             if after_iteration is not None and after_iteration(iteration):
                 break
     finally:
+        finish_param_sync(optimizer)
         metrics.close()
     return losses
+
+
+def finish_param_sync(optimizer) -> None:
+    """--overlap-param-gather leaves the last all-gathers in flight until the next forward:
+    wait for them before anything else reads the parameters."""
+    finish = getattr(optimizer, "finish_param_sync", None)
+    if finish is not None:
+        finish()
 
 
 def run_evaluation(cfg: Config, model, valid_batches, iteration: int, dtype) -> float:

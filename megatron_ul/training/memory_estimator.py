@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..config import Config, ModelConfig
+from ..mpu.param_init import WORKSPACE_BYTES
 
 GiB = 2**30
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -259,6 +260,16 @@ def estimate(m: ModelConfig, layout: Layout, *, zero_stage: int = 0, recompute: 
                           activation_bytes(m, layout, precision, recompute), host,
                           loss_working_bytes(m, layout),
                           backward_working_bytes(m, layout, precision))
+
+
+def init_peak_bytes(m: ModelConfig, layout: Layout, zero_stage: int = 0) -> float:
+    """Peak during initialisation: a rank allocates only the fp32 parameters it holds (its TP
+    slice and pipeline stage; under ZeRO-3 its dp_sp shard, the model being built on the meta
+    device first) and computes them in place, plus the generator's bounded workspace
+    (mpu/param_init.py). Nothing is drawn in full, on the host or on the GPU."""
+    params = stage_parameters(m, layout.tp, layout.pp)
+    shards = layout.dp * layout.sp if zero_stage >= 3 else 1
+    return 4 * params / shards + WORKSPACE_BYTES
 
 
 def layout_from_config(cfg: Config) -> Layout:

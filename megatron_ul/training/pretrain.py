@@ -16,6 +16,7 @@ from ..config import Config, ConfigError, resolve, validate
 from ..data.gpt_dataset import DataError, parse_data_path
 from ..initialize import initialize_distributed, shutdown, world_size_from_env
 from ..model.gpt import GPTModel
+from ..mpu.param_init import deferred, materialize
 from ..mpu.parallel_state import ParallelDims
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
@@ -65,7 +66,17 @@ def _check_data_files(data_path: list[str]) -> None:
 
 def build_model(cfg: Config, device, dims: ParallelDims,
                 timers: Timers = NO_TIMERS) -> GPTModel:
-    """This rank's model (chunks under pipelining) on the rank grid `dims`."""
+    """This rank's model (chunks under pipelining) on the rank grid `dims`. Each rank computes
+    only the parameters it holds: its TP slice and pipeline stage and, under ZeRO-3, its dp_sp
+    shard (built on the meta device, sharded by FSDP2, then materialised)."""
+    if cfg.parallel.zero_stage == 3:
+        with deferred():
+            model = _build_unsharded(cfg, device, dims, timers)
+        return materialize(shard_model(model, dims), device)
+    return _build_unsharded(cfg, device, dims, timers)
+
+
+def _build_unsharded(cfg: Config, device, dims: ParallelDims, timers: Timers) -> GPTModel:
     if cfg.parallel.pipeline_model_parallel_size > 1:
         return build_pipeline_model(cfg, device, timers, dims=dims)  # this rank's model chunks
     return GPTModel(cfg.model, seed=cfg.train.seed,
@@ -112,8 +123,10 @@ def setup(cfg: Config) -> Trainer:
         n = sum(p.numel() for p in model.parameters())
         log.info("parameters on rank 0: %.2f M (padded vocab %d)", n / 1e6,
                  model.padded_vocab_size)
-    if cfg.parallel.zero_stage == 3:
-        model = shard_model(model, dims)
+        m = cfg.model
+        log.info("transformer layers: %s", f"fused (torch.compile per layer, backend "
+                 f"{m.fused_layers_backend})" if m.fused_layers else
+                 "eager (--fused-layers compiles them; off by default: compile time)")
     optimizer = build_optimizer(model, cfg.train, cfg.parallel, dims)
     t = cfg.train
     scheduler = LRSchedule(optimizer, max_lr=t.lr, min_lr=t.min_lr, warmup_steps=t.lr_warmup_iters,

@@ -55,6 +55,10 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     num_tokens = count_tokens(micro_batches, device, dims).float()
     # fp16: backpropagate loss · scale; dividing the token count by a power of two is exact.
     divisor = num_tokens / grad_scaler.scale if grad_scaler is not None else num_tokens
+    # Plain DP and ZeRO-1 reduce gradients in buckets, from backward's hooks when overlapping.
+    grad_sync = getattr(optimizer, "grad_sync", None)
+    if grad_sync is not None:
+        grad_sync.start(len(micro_batches))
     loss_sum = schedule_for(model)(model, micro_batches, divisor, autocast_dtype, timers=timers)
     loss = global_mean_loss(loss_sum, num_tokens, dims)
     if not math.isfinite(loss):
@@ -67,12 +71,18 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     # Tied embedding copies (first and last pipeline stage) sum their gradients.
     reduce_and_clip = getattr(optimizer, "reduce_and_clip_gradients", None)
     if reduce_and_clip is not None:  # ZeRO: the optimizer owns the (sharded) gradients
+        # Before: a reduce-scatter leaves no full gradient to sum. ZeRO-1 keeps the tied
+        # weights in a deferred bucket of their own (the same layout on both stages), reduced
+        # only inside reduce_and_clip, so both copies still end bitwise equal.
         allreduce_embedding_grads(model, dims)
         with timers("grad-reduce"):
             grad_norm = reduce_and_clip(clip_grad)
     else:
         with timers("grad-reduce"):
-            reduce_gradients(params, dims)
+            if grad_sync is not None:
+                grad_sync.finish()
+            else:
+                reduce_gradients(params, dims)
             # After the dp_sp reduction, so both copies end bitwise equal (a + b == b + a):
             # before it, each stage's copy would be reduced inside differently laid-out
             # buckets, and with 3+ dp_sp ranks the summation orders (and roundings) differ.

@@ -24,3 +24,5 @@ def test_gpu_check_cpu_mode_passes_and_reports():
     # speed table: the fixed lengths and the longest-sequence search, with the estimate beside
     assert "| 32 | none |" in text and "| 64 | none |" in text and "| 128 | full |" in text
     assert "estimator GiB" in text
+    # issue 14: initialisation time/memory and step time, eager vs --fused-layers
+    assert "| eager layers |" in text and "| --fused-layers |" in text and "init peak GiB" in text
