@@ -523,10 +523,6 @@ def _ring_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int, cp: int) -
         errors.append(f"--attention-dropout {m.attention_dropout} is not supported with "
                       f"--context-parallel-size {cp} (ring attention has no dropout); pass "
                       f"--attention-dropout 0")
-    if m.attention_window is not None:
-        errors.append(f"--window-size is not supported with --context-parallel-size {cp} (the "
-                      f"ring's blocks are causal or document-masked only); drop --window-size "
-                      f"or use Ulysses alone (--context-parallel-size 1)")
     return errors
 
 

@@ -28,6 +28,10 @@ fi
 #                   resumes from the latest complete checkpoint there; none yet: from scratch)
 #   SAVE_INTERVAL   iterations between checkpoints (default 200)
 #   TENSORBOARD_DIR $RUN_DIR/tensorboard (one curve across restarts)
+#   CKPT_FORMAT     torch_dist (default: every rank writes and reads only its own pieces) or
+#                   torch (one file per TP/PP rank). --load reads either, whatever this says.
+#   ASYNC_SAVE=1    --async-save: torch_dist files are written in the background while
+#                   training continues (off by default: the rank keeps a CPU copy of its pieces)
 #   EXIT_DURATION_IN_MINS  inside a Slurm job: the job's time left minus EXIT_MARGIN_MINS
 #                   (default 10; half the time left when that is shorter), so that the last
 #                   checkpoint is written before the time limit; "none" turns it off.
@@ -40,7 +44,10 @@ run_args() {
     TENSORBOARD_DIR=${TENSORBOARD_DIR:-$RUN_DIR/tensorboard}
     RUN_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR"
               --save-interval "${SAVE_INTERVAL:-200}" --tensorboard-dir "$TENSORBOARD_DIR"
-              --exit-signal-handler)
+              --exit-signal-handler --ckpt-format "${CKPT_FORMAT:-torch_dist}")
+    if [[ "${ASYNC_SAVE:-0}" == 1 ]]; then
+        RUN_ARGS+=(--async-save)
+    fi
     local minutes=${EXIT_DURATION_IN_MINS:-$(minutes_before_time_limit)}
     if [[ -n "$minutes" && "$minutes" != none ]]; then
         RUN_ARGS+=(--exit-duration-in-mins "$minutes")

@@ -12,15 +12,18 @@ from __future__ import annotations
 import torch
 
 
+def ring_chunks(ring_rank: int, ring_size: int) -> tuple[int, int]:
+    """The two chunks (of 2R, in increasing order) that ring rank r holds: r and 2R-1-r."""
+    return ring_rank, 2 * ring_size - 1 - ring_rank
+
+
 def ring_local_positions(ring_rank: int, ring_size: int, seq_length: int) -> torch.Tensor:
     """Global token indices of a ring rank's local sequence (chunks r and 2R-1-r), [N/R]."""
     if ring_size == 1:
         return torch.arange(seq_length)
     chunk = seq_length // (2 * ring_size)
-    first = torch.arange(ring_rank * chunk, (ring_rank + 1) * chunk)
-    second = torch.arange((2 * ring_size - 1 - ring_rank) * chunk,
-                          (2 * ring_size - ring_rank) * chunk)
-    return torch.cat([first, second])
+    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk)
+                      for i in ring_chunks(ring_rank, ring_size)])
 
 
 def rank_positions(seq_length: int, ulysses_rank: int, ulysses_size: int, ring_rank: int = 0,

@@ -50,9 +50,10 @@ class DistributedAttention:
     def _attend(self, q, k, v, dropout_p, attention_mask):
         if self.ring is not None:
             # Saves only q, k, v, out and the log-sum-exp already: nothing to recompute.
-            # config.validate refuses attention dropout and sliding windows with a ring;
-            # documents (a DocumentMask) mask and skip blocks inside the ring.
-            return ring_attention(q, k, v, self.ring, attention_mask=attention_mask)
+            # config.validate refuses attention dropout with a ring; documents (a
+            # DocumentMask) and the sliding window mask and skip blocks inside the ring.
+            return ring_attention(q, k, v, self.ring, attention_mask=attention_mask,
+                                  window=self.window)
         if isinstance(attention_mask, DocumentMask) or self.window is not None:
             if attention_mask is not None and not isinstance(attention_mask, DocumentMask):
                 raise ValueError("a sliding window does not combine with a dense attention mask")

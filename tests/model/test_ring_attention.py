@@ -1,6 +1,7 @@
 """Ring attention (load-balanced chunks r and 2R-1-r) equals plain causal attention on the full
-sequence, forward and backward, for MHA and GQA, with and without a document mask; and it
-composes with Ulysses (hybrid U×R) inside DistributedAttention."""
+sequence, forward and backward, for MHA and GQA, with and without a document mask and a sliding
+window; it computes only the chunk × chunk units that the masks do not exclude; and it composes
+with Ulysses (hybrid U×R) inside DistributedAttention."""
 import math
 
 import torch
@@ -15,6 +16,9 @@ from tests.distributed import run_distributed
 
 N, B, D = 32, 2, 4
 CASES = [(4, 4), (4, 2), (4, 1)]  # (query heads, kv heads)
+# At R = 4 (chunks of 4 tokens): window 1 excludes whole ring steps for some ranks (rank 0's
+# chunks 0 and 7 see nothing of rank 2's chunks 2 and 5); window 5 cuts units and skips others.
+WINDOWS = (None, 1, 5)
 
 
 def reference_attention(q, k, v, mask=None):
@@ -27,6 +31,25 @@ def reference_attention(q, k, v, mask=None):
         mask = ~torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()
     probs = scores.masked_fill(mask, float("-inf")).softmax(-1)
     return torch.einsum("bhnm,mbhd->nbhd", probs, v)
+
+
+def window_mask(window, mask=None):
+    """`mask` (default: causal), and no query sees a key more than `window` tokens back."""
+    if mask is None:
+        mask = ~torch.ones(N, N, dtype=torch.bool).tril()
+    if window is None:
+        return mask
+    distance = torch.arange(N).unsqueeze(1) - torch.arange(N).unsqueeze(0)
+    return mask | (distance > window)
+
+
+def needed_units(mask, ring_rank, ring_size):
+    """How many chunk × chunk units of the full score matrix hold at least one visible pair
+    for this ring rank's queries (its two chunks against all 2R chunks)."""
+    c = N // (2 * ring_size)
+    visible = ~mask
+    return sum(bool(visible[..., i * c:(i + 1) * c, j * c:(j + 1) * c].any())
+               for i in (ring_rank, 2 * ring_size - 1 - ring_rank) for j in range(2 * ring_size))
 
 
 def document_mask(starts=(5, 19), batch_rows=(0,)):
@@ -63,15 +86,23 @@ def _compare(attend, positions, hq, hk, mask, label):
 def _check_ring(rank, world):
     ring = Ring.from_dims(ps.initialize_model_parallel(1, 1, 1, context_parallel_size=world))
     positions = ring_local_positions(ring.rank, ring.size, N)
-    for mask in (None, document_mask()):
-        for hq, hk in CASES:
-            _compare(lambda q, k, v, m=mask: ring_attention(q, k, v, ring, attention_mask=m),
-                     positions, hq, hk, mask, f"R={world} hq={hq} hk={hk} mask={mask is not None}")
+    computed = {}
+    for documents in (None, document_mask()):
+        for window in WINDOWS:
+            mask = window_mask(window, documents)
+            for hq, hk in CASES:
+                with measure_ring_time() as times:
+                    _compare(lambda q, k, v, d=documents, w=window: ring_attention(
+                                 q, k, v, ring, attention_mask=d, window=w),
+                             positions, hq, hk, mask, f"R={world} hq={hq} hk={hk} "
+                             f"documents={documents is not None} window={window}")
+                computed[documents is not None, window] = (times["forward_blocks"],
+                                                           needed_units(mask, ring.rank, world))
     if world == 2:
         _check_half_precision(ring, positions)
-        return _count_skipped_blocks(ring)
+        return computed, _count_skipped_blocks(ring)
     sent = _count_ring_bytes(ring, world)
-    return sent, _check_hybrid(rank, world)
+    return computed, sent, _check_hybrid(rank, world)
 
 
 def _check_half_precision(ring, positions):
@@ -106,38 +137,58 @@ def _count_skipped_blocks(ring):
 
 
 def _count_ring_bytes(ring, world):
+    """p2p bytes of one forward and backward, with the narrowest window (the ring still
+    carries every block: a rank with nothing to compute passes k/v and dk/dv on)."""
     q, k, v = (t[:N // world].clone().requires_grad_() for t in _inputs(4, 2))
     with comm_stats.count_communication() as counts:
-        out = ring_attention(q, k, v, ring)
+        out = ring_attention(q, k, v, ring, window=1)
         forward = counts["p2p"]["bytes"]
         out.sum().backward()
     return forward, counts["p2p"]["bytes"] - forward
 
 
+def _assert_only_needed_units(computed):
+    """Each forward computed exactly the units that hold a visible pair."""
+    for (documents, window), (done, needed) in computed.items():
+        assert done == needed, (documents, window, done, needed)
+
+
 def test_ring_attention_skips_blocks_a_document_mask_excludes_r2():
-    assert run_distributed(_check_ring, 2) == [1, 1]
+    """R = 2, chunks of 8: documents [0, 8), [8, 24), [24, 32) leave rank 0 (chunks 0 and 3)
+    two of its four causal units and rank 1 (chunks 1 and 2) three."""
+    results = run_distributed(_check_ring, 2)
+    for computed, _ in results:
+        _assert_only_needed_units(computed)
+    assert [units for _, units in results] == [2, 3]
 
 
 def test_ring_r4_and_hybrid_u2r2_match_full_attention_and_send_what_they_should():
     """Also: each k/v block is sent R-1 times forward; backward sends it R-1 times again plus
-    its dk/dv accumulator R times (one last hop home)."""
+    its dk/dv accumulator R times (one last hop home), whatever the window skips; only the
+    units a window or document mask leaves visible are computed (window 1 leaves some ranks
+    whole steps with nothing to compute)."""
     world = 4
     kv_bytes = 2 * (N // world) * B * 2 * D * 8     # k and v, float64
-    for (forward, backward), hybrid_ok in run_distributed(_check_ring, world):
+    for computed, (forward, backward), hybrid_ok in run_distributed(_check_ring, world):
+        _assert_only_needed_units(computed)
+        assert computed[False, None][1] == 2 * world + 1     # causal: 3 + 2(R-1) units
+        assert computed[False, 1][1] < computed[False, 5][1] < computed[False, None][1]
         assert forward == (world - 1) * kv_bytes
         assert backward == (world - 1) * kv_bytes + world * kv_bytes
         assert hybrid_ok
 
 
 def _check_hybrid(rank, world):
-    """The same ranks again, as Ulysses 2 × ring R/2."""
     ulysses = 2
     dims = ps.initialize_model_parallel(1, ulysses, 1, context_parallel_size=world // ulysses)
     model_parallel_seed(0, dims)
     ring = Ring.from_dims(dims)
-    attention = DistributedAttention(ulysses, "sdpa", dims.sp_group, ring=ring)
     positions = rank_positions(N, dims.sp_rank, ulysses, ring.rank, ring.size)
-    for hq, hk in CASES:   # kv heads 1 < U: replicated before the all-to-all
-        _compare(lambda q, k, v: attention(q, k, v, dropout_p=0.0), positions, hq, hk, None,
-                 f"U2xR{world // ulysses} hq={hq} hk={hk}")
+    for window in (None, 5):
+        attention = DistributedAttention(ulysses, "sdpa", dims.sp_group,
+                                         window=window, ring=ring)
+        for hq, hk in CASES:   # kv heads 1 < U: replicated before the all-to-all
+            _compare(lambda q, k, v, a=attention: a(q, k, v, dropout_p=0.0), positions, hq, hk,
+                     window_mask(window), f"U2xR{world // ulysses} hq={hq} hk={hk} "
+                     f"window={window}")
     return True

@@ -29,7 +29,8 @@ SCRIPT_ENV = ("DATA_PATH", "TOKENIZER_TYPE", "SLURM_NNODES", "SLURM_NTASKS_PER_N
               "SLURM_JOB_ID", "SLURM_JOB_NAME", "GPUS_PER_NODE", "SP", "TP", "SEQ_LENGTH",
               "NPROC", "NUM_LAYERS", "HIDDEN_SIZE", "NUM_HEADS", "MICRO_BATCH", "GLOBAL_BATCH",
               "TRAIN_ITERS", "PRECISION", "RUN_NAME", "RUN_DIR", "CHECKPOINT_DIR",
-              "TENSORBOARD_DIR", "SAVE_INTERVAL", "EXIT_DURATION_IN_MINS", "EXIT_MARGIN_MINS")
+              "TENSORBOARD_DIR", "SAVE_INTERVAL", "EXIT_DURATION_IN_MINS", "EXIT_MARGIN_MINS",
+              "CKPT_FORMAT", "ASYNC_SAVE")
 
 
 def script_arguments(path: str, **env_overrides) -> tuple[int, list[str]]:
@@ -99,6 +100,20 @@ def test_script_checkpoints_and_resumes_by_default(path):
     _, argv = script_arguments(path, CHECKPOINT_DIR="/ckpt", SAVE_INTERVAL="7")
     assert flag(argv, "--save") == flag(argv, "--load") == "/ckpt"
     assert flag(argv, "--save-interval") == "7"
+
+
+@pytest.mark.parametrize("path", TRAINING, ids=os.path.basename)
+def test_script_saves_torch_dist_by_default(path):
+    """Sharded checkpoints (every rank writes its own pieces) unless CKPT_FORMAT=torch;
+    --async-save only with ASYNC_SAVE=1; the arguments pass validation either way."""
+    world, argv = script_arguments(path)
+    assert flag(argv, "--ckpt-format") == "torch_dist" and "--async-save" not in argv
+    world, argv = script_arguments(path, ASYNC_SAVE="1")
+    assert "--async-save" in argv
+    configure(argv + ["--dry-run"], world_size=world)
+    world, argv = script_arguments(path, CKPT_FORMAT="torch")
+    assert flag(argv, "--ckpt-format") == "torch" and "--async-save" not in argv
+    configure(argv + ["--dry-run"], world_size=world)
 
 
 @pytest.mark.parametrize("path", SBATCH, ids=os.path.basename)

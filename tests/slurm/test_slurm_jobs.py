@@ -11,6 +11,9 @@ two slurmd nodes on this host), with a small model on CPU (gloo), SP=2 across th
     and a resubmission resumes from the last complete checkpoint, repeating the lost iterations
     exactly.
 
+The scripts save in the torch_dist format by default; (b) adds ASYNC_SAVE=1 (--async-save) and
+(d) saves its first job with CKPT_FORMAT=torch, so its resubmission resumes across formats.
+
 Opt-in (about 3 minutes; installs Debian's slurm-wlm packages as root where missing):
     RUN_SLURM_TESTS=1 python -m pytest -q -s tests/slurm
 RUN_SLURM_TESTS=require (.ci/run) fails instead of skipping when Slurm cannot be set up.
@@ -138,6 +141,11 @@ class Run:
         path = self.dir / "checkpoints" / "latest_checkpointed_iteration.txt"
         return int(path.read_text()) if path.exists() else 0
 
+    def storage(self, iteration: int) -> str:
+        """The format the checkpoint of `iteration` was written in (its metadata.json)."""
+        meta = self.dir / "checkpoints" / f"iter_{iteration:07d}" / "metadata.json"
+        return json.loads(meta.read_text()).get("storage", "torch")
+
 
 def assert_clean(log: str) -> None:
     for bad in ("Traceback", "Failed to recv", "Connection was likely closed", "CANCELLED"):
@@ -178,6 +186,7 @@ def test_two_node_job_completes_and_loss_falls(reference):
     print(f"(a) loss {first:.3f} -> {last:.3f}")
     assert last < first - 1.0, log
     assert reference.tracker() == ITERS
+    assert reference.storage(ITERS) == "torch_dist"    # the scripts' default format
     assert "ranks exited with status 0" in log and "requeueing" not in log
     assert_clean(log)
     # everything of the run under RUN_DIR: checkpoints, TensorBoard, a link to the job's log
@@ -187,10 +196,11 @@ def test_two_node_job_completes_and_loss_falls(reference):
 
 def test_killed_rank_fails_fast_and_resubmission_resumes(cluster, workdir, reference):
     """(d) SIGKILL one rank mid-run: srun --kill-on-bad-exit ends the step at once, the job
-    fails; resubmitting the same script resumes from the last complete checkpoint."""
+    fails; resubmitting the same script resumes from the last complete checkpoint. The first
+    job saves in the old torch format, the resubmission loads it and saves torch_dist."""
     start = time.monotonic()
     run = Run(cluster, workdir, "killed", SCRIPT_7B)
-    job = run.submit()
+    job = run.submit(env={"CKPT_FORMAT": "torch"})
     run.wait_for_iteration(25)
     pids = cluster.task_pids(job, 1, "pretrain_gpt.py")
     assert len(pids) == 1, pids
@@ -205,6 +215,7 @@ def test_killed_rank_fails_fast_and_resubmission_resumes(cluster, workdir, refer
     assert info["JobState"] == "FAILED", run.log()
     assert failed_after < 60, "the job must fail within the 60 s collective timeout, not hang"
     assert "task 1: Killed" in run.log() and 20 <= saved <= max(before)
+    assert run.storage(saved) == "torch"
 
     run.submit()
     info = run.wait({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
@@ -223,6 +234,7 @@ def test_killed_rank_fails_fast_and_resubmission_resumes(cluster, workdir, refer
     diff = max(abs(float(curve[i]) - float(reference.losses()[i])) for i in curve)
     print(f"(d) max |loss - reference| over {len(curve)} iterations: {diff:.2e}")
     assert diff < 1e-5
+    assert run.tracker() == ITERS and run.storage(ITERS) == "torch_dist"
 
 
 def test_time_limit_kill_leaves_a_loadable_checkpoint(cluster, time_limit_run):
@@ -239,6 +251,7 @@ def test_time_limit_kill_leaves_a_loadable_checkpoint(cluster, time_limit_run):
     print(f"(c) killed at its 1-minute limit after iteration {max(losses)}; "
           f"last checkpoint {saved}")
     assert saved == max(losses), "the SIGTERM at the time limit saves the last iteration"
+    assert run.storage(saved) == "torch_dist"
 
     # a few more iterations than the checkpoint's schedule planned: keep its LR schedule
     run.submit(env={"TRAIN_ITERS": str(saved + 3), "TP": "2"}, sbatch=["--time=5"],
@@ -248,7 +261,9 @@ def test_time_limit_kill_leaves_a_loadable_checkpoint(cluster, time_limit_run):
     log = run.log()
     assert info["JobState"] == "COMPLETED", log
     assert f"loaded checkpoint {run.dir}/checkpoints/iter_{saved:07d} at iteration {saved}" in log
-    assert "world 2 = PP 1 × DP 1 × CP 1 × SP 1 × TP 2" in log and "resharding" in log, log
+    assert "world 2 = PP 1 × DP 1 × CP 1 × SP 1 × TP 2" in log, log
+    # torch_dist: each rank read the pieces of its TP half straight from the SP 2 checkpoint
+    assert "layout differs from the checkpoint's" in log and "resharding" not in log, log
     resumed = run.losses()
     assert sorted(resumed) == [saved + 1, saved + 2, saved + 3], log
     # the weights were loaded, not re-initialised: the loss continues from where it was
@@ -260,9 +275,11 @@ def test_warned_then_preempted_job_resumes_with_identical_losses(cluster, workdi
                                                                   time_limit_run):
     """(b) SIGUSR1 (the time-limit warning) mid-run: the ranks save and exit 0, the batch script
     requeues the job. Then a job in the higher-priority partition preempts it: SIGTERM, save,
-    requeue by Slurm. Each restart resumes from its checkpoint; the losses equal (a)'s."""
+    requeue by Slurm. Each restart resumes from its checkpoint; the losses equal (a)'s.
+    With ASYNC_SAVE=1: the periodic saves are written in the background, and each exit waits
+    for the save in flight and then completes its own before the ranks exit."""
     start = time.monotonic()
-    run = Run(cluster, workdir, "preempted", SCRIPT_1B)
+    run = Run(cluster, workdir, "preempted", SCRIPT_1B, env={"ASYNC_SAVE": "1"})
     job = run.submit()
     run.wait_for_iteration(10, job)
     assert cluster.scancel("--signal=USR1", job).returncode == 0
@@ -288,3 +305,12 @@ def test_warned_then_preempted_job_resumes_with_identical_losses(cluster, workdi
     for iteration in (first, second):
         assert f"loaded checkpoint {run.dir}/checkpoints/iter_{iteration:07d}" in log
     assert run.losses() == reference.losses()   # every iteration, bit for bit (as logged)
+    assert all(run.storage(i) == "torch_dist" for i in (first, second, ITERS))
+    # --async-save took effect: rank 0 logs both lines; a synchronous save completes before
+    # the next iteration, a background one at the earliest after it
+    overlapped = [k for k in range(10, ITERS, 10)
+                  if (done := log.find(f"saved checkpoint at iteration {k} ")) >= 0
+                  and (after := re.search(rf"iteration +{k + 1}/", log)) is not None
+                  and after.start() < done]
+    print(f"(b) background saves completed after the next iteration: {overlapped}")
+    assert overlapped, log

@@ -17,6 +17,13 @@ MODELS = {  # name -> (flags, query heads, kv groups)
     "gpt2-documents": (GPT2_STYLE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "16",
                                      "--reset-attention-mask", "--reset-position-ids",
                                      "--eod-mask-loss"], 4, 4),
+    # a sliding window of 6 keys, with and without documents: chunk × chunk units that it
+    # cuts are masked, units wholly outside it are skipped
+    "gpt2-documents-window": (GPT2_STYLE + ["--tokenizer-type", "NullTokenizer",
+                                            "--vocab-size", "16", "--reset-attention-mask",
+                                            "--reset-position-ids", "--eod-mask-loss",
+                                            "--window-size", "6", "0"], 4, 4),
+    "llama-gqa-window": (LLAMA_GQA + ["--window-size", "6", "0"], 8, 2),
     # two query heads: Ulysses alone stops at 2 sequence ranks; U2 × R4 gives 8
     "gpt2-2-heads": (["--num-attention-heads", "2"], 2, 2),
 }
@@ -34,13 +41,15 @@ def _sizes(tp=1, sp=1, cp=1, pp=1):
 
 
 FAST = [  # (model, layout name, flags, world): under ~60 s together on a quiet 2-core machine
-    ("gpt2-documents", "R2", _sizes(cp=2), 2),
+    ("gpt2-documents-window", "R2", _sizes(cp=2), 2),
     ("llama-gqa-rope", "R4", _sizes(cp=4), 4),
     ("llama-mqa-rope", "U2-R2", _sizes(sp=2, cp=2), 4),
 ]
 SLOW = [
     *[(m, "R2", _sizes(cp=2), 2) for m in ("gpt2-mha-learned", "llama-gqa-rope")],
+    ("gpt2-documents", "R2", _sizes(cp=2), 2),
     ("gpt2-documents", "U2-R2", _sizes(sp=2, cp=2), 4),
+    ("llama-gqa-window", "R4", _sizes(cp=4), 4),
     *[(m, "R4", _sizes(cp=4), 4) for m in ("gpt2-mha-learned",)],
     *[(m, "U2-R2", _sizes(sp=2, cp=2), 4) for m in ("gpt2-mha-learned", "llama-gqa-rope")],
     *[(m, "U2-R2-DP2", _sizes(sp=2, cp=2), 8) for m in ("gpt2-mha-learned", "llama-gqa-rope")],

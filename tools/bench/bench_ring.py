@@ -7,12 +7,14 @@
      ring, forward: each k/v block (2·(N/R)·h/U) travels R-1 hops:          2·N·h·(R-1)/(R·U)
      ring, backward: k/v again R-1 hops, plus dk/dv (fp32) R hops:          2·N·h·(2R-1)/(R·U)
 2. Time split of the attention core (forward + backward) per rank on CPU: wall time, attention
-   compute, exposed communication (all-to-all time + time blocked waiting for ring blocks), and
-   the ring's causal load balance: max/min over ranks of the block-kernel CPU time.
+   compute, exposed communication (all-to-all time + time blocked waiting for ring blocks).
+3. The ring's causal load balance: each ring rank's compute (forward + backward, the module's
+   own step functions) run alone, rank after rank, in one process; max/min over ranks.
 
     python -m tools.bench.bench_ring [--seq-length 4096 --hidden-size 512] [--write-docs]
 """
 import argparse
+import random
 import time
 
 import torch
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from tools.bench.bench_comm_volume import layer_bytes
 from tools.bench.common import markdown_table, report, run_ranks
 
+from megatron_ul.data.sequence_layout import ring_chunks
 from megatron_ul.model import ring_attention
 from megatron_ul.model.ring_attention import Ring, measure_ring_time
 from megatron_ul.model.ulysses import DistributedAttention
@@ -100,31 +103,43 @@ def attention_time(rank, world, seq, heads, head_dim, u, r, warmup, iters):
             min(kernel[warmup:]))
 
 
-def _blocks_of(rank: int, ring_size: int, length: int, balanced: bool) -> list:
-    """The (rows, cols, causal) blocks a ring rank computes over one ring pass: the module's own
-    plan for the balanced layout; for a contiguous layout (rank r holds chunk r of R) its
-    diagonal block and one full block per earlier rank."""
-    if balanced:
-        ring = Ring(None, rank, ring_size, 0, 0)
-        return [ring_attention._causal_block(step, ring, length) for step in range(ring_size)]
-    everything = slice(0, length)
-    return ([ring_attention._Block(everything, everything, True)]
-            + [ring_attention._Block(everything, everything, False)] * rank)
+def _plan(rank: int, ring_size: int, length: int, balanced: bool) -> ring_attention._Plan:
+    """The module's own plan for a ring rank; for the contiguous split that it is compared
+    against, rank r holds chunks 2r and 2r+1 (one contiguous N/R slice)."""
+    chunks = tuple(ring_chunks(r, ring_size) if balanced else (2 * r, 2 * r + 1)
+                   for r in range(ring_size))
+    return ring_attention._Plan(rank, chunks, length // 2, None, None)
 
 
-def rank_work_seconds(blocks: list, heads: int, head_dim: int, length: int) -> float:
-    """One single-threaded run of these blocks' forward + backward kernels (CPU seconds)."""
+def rank_step_seconds(plan: ring_attention._Plan, ring_size: int, heads: int, head_dim: int,
+                      length: int, shift: int = 0) -> list[float]:
+    """CPU seconds of each step of one rank's ring compute (R forward steps, then R backward
+    steps), run alone on one thread: the module's own step functions (unit kernels, merges,
+    gradient accumulation), with no communication. `shift` floats are allocated first, so
+    that repeats place the tensors at different addresses: the allocator would otherwise
+    give a rank's call the same memory every time, and a cache-unfriendly placement would
+    follow one rank through all repeats."""
+    padding = torch.empty(shift)   # noqa: F841 (held until the measurement ends)
     g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, heads, length, head_dim, generator=g) for _ in range(3))
-    scale = head_dim ** -0.5
-    start = time.thread_time()
-    for b in blocks:
-        rows = q[:, :, b.rows].contiguous()
-        out, lse = ring_attention._block_forward(rows, k[:, :, b.cols], v[:, :, b.cols],
-                                                 scale, b, None, 1)
-        ring_attention._block_backward(rows, k[:, :, b.cols], v[:, :, b.cols], out, lse,
-                                       (out * out).sum(-1), scale, b, None, 1)
-    return time.thread_time() - start
+    q, k, v, dout = (torch.randn(length, 1, heads, head_dim, generator=g) for _ in range(4))
+    scale, srcs = head_dim ** -0.5, [(plan.rank - s) % ring_size for s in range(ring_size)]
+    qg, kv = ring_attention.chunked_queries(q, heads), ring_attention.packed_kv(k, v)
+    dog = ring_attention.chunked_queries(dout, heads)
+    out = torch.zeros_like(qg)
+    lse = torch.full(qg.shape[:4], float("-inf"))
+    dq, dkv = torch.zeros_like(qg), torch.zeros(kv.shape)
+    seconds = []
+    for src in srcs:
+        start = time.thread_time()
+        ring_attention.forward_step(qg, out, lse, kv, plan.step(src, q.device), scale, 1)
+        seconds.append(time.thread_time() - start)
+    delta = (dog * out).sum(-1)
+    for src in srcs:
+        start = time.thread_time()
+        ring_attention.backward_step(qg, dog, lse, delta, kv, dq, dkv, plan.step(src, q.device),
+                                     scale, 1)
+        seconds.append(time.thread_time() - start)
+    return seconds
 
 
 def table_balance(seq: int, heads: int, head_dim: int, sizes: list[int], repeats: int) -> str:
@@ -133,18 +148,26 @@ def table_balance(seq: int, heads: int, head_dim: int, sizes: list[int], repeats
     for r in sizes:
         length = seq // r
         for balanced in (True, False):
-            # Ranks take turns within each repeat, so a burst of load elsewhere on the machine
-            # hits them alike; each keeps its fastest run.
-            work = [float("inf")] * r
-            for _ in range(repeats):
-                for c in range(r):
-                    work[c] = min(work[c], rank_work_seconds(
-                        _blocks_of(c, r, length, balanced), heads, head_dim, length))
+            plans = [_plan(c, r, length, balanced) for c in range(r)]
+            # Ranks take turns within each repeat (starting one further each time), so a
+            # burst of load elsewhere on the machine hits them alike.
+            passes = [float("inf")] * r                   # fastest whole pass
+            steps = [[float("inf")] * (2 * r) for _ in range(r)]   # fastest run of each step
+            shifts = random.Random(r)
+            for repeat in range(repeats):
+                for c in ((repeat + i) % r for i in range(r)):
+                    run = rank_step_seconds(plans[c], r, heads, head_dim, length,
+                                            shifts.randrange(0, 2**16, 16))
+                    passes[c] = min(passes[c], sum(run))
+                    steps[c] = [min(a, b) for a, b in zip(steps[c], run)]
+            per_step = [sum(s) for s in steps]
             rows.append([r, "chunks r, 2R-1-r" if balanced else "contiguous (unbalanced)",
-                         " / ".join(f"{1e3 * w:.0f}" for w in work),
-                         f"{max(work) / min(work):.3f}"])
-    return markdown_table(["R", "layout", "attention kernel ms per ring rank (fwd+bwd)",
-                           "max/min"], rows)
+                         " / ".join(f"{1e3 * w:.1f}" for w in per_step),
+                         f"{max(per_step) / min(per_step):.3f}",
+                         " / ".join(f"{1e3 * w:.1f}" for w in passes),
+                         f"{max(passes) / min(passes):.3f}"])
+    return markdown_table(["R", "layout", "ms per ring rank: sum of fastest steps",
+                           "max/min", "ms per ring rank: fastest whole pass", "max/min"], rows)
 
 
 def table_time(seq: int, heads: int, head_dim: int, p: int, warmup: int, iters: int) -> str:
@@ -190,20 +213,25 @@ def main(argv=None):
     if "balance" in args.sections:
         s = args.time_seq_length
         report("ring-balance", "Causal load balance of the ring (CPU)",
-               f"Attention work each ring rank does in one forward + backward (N = {s}, "
-               f"{heads} heads of {h // heads}, fp32, one thread): the blocks of "
-               f"`model/ring_attention.py`'s plan run through its own block kernels in one "
-               f"process, each rank's fastest of {args.repeats} runs (so that other jobs on a "
-               f"shared machine do not count), against a contiguous split of the sequence.",
+               f"Attention compute each ring rank does in one forward + backward (N = {s}, "
+               f"{heads} heads of {h // heads}, fp32, one thread), against a contiguous split "
+               f"of the sequence. Each rank's work is run alone and the ranks one after "
+               f"another, in one process, through `model/ring_attention.py`'s own plan and "
+               f"step functions (unit kernels, merges, gradient accumulation; no "
+               f"communication), so that ranks do not compete for the cores as concurrent "
+               f"gloo ranks do. {args.repeats} rounds, the ranks taking turns in each; per "
+               f"rank, the sum over its 2R steps of each step's fastest run, and its fastest "
+               f"whole pass; each run places its tensors at a different address (a random "
+               f"padding allocation first), so that no rank keeps one memory placement "
+               f"through all rounds.",
                table_balance(s, heads, h // heads, args.balance_sizes, args.repeats),
-               "With chunks r and 2R-1-r every rank does the same work (the own-block step "
-               "computes the L×L block and masks half of it, on every rank alike); a "
-               "contiguous split makes the last rank do about 2R-1 times the first's. The block "
-               "flops are identical by construction; the measured spread is machine noise "
-               "(four runs on this shared, oversubscribed 2-core machine gave max/min "
-               "1.07-1.16 at R = 4 and 1.09-1.19 at R = 8). The multi-rank measurement above "
-               "is noisier: on an oversubscribed machine per-rank "
-               "CPU time also depends on who shares a core.", write_docs=args.write_docs)
+               "Each ring step is cut into chunk × chunk units, so every rank runs the same "
+               "sequence of kernel shapes (own step: causal, full, causal; every other step: "
+               "two full units) on the same amount of data: the work is identical by "
+               "construction and what remains is the machine's noise, smaller for the "
+               "per-step minima (short runs are less often disturbed). A contiguous split "
+               "makes the last rank do about 2R-1 times the first's work.",
+               write_docs=args.write_docs)
 
 
 def _report_bytes(args, n, h, heads):
@@ -226,12 +254,15 @@ def _report_time(args, h, heads):
            f"{h // heads}, micro-batch 1, P = {p} gloo ranks, mean of {args.iters} after "
            f"{args.warmup} warm-up); max over ranks. Exposed communication = time inside "
            f"the all-to-all + time blocked waiting for a ring block that had not arrived. "
-           f"Ring kernel max/min: the causal load balance (block-kernel CPU time per rank, "
-           f"chunks r and 2R-1-r; each rank's fastest iteration).",
+           f"Ring kernel CPU s per rank: thread CPU time in the unit kernels, each rank's "
+           f"fastest iteration.",
            table_time(s, heads, h // heads, p, args.warmup, args.iters),
            "On CPU the local kernels differ (Ulysses calls SDPA's fused kernel, the ring its "
-           "explicit fp32 block kernel), so compare exposed communication and balance rather "
-           "than compute across rows.", write_docs=args.write_docs)
+           "explicit fp32 unit kernel), so compare exposed communication rather than compute "
+           "across rows. The ring kernel max/min here comes from P concurrent processes on "
+           "the machine's cores and measures the scheduler as much as the work; the "
+           "balance section below measures each rank's work alone.",
+           write_docs=args.write_docs)
 
 
 if __name__ == "__main__":
