@@ -75,6 +75,5 @@ def initialize_distributed(cfg: Config) -> tuple[torch.device, ParallelDims]:
 
 
 def shutdown() -> None:
-    ps.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

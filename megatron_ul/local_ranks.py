@@ -42,8 +42,6 @@ def _worker(rank: int, world: int, port: int, fn, args, queue, collective_timeou
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
-        from megatron_ul.mpu import parallel_state
-        parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 from megatron_ul.model import attention
-from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.training.loop import autocast_dtype
 from megatron_ul.training.memory_estimator import GiB, estimate_config
 from megatron_ul.training.metrics import flops_per_token, peak_memory_gib, peak_tflops
@@ -80,7 +79,6 @@ CPU = Mode("cpu",
 
 
 def _release() -> None:
-    ps.destroy_model_parallel()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()

@@ -371,19 +371,6 @@ def records_of(metadata, iter_dir: str) -> tuple[dict, dict]:
 
 
 # ---- save and load ---------------------------------------------------------------------------
-_group: list = [None, None]      # [the world group it was made in, the checkpoint group]
-
-
-def checkpoint_group():
-    """A gloo group of all ranks for DCP's own coordination (collective on first use): it never
-    shares a group (or a device) with training's collectives, so an asynchronous save can use
-    it from its thread. Made again when the process group was re-initialised."""
-    world = dist.group.WORLD
-    if _group[0] is not world:
-        _group[:] = [world, dist.new_group(backend="gloo")]
-    return _group[1]
-
-
 class _AlreadyStaged(AsyncStager):
     """The pieces handed to async_save are already private CPU copies."""
     _synchronize_after_execute = False
@@ -407,10 +394,10 @@ def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = F
     writer = FileSystemWriter(iter_dir, single_file_per_rank=on_host, sync_files=True)
     os.makedirs(iter_dir, exist_ok=True)
     if not background:
-        metadata = _dcp_save(planner, writer, iter_dir)
+        metadata = _dcp_save(planner, writer, iter_dir, dims.checkpoint_group)
         return records_of(metadata, iter_dir)
     upload = dcp.async_save({}, storage_writer=writer, planner=planner,
-                            process_group=checkpoint_group(), async_stager=_AlreadyStaged())
+                            process_group=dims.checkpoint_group, async_stager=_AlreadyStaged())
     result: Future = Future()
 
     def finished(done: Future) -> None:        # runs on the writer's thread
@@ -430,10 +417,9 @@ def _as_checkpoint_error(e: BaseException, iter_dir: str) -> CheckpointError:
                            f"and permissions there")
 
 
-def _dcp_save(planner, writer, iter_dir: str):
+def _dcp_save(planner, writer, iter_dir: str, group):
     try:
-        return dcp.save({}, storage_writer=writer, planner=planner,
-                        process_group=checkpoint_group())
+        return dcp.save({}, storage_writer=writer, planner=planner, process_group=group)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank's failure
         raise _first_checkpoint_error(e) or _as_checkpoint_error(e, iter_dir) from e
 
@@ -457,7 +443,7 @@ def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict,
     try:
         with torch.no_grad():
             dcp.load({}, storage_reader=reader, planner=planner,
-                     process_group=checkpoint_group())
+                     process_group=dims.checkpoint_group)
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's

@@ -23,13 +23,13 @@ from ..mpu.recompute import checkpoint
 
 def tiled_logits_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                       labels: torch.Tensor, vocab_size: int, chunk_tokens: int,
-                      gathered_ranks: int = 1, tp_group=None) -> torch.Tensor:
+                      gathered_ranks: int, tp_group) -> torch.Tensor:
     """Per-token loss [s, b] (fp32) of logits_fn(hidden) against labels, chunk by chunk.
 
     hidden: [s / gathered_ranks, b, h], this rank's final hidden states.
     labels: [s, b] target ids for the sequence logits_fn produces rows for.
     gathered_ranks: how many ranks' sequence shards logits_fn all-gathers (TP under
-    Megatron-SP, else 1). tp_group: the vocabulary's TP group (default: the run's).
+    Megatron-SP, else 1). tp_group: the vocabulary's TP group (None: one rank).
     """
     local, b = hidden.shape[:2]
     if labels.shape[0] != local * gathered_ranks:

@@ -38,7 +38,7 @@ def kv_replication_factor(kv_heads: int, sp: int) -> int:
 class DistributedAttention:
     """Callable: (q [N/SP, b, hq, d], k, v [N/SP, b, hk, d]) -> [N/SP, b, hq, d]."""
 
-    def __init__(self, sp_size: int, backend: str, group=None, recompute: bool = False,
+    def __init__(self, sp_size: int, backend: str, group, recompute: bool = False,
                  timers: Timers = NO_TIMERS, window: Optional[int] = None,
                  ring: Optional[Ring] = None):
         self.sp, self.backend, self.group = sp_size, backend, group

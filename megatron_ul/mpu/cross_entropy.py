@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .layers import vocab_range
-from .mappings import _all_reduce, _size, _tp
+from .mappings import _all_reduce, _size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -58,7 +58,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 vocab_size: int, group=None) -> torch.Tensor:
+                                 vocab_size: int, group) -> torch.Tensor:
     """Per-token loss (fp32, or fp64 for fp64 logits) for logits [..., padded_vocab/TP] split
-    over `group` (default: the run's TP group) and target ids [...]."""
-    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, _tp(group))
+    over the TP `group` (None: one rank holds them all) and target ids [...]."""
+    return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, group)

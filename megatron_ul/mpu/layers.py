@@ -12,13 +12,11 @@ parameters that see only a TP-chunk of the sequence under Megatron-SP carry
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from . import parallel_state as ps
 from .param_spec import ParamSpec
-from .mappings import (_all_gather, _reduce_scatter, _size, _tp,
+from .mappings import (_all_gather, _rank, _reduce_scatter, _size,
                        copy_to_tensor_model_parallel_region,
                        gather_from_tensor_model_parallel_region,
                        reduce_from_tensor_model_parallel_region,
@@ -44,10 +42,10 @@ def tp_index(size: int, stride: int, tp: int, rank: int) -> torch.Tensor:
 
 
 def _sharded(init: Init, shape: tuple, dim: int, device, dtype, stride: int = 1,
-             vocab_padded: bool = False, fused: str | None = None) -> nn.Parameter:
-    """This rank's slice (see tp_slice) of a `shape` parameter, tagged with its partitioning
-    (the ParamSpec that checkpoints and conversions read back)."""
-    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+             vocab_padded: bool = False, fused: str | None = None, *, group) -> nn.Parameter:
+    """This rank's slice (see tp_slice) over the TP `group` of a `shape` parameter, tagged with
+    its partitioning (the ParamSpec that checkpoints and conversions read back)."""
+    tp, rank = _size(group), _rank(group)
     if shape[dim] % (tp * stride) != 0:
         raise ValueError(f"dimension {dim} of size {shape[dim]} is not divisible by "
                          f"TP×stride = {tp}×{stride}")
@@ -97,9 +95,9 @@ class _SequenceParallelLinear(torch.autograd.Function):
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None = None, group=None) -> torch.Tensor:
+                             bias: torch.Tensor | None = None, *, group) -> torch.Tensor:
     """F.linear on the all-gathered Megatron-SP input, saving only the local shard."""
-    return _SequenceParallelLinear.apply(x, weight, bias, _tp(group))
+    return _SequenceParallelLinear.apply(x, weight, bias, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -108,21 +106,21 @@ class ColumnParallelLinear(nn.Module):
     Input: [s, b, in] (with sequence_parallel: [s/TP, b, in], all-gathered here; only the
     shard is kept for backward).
     Output: [s, b, out/TP], or [s, b, out] with gather_output.
-    tp_group: the TP group its collectives use (default: the run's, from ParallelDims).
+    tp_group: the TP group it is split over (the ParallelDims' tp_group; None: one rank).
     """
 
     def __init__(self, input_size: int, output_size: int, init_method: InitMethod, *,
                  bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
                  stride: int = 1, vocab_padded: bool = False, fused: str | None = None,
-                 device=None, dtype=torch.float32, tp_group=None):
+                 device=None, dtype=torch.float32, tp_group):
         super().__init__()
-        self.tp_group = _tp(tp_group)
+        self.tp_group = tp_group
         self.weight = _sharded(init_method, (output_size, input_size), 0, device, dtype, stride,
-                               vocab_padded, fused)
-        tp = ps.get_tensor_model_parallel_world_size()
+                               vocab_padded, fused, group=tp_group)
+        tp = _size(tp_group)
         if bias:
             self.bias = _sharded(Constant(0.0), (output_size,), 0, device, dtype, stride,
-                                 vocab_padded, fused)
+                                 vocab_padded, fused, group=tp_group)
         else:
             self.register_parameter("bias", None)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -130,7 +128,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            y = sequence_parallel_linear(x, self.weight, self.bias, self.tp_group)
+            y = sequence_parallel_linear(x, self.weight, self.bias, group=self.tp_group)
         else:
             y = F.linear(copy_to_tensor_model_parallel_region(x, self.tp_group), self.weight,
                          self.bias)
@@ -143,15 +141,16 @@ class RowParallelLinear(nn.Module):
 
     Input: [s, b, in/TP] (already parallel). Output: [s, b, out], summed over TP
     (with sequence_parallel: reduce-scattered to [s/TP, b, out]).
-    tp_group: the TP group its collectives use (default: the run's, from ParallelDims).
+    tp_group: the TP group it is split over (the ParallelDims' tp_group; None: one rank).
     """
 
     def __init__(self, input_size: int, output_size: int, init_method: InitMethod, *,
                  bias: bool = True, sequence_parallel: bool = False,
-                 device=None, dtype=torch.float32, tp_group=None):
+                 device=None, dtype=torch.float32, tp_group):
         super().__init__()
-        self.tp_group = _tp(tp_group)
-        self.weight = _sharded(init_method, (output_size, input_size), 1, device, dtype)
+        self.tp_group = tp_group
+        self.weight = _sharded(init_method, (output_size, input_size), 1, device, dtype,
+                               group=tp_group)
         self.bias = _zeros(output_size, device, dtype, sequence_parallel) if bias else None
         self.sequence_parallel = sequence_parallel
 
@@ -165,13 +164,10 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-def vocab_range(padded_vocab_size: int, group=None) -> tuple[int, int]:
-    """[start, end) of the vocabulary rows held by this rank of the TP group (default: the
-    run's)."""
-    if group is None:
-        tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    else:
-        tp, rank = dist.get_world_size(group), dist.get_rank(group)
+def vocab_range(padded_vocab_size: int, group) -> tuple[int, int]:
+    """[start, end) of the vocabulary rows held by this rank of the TP `group` (None: one
+    rank holds them all)."""
+    tp, rank = _size(group), _rank(group)
     per = padded_vocab_size // tp
     start = per * rank
     return start, start + per
@@ -182,12 +178,12 @@ class VocabParallelEmbedding(nn.Module):
     contribute zero and the partial results are summed over TP."""
 
     def __init__(self, padded_vocab_size: int, embedding_dim: int, init_method: InitMethod, *,
-                 device=None, dtype=torch.float32, tp_group=None):
+                 device=None, dtype=torch.float32, tp_group):
         super().__init__()
-        self.tp_group = _tp(tp_group)
+        self.tp_group = tp_group
         self.weight = _sharded(init_method, (padded_vocab_size, embedding_dim), 0, device, dtype,
-                               vocab_padded=True)
-        self.vocab_start, self.vocab_end = vocab_range(padded_vocab_size)
+                               vocab_padded=True, group=tp_group)
+        self.vocab_start, self.vocab_end = vocab_range(padded_vocab_size, tp_group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if _size(self.tp_group) == 1:

@@ -17,6 +17,10 @@ def _size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def _rank(group) -> int:
+    return dist.get_rank(group) if group is not None else 0
+
+
 def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
     if _size(group) == 1:
         return x
@@ -183,12 +187,6 @@ class _UlyssesAllToAll(torch.autograd.Function):
 # ---- public API ----------------------------------------------------------------------------------
 # As in Megatron-core, every function takes its group (from the ParallelDims it was handed);
 # None is a grid of one rank (parallel_state.single_rank_dims): the op is the identity.
-def _tp(group):
-    """mpu/layers.py's default group until its layers are handed theirs (issue 16)."""
-    from . import parallel_state as ps
-    return ps.get_tensor_model_parallel_group() if group is None else group
-
-
 def copy_to_tensor_model_parallel_region(x, group):
     return _CopyToTP.apply(x, group)
 

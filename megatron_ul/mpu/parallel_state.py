@@ -9,14 +9,13 @@ Each group is a slice of `torch.arange(world).view(PP, DP, CP, SP, TP)` along so
 This is the only module that creates process groups.
 
 `initialize_model_parallel` builds one `ParallelDims` (the grid's sizes, this rank's
-coordinates and its groups) and returns it; code is handed it and uses it directly. The
-module-level getters below (Megatron's names) read the same object; they remain only for
-tests and for mpu/layers.py and optim/*, not yet converted (tests/test_explicit_groups.py
-keeps every other module off them).
+coordinates and its groups) and returns it; code is handed it and uses it directly. Unlike
+Megatron's parallel_state this module keeps no state: there are no module-level getters, so
+nothing can reach the grid except through the object it was handed
+(tests/test_explicit_groups.py keeps it that way).
 """
 from __future__ import annotations
 
-import contextlib
 import datetime
 import functools
 from dataclasses import dataclass
@@ -141,6 +140,14 @@ class ParallelDims:
         device_type = "cuda" if dist.get_backend(self.dp_sp_group) == "nccl" else "cpu"
         return DeviceMesh.from_group(self.dp_sp_group, device_type, mesh_dim_names=("dp_sp",))
 
+    @functools.cached_property
+    def checkpoint_group(self):
+        """A gloo group of all ranks for torch.distributed.checkpoint's own coordination, made
+        on first use (collective: every rank's first torch_dist save or load). It shares no
+        group or device with training's collectives, so an asynchronous save can use it from
+        its thread."""
+        return dist.new_group(backend="gloo")
+
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
@@ -158,9 +165,6 @@ class ParallelDims:
     def prev_stage_rank(self) -> int:
         ranks = self.group_ranks["pp"]
         return ranks[(self.pp_rank - 1) % len(ranks)]
-
-
-_state: ParallelDims | None = None
 
 
 def _grid(world: int, tp: int, sp: int, pp: int, cp: int = 1) -> torch.Tensor:
@@ -185,8 +189,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
                               timeout: datetime.timedelta | None = None,
                               context_parallel_size: int = 1) -> ParallelDims:
     """Build every group and return the grid. Must be called on all ranks after
-    init_process_group."""
-    global _state
+    init_process_group. Keeps nothing: the caller hands the result to what needs it."""
     world = dist.get_world_size()
     rank = dist.get_rank()
     tp, sp, pp = tensor_model_parallel_size, sequence_parallel_size, pipeline_model_parallel_size
@@ -225,179 +228,14 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         if rank in ranks:
             groups["embedding"], embedding_ranks = group, ranks
     group_ranks["embedding"] = embedding_ranks or []
-    _state = ParallelDims(tp, sp, dp, pp, coords, groups, group_ranks, embedding_ranks or [],
-                          cp=cp)
-    return _state
-
-
-def model_parallel_is_initialized() -> bool:
-    return _state is not None
-
-
-def destroy_model_parallel() -> None:
-    global _state
-    _state = None
+    return ParallelDims(tp, sp, dp, pp, coords, groups, group_ranks, embedding_ranks or [],
+                        cp=cp)
 
 
 def single_rank_dims() -> ParallelDims:
-    """A grid of one rank with no groups (sizes 1, coordinates 0)."""
+    """A grid of one rank with no groups (sizes 1, coordinates 0): every mpu collective on a
+    None group is the identity. For models built without communication (generation, the
+    parameter table's meta-device build)."""
     names = ("tp", "sp", "cp", "dp", "pp", "sp_cp", "dp_sp", "tp_sp", "mp", "embedding")
     return ParallelDims(1, 1, 1, 1, dict.fromkeys(_AXES, 0), dict.fromkeys(names),
                         {n: [0] for n in names}, [])
-
-
-@contextlib.contextmanager
-def single_rank_view():
-    """Within the block the process-wide grid is single_rank_dims(), whatever was initialised
-    before: to build a model's TP1/PP1 modules on the meta device, e.g. for the parameter table
-    of a layout this process is not running (pipeline/param_table.py)."""
-    global _state
-    saved = _state
-    _state = single_rank_dims()
-    try:
-        yield
-    finally:
-        _state = saved
-
-
-def get_parallel_dims() -> ParallelDims:
-    """The grid initialize_model_parallel built (for code that was not handed it)."""
-    if _state is None:
-        raise RuntimeError("model parallel groups are not initialized: call "
-                           "megatron_ul.initialize.initialize_distributed() first")
-    return _state
-
-
-_get = get_parallel_dims
-
-
-# ---- groups ----------------------------------------------------------------------------------
-def get_tensor_model_parallel_group():
-    return _get().groups["tp"]
-
-
-def get_sequence_parallel_group():
-    """The Ulysses (DeepSpeed sequence-parallel) group."""
-    return _get().groups["sp"]
-
-
-def get_data_parallel_group():
-    return _get().groups["dp"]
-
-
-def get_context_parallel_group():
-    return _get().cp_group
-
-
-def get_pipeline_model_parallel_group():
-    return _get().groups["pp"]
-
-
-def get_data_sequence_parallel_group():
-    """DP x CP x SP: gradient reduction and ZeRO sharding (parameters are replicated over
-    all three)."""
-    return _get().groups["dp_sp"]
-
-
-def get_data_sequence_parallel_mesh():
-    return _get().dp_sp_mesh
-
-
-def get_model_parallel_group():
-    """TP x PP: ranks that together hold one copy of the model."""
-    return _get().groups["mp"]
-
-
-def get_tensor_sequence_parallel_group():
-    return _get().groups["tp_sp"]
-
-
-def get_embedding_group():
-    return _get().groups.get("embedding")
-
-
-def get_group_ranks(name: str) -> list[int]:
-    return list(_get().group_ranks[name])
-
-
-# ---- sizes and ranks ---------------------------------------------------------------------------
-def get_tensor_model_parallel_world_size() -> int:
-    return _get().tp
-
-
-def get_tensor_model_parallel_rank() -> int:
-    return _get().coords["tp"]
-
-
-def get_sequence_parallel_world_size() -> int:
-    return _get().sp
-
-
-def get_sequence_parallel_rank() -> int:
-    return _get().coords["sp"]
-
-
-def get_context_parallel_world_size() -> int:
-    return _get().cp
-
-
-def get_context_parallel_rank() -> int:
-    return _get().cp_rank
-
-
-def get_context_parallel_next_rank() -> int:
-    return _get().cp_next_rank
-
-
-def get_context_parallel_prev_rank() -> int:
-    return _get().cp_prev_rank
-
-
-def get_sequence_split() -> tuple[int, int]:
-    return _get().sequence_split
-
-
-def get_data_parallel_world_size() -> int:
-    return _get().dp
-
-
-def get_data_parallel_rank() -> int:
-    return _get().coords["dp"]
-
-
-def get_pipeline_model_parallel_world_size() -> int:
-    return _get().pp
-
-
-def get_pipeline_model_parallel_rank() -> int:
-    return _get().coords["pp"]
-
-
-def get_data_sequence_parallel_world_size() -> int:
-    return _get().dp_sp_size
-
-
-def get_data_sequence_parallel_rank() -> int:
-    return _get().dp_sp_rank
-
-
-def is_pipeline_first_stage() -> bool:
-    return get_pipeline_model_parallel_rank() == 0
-
-
-def is_pipeline_last_stage() -> bool:
-    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
-
-
-def get_pipeline_model_parallel_next_rank() -> int:
-    ranks = _get().group_ranks["pp"]
-    return ranks[(get_pipeline_model_parallel_rank() + 1) % len(ranks)]
-
-
-def get_pipeline_model_parallel_prev_rank() -> int:
-    ranks = _get().group_ranks["pp"]
-    return ranks[(get_pipeline_model_parallel_rank() - 1) % len(ranks)]
-
-
-def is_rank_in_embedding_group() -> bool:
-    return dist.get_rank() in _get().embedding_ranks

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
-from ..model.chunks import model_dims
+from ..mpu.parallel_state import ParallelDims
 from ..pipeline.model import tied_embedding_weights
 from .grad_buckets import bucket_elements
 from .grads import DataParallelGradSync
@@ -15,13 +15,12 @@ from .grads import DataParallelGradSync
 log = logging.getLogger(__name__)
 
 
-def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel=None, dims=None):
+def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
+                    dims: ParallelDims):
     """AdamW; biases and norm weights (1-D parameters) get no weight decay, as in Megatron.
-    With ZeRO (parallel.zero_stage 1 or 3) the optimizer also owns gradient reduction; without,
-    `optimizer.grad_sync` does it (in buckets, overlapped with backward on request). Either
-    reduces over the groups of `dims` (the run's ParallelDims; default: the grid the model was
-    built on)."""
-    dims = dims or model_dims(model)
+    With ZeRO (parallel.zero_stage 1 or 3; `parallel` None: no ZeRO) the optimizer also owns
+    gradient reduction; without, `optimizer.grad_sync` does it (in buckets, overlapped with
+    backward on request). Either reduces over the groups of `dims` (the run's ParallelDims)."""
     stage = parallel.zero_stage if parallel is not None else 0
     overlap = bool(parallel is not None and parallel.overlap_grad_reduce)
     dp_sp = dist.get_world_size(dims.dp_sp_group)

@@ -37,13 +37,11 @@ into the per-parameter form plain AdamW checkpoints use, so they load on any lay
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
-from ..mpu import parallel_state as ps
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 from .grad_buckets import BucketLauncher, split_into_buckets
@@ -56,10 +54,10 @@ class DistributedOptimizer:
     """Drop-in for the torch optimizer in train_step; owns gradient reduction and clipping."""
 
     def __init__(self, model: torch.nn.Module, train: TrainConfig,
-                 dims: Optional[ParallelDims] = None, *, max_bucket_elements: int,
+                 dims: ParallelDims, *, max_bucket_elements: int,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                  deferred_params=()):
-        self.dims = dims or ps.get_parallel_dims()
+        self.dims = dims
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if len({p.dtype for _, p in named}) != 1 or named[0][1].dtype != torch.float32:
             raise ValueError("the distributed optimizer expects fp32 parameters "

@@ -11,13 +11,11 @@ while backward still runs; both give the same bits.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from ..mpu import parallel_state as ps
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 from .grad_buckets import BucketLauncher, bucket_elements, split_into_buckets
@@ -94,30 +92,28 @@ class DataParallelGradSync:
         self.in_flight.clear()
 
 
-def reduce_gradients(params: list[torch.nn.Parameter], dims: Optional[ParallelDims] = None,
+def reduce_gradients(params: list[torch.nn.Parameter], dims: ParallelDims,
                      max_bucket_elements: int | None = None) -> None:
     """Finish the backward pass without overlap: Megatron-SP replicated weights over TP,
-    everything over dp_sp (the groups of `dims`, default: the run's), in the buckets an
+    everything over dp_sp (the groups of `dims`), in the buckets an
     overlapped run would use."""
-    dims = dims or ps.get_parallel_dims()
     if max_bucket_elements is None:
         max_bucket_elements = bucket_elements(None, dims.dp_sp_size)
     DataParallelGradSync(params, max_bucket_elements, dims).finish()
 
 
-def _counts_once(p: torch.nn.Parameter, dims: Optional[ParallelDims] = None) -> bool:
+def _counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
     """Is this rank the one that counts p in the global norm (no double counting of copies)?"""
     if getattr(p, "shared_embedding_replica", False):  # tied output copy on the last PP stage
         return False
     if getattr(p, "tensor_model_parallel", False):
         return True
-    return (dims or ps.get_parallel_dims()).tp_rank == 0
+    return dims.tp_rank == 0
 
 
 def global_grad_norm(params: list[torch.nn.Parameter],
-                     dims: Optional[ParallelDims] = None) -> float:
+                     dims: ParallelDims) -> float:
     """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
-    dims = dims or ps.get_parallel_dims()
     grads = [p.grad for p in params if p.grad is not None and _counts_once(p, dims)]
     # the parameters' device even when this rank counts no gradient (the reduction needs it)
     sq = torch.zeros((), dtype=torch.float64, device=params[0].device)
@@ -130,7 +126,7 @@ def global_grad_norm(params: list[torch.nn.Parameter],
 
 
 def clip_gradients(params: list[torch.nn.Parameter], max_norm: float,
-                   dims: Optional[ParallelDims] = None) -> float:
+                   dims: ParallelDims) -> float:
     """Scale all gradients so that their global norm is at most max_norm; returns the norm
     before clipping (what Megatron logs as grad-norm)."""
     norm = global_grad_norm(params, dims)

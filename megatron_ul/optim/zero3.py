@@ -21,7 +21,6 @@ TP rank 0 only). The update is plain torch AdamW on the DTensor shards.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
-from ..mpu import parallel_state as ps
 from ..mpu.parallel_state import ParallelDims
 from ..model.chunks import model_chunks
 from .grads import _all_reduce_coalesced, _counts_once
@@ -39,11 +37,10 @@ _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride
                      "sequence_parallel", "shared_embedding_replica", "init_spec", "spec")
 
 
-def shard_model(model: torch.nn.Module, dims: Optional[ParallelDims] = None) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, dims: ParallelDims) -> torch.nn.Module:
     """fully_shard each transformer layer, then each model chunk as a root, over the dp_sp
-    mesh of `dims` (default: the run's), in place; a PipelineStageModel stays a plain
-    container."""
-    mesh = (dims or ps.get_parallel_dims()).dp_sp_mesh
+    mesh of `dims`, in place; a PipelineStageModel stays a plain container."""
+    mesh = dims.dp_sp_mesh
     saved = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
              for name, p in model.named_parameters()}
     for chunk in model_chunks(model):
@@ -68,8 +65,8 @@ class Zero3Optimizer:
     """torch AdamW over the FSDP2 shards, plus the reduction and clipping FSDP2 leaves to us."""
 
     def __init__(self, model: torch.nn.Module, train: TrainConfig,
-                 dims: Optional[ParallelDims] = None):
-        self.dims = dims or ps.get_parallel_dims()
+                 dims: ParallelDims):
+        self.dims = dims
         self.params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in self.params if p.dim() != 1]
         no_decay = [p for p in self.params if p.dim() == 1]

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..mpu import parallel_state as ps
+from ..mpu.parallel_state import single_rank_dims
 from ..mpu.param_spec import full_shape, param_spec
 from .model import (REPLICA_PREFIX, PipelineStageModel, build_stage_chunks, chunk_named_parameters,
                     chunks_per_stage, replicated_name)
@@ -44,10 +44,10 @@ def parameter_table(model_cfg: ModelConfig, tp: int = 1, pp: int = 1,
     chunks = chunks_per_stage(model_cfg.num_layers, pp, layers_per_chunk)
     cfg = ModelConfig(**{**asdict(model_cfg), "use_flash_attn": False})
     table = {}
-    with ps.single_rank_view(), torch.device("meta"):
+    with torch.device("meta"):
         for stage in range(pp):
             built = build_stage_chunks(cfg, 0, False, pp, stage, chunks, device=None,
-                                       dims=ps.single_rank_dims())
+                                       dims=single_rank_dims())
             for chunk, name, p in chunk_named_parameters(PipelineStageModel(built)):
                 table[name] = _entry(p, 1, stage, chunk, name)
     for entry in table.values():     # built at TP1: pad the vocabulary for TP `tp`

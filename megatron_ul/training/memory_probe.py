@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from ..initialize import initialize_distributed
-from ..mpu import parallel_state as ps
 from ..optim import build_optimizer
 from ..pipeline.schedules import micro_batch_loss_sum
 from .data import build_datasets, global_batches
@@ -42,7 +41,7 @@ def measure(rank: int, world: int, argv: list[str]) -> dict:
     cfg = configure(argv, world)
     device, dims = initialize_distributed(cfg)
     model = build_model(cfg, device, dims)
-    optimizer = build_optimizer(model, cfg.train, dims=dims)
+    optimizer = build_optimizer(model, cfg.train, parallel=None, dims=dims)   # plain AdamW
     train_ds, _, _ = build_datasets(cfg)
     batch = next(global_batches(cfg, dims, train_ds, device, None))[0]
     meter = SavedTensorMeter(model)
@@ -64,5 +63,4 @@ def measure_many(rank: int, world: int, argvs: list[list[str]]) -> list[dict]:
     results = []
     for argv in argvs:
         results.append(measure(rank, world, argv))
-        ps.destroy_model_parallel()
     return results

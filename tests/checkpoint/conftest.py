@@ -20,7 +20,6 @@ def single_rank(monkeypatch):
     dims = ps.initialize_model_parallel(1, 1, 1)
     model_parallel_seed(0, dims)
     yield dims
-    ps.destroy_model_parallel()
     dist.destroy_process_group()
 
 

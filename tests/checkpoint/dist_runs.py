@@ -10,7 +10,6 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_ul.checkpoint import files, io, pieces
-from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import _on_rank0, convert_cli, train
 
@@ -114,5 +113,4 @@ def load_tensors(rank: int, world: int, argv: list[str], load: str) -> list:
     from megatron_ul.checkpoint.dist_io import held_tensors
     trainer = setup(configure(argv + DIST + ["--train-iters", "4", "--load", load], world))
     held = [(h.key, h.data.clone()) for h in held_tensors(trainer.model, trainer.optimizer, True)]
-    ps.destroy_model_parallel()
     return held

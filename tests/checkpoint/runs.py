@@ -6,7 +6,6 @@ import os
 import torch.distributed as dist
 
 from megatron_ul.checkpoint import files
-from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.training.pretrain import configure, setup
 
 TINY = ["--mock-data", "--vocab-size", "200", "--make-vocab-size-divisible-by", "16",
@@ -40,9 +39,7 @@ def assert_bitwise_resume(results: list[dict], layouts) -> None:
 
 
 def train(rank: int, world: int, argv: list[str]) -> list[float]:
-    losses = setup(configure(argv, world)).train()
-    ps.destroy_model_parallel()
-    return losses
+    return setup(configure(argv, world)).train()
 
 
 def train_then_resume(rank: int, world: int, argv: list[str], save_dir: str, k: int,
@@ -64,8 +61,6 @@ def load_error(rank: int, world: int, argv: list[str]) -> str:
         setup(configure(argv, world))
     except Exception as e:  # noqa: BLE001 - the test inspects the message
         return f"{type(e).__name__}: {e}"
-    finally:
-        ps.destroy_model_parallel()
     return ""
 
 

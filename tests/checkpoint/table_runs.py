@@ -8,7 +8,6 @@ import torch.distributed as dist
 
 from megatron_ul.checkpoint import files, reshard
 from megatron_ul.checkpoint.io import save_checkpoint
-from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.pipeline.param_table import parameter_table
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import _on_rank0
@@ -27,7 +26,6 @@ def _save(world: int, argv: list[str], directory: str) -> dict:
     trainer.cfg.checkpoint.save = directory
     iter_dir = save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler,
                                1)
-    ps.destroy_model_parallel()
     return files.read_json(os.path.join(iter_dir, files.METADATA), "")
 
 
@@ -50,7 +48,6 @@ def round_trip(rank: int, world: int, argv: list[str], source: list[str], target
     trainer = setup(configure(argv + target + ["--load", b, "--save", c], world))
     iter_dir = save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler,
                                1)
-    ps.destroy_model_parallel()
     reloaded = files.read_json(os.path.join(iter_dir, files.METADATA), "")
     out["loaded"] = reloaded["params"] == converted["params"]
     dist.barrier()

@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 
 from megatron_ul.checkpoint import files
-from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import _on_rank0, convert_cli, train, train_then_resume
 
@@ -47,5 +46,4 @@ def fp16_resume(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
                              "")["grad_scaler"]
     trainer = setup(configure(argv + ["--train-iters", "4", "--load", save_dir], world))
     restored = trainer.grad_scaler.state_dict()
-    ps.destroy_model_parallel()
     return {"full": full, "resumed": resumed, "saved": saved, "restored": restored}

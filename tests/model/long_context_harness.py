@@ -19,15 +19,14 @@ LLAMA = ["--num-attention-heads", "4", "--group-query-attention", "--num-query-g
          "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
 
 
-def _batch(cfg, seed: int = 0):
+def _batch(cfg, dims, seed: int = 0):
     """This SP rank's tokens, positions, labels and a loss mask with some zeros."""
-    m, sp = cfg.model, ps.get_sequence_parallel_world_size()
+    m, sp = cfg.model, dims.sp
     g = torch.Generator().manual_seed(seed)
     b, n = cfg.train.micro_batch_size, m.seq_length
     text = torch.randint(0, m.vocab_size, (b, n + 1), generator=g)
     mask = (torch.rand(b, n, generator=g) > 0.2).float()
-    shard = slice(ps.get_sequence_parallel_rank() * n // sp, (ps.get_sequence_parallel_rank() + 1)
-                  * n // sp)
+    shard = slice(dims.sp_rank * n // sp, (dims.sp_rank + 1) * n // sp)
     positions = torch.arange(n).expand(b, n)
     return text[:, :-1][:, shard], positions[:, shard], text[:, 1:][:, shard], mask[:, shard]
 
@@ -36,7 +35,7 @@ def loss_and_grads(cfg, dims, autocast_dtype=None, attention_mask_fn=None):
     model_parallel_seed(cfg.train.seed, dims)
     model = GPTModel(cfg.model, seed=cfg.train.seed,
                      sequence_parallel=cfg.parallel.sequence_parallel, dims=dims)
-    tokens, positions, labels, mask = _batch(cfg)
+    tokens, positions, labels, mask = _batch(cfg, dims)
     mask_arg = attention_mask_fn(cfg) if attention_mask_fn else None
     with (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
           else torch.autocast("cpu", enabled=False)):

@@ -102,7 +102,6 @@ def _check_ring(rank, world):
         _check_half_precision(ring, positions)
         return computed, _count_skipped_blocks(ring)
     sent = _count_ring_bytes(ring, world)
-    ps.destroy_model_parallel()      # the same ranks again as Ulysses 2 × ring R/2
     return computed, sent, _check_hybrid(rank, world)
 
 

@@ -33,8 +33,8 @@ def _inputs(hq, hk):
 def _check(rank, world):
     dims = ps.initialize_model_parallel(1, world, 1)
     model_parallel_seed(0, dims)
-    sp_rank = ps.get_sequence_parallel_rank()
-    attention = DistributedAttention(world, "sdpa", ps.get_sequence_parallel_group())
+    sp_rank = dims.sp_rank
+    attention = DistributedAttention(world, "sdpa", dims.sp_group)
     for hq, hk in CASES:
         full = [t.requires_grad_() for t in _inputs(hq, hk)]
         mine = [t.detach().chunk(world, 0)[sp_rank].clone().requires_grad_() for t in full]
@@ -57,8 +57,7 @@ def test_ulysses_attention_matches_full_attention_sp4():
 
 
 def _check_all_to_all(rank, world):
-    ps.initialize_model_parallel(1, world, 1)
-    group = ps.get_sequence_parallel_group()
+    group = ps.initialize_model_parallel(1, world, 1).sp_group
     full = torch.arange(N * B * world * 3 * D, dtype=torch.float64).view(N, B, world * 3, D)
     mine = full.chunk(world, 0)[rank].clone().requires_grad_()
     # sequence-sharded -> head-sharded: full sequence, this rank's heads, in global order

@@ -23,14 +23,14 @@ def _full(seed, *shape):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).double()
 
 
-def _check_mlp(rank, world, sequence_parallel):
+def _check_mlp(rank, world, dims, sequence_parallel):
     """Column -> Row parallel MLP equals the dense computation; grads match their slices."""
-    tp_rank = ps.get_tensor_model_parallel_rank()
+    tp_rank = dims.tp_rank
     x_full = _full(0, S, B, H_IN).requires_grad_()
     col = ColumnParallelLinear(H_IN, H_OUT, _fill(1), sequence_parallel=sequence_parallel,
-                               dtype=torch.float64)
+                               dtype=torch.float64, tp_group=dims.tp_group)
     row = RowParallelLinear(H_OUT, H_IN, _fill(2), sequence_parallel=sequence_parallel,
-                            dtype=torch.float64)
+                            dtype=torch.float64, tp_group=dims.tp_group)
     with torch.no_grad():
         col.bias.copy_(_full(3, H_OUT).chunk(world)[tp_rank])
         row.bias.copy_(_full(4, H_IN))
@@ -54,25 +54,27 @@ def _check_mlp(rank, world, sequence_parallel):
     # gradients must sum (over TP) to the dense one.
     bias_grad = row.bias.grad.clone()
     if sequence_parallel:
-        torch.distributed.all_reduce(bias_grad, group=ps.get_tensor_model_parallel_group())
+        torch.distributed.all_reduce(bias_grad, group=dims.tp_group)
     torch.testing.assert_close(bias_grad, b2r.grad)
     return True
 
 
-def _check_swiglu_stride(rank, world):
+def _check_swiglu_stride(rank, world, dims):
     """stride=2 gives each rank matching chunks of both halves ([gate; up]) of the weight."""
-    tp_rank = ps.get_tensor_model_parallel_rank()
-    col = ColumnParallelLinear(H_IN, 2 * H_OUT, _fill(1), stride=2, dtype=torch.float64)
+    tp_rank = dims.tp_rank
+    col = ColumnParallelLinear(H_IN, 2 * H_OUT, _fill(1), stride=2, dtype=torch.float64,
+                               tp_group=dims.tp_group)
     gate, up = _full(1, 2 * H_OUT, H_IN).chunk(2, 0)
     expected = torch.cat([gate.chunk(world, 0)[tp_rank], up.chunk(world, 0)[tp_rank]])
     torch.testing.assert_close(col.weight.detach(), expected)
     return True
 
 
-def _check_embedding_and_cross_entropy(rank, world):
-    tp_rank = ps.get_tensor_model_parallel_rank()
+def _check_embedding_and_cross_entropy(rank, world, dims):
+    tp_rank = dims.tp_rank
     ids = torch.randint(0, VOCAB, (S, B), generator=torch.Generator().manual_seed(5))
-    emb = VocabParallelEmbedding(PADDED, H_IN, _fill(6), dtype=torch.float64)
+    emb = VocabParallelEmbedding(PADDED, H_IN, _fill(6), dtype=torch.float64,
+                                 tp_group=dims.tp_group)
     out = emb(ids)
     table = _full(6, PADDED, H_IN).requires_grad_()
     ref = F.embedding(ids, table)
@@ -83,7 +85,7 @@ def _check_embedding_and_cross_entropy(rank, world):
 
     logits_full = _full(7, S, B, PADDED).requires_grad_()
     local = logits_full.detach().chunk(world, -1)[tp_rank].clone().requires_grad_()
-    loss = vocab_parallel_cross_entropy(local, ids, VOCAB)
+    loss = vocab_parallel_cross_entropy(local, ids, VOCAB, dims.tp_group)
     # reference: padded rows (ids >= VOCAB) take no part in the softmax
     ref_loss = F.cross_entropy(logits_full[..., :VOCAB].reshape(-1, VOCAB), ids.reshape(-1),
                                reduction="none").view(S, B)
@@ -96,8 +98,8 @@ def _check_embedding_and_cross_entropy(rank, world):
 
 
 CHECKS = {
-    "column/row parallel MLP": lambda r, w: _check_mlp(r, w, sequence_parallel=False),
-    "column/row parallel MLP under Megatron-SP": lambda r, w: _check_mlp(r, w, True),
+    "column/row parallel MLP": lambda r, w, d: _check_mlp(r, w, d, sequence_parallel=False),
+    "column/row parallel MLP under Megatron-SP": lambda r, w, d: _check_mlp(r, w, d, True),
     "SwiGLU stride-2 sharding": _check_swiglu_stride,
     "vocab-parallel embedding and cross entropy": _check_embedding_and_cross_entropy,
 }
@@ -105,10 +107,10 @@ CHECKS = {
 
 def _run_checks(rank, world):
     """All TP-layer checks in one spawn of 2 ranks (spawning costs more than checking)."""
-    ps.initialize_model_parallel(world, 1, 1)
+    dims = ps.initialize_model_parallel(world, 1, 1)
     for name, check in CHECKS.items():
         try:
-            check(rank, world)
+            check(rank, world, dims)
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from e
     return sorted(CHECKS)

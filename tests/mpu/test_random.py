@@ -18,7 +18,7 @@ def _draws(rank, world):
     model_parallel_seed(1234, dims)
     torch.rand(4)
     replay = torch.rand(4)  # the fork did not advance the default stream
-    return {"tp": ps.get_tensor_model_parallel_rank(), "sp": ps.get_sequence_parallel_rank(),
+    return {"tp": dims.tp_rank, "sp": dims.sp_rank,
             "default": default_a, "forked": forked, "default_b": default_b, "replay": replay}
 
 

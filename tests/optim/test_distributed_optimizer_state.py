@@ -3,6 +3,7 @@ checkpoint from a different layout is refused with a message naming the mismatch
 import pytest
 import torch
 
+from megatron_ul.model.chunks import model_dims
 from megatron_ul.optim.distributed_optimizer import DistributedOptimizer
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
@@ -14,7 +15,8 @@ def round_trip(rank, world, argv):
     trainer = setup(cfg)
     trainer.train()
     saved = trainer.optimizer.state_dict()
-    fresh = DistributedOptimizer(trainer.model, cfg.train, max_bucket_elements=10**9)
+    fresh = DistributedOptimizer(trainer.model, cfg.train, model_dims(trainer.model),
+                                 max_bucket_elements=10**9)
     fresh.load_state_dict(saved)
     restored = fresh.state_dict()["optimizer"]["state"]
     same = all(torch.equal(saved["optimizer"]["state"][i][k], restored[i][k])

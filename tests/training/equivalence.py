@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from megatron_ul.checkpoint.reshard import merge_tp
-from megatron_ul.mpu import parallel_state as ps
+from megatron_ul.model.chunks import model_dims
 from megatron_ul.pipeline.model import global_named_parameters
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
@@ -38,6 +38,7 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
     ZeRO-3 parameters are DTensors sharded over dp_sp: gathering one is a collective, so every
     rank gathers before the DP0/SP0 ranks keep the result."""
     trainer = setup(configure(argv, world))
+    dims = model_dims(trainer.model)
     losses = trainer.train()
     shards = {}
     # Global names (layer numbers, not per-stage indices), so pipeline stages merge.
@@ -45,9 +46,9 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
         full = p.full_tensor() if isinstance(p, DTensor) else p
         shards[name] = (full.detach().clone(), getattr(p, "partition_dim", None),
                         getattr(p, "partition_stride", 1))
-    if ps.get_data_sequence_parallel_rank() != 0:   # keep DP, CP and SP coordinate 0
+    if dims.dp_sp_rank != 0:   # keep DP, CP and SP coordinate 0
         shards = {}
-    return {"losses": losses, "tp_rank": ps.get_tensor_model_parallel_rank(), "shards": shards,
+    return {"losses": losses, "tp_rank": dims.tp_rank, "shards": shards,
             "optimizer_state": _optimizer_state_bytes(trainer.optimizer)}
 
 

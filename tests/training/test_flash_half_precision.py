@@ -6,7 +6,6 @@ import functools
 
 import pytest
 
-from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.comm_stats import count_communication
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
@@ -41,7 +40,6 @@ def train_each(rank, world, runs: dict):
             losses = trainer.train()
         results[name] = {"losses": losses, "all_to_all_bytes": counts["all_to_all"]["bytes"],
                          "flash_calls": sum(flash_attn.calls.values()) - before}
-        ps.destroy_model_parallel()
     return results
 
 

@@ -31,8 +31,7 @@ def _collectives(rank, world):
     """Run each collective once under count_communication, the all-to-all with timers."""
     from megatron_ul.mpu import comm_stats, mappings
     from megatron_ul.mpu import parallel_state as ps
-    ps.initialize_model_parallel(world, 1, 1)
-    group = ps.get_tensor_model_parallel_group()
+    group = ps.initialize_model_parallel(world, 1, 1).tp_group
     x = torch.ones(world * 6, 5)  # 4-byte floats
     timers = Timers(log_level=1)
     with comm_stats.count_communication() as counts:

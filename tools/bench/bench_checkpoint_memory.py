@@ -68,7 +68,6 @@ def _held_mb(trainer) -> float:
 
 def save_phase(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
     from megatron_ul.checkpoint.io import save_checkpoint
-    from megatron_ul.mpu import parallel_state as ps
     from megatron_ul.training.pretrain import configure, setup
     trainer = setup(configure(argv, world))
     trainer.train()
@@ -77,14 +76,12 @@ def save_phase(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
     held = _held_mb(trainer)
     with PeakRSS() as probe:
         save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 1)
-    ps.destroy_model_parallel()
     return {"rank": rank, "extra_mb": (probe.peak - probe.before) / MB, "held_mb": held,
             "params": params}
 
 
 def load_phase(rank: int, world: int, argv: list[str], load_dir: str) -> dict:
     from megatron_ul.checkpoint.io import load_checkpoint
-    from megatron_ul.mpu import parallel_state as ps
     from megatron_ul.training.pretrain import configure, setup
     trainer = setup(configure(argv, world))
     trainer.cfg.checkpoint.load = load_dir
@@ -92,7 +89,6 @@ def load_phase(rank: int, world: int, argv: list[str], load_dir: str) -> dict:
     with PeakRSS() as probe:
         load_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler)
     held = _held_mb(trainer)
-    ps.destroy_model_parallel()
     return {"rank": rank, "extra_mb": (probe.peak - probe.before) / MB, "held_mb": held,
             "state_created_mb": held - before_state}
 

@@ -67,10 +67,9 @@ def table_model_state() -> str:
 
 
 # ---- 2. activations per layer over SP ------------------------------------------------------
-def _local_batch(model_cfg, seq_length: int):
-    """This SP rank's tokens/positions/labels of one fixed random sequence."""
-    from megatron_ul.mpu import parallel_state as ps
-    sp, rank = ps.get_sequence_parallel_world_size(), ps.get_sequence_parallel_rank()
+def _local_batch(model_cfg, seq_length: int, dims):
+    """This SP rank (of `dims`)'s tokens/positions/labels of one fixed random sequence."""
+    sp, rank = dims.sp, dims.sp_rank
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model_cfg.vocab_size, (1, seq_length + 1), generator=g)
     chunk = seq_length // sp
@@ -84,7 +83,7 @@ def layer_activation_worker(rank, world, argv, seq_length):
     from megatron_ul.training.pretrain import configure, setup
     cfg = configure(argv, world)
     model = setup(cfg).model
-    tokens, positions, _ = _local_batch(cfg.model, seq_length)
+    tokens, positions, _ = _local_batch(cfg.model, seq_length, model.dims)
     x, rotary = _layer_inputs(model, cfg, tokens, positions)
     _, saved = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),
                                       exclude=list(model.parameters()))
@@ -124,14 +123,14 @@ def longest_sequence_worker(rank, world, argv, cap_bytes, start):
     cfg = configure(argv + ["--seq-length", str(start)], world)
     trainer = setup(cfg)
     model, params = trainer.model, list(trainer.model.parameters())
-    tokens, positions, labels = _local_batch(cfg.model, start)
+    tokens, positions, labels = _local_batch(cfg.model, start, model.dims)
     model(tokens, positions, None, labels).sum().backward()
     trainer.optimizer.step()
     state = model_state_bytes(model, trainer.optimizer)["total"]
     best, n = None, start
     while True:
         cfg.model.seq_length = n   # rope: no table depends on the length
-        tokens, positions, labels = _local_batch(cfg.model, n)
+        tokens, positions, labels = _local_batch(cfg.model, n, model.dims)
         model.cfg.recompute_granularity = "full"
         # the lambdas run at once, inside the call, so late binding cannot bite
         _, kept = saved_activation_bytes(lambda: model(tokens, positions, None, labels),  # noqa: B023

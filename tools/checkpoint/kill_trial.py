@@ -98,14 +98,11 @@ def one_trial(directory: str, max_delay: float, rng: random.Random, fmt: list[st
 
 def check_loadable(directory: str, last_saved) -> tuple[bool, str]:
     """The trainer loads `directory` (any format) at an iteration >= the last reported save."""
-    from megatron_ul.mpu import parallel_state as ps
     from megatron_ul.training.pretrain import configure, setup
     try:
         trainer = setup(configure(MODEL + ["--load", directory]))
     except Exception as e:  # noqa: BLE001 - a failed load is the outcome being counted
         return False, f"{type(e).__name__}: {e}"
-    finally:
-        ps.destroy_model_parallel()
     loaded = trainer.start_iteration
     if last_saved is not None and loaded < last_saved:
         return False, f"loaded iteration {loaded} < last reported save {last_saved}"
