@@ -14,9 +14,10 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .initialize import free_port
+from .initialize import free_port as free_port  # tests import it from here
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=90)
 
@@ -28,11 +29,14 @@ class RankFailure(RuntimeError):
 def _worker(rank: int, world: int, port: int, fn, args, queue, collective_timeout) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    import torch
-    import torch.distributed as dist
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=collective_timeout)
+        # The parent's store is already listening on `port`: every rank joins as a client, so
+        # no rank races another process for a port it was told is free.
+        store = dist.TCPStore("127.0.0.1", port, None, is_master=False,
+                              timeout=collective_timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                timeout=collective_timeout)
         result = fn(rank, world, *args)
         # Send plain bytes: tensors put on the queue directly travel as shared-memory handles
         # that vanish if this process exits before the parent reads them.
@@ -54,7 +58,11 @@ def run_on_local_ranks(fn, world: int, *args, timeout: float = 300.0,
     torch.save can write."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
+    # Port 0: the kernel picks a port and the store keeps it bound for the whole run (picking a
+    # free port and binding it later lost the race to another test now and then: EADDRINUSE).
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                          timeout=collective_timeout)
+    port = store.port
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world, port, fn, args, queue, collective_timeout))
              for r in range(world)]
@@ -85,6 +93,7 @@ def run_on_local_ranks(fn, world: int, *args, timeout: float = 300.0,
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        del store
     if errors:
         raise RankFailure("\n".join(errors))
     return [results[r] for r in range(world)]

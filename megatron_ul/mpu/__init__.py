@@ -1,4 +1,4 @@
-"""The four parallel axes (TP, SP, DP, PP): process groups, TP layers, collectives, RNG."""
+"""The five parallel axes (TP, SP, CP ring, DP, PP): process groups, TP layers, collectives, RNG."""
 from . import parallel_state
 from .cross_entropy import vocab_parallel_cross_entropy
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
