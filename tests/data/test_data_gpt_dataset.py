@@ -10,6 +10,7 @@ from megatron_ul.data.gpt_dataset import (GPTDataset, build_sample_index, build_
                                           parse_data_path, split_ranges)
 from megatron_ul.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_ul.data.mock import MockGPTDataset
+from megatron_ul.local_ranks import run_on_local_ranks
 
 
 def write_dataset(prefix, documents, dtype=np.int32):
@@ -185,25 +186,17 @@ def test_mock_dataset_is_deterministic():
         mock[50]
 
 
-def _build_on_rank(rank, world_size, init_file, prefix, cache, results):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
-    try:
-        dataset = GPTDataset(IndexedDataset(prefix), (0, 30), 80, 8, seed=11, cache_path=cache)
-        results[rank] = (np.asarray(dataset.shuffle_index).tolist(), isinstance(dataset.shuffle_index, np.memmap))
-    finally:
-        dist.destroy_process_group()
+def _build_on_rank(rank, world_size, prefix, cache):
+    dataset = GPTDataset(IndexedDataset(prefix), (0, 30), 80, 8, seed=11, cache_path=cache)
+    return np.asarray(dataset.shuffle_index).tolist(), isinstance(dataset.shuffle_index, np.memmap)
 
 
 def test_two_distributed_ranks_share_one_build(tmp_path):
-    import torch.multiprocessing as mp
-
     prefix = write_dataset(tmp_path / "d", documents_with_token_range(4, 30, 0, 100))
     cache = str(tmp_path / "cache")
-    results = mp.Manager().dict()
-    mp.start_processes(_build_on_rank, args=(2, str(tmp_path / "init"), prefix, cache, results), nprocs=2,
-                       start_method="spawn")   # fork after torch threads can crash
+    # Spawned gloo ranks (run_on_local_ranks): an mp.Manager's server process here segfaulted
+    # once during garbage collection in a full-suite run.
+    results = run_on_local_ranks(_build_on_rank, 2, prefix, cache)
     assert results[0] == results[1] and results[0][1]
     reference = GPTDataset(IndexedDataset(prefix), (0, 30), 80, 8, seed=11)
     assert results[0][0] == reference.shuffle_index.tolist()
