@@ -48,6 +48,6 @@ def test_offload_needs_full_recompute():
 
 @pytest.mark.slow
 def test_offload_is_bit_identical_under_zero3():
-    from tests.optim.zero_harness import run_zero_layout
+    from tests.training.equivalence import run_zero_layout
     argv = DROPOUT_ON + FULL + ["--ds-sequence-parallel-size", "2", "--zero-stage", "3"]
     assert_identical(run_zero_layout(argv, 2)[:2], run_zero_layout(argv + OFFLOAD, 2)[:2])
