@@ -12,7 +12,7 @@ import typing
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, Literal, Optional
 
-from .config import Config
+from .config import Config, flag_names
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def _flag(section: str, f: Field, annotation: Any) -> Flag:
     meta = f.metadata
     kind, choices, many = _kind(annotation)
     default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore
-    names = meta.get("names") or ("--" + f.name.replace("_", "-"),)
+    names = flag_names(f)
     if kind is bool and default is True and not meta.get("names"):
         raise TypeError(f"{section}.{f.name}: a bool defaulting to True needs flag(names=...) "
                         f"for the switch that turns it off")

@@ -14,6 +14,7 @@ LEVELS = {
     "config": 0, "timers": 0,                 # plain data and tools every layer may use
     "mpu": 1, "data": 1, "arguments": 1,      # parallel primitives; data; the command line
     "model": 2, "initialize": 2,
+    "config_rules": 2, "config_files": 2,     # the checks of a config (they parse data flags)
     "pipeline": 3, "optim": 3,
     "checkpoint": 4,
     "training": 5, "inference": 5, "local_ranks": 5,

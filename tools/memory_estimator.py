@@ -16,7 +16,8 @@ import argparse
 import sys
 
 from megatron_ul.arguments import parse_args
-from megatron_ul.config import ConfigError, resolve, validate
+from megatron_ul.config import ConfigError, resolve
+from megatron_ul.config_rules import validate
 from megatron_ul.training import memory_estimator as me
 
 

@@ -69,9 +69,9 @@ def layout_table(meta: dict, tp: int, pp: int, vp: int | None) -> dict[str, dict
 def check_target_layout(meta: dict, tp: int, pp: int, sp: int, dp: int, vp: int | None,
                         sequence_parallel: bool = False) -> None:
     """Refuse a target layout the trainer would refuse, with the trainer's own validation
-    (config.validate), before anything is written."""
-    from ..config import (Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, resolve,
-                          validate)
+    (config_rules.validate), before anything is written."""
+    from ..config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, resolve
+    from ..config_rules import validate
     cfg = Config(model=model_config(meta),
                  parallel=ParallelConfig(tensor_model_parallel_size=tp,
                                          ds_sequence_parallel_size=sp,

@@ -316,30 +316,25 @@ def default_cache_path(prefix: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(prefix)), DEFAULT_CACHE_FOLDER)
 
 
-def max_token_id(indexed: IndexedDataset, cache_path=None) -> int:
-    """The largest token id in the .bin (-1 when empty), cached by the .idx fingerprint."""
-    def scan():
-        largest = -1
-        tokens = indexed.tokens
-        for start in range(0, len(tokens), 1 << 26):
-            largest = max(largest, int(tokens[start:start + (1 << 26)].max()))
-        return {"max_token_id": np.array([largest], dtype=np.int64)}
-
-    cache_dir = None if cache_path is None else os.path.join(cache_path, "TokenStats")
-    description = {"class": "TokenStats", "path_prefix": os.path.abspath(indexed.path_prefix),
-                   "idx_fingerprint": indexed.fingerprint() if cache_path is not None else None}
-    cache = IndexCache(cache_dir, description, "TokenStats")
-    return int(cache.load_or_build(("max_token_id",), scan)["max_token_id"][0])
-
-
-def check_vocabulary(indexed_datasets, vocab_size: int, cache_path=None) -> None:
-    """Refuses data holding token ids the model's vocabulary cannot embed."""
+def check_vocabulary(indexed_datasets, vocab_size: int) -> None:
+    """Refuses data holding token ids the model's vocabulary cannot embed (read in full each
+    time: a .bin rewritten in place keeps its size and index)."""
     for indexed in indexed_datasets:
-        largest = max_token_id(indexed, cache_path)
-        if largest >= vocab_size:
-            raise DataError(
-                f"--data-path {indexed.path_prefix}: token id {largest} does not fit the vocabulary of "
-                f"{vocab_size} (--tokenizer-type / --vocab-size); the data was tokenized with another tokenizer")
+        problem = vocabulary_problem(indexed, vocab_size)
+        if problem:
+            raise DataError(problem)
+
+
+def vocabulary_problem(indexed: IndexedDataset, vocab_size: int):
+    """The message when the tokens of ``indexed`` do not fit ids [0, vocab_size), else None."""
+    lowest, largest = indexed.token_range()
+    if largest >= vocab_size:
+        return (f"--data-path {indexed.path_prefix}: token id {largest} does not fit the vocabulary "
+                f"of {vocab_size} (--tokenizer-type / --vocab-size); the data was tokenized with another "
+                f"tokenizer")
+    if lowest < 0:
+        return f"--data-path {indexed.path_prefix}: negative token id {lowest} (corrupt .bin)"
+    return None
 
 
 def build_train_valid_test_datasets(data_path, split: str, seq_length: int, train_valid_test_num_samples,
@@ -362,7 +357,7 @@ def build_train_valid_test_datasets(data_path, split: str, seq_length: int, trai
         cache_path = default_cache_path(prefixes[0])
     indexed = [IndexedDataset(prefix) for prefix in prefixes]
     if vocab_size is not None:
-        check_vocabulary(indexed, vocab_size, cache_path)
+        check_vocabulary(indexed, vocab_size)
     ranges = [split_ranges(split, len(dataset)) for dataset in indexed]
     results = []
     for split_id, split_name in enumerate(SPLIT_NAMES):

@@ -256,6 +256,20 @@ class IndexedDataset:
         digest.update(str(os.path.getsize(data_file_path(self.path_prefix))).encode())
         return digest.hexdigest()
 
+    def token_range(self, chunk: int = 1 << 26) -> tuple[int, int]:
+        """(smallest, largest) token id in the .bin, (0, -1) when empty: a vectorised pass over
+        the memory map, chunked so that a float or int64 .bin never needs a full-size copy."""
+        if self.dtype.kind == "f":
+            raise IndexedDatasetError(f"{index_file_path(self.path_prefix)}: dtype {self.dtype} "
+                                      "cannot hold token ids (corrupt index or not token data)")
+        signed = self.dtype.kind == "i"   # unsigned ids cannot be negative: one pass, not two
+        lows, highs = [], []
+        for start in range(0, len(self.tokens), chunk):
+            block = self.tokens[start:start + chunk]
+            highs.append(int(block.max()))
+            lows.append(int(block.min()) if signed else 0)
+        return (min(lows), max(highs)) if highs else (0, -1)
+
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1

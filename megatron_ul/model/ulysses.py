@@ -50,7 +50,7 @@ class DistributedAttention:
     def _attend(self, q, k, v, dropout_p, attention_mask):
         if self.ring is not None:
             # Saves only q, k, v, out and the log-sum-exp already: nothing to recompute.
-            # config.validate refuses attention dropout with a ring; documents (a
+            # config_rules.validate refuses attention dropout with a ring; documents (a
             # DocumentMask) and the sliding window mask and skip blocks inside the ring.
             return ring_attention(q, k, v, self.ring, attention_mask=attention_mask,
                                   window=self.window)

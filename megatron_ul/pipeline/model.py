@@ -31,7 +31,7 @@ def num_model_chunks(cfg: Config) -> int:
 
 def chunks_per_stage(num_layers: int, pipeline_size: int, layers_per_chunk: int | None) -> int:
     """Model chunks per pp rank when chunks hold `layers_per_chunk` layers (None: one chunk);
-    ValueError when the layers do not split that way (config.validate says it with flags)."""
+    ValueError when the layers do not split that way (config_rules.validate says it with flags)."""
     if num_layers % pipeline_size != 0:
         raise ValueError(f"--num-layers {num_layers} is not divisible by the pipeline size "
                          f"{pipeline_size}")

@@ -59,19 +59,20 @@ def build_datasets(cfg: Config):
     """(train, valid, test) datasets sized for the whole run."""
     t, m, d = cfg.train, cfg.model, cfg.data
     train_samples = t.train_iters * t.global_batch_size
+    # --eval-interval 0 never evaluates; --eval-iters 0 skips evaluation (Megatron-LM)
     eval_runs = (t.train_iters // t.eval_interval + 1) if t.eval_interval else 0
     valid_samples = eval_runs * t.eval_iters * t.global_batch_size
     if d.mock_data:
         eod = eod_token_for(cfg)
         train = MockGPTDataset(train_samples, m.seq_length, m.vocab_size, t.seed, eod)
-        valid = MockGPTDataset(max(valid_samples, 1), m.seq_length, m.vocab_size, t.seed + 1,
-                               eod)
+        valid = (MockGPTDataset(valid_samples, m.seq_length, m.vocab_size, t.seed + 1, eod)
+                 if valid_samples else None)
         return train, valid, None
     # Without --data-cache-path the indices are cached beside the data (see docs/data.md).
+    # The token ids were checked against the vocabulary by configure(), before the model.
     return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length,
                                            (train_samples, valid_samples, 0), t.seed,
-                                           d.data_cache_path or "default",
-                                           vocab_size=m.vocab_size)
+                                           d.data_cache_path or "default")
 
 
 def global_batches(cfg: Config, dims: ParallelDims, dataset, device, eod_token,

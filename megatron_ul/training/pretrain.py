@@ -1,20 +1,19 @@
-"""parse → validate → initialize → build model, data, optimizer → train."""
+"""configure (parse, resolve, check flags, paths and data) → initialize → build model, data,
+optimizer → train."""
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional
 
 import torch
 
-from ..arguments import parse_args
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.io import Resume, claim_save_dir, load_checkpoint
-from ..config import Config, ConfigError, resolve, validate
-from ..data.gpt_dataset import DataError, parse_data_path
-from ..initialize import initialize_distributed, shutdown, world_size_from_env
+from ..config import Config, ConfigError
+from ..data.gpt_dataset import DataError
+from ..initialize import initialize_distributed, shutdown
 from ..model.gpt import GPTModel
 from ..mpu.param_init import deferred, materialize
 from ..mpu.parallel_state import ParallelDims
@@ -24,44 +23,12 @@ from ..pipeline.model import build_pipeline_model
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
-from .data import (build_datasets, build_tokenizer_for, eod_token_for, global_batches,
-                   set_vocab_from_tokenizer)
+from .configure import configure
+from .data import build_datasets, eod_token_for, global_batches
 from .exit import RunControl, catch_exit_signals
 from .loop import is_reporting_rank, train
 
 log = logging.getLogger("megatron_ul")
-
-
-def configure(argv=None, world_size: int | None = None) -> Config:
-    """Flags -> validated Config. Raises ConfigError before anything heavy happens."""
-    cfg = parse_args(argv, world_size if world_size is not None else world_size_from_env())
-    tokenizer = build_tokenizer_for(cfg)
-    if tokenizer is not None and not cfg.data.mock_data:
-        set_vocab_from_tokenizer(cfg, tokenizer)
-    if cfg.data.mock_data and cfg.model.vocab_size < 2:
-        raise ConfigError("invalid configuration:\n  --mock-data needs --vocab-size N (N >= 2: "
-                          "id N-1 is the end-of-document token)")
-    if cfg.data.data_path and tokenizer is None:
-        raise ConfigError("invalid configuration:\n  --data-path needs --tokenizer-type "
-                          "(and its --tokenizer-model or --vocab-file/--merge-file)")
-    _check_data_files(cfg.data.data_path)
-    return validate(resolve(cfg))
-
-
-def _check_data_files(data_path: list[str]) -> None:
-    """Every --data-path prefix must have its .bin and .idx, checked before anything heavy."""
-    if not data_path:
-        return
-    try:
-        prefixes, _ = parse_data_path(data_path)
-    except ValueError as e:
-        raise ConfigError(f"invalid configuration:\n  {e}") from e
-    missing = [path for prefix in prefixes for path in (prefix + ".bin", prefix + ".idx")
-               if not os.path.isfile(path)]
-    if missing:
-        raise ConfigError("invalid configuration:\n  --data-path: missing " + ", ".join(missing)
-                          + "; run tools/preprocess_data.py to create them (the prefix is the "
-                          "path without .bin/.idx, e.g. data/demo_text_document)")
 
 
 def build_model(cfg: Config, device, dims: ParallelDims,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron_ul.arguments import parse_args
-from megatron_ul.config import resolve, validate
+from megatron_ul.config import resolve
+from megatron_ul.config_rules import validate
 from megatron_ul.model.gpt import GPTModel
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
