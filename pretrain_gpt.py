@@ -6,7 +6,11 @@
 """
 import sys
 
-from megatron_ul.training.pretrain import main
+from megatron_ul.exit_signals import catch_exit_signals
 
 if __name__ == "__main__":
+    # Before torch is imported: a SIGTERM/SIGUSR1 from Slurm during start-up must not kill
+    # the rank (megatron_ul/exit_signals.py).
+    catch_exit_signals()
+    from megatron_ul.training.pretrain import main
     sys.exit(main())

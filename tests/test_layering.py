@@ -12,6 +12,7 @@ PACKAGE = os.path.join(ROOT, "megatron_ul")
 
 LEVELS = {
     "config": 0, "timers": 0,                 # plain data and tools every layer may use
+    "exit_signals": 0,                        # standard library only: installed first
     "mpu": 1, "data": 1, "arguments": 1,      # parallel primitives; data; the command line
     "model": 2, "initialize": 2,
     "config_rules": 2, "config_files": 2,     # the checks of a config (they parse data flags)

@@ -20,7 +20,7 @@ PINNED = {
         "ring time split, None unless a benchmark opens `with measure_ring_time()`",
     ("model/attention.py", "_announced"): "log lines said once per process",
     ("model/norms.py", "_announced"): "log lines said once per process",
-    ("training/exit.py", "_signal_received"):
+    ("exit_signals.py", "_signal_received"):
         "set by the SIGTERM/SIGUSR1 handler; signal handlers are per process",
     ("checkpoint/files.py", "_held_locks"):
         "this process's flock on each save directory (the lock belongs to the process)",

@@ -172,6 +172,9 @@ def _read_index(idx_path: str):
         raise IndexedDatasetError(f"{idx_path}: unsupported index version {version}")
     if dtype_code not in DTYPE_CODES:
         raise IndexedDatasetError(f"{idx_path}: unknown dtype code {dtype_code}")
+    if np.dtype(DTYPE_CODES[dtype_code]).kind == "f":
+        raise IndexedDatasetError(f"{idx_path}: dtype {np.dtype(DTYPE_CODES[dtype_code])} cannot "
+                                  "hold token ids (corrupt index, or not token data)")
     expected = HEADER_SIZE + 12 * num_sequences + 8 * num_doc_entries
     if len(raw) != expected:
         raise IndexedDatasetError(
@@ -258,10 +261,7 @@ class IndexedDataset:
 
     def token_range(self, chunk: int = 1 << 26) -> tuple[int, int]:
         """(smallest, largest) token id in the .bin, (0, -1) when empty: a vectorised pass over
-        the memory map, chunked so that a float or int64 .bin never needs a full-size copy."""
-        if self.dtype.kind == "f":
-            raise IndexedDatasetError(f"{index_file_path(self.path_prefix)}: dtype {self.dtype} "
-                                      "cannot hold token ids (corrupt index or not token data)")
+        the memory map, chunked so that no full-size temporary is ever made."""
         signed = self.dtype.kind == "i"   # unsigned ids cannot be negative: one pass, not two
         lows, highs = [], []
         for start in range(0, len(self.tokens), chunk):

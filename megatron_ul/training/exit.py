@@ -12,28 +12,13 @@ import torch.distributed as dist
 
 from ..checkpoint.io import Resume, save_checkpoint
 from ..config import Config
+from ..exit_signals import catch_exit_signals, forget_signal, signal_received
 
 log = logging.getLogger("megatron_ul")
 
 # As in Megatron, --exit-duration-in-mins counts from the program's start (this import), so that
 # a duration derived from a Slurm job's time left covers start-up and checkpoint loading too.
 PROGRAM_START = time.monotonic()
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_signal_received: str | None = None   # the name of the first exit signal received
-
-
-def _remember_signal(signum, frame) -> None:
-    global _signal_received
-    _signal_received = _signal_received or signal.Signals(signum).name
-
-
-def catch_exit_signals() -> dict:
-    """Remember SIGTERM/SIGUSR1 instead of dying; training acts on them at the end of the
-    current iteration. pretrain's main() installs this at start-up, so that a signal that
-    arrives while the model is built or a checkpoint loads is not fatal either. Returns the
-    handlers it replaced."""
-    previous = {sig: signal.signal(sig, _remember_signal) for sig in EXIT_SIGNALS}
-    return {sig: h for sig, h in previous.items() if h is not _remember_signal}
 
 
 class RunControl:
@@ -60,7 +45,7 @@ class RunControl:
         over_time = (c.exit_duration_in_mins is not None
                      and time.monotonic() - self.started > c.exit_duration_in_mins * 60)
         # On the training device: with NCCL the default group cannot reduce CPU tensors.
-        flags = torch.tensor([float(_signal_received is not None), float(over_time)],
+        flags = torch.tensor([float(signal_received() is not None), float(over_time)],
                              device=self.device)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -78,7 +63,7 @@ class RunControl:
         if c.save and (stop or (c.save_interval and iteration % c.save_interval == 0)):
             self.save()
         if stop:
-            reason = ((_signal_received or "signal on another rank") if by_signal
+            reason = ((signal_received() or "signal on another rank") if by_signal
                       else "--exit-duration-in-mins" if by_time else "--exit-interval")
             log.info("exiting at iteration %d (%s)", iteration, reason)
         return stop
@@ -116,7 +101,6 @@ class RunControl:
         if self.cfg.checkpoint.save and self.iteration != self.last_saved:
             self.save()
         self._complete_pending()
-        global _signal_received
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
-        _signal_received = None
+        forget_signal()

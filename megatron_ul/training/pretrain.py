@@ -25,7 +25,8 @@ from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
 from .configure import configure
 from .data import build_datasets, eod_token_for, global_batches
-from .exit import RunControl, catch_exit_signals
+from ..exit_signals import catch_exit_signals, release_unless
+from .exit import RunControl
 from .loop import is_reporting_rank, train
 
 log = logging.getLogger("megatron_ul")
@@ -122,8 +123,11 @@ def main(argv=None) -> int:
     if cfg.train.dry_run:
         from .dry_run import dry_run
         return dry_run(cfg)
+    # pretrain_gpt.py caught SIGTERM/SIGUSR1 before its imports; a signal during start-up stops
+    # training after its first iteration (--exit-signal-handler) or takes its default effect now
     if cfg.checkpoint.exit_signal_handler:
-        catch_exit_signals()   # a signal during start-up stops training after its first iteration
+        catch_exit_signals()   # main() may be called without pretrain_gpt.py (tests)
+    release_unless(cfg.checkpoint.exit_signal_handler)
     try:
         setup(cfg).train()
     except (CheckpointError, DataError) as e:

@@ -9,7 +9,10 @@ two slurmd nodes on this host), with a small model on CPU (gloo), SP=2 across th
     checkpoint loadable: a resubmission on another layout (TP 2 instead of SP 2) resumes from it;
 (d) one rank SIGKILLed: the whole job fails within seconds (not after the collective timeout),
     and a resubmission resumes from the last complete checkpoint, repeating the lost iterations
-    exactly.
+    exactly;
+(e) SIGUSR1, then SIGTERM, each as soon as the starting ranks can catch it (on pretrain_gpt.py's
+    first line, long before the process group exists): each start saves its first iteration
+    and exits 0, the batch script requeues, the job completes.
 
 The scripts save in the torch_dist format by default; (b) adds ASYNC_SAVE=1 (--async-save) and
 (d) saves its first job with CKPT_FORMAT=torch, so its resubmission resumes across formats.
@@ -314,3 +317,55 @@ def test_warned_then_preempted_job_resumes_with_identical_losses(cluster, workdi
                   and after.start() < done]
     print(f"(b) background saves completed after the next iteration: {overlapped}")
     assert overlapped, log
+
+
+def _catches_in_every_task(cluster, job: str, sig: signal.Signals) -> bool:
+    """Both ranks of `job` run and have a handler for `sig` installed (their SigCgt masks)."""
+    pids = [p for rank in (0, 1) for p in cluster.task_pids(job, rank, "pretrain_gpt.py")]
+    try:
+        masks = []
+        for pid in pids:
+            with open(f"/proc/{pid}/status") as f:
+                masks += [int(line.split()[1], 16) for line in f if line.startswith("SigCgt:")]
+    except OSError:
+        return False
+    return len(masks) == 2 and all(mask >> (sig - 1) & 1 for mask in masks)
+
+
+def _signal_during_start_up(cluster, run, job: str, sig: signal.Signals) -> int:
+    """Send `sig` to the ranks (as #SBATCH --signal does) as soon as both can catch it, while
+    they are still importing torch. Returns the number of iterations logged until then."""
+    deadline = time.monotonic() + 180
+    while not _catches_in_every_task(cluster, job, sig):
+        assert time.monotonic() < deadline, f"{cluster.state(job)}\n{run.log(job)}"
+        time.sleep(0.01)
+    logged = len(ITERATION.findall(run.log(job)))
+    assert cluster.scancel(f"--signal={sig.name.removeprefix('SIG')}", job).returncode == 0
+    return logged
+
+
+def test_signals_during_start_up_requeue_and_the_job_completes(cluster, workdir):
+    """(e) SIGUSR1 while the ranks start (the time-limit warning arriving early), then SIGTERM
+    while the requeued job starts: each time the ranks train one iteration, save and exit 0,
+    the batch script requeues, and the third start completes the run."""
+    start = time.monotonic()
+    iters = 12
+    run = Run(cluster, workdir, "startup", SCRIPT_1B, env={"TRAIN_ITERS": str(iters)})
+    job = run.submit()
+    before = [_signal_during_start_up(cluster, run, job, signal.SIGUSR1)]
+    cluster.wait(job, {"PENDING"}, timeout=180)   # requeued by its own batch script
+    assert run.tracker() == 1, run.log()
+    before.append(_signal_during_start_up(cluster, run, job, signal.SIGTERM))
+    cluster.wait(job, {"PENDING"}, timeout=180)
+    assert run.tracker() == 2, run.log()
+    info = run.wait({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
+    TIMES["(e) signals during start-up"] = time.monotonic() - start
+    log = run.log()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", log
+    assert before == [0, 1], log   # no iteration of that start had run when it was signalled
+    assert "exiting at iteration 1 (SIGUSR1)" in log and "exiting at iteration 2 (SIGTERM)" in log
+    assert log.count("requeueing job") == 2 and run.tracker() == iters
+    assert sorted(run.losses()) == list(range(1, iters + 1))
+    # slurmstepd announces a SIGTERM sent to a step as "STEP ... CANCELLED"; the ranks caught it
+    for bad in ("Traceback", "Failed to recv", "Connection was likely closed"):
+        assert bad not in log, f"{bad!r} in the job log:\n{log}"
