@@ -48,49 +48,57 @@ class Range:
                 f"{self.high}{')' if self.high_open else ']'}")
 
 
-AT_LEAST_1 = Range(1)
-NON_NEGATIVE = Range(0)
-POSITIVE = Range(0, low_open=True)
-FRACTION = Range(0, 1, high_open=True)     # dropout probabilities, Adam betas
+def at_least(low: float) -> Range:
+    return Range(low)
+
+
+def above(low: float) -> Range:
+    return Range(low, low_open=True)
+
+
+def fraction() -> Range:
+    """[0, 1): dropout probabilities, Adam betas."""
+    return Range(0, 1, high_open=True)
+
 
 RANGES: dict[str, Range] = {
     # model
-    "model.num_layers": AT_LEAST_1, "model.hidden_size": AT_LEAST_1,
-    "model.num_attention_heads": AT_LEAST_1, "model.ffn_hidden_size": AT_LEAST_1,
-    "model.num_query_groups": AT_LEAST_1, "model.kv_channels": AT_LEAST_1,
-    "model.seq_length": AT_LEAST_1, "model.max_position_embeddings": AT_LEAST_1,
-    "model.vocab_size": NON_NEGATIVE,           # 0: not given (the tokenizer's)
-    "model.make_vocab_size_divisible_by": AT_LEAST_1, "model.rotary_base": POSITIVE,
-    "model.norm_epsilon": POSITIVE, "model.attention_dropout": FRACTION,
-    "model.hidden_dropout": FRACTION, "model.init_method_std": POSITIVE,
-    "model.recompute_num_layers": AT_LEAST_1, "model.tiled_loss_chunk_size": AT_LEAST_1,
-    "model.tiled_mlp_chunk_size": AT_LEAST_1,
+    "model.num_layers": at_least(1), "model.hidden_size": at_least(1),
+    "model.num_attention_heads": at_least(1), "model.ffn_hidden_size": at_least(1),
+    "model.num_query_groups": at_least(1), "model.kv_channels": at_least(1),
+    "model.seq_length": at_least(1), "model.max_position_embeddings": at_least(1),
+    "model.vocab_size": at_least(0),           # 0: not given (the tokenizer's)
+    "model.make_vocab_size_divisible_by": at_least(1), "model.rotary_base": above(0),
+    "model.norm_epsilon": above(0), "model.attention_dropout": fraction(),
+    "model.hidden_dropout": fraction(), "model.init_method_std": above(0),
+    "model.recompute_num_layers": at_least(1), "model.tiled_loss_chunk_size": at_least(1),
+    "model.tiled_mlp_chunk_size": at_least(1),
     # parallel
-    "parallel.tensor_model_parallel_size": AT_LEAST_1,
-    "parallel.ds_sequence_parallel_size": AT_LEAST_1,
-    "parallel.context_parallel_size": AT_LEAST_1,
-    "parallel.pipeline_model_parallel_size": AT_LEAST_1,
-    "parallel.num_layers_per_virtual_pipeline_stage": AT_LEAST_1,
-    "parallel.distributed_timeout_minutes": POSITIVE,
-    "parallel.ddp_bucket_size": AT_LEAST_1, "parallel.world_size": AT_LEAST_1,
+    "parallel.tensor_model_parallel_size": at_least(1),
+    "parallel.ds_sequence_parallel_size": at_least(1),
+    "parallel.context_parallel_size": at_least(1),
+    "parallel.pipeline_model_parallel_size": at_least(1),
+    "parallel.num_layers_per_virtual_pipeline_stage": at_least(1),
+    "parallel.distributed_timeout_minutes": above(0),
+    "parallel.ddp_bucket_size": at_least(1), "parallel.world_size": at_least(1),
     # train
-    "train.micro_batch_size": AT_LEAST_1, "train.global_batch_size": AT_LEAST_1,
-    "train.train_iters": AT_LEAST_1, "train.lr": NON_NEGATIVE, "train.min_lr": NON_NEGATIVE,
-    "train.lr_warmup_iters": NON_NEGATIVE, "train.lr_decay_iters": AT_LEAST_1,
-    "train.weight_decay": NON_NEGATIVE, "train.adam_beta1": FRACTION,
-    "train.adam_beta2": FRACTION, "train.adam_eps": NON_NEGATIVE,
-    "train.clip_grad": NON_NEGATIVE,            # 0: no clipping (Megatron-LM)
+    "train.micro_batch_size": at_least(1), "train.global_batch_size": at_least(1),
+    "train.train_iters": at_least(1), "train.lr": at_least(0), "train.min_lr": at_least(0),
+    "train.lr_warmup_iters": at_least(0), "train.lr_decay_iters": at_least(1),
+    "train.weight_decay": at_least(0), "train.adam_beta1": fraction(),
+    "train.adam_beta2": fraction(), "train.adam_eps": at_least(0),
+    "train.clip_grad": at_least(0),            # 0: no clipping (Megatron-LM)
     "train.seed": Range(0, 2 ** 32 - 1),        # numpy's RandomState orders the data with it
-    "train.loss_scale": POSITIVE, "train.initial_loss_scale": POSITIVE,
-    "train.min_loss_scale": POSITIVE, "train.loss_scale_window": AT_LEAST_1,
-    "train.hysteresis": AT_LEAST_1,
-    "train.eval_interval": NON_NEGATIVE,        # 0: never evaluate
-    "train.eval_iters": NON_NEGATIVE,           # 0: skip evaluation (Megatron-LM)
+    "train.loss_scale": above(0), "train.initial_loss_scale": above(0),
+    "train.min_loss_scale": above(0), "train.loss_scale_window": at_least(1),
+    "train.hysteresis": at_least(1),
+    "train.eval_interval": at_least(0),        # 0: never evaluate
+    "train.eval_iters": at_least(0),           # 0: skip evaluation (Megatron-LM)
     # checkpoint
-    "checkpoint.save_interval": AT_LEAST_1, "checkpoint.exit_interval": AT_LEAST_1,
-    "checkpoint.exit_duration_in_mins": POSITIVE, "checkpoint.keep_last_n_checkpoints": AT_LEAST_1,
+    "checkpoint.save_interval": at_least(1), "checkpoint.exit_interval": at_least(1),
+    "checkpoint.exit_duration_in_mins": above(0), "checkpoint.keep_last_n_checkpoints": at_least(1),
     # logging
-    "logging.log_interval": AT_LEAST_1, "logging.peak_tflops": POSITIVE,
+    "logging.log_interval": at_least(1), "logging.peak_tflops": above(0),
 }
 # Numeric fields that a rule below judges instead of a range (_long_context_errors, _zero_errors).
 JUDGED_BY_RULES = {"model.window_size", "parallel.zero_stage"}
