@@ -127,9 +127,13 @@ def config_error(found: list[str]) -> ConfigError:
     return ConfigError("invalid configuration:\n  " + "\n  ".join(found))
 
 
-def problems(cfg: Config) -> list[str]:
-    """Every problem of a resolved configuration, each naming its flag(s) and a fix."""
-    bad_fields, found = field_problems(cfg)
+def problems(cfg: Config, given: Optional[Config] = None) -> list[str]:
+    """Every problem of a resolved configuration, each naming its flag(s) and a fix.
+
+    given: the configuration before resolve(), whose fields are then judged instead of the
+    derived ones (a --seq-length 0 is one problem, not also --max-position-embeddings').
+    """
+    bad_fields, found = field_problems(given or cfg)
     m, p, t = cfg.model, cfg.parallel, cfg.train
     found += _schedule_errors(t)
     found += _data_errors(cfg.data, m)
@@ -208,7 +212,7 @@ def _layout_errors(cfg: Config) -> list[str]:
 def _schedule_errors(t: TrainConfig) -> list[str]:
     """Megatron-LM's OptimizerParamScheduler asserts these; here they name the flags."""
     errors = []
-    if t.min_lr > t.lr:
+    if 0 <= t.lr < t.min_lr:   # a negative --lr is its own problem
         errors.append(f"--min-lr {t.min_lr} is above --lr {t.lr}: the decay ends at --min-lr; "
                       f"use a --min-lr of at most {t.lr}")
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters

@@ -16,13 +16,13 @@ def configure(argv=None, world_size: int | None = None) -> Config:
     """Parse, resolve and check; raises one ConfigError naming every bad flag and file."""
     cfg = parse_args(argv, world_size if world_size is not None else world_size_from_env())
     unreadable = path_problems(cfg) + _resolve_vocabulary(cfg)
-    cfg = resolve(cfg)
-    found = unreadable + problems(cfg)
+    resolved = resolve(cfg)
+    found = unreadable + problems(resolved, given=cfg)
     if not unreadable:   # the files exist and the vocabulary is known: read them
-        found += _data_file_problems(cfg)
+        found += _data_file_problems(resolved)
     if found:
         raise config_error(found)
-    return cfg
+    return resolved
 
 
 def _data_file_problems(cfg: Config) -> list[str]:
