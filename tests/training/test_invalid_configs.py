@@ -116,10 +116,12 @@ def test_every_problem_in_one_report(tmp_path, capsys, monkeypatch):
     afile = tmp_path / "a_file"
     afile.write_text("")
     err = _refusal(["--data-path", str(tmp_path / "d"), "--clip-grad", "-1", "--adam-beta1",
-                    "1.5", "--lr", "0.1", "--min-lr", "0.5", "--tensorboard-dir", str(afile), "--split", "0,0,0",
+                    "1.5", "--lr", "0.1", "--min-lr", "0.5", "--tensorboard-dir", str(afile),
+                    "--split", "0,0,0",
                     "--async-save", "--num-layers", "3", "--pipeline-model-parallel-size", "2",
                     "--world-size", "2", "--dry-run"], capsys, monkeypatch)
-    for text in ("--clip-grad must be >= 0", "--adam-beta1 must be in [0, 1)", "--min-lr 0.5 is above",
+    for text in ("--clip-grad must be >= 0", "--adam-beta1 must be in [0, 1)",
+                 "--min-lr 0.5 is above",
                  "--tensorboard-dir", "--split '0,0,0'", "--async-save needs",
                  "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2",
                  "--data-path: missing", "--data-path needs --tokenizer-type"):
