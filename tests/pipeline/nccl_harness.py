@@ -7,6 +7,7 @@ import functools
 
 import torch
 
+from megatron_ul.model.gpt import GPTModel
 from megatron_ul.mpu.parallel_state import single_rank_dims
 from megatron_ul.mpu.random import model_parallel_seed
 from megatron_ul.pipeline.model import (PipelineStageModel, build_stage_chunks,
@@ -78,10 +79,17 @@ def run_pipeline(pp: int, chunks: int, num_micro_batches: int, forward_only: boo
     return losses[-1], (None if forward_only else summed_grads(models))
 
 
+@functools.lru_cache(maxsize=None)
 def run_reference(layers: int, num_micro_batches: int):
-    from megatron_ul.model.gpt import GPTModel
-    model_parallel_seed(SEED, single_rank_dims())
-    model = GPTModel(model_config(layers), seed=SEED, dims=single_rank_dims())
-    num_tokens = torch.tensor(float(num_micro_batches * MICRO_BATCH * SEQ))
-    loss = forward_backward_no_pipelining(model, micro_batches(num_micro_batches), num_tokens)
+    """(loss sum, gradients) of the same batch in one process, without pipelining."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)    # a tiny model: more threads only contend on a loaded machine
+    try:
+        model_parallel_seed(SEED, single_rank_dims())
+        model = GPTModel(model_config(layers), seed=SEED, dims=single_rank_dims())
+        num_tokens = torch.tensor(float(num_micro_batches * MICRO_BATCH * SEQ))
+        loss = forward_backward_no_pipelining(model, micro_batches(num_micro_batches),
+                                              num_tokens)
+    finally:
+        torch.set_num_threads(threads)
     return loss, {name: p.grad for name, p in model.named_parameters()}

@@ -363,6 +363,7 @@ def run_ranks(fn: Callable[[int], object], world_size: int, eager_bytes: int = 0
 
     def body(rank: int) -> None:
         _state.rank, _state.world = rank, world
+        torch.set_num_threads(1)        # ranks are the parallelism; don't oversubscribe cores
         try:
             results[rank] = fn(rank)
             world.finish(rank)
@@ -375,12 +376,14 @@ def run_ranks(fn: Callable[[int], object], world_size: int, eager_bytes: int = 0
     patches = [mock.patch.object(dist, name, value) for name, value in _REPLACED.items()]
     for patch in patches:
         patch.start()
+    threads_before = torch.get_num_threads()
     try:
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(WAIT_LIMIT_S * 2)
     finally:
+        torch.set_num_threads(threads_before)
         for patch in reversed(patches):
             patch.stop()
     if any(thread.is_alive() for thread in threads):
