@@ -7,13 +7,16 @@ exists only on the last stage; the other stages return a zero loss sum (step.py 
 last stage's value over the pp group).
 
 Pipelined schedules are written as an ordered list of operations per rank, ("F" or "B",
-model chunk, micro-batch), executed with asynchronous sends and receives that block only when
-the received tensor is needed (see p2p.py). The orders are Megatron's:
+model chunk, micro-batch), cut into communication steps: after each step one batched p2p call
+sends what the step produced and receives what the next step needs, and completes before the
+next step runs (p2p.py says why NCCL needs this). The orders and steps are Megatron's:
   1F1B: warm-up of min(PP - r - 1, m) forwards, then one forward / one backward, then the
-    remaining backwards.
+    remaining backwards; every operation is a step (send_forward_recv_backward after a
+    steady-state forward, send_backward_recv_forward after its backward).
   interleaved 1F1B: the same over m·v virtual micro-batches, with a warm-up of
     2·(PP - r - 1) + (v - 1)·PP, and virtual micro-batch k running on model chunk
-    (k mod PP·v) div PP (reversed for backwards).
+    (k mod PP·v) div PP (reversed for backwards); a steady-state forward and the backward
+    after it are one step (send_forward_backward_recv_forward_backward), the rest one each.
 """
 from __future__ import annotations
 
@@ -100,7 +103,7 @@ def interleaved_steps(pipeline_size: int, pp_rank: int, num_micro_batches: int, 
     if forward_only:
         return [(op,) for op in forward]
     backward = [("B", *chunk_and_micro_batch(k, False)) for k in range(total)]
-    steps = [(op,) for op in forward[:warmup]]
+    steps: list[tuple] = [(op,) for op in forward[:warmup]]
     steps += [(forward[warmup + k], backward[k]) for k in range(total - warmup)]
     return steps + [(op,) for op in backward[total - warmup:]]
 

@@ -14,8 +14,8 @@ def _ring_rank(size: int, group: Group):
         ring = Ring(group, rank, size, (rank + 1) % size, (rank - 1) % size)
         positions = ring_local_positions(rank, size, 32)
         for documents, window, (hq, hk) in [(None, None, (4, 4)), (document_mask(), 5, (4, 2))]:
-            _compare(lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=documents,
-                                                    window=window),
+            _compare(lambda q, k, v, d=documents, w=window: ring_attention(
+                         q, k, v, ring, attention_mask=d, window=w),
                      positions, hq, hk, window_mask(window, documents),
                      f"R={size} documents={documents is not None} window={window}")
     return body
