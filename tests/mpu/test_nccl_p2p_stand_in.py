@@ -163,3 +163,13 @@ def test_operations_of_one_communicator_run_in_issue_order():
 
     with pytest.raises(Deadlock, match="queued isend"):
         run_ranks(body, 3)
+
+
+def test_a_rank_s_own_error_is_raised_rather_than_a_deadlock():
+    def body(rank):
+        if rank == 0:
+            raise KeyError("the rank's own bug")
+        dist.recv(torch.empty(1), 0, group=PAIR)
+
+    with pytest.raises(KeyError, match="own bug"):
+        run_ranks(body, 2)

@@ -256,8 +256,11 @@ class _World:
         return self.failure
 
     def _raise_failure(self) -> None:
-        if self.failure is not None:
+        """Stop a waiting rank once any rank has failed (run_ranks raises the original)."""
+        if isinstance(self.failure, (Deadlock, MessageMismatch)):
             raise type(self.failure)(str(self.failure))
+        if self.failure is not None:
+            raise RuntimeError("another stand-in rank failed") from self.failure
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
