@@ -286,7 +286,12 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = flag(None, help="write TensorBoard scalars here")
     timing_log_level: Literal[0, 1, 2] = flag(
         0, help="0: iteration time; 1: + forward, backward, all-to-all, gradient reduction, "
-                "optimizer; 2: + per-layer-call all-to-all counts")
+                "optimizer; 2: + per-layer-call all-to-all counts. On a GPU the phases are "
+                "timed with CUDA events, without host syncs")
+    timing_device_sync: bool = flag(
+        False, help="synchronise the device around every timed phase (wall-clock split that "
+                    "gives each kernel to the phase that issued it; costs two host syncs per "
+                    "timed call, per layer for the all-to-all, and the overlap)")
     peak_tflops: Optional[float] = flag(
         None, help="per-GPU peak TFLOP/s for MFU (default: known GPU names, e.g. A100 312, "
                    "H100/H200 989 bf16 dense)")

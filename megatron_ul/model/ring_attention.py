@@ -52,7 +52,7 @@ from ..mpu.parallel_state import ParallelDims
 from ..data.sequence_layout import ring_chunks
 from .document_attention import DocumentMask
 
-KV_TAG, DKV_TAG = 11, 12   # distinct from the pipeline's tags; two streams share each link
+KV_TAG, DKV_TAG = 11, 12   # labels only: NCCL ignores tags, the posting order pairs messages
 
 # Optional time split (benchmarks): CPU seconds in unit kernels, wall seconds blocked on p2p.
 _times: Optional[dict] = None
@@ -99,7 +99,14 @@ class Ring:
         return cls(dims.cp_group, dims.cp_rank, dims.cp, dims.cp_next_rank, dims.cp_prev_rank)
 
     def start_shift(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
-        """Send `send` to the next rank and receive the previous rank's into `recv`, async."""
+        """Send `send` to the next rank and receive the previous rank's into `recv`, async.
+
+        One batch_isend_irecv: NCCL completes a communicator's operations in issue order and a
+        large send only once the peer receives, so a lone send before the receive would
+        deadlock the ring. Every rank posts the same sequence of shifts (forward: k/v per
+        step; backward: k/v, then dk/dv, per step), so the k-th message from a rank meets the
+        k-th receive of its neighbour (tests/model/test_ring_nccl.py runs it under NCCL's
+        rules)."""
         record("p2p", send, self.group)
         ops = [dist.P2POp(dist.isend, send, self.next_rank, self.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev_rank, self.group, tag)]

@@ -2,13 +2,23 @@
 
 Activations [N/SP, b, h] (÷TP on dim 0 under --sequence-parallel) go to the next stage and
 their gradients come back to the previous one. Shapes are known from the configuration, so no
-shape exchange precedes a message. Sends are asynchronous (isend) and kept alive until
-`wait_sends()`; receives block until the data is there. The next/previous ranks wrap around
-the pp group, which the interleaved schedule needs (the last stage feeds model chunk v+1 on
-the first stage). Forward activations and backward gradients use different tags, so that with
-two stages the two streams that share the 0 -> 1 link never get mixed up.
+shape exchange precedes a message. The next/previous ranks wrap around the pp group, which the
+interleaved schedule needs (the last stage feeds model chunk v+1 on the first stage).
+
+Every schedule step's messages go out as ONE `batch_isend_irecv`, which is waited for before the
+step's compute needs its input, as Megatron-LM's p2p_communication does. NCCL ignores tags,
+completes a communicator's operations in issue order and lets a large send finish only once the
+peer has posted the receive: a lone send followed by a receive deadlocks against a peer doing
+the same (1F1B's steady state: stage 0 sends F(i+1) and awaits B(i) while stage 1 sends B(i)
+and awaits F(i+1)). Grouped in one batch, a step's send and receive are posted together and
+progress together. Within a batch the forward stream's operations come before the backward
+stream's on every rank, so with two stages, where both streams share each link, the k-th send
+from a rank meets the k-th receive on its peer (tests/stand_ins/nccl_p2p.py checks all of it).
+The tags only label the two streams for gloo and the stand-in.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -21,43 +31,49 @@ BACKWARD_TAG = 2
 
 
 class StageCommunicator:
-    """send/recv of activations and their gradients between adjacent pipeline stages."""
+    """Batched send/recv of activations and their gradients between adjacent pipeline stages.
+    Receive buffers are allocated with `dtype`, the traffic dtype the schedule chooses."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device, dims: ParallelDims):
         self.shape, self.dtype, self.device = tuple(shape), dtype, device
         self.group = dims.pp_group
         self.next_rank, self.prev_rank = dims.next_stage_rank, dims.prev_stage_rank
-        self._pending: list[tuple[dist.Work, torch.Tensor]] = []
 
-    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach().to(self.dtype).contiguous()
         if tuple(tensor.shape) != self.shape:
             raise RuntimeError(f"pipeline send of shape {tuple(tensor.shape)}, expected "
                                f"{self.shape}")
         record("send", tensor, self.group)
-        work = dist.isend(tensor, dst, group=self.group, tag=tag)
-        assert work is not None, "isend on a pipeline group this rank is not part of"
-        self._pending.append((work, tensor))
-
-    def _recv(self, src: int, tag: int) -> torch.Tensor:
-        tensor = torch.empty(self.shape, dtype=self.dtype, device=self.device)
-        dist.recv(tensor, src, group=self.group, tag=tag)
         return tensor
 
-    def send_forward(self, activation: torch.Tensor) -> None:
-        self._send(activation, self.next_rank, FORWARD_TAG)
+    def _buffer(self) -> torch.Tensor:
+        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
-    def recv_forward(self) -> torch.Tensor:
-        return self._recv(self.prev_rank, FORWARD_TAG)
-
-    def send_backward(self, grad: torch.Tensor) -> None:
-        self._send(grad, self.prev_rank, BACKWARD_TAG)
-
-    def recv_backward(self) -> torch.Tensor:
-        return self._recv(self.next_rank, BACKWARD_TAG)
-
-    def wait_sends(self) -> None:
-        """Block until every send issued so far has been delivered."""
-        for work, _ in self._pending:
-            work.wait()
-        self._pending.clear()
+    def communicate(self, *, send_forward: Optional[torch.Tensor] = None,
+                    send_backward: Optional[torch.Tensor] = None, recv_forward: bool = False,
+                    recv_backward: bool = False
+                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """One step's messages in one batch, completed before returning: send an activation
+        to the next stage and/or a gradient to the previous one; receive an activation from
+        the previous stage and/or a gradient from the next. Returns (activation, gradient)
+        received (None where not asked for)."""
+        activation = self._buffer() if recv_forward else None
+        gradient = self._buffer() if recv_backward else None
+        ops = []
+        if send_forward is not None:
+            ops.append(dist.P2POp(dist.isend, self._outgoing(send_forward), self.next_rank,
+                                  self.group, FORWARD_TAG))
+        if activation is not None:
+            ops.append(dist.P2POp(dist.irecv, activation, self.prev_rank, self.group,
+                                  FORWARD_TAG))
+        if send_backward is not None:
+            ops.append(dist.P2POp(dist.isend, self._outgoing(send_backward), self.prev_rank,
+                                  self.group, BACKWARD_TAG))
+        if gradient is not None:
+            ops.append(dist.P2POp(dist.irecv, gradient, self.next_rank, self.group,
+                                  BACKWARD_TAG))
+        if ops:
+            for request in dist.batch_isend_irecv(ops):
+                request.wait()
+        return activation, gradient

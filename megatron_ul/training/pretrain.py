@@ -85,7 +85,7 @@ def setup(cfg: Config) -> Trainer:
         claim_save_dir(cfg)   # a second job saving into the same directory stops here
     if torch.distributed.get_rank() != 0 and not is_reporting_rank(dims):
         logging.getLogger().setLevel(logging.WARNING)  # one rank tells the story
-    timers = Timers(cfg.logging.timing_log_level, device.type)
+    timers = Timers(cfg.logging.timing_log_level, device.type, cfg.logging.timing_device_sync)
     model = build_model(cfg, device, dims, timers)
     if torch.distributed.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())

@@ -154,3 +154,18 @@ def test_exit_duration_follows_the_jobs_time_left(tmp_path, time_left, minutes):
     _, argv = script_arguments(path, EXIT_DURATION_IN_MINS="none",
                                **fake_squeue(tmp_path, time_left))
     assert flag(argv, "--exit-duration-in-mins") is None
+
+
+@pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
+def test_script_turns_on_no_per_collective_host_sync(path):
+    """--timing-log-level times with CUDA events; what would sync the host per timed call or per
+    collective (--timing-device-sync, blocking NCCL waits, blocking launches) stays off."""
+    _, argv = script_arguments(path)
+    assert "--timing-device-sync" not in argv
+    for script in glob.glob(os.path.join(ROOT, "scripts", "**", "*"), recursive=True):
+        if not os.path.isfile(script):
+            continue
+        text = open(script).read()
+        for setting in ("CUDA_LAUNCH_BLOCKING=1", "NCCL_BLOCKING_WAIT=1",
+                        "--timing-device-sync"):
+            assert setting not in text, f"{script} sets {setting}"

@@ -4,9 +4,10 @@
 For each layout, spawns PP gloo ranks on this machine (one thread each), runs the real
 schedule (megatron_ul.pipeline.schedules) on a model big enough that compute dominates the
 point-to-point traffic, and times on every rank the wall time of one forward-backward over
-the global batch and the time spent blocked waiting for a neighbour (receives, and the final
-wait for sends). Bubble = blocked time / wall time, averaged over ranks (min-max in brackets),
-printed next to the formulas (p-1)/(m+p-1) for 1F1B and (p-1)/(v·m+p-1) for interleaved.
+the global batch and the time spent blocked waiting for a neighbour (each step's batched
+send/receive, StageCommunicator.communicate). Bubble = blocked time / wall time, averaged over
+ranks (min-max in brackets), printed next to the formulas (p-1)/(m+p-1) for 1F1B and
+(p-1)/(v·m+p-1) for interleaved.
 
 With --write-docs the table replaces the benchmark section of docs/pipeline.md.
 """
@@ -61,7 +62,7 @@ def trainer_flags(args, pp: int, per_virtual) -> list[str]:
 def _instrument_waits(counter: dict) -> None:
     """Count the time each rank spends blocked on its neighbours."""
     from megatron_ul.pipeline.p2p import StageCommunicator
-    recv, wait = StageCommunicator._recv, StageCommunicator.wait_sends
+    communicate = StageCommunicator.communicate
 
     def timed(fn):
         def run(*a, **k):
@@ -71,7 +72,7 @@ def _instrument_waits(counter: dict) -> None:
             finally:
                 counter["blocked"] += time.perf_counter() - start
         return run
-    StageCommunicator._recv, StageCommunicator.wait_sends = timed(recv), timed(wait)
+    StageCommunicator.communicate = timed(communicate)
 
 
 def _measure_rank(rank, world, flags, iters):

@@ -1,0 +1,26 @@
+"""The ring's k/v and dk/dv exchange completes under NCCL's point-to-point rules (the stand-in in
+tests/stand_ins/nccl_p2p.py: in-order per communicator, rendezvous sends, tags ignored) at R = 2
+and R = 4, forward and backward, and still equals plain causal attention on the full sequence."""
+import pytest
+
+from megatron_ul.data.sequence_layout import ring_local_positions
+from megatron_ul.model.ring_attention import Ring, ring_attention
+from tests.model.test_ring_attention import _compare, document_mask, window_mask
+from tests.stand_ins.nccl_p2p import Group, run_ranks
+
+
+def _ring_rank(size: int, group: Group):
+    def body(rank: int):
+        ring = Ring(group, rank, size, (rank + 1) % size, (rank - 1) % size)
+        positions = ring_local_positions(rank, size, 32)
+        for documents, window, (hq, hk) in [(None, None, (4, 4)), (document_mask(), 5, (4, 2))]:
+            _compare(lambda q, k, v, d=documents, w=window: ring_attention(
+                         q, k, v, ring, attention_mask=d, window=w),
+                     positions, hq, hk, window_mask(window, documents),
+                     f"R={size} documents={documents is not None} window={window}")
+    return body
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_ring_forward_and_backward_complete_under_nccl_rules(size):
+    run_ranks(_ring_rank(size, Group(tuple(range(size)))), size)
