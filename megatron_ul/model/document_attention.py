@@ -42,6 +42,7 @@ class DocumentMask:
     cu_seqlens: torch.Tensor
     batch_size: int
     _host: Optional[list] = field(default=None, repr=False)
+    _ids: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def seq_length(self) -> int:
@@ -52,6 +53,15 @@ class DocumentMask:
         if self._host is None:   # one device->host copy per micro-batch, not per layer
             self._host = self.cu_seqlens.tolist()
         return self._host
+
+    def token_documents(self) -> torch.Tensor:
+        """[b, N] index of each token's document, on the offsets' device (O(N); computed
+        once per micro-batch, not per layer)."""
+        if self._ids is None:
+            cu = self.cu_seqlens.long()
+            flat = torch.arange(self.offsets[-1], device=cu.device)
+            self._ids = torch.searchsorted(cu[1:], flat, right=True).view(self.batch_size, -1)
+        return self._ids
 
     @property
     def max_seqlen(self) -> int:
