@@ -91,7 +91,8 @@ def _flash_attn_forward(q, k, v, causal, bias, scale):
                                     **_window_kwargs(fa._flash_attn_forward))
     # 2.7: (out, lse, S_dmask, rng_state); 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng)
     out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
-    return out.transpose(1, 2), lse
+    # the kernel gives rows without keys lse +inf; the merge needs -inf
+    return out.transpose(1, 2), lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
 def _flash_attn_backward(dout, q, k, v, out, lse, causal, bias, scale):
@@ -118,14 +119,15 @@ def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
-def _heads_bias(bias, heads):
-    return None if bias is None else bias.expand(bias.shape[0], heads, *bias.shape[2:])
+def _full_bias(bias, q):
+    """[b or 1, 1, Sq, Sk] -> [b, hq, Sq, Sk] by strides only (the kernel takes no broadcast)."""
+    return None if bias is None else bias.expand(q.shape[0], q.shape[1], *bias.shape[2:])
 
 
 def _efficient_forward(q, k, v, causal, bias, scale):
     heads = q.shape[1]
     out, lse, _, _ = cuda_ops._scaled_dot_product_efficient_attention(
-        q, _expand_heads(k, heads), _expand_heads(v, heads), _heads_bias(bias, heads), True,
+        q, _expand_heads(k, heads), _expand_heads(v, heads), _full_bias(bias, q), True,
         0.0, causal, scale=scale)
     return _empty_rows_to_neg_inf(out, lse[..., :q.shape[2]], bias)
 
@@ -138,7 +140,7 @@ def _efficient_backward(dout, q, k, v, out, lse, causal, bias, scale):
     no_rng = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = cuda_ops._scaled_dot_product_efficient_attention_backward(
         dout.contiguous(), q, _expand_heads(k, heads), _expand_heads(v, heads),
-        _heads_bias(bias, heads), out.contiguous(), padded, no_rng, no_rng, 0.0,
+        _full_bias(bias, q), out.contiguous(), padded, no_rng, no_rng, 0.0,
         [True, True, True, False], causal, scale=scale)
     group = heads // k.shape[1]
     if group > 1:

@@ -257,12 +257,12 @@ def _calls(plan: _Plan, unit: _Unit, dtype, device):
 
 # ---- one step's compute (no communication; also what bench_ring times per rank) ----------------
 def forward_step(qg, out, lse, kv, work, scale, plan: _Plan) -> None:
-    """Attend the chunked queries qg [2, b, hq, C, d] to the block kv [2, 2, b, hk, C, d]
-    (chunk, k/v, ...) over the units `work`, merging into out / lse [2, b, hq, C(, d)] (fp32
-    or wider) in place."""
+    """Attend the chunked queries qg [2, b, hq, C, d] to the block kv [2 (k, v), L, b, hk, d]
+    over the units `work`, merging into out / lse [2, b, hq, C(, d)] (fp32 or wider, views
+    of the [L, ...] results) in place."""
     with _timed("compute_cpu_s", time.thread_time):
         for unit in work:
-            k, v = kv[unit.kv, 0], kv[unit.kv, 1]
+            k, v = chunked(kv[0])[unit.kv], chunked(kv[1])[unit.kv]
             for kernel, rows, causal, bias in _calls(plan, unit, qg.dtype, qg.device):
                 unit_out, unit_lse = kernel.forward(qg[unit.q][:, :, rows], k, v, causal, bias,
                                                     scale)
@@ -273,46 +273,32 @@ def forward_step(qg, out, lse, kv, work, scale, plan: _Plan) -> None:
 
 def backward_step(qg, dog, outg, lse, kv, dq, dkv, work, scale, plan: _Plan) -> None:
     """Add this block's share of dq into dq [2, b, hq, C, d] and of its dk/dv into the
-    travelling accumulator dkv [2, 2, b, hk, C, d] (fp32 or wider), in place; outg and lse
-    are the final (merged) output and log-sum-exp."""
+    travelling accumulator dkv [2 (k, v), L, b, hk, d] (fp32 or wider), in place; outg and
+    lse are the final (merged) output and log-sum-exp."""
     with _timed("compute_cpu_s", time.thread_time):
         for unit in work:
-            q, k, v = unit.q, kv[unit.kv, 0], kv[unit.kv, 1]
+            q, k, v = unit.q, chunked(kv[0])[unit.kv], chunked(kv[1])[unit.kv]
+            dk, dv = chunked(dkv[0])[unit.kv], chunked(dkv[1])[unit.kv]
             for kernel, rows, causal, bias in _calls(plan, unit, qg.dtype, qg.device):
                 dq_u, dk_u, dv_u = kernel.backward(dog[q][:, :, rows], qg[q][:, :, rows], k, v,
                                                    outg[q][:, :, rows], lse[q][:, :, rows],
                                                    causal, bias, scale)
                 dq[q][:, :, rows].add_(dq_u)
-                dkv[unit.kv, 0].add_(dk_u)
-                dkv[unit.kv, 1].add_(dv_u)
+                dk.add_(dk_u)
+                dv.add_(dv_u)
 
 
-# ---- layout helpers ----------------------------------------------------------------------------
+# ---- layout helpers: chunk views of [L, b, h, d] tensors, no copies -----------------------------
 def chunked(x: torch.Tensor) -> torch.Tensor:
-    """[L, b, h, d] -> [2, b, h, C, d] (C = L/2), contiguous, in x's dtype."""
+    """[L, b, h, d] -> a view [2, b, h, C, d] (C = L/2): chunk, then the kernels' layout."""
     length, b, h, d = x.shape
-    return x.view(2, length // 2, b, h, d).permute(0, 2, 3, 1, 4).contiguous()
-
-
-def _unchunked(x: torch.Tensor) -> torch.Tensor:
-    """[2, b, h, C, d] -> [L, b, h, d]."""
-    _, b, h, c, d = x.shape
-    return x.permute(0, 3, 1, 2, 4).reshape(2 * c, b, h, d)
-
-
-def _unpacked(dkv: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[2 chunks, 2 (k, v), b, hk, C, d] -> dk, dv [L, b, hk, d] in `dtype`."""
-    _, _, b, hk, c, d = dkv.shape
-    both = dkv.permute(1, 0, 4, 2, 3, 5).reshape(2, 2 * c, b, hk, d).to(dtype)
-    return both[0], both[1]
+    return x.view(2, length // 2, b, h, d).permute(0, 2, 3, 1, 4)
 
 
 def packed_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """k, v [L, b, hk, d] -> one contiguous [2 chunks, 2 (k, v), b, hk, C, d] buffer in the
-    model's dtype: one message per step."""
-    length, b, hk, d = k.shape
-    both = torch.stack([k, v]).view(2, 2, length // 2, b, hk, d)     # (k/v, chunk, ...)
-    return both.permute(1, 0, 3, 4, 2, 5).contiguous()
+    """k, v [L, b, hk, d] -> one contiguous [2 (k, v), L, b, hk, d] buffer in the model's
+    dtype: one message per step."""
+    return torch.stack([k, v])
 
 
 class _RingAttention(torch.autograd.Function):
@@ -322,17 +308,17 @@ class _RingAttention(torch.autograd.Function):
         qg = chunked(q)
         kv = packed_kv(k, v)
         # partial outputs and log-sum-exp merge in fp32 (fp64 for fp64)
-        out = torch.zeros(qg.shape, dtype=lse_kernels.lse_dtype(q.dtype), device=q.device)
+        out = torch.zeros(q.shape, dtype=lse_kernels.lse_dtype(q.dtype), device=q.device)
         lse = torch.full(qg.shape[:4], float("-inf"), dtype=out.dtype, device=q.device)
         spare = torch.empty_like(kv)
         for step in range(ring.size):
             pending = ring.start_shift(kv, spare, KV_TAG) if step < ring.size - 1 else []
             src = (ring.rank - step) % ring.size
-            forward_step(qg, out, lse, kv, plan.step(src), scale, plan)
+            forward_step(qg, chunked(out), lse, kv, plan.step(src), scale, plan)
             _wait(pending)
             if pending:
                 kv, spare = spare, kv
-        out = _unchunked(out).to(q.dtype)
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale, ctx.plan = ring, scale, plan
         return out
@@ -344,7 +330,7 @@ class _RingAttention(torch.autograd.Function):
         qg, dog, outg = chunked(q), chunked(dout.to(q.dtype)), chunked(out)
         kv = packed_kv(k, v)
         spare = torch.empty_like(kv)
-        dq = torch.zeros(qg.shape, dtype=lse.dtype, device=q.device)
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         # dk/dv accumulators travel in fp32 (or wider): sums of R partial gradients.
         dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
         dkv_in = torch.empty_like(dkv)
@@ -356,7 +342,7 @@ class _RingAttention(torch.autograd.Function):
             if step > 0:   # the accumulator of src's block, from the previous rank
                 _wait(dkv_pending)
                 dkv, dkv_in = dkv_in, dkv
-            backward_step(qg, dog, outg, lse, kv, dq, dkv, work, scale, plan)
+            backward_step(qg, dog, outg, lse, kv, chunked(dq), dkv, work, scale, plan)
             # Pass src's accumulator on (even when no unit touched it); after the last step
             # it reaches its owner.
             dkv_pending = ring.start_shift(dkv, dkv_in, DKV_TAG)
@@ -364,7 +350,7 @@ class _RingAttention(torch.autograd.Function):
             if kv_pending:
                 kv, spare = spare, kv
         _wait(dkv_pending)
-        return (_unchunked(dq).to(q.dtype), *_unpacked(dkv_in, k.dtype), None, None, None)
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
 
 
 def ring_plan(ring: Ring, length: int, device: torch.device, dtype: torch.dtype,
