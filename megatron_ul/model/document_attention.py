@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from ..mpu.random import _device_rng_get, _device_rng_set, get_rng_tracker
-from .attention import _announce_once, _flash_attn_module, flash_attn_refusal, require_one_dtype
+from .attention import (_announce_once, _flash_attn_module, expand_kv_for_sdpa, flash_attn_refusal,
+                        require_one_dtype)
 
 # queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
 WINDOW_QUERY_BLOCK = 512
@@ -96,6 +97,7 @@ def _blocks(offsets: list[int], seq_length: int, window: Optional[int]):
 def _block_attention(q, k, v, block, window, dropout_p, scale):
     """One block: q [Lq, h, d], k/v [Lk, hk, d] -> [Lq, h, d]."""
     _, q0, q1, k0, k1, needs_mask = block
+    k, v = expand_kv_for_sdpa(q, k, v, needs_mask, heads_dim=1)
     q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, h, L, d]
     gqa = k.shape[1] != q.shape[1]
     if not needs_mask:
@@ -193,15 +195,3 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bac
         offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
         return _BlockwiseAttention.apply(q, k, v, _blocks(offsets, n, window), window,
                                          dropout_p, softmax_scale)
-
-
-def dense_document_mask(documents: DocumentMask) -> torch.Tensor:
-    """Megatron's dense [b, 1, N, N] bool mask (True = masked) for the same documents: the
-    O(N²) reference that tests compare against at small N. Never used for training."""
-    b, n = documents.batch_size, documents.seq_length
-    doc_id = torch.zeros(b * n, dtype=torch.long)
-    doc_id[torch.tensor(documents.offsets[1:-1], dtype=torch.long)] = 1
-    doc_id = doc_id.cumsum(0).view(b, n)
-    same = doc_id.unsqueeze(2) == doc_id.unsqueeze(1)
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    return (~(same & causal)).unsqueeze(1)

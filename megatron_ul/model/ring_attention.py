@@ -24,17 +24,25 @@ Masks compose per unit, from global token positions (chunk index · C + offset):
     alone; a unit that the window cuts through is masked. A step whose units are all skipped
     still passes its k/v (and, backward, its dk/dv) on: the ring's order does not change.
   documents (--reset-attention-mask): the full sequence's document offsets (a DocumentMask,
-    O(N)) become one document id per token; a unit masks pairs across documents and is
-    skipped when the documents exclude all of it. A dense bool mask [b, 1, N, N] (True =
-    masked) is accepted too, for tests.
+    O(N)). Which units to skip and which to mask is decided on the host from the offsets
+    (read once per micro-batch), never by a device sync: a unit is skipped when the first
+    query's document starts after the last key, and masked when one document does not cover
+    it; masks come from one document id per token.
+  A masked unit runs in tiles of MASK_TILE_ROWS query rows with an additive mask [b, 1, T, C],
+  so no mask or score tensor is quadratic in C.
 
 Backward is written out as in FlashAttention: with the final out and lse, a unit's
 probabilities are exp(S - lse) and D = rowsum(dout·out), so dq accumulates locally while each
 k/v block travels around the ring again with its dk/dv accumulator, which takes one last hop
 home. Nothing goes through autograd across p2p.
 
-The unit kernel is plain fp32 matmul + softmax (exact, any device); a FlashAttention-style
-fused kernel returning the log-sum-exp would replace `_unit_forward`/`_unit_backward`.
+The unit kernels (lse_kernels.py, chosen by attention_dispatch.ring_unit_kernels) are fused
+kernels that return the log-sum-exp, in the activation dtype: flash-attn's forward/backward
+for whole units where it is installed, torch's memory-efficient kernel on CUDA otherwise (and
+for masked units), torch's CPU flash kernel on CPU (fp64 too: the exactness tests use it).
+Partial outputs, the log-sum-exp, dq and the travelling dk/dv accumulators are fp32 (fp64 for
+fp64); every tensor is a chunk view of its [L, b, h, d] layout, so nothing is copied to
+or from a blocked layout.
 """
 from __future__ import annotations
 
@@ -52,7 +60,7 @@ from ..mpu.comm_stats import record
 from ..mpu.parallel_state import ParallelDims
 from ..data.sequence_layout import ring_chunks
 from . import lse_kernels
-from .attention import require_one_dtype
+from .attention import _announce_once, require_one_dtype
 from .attention_dispatch import ring_unit_kernels
 from .document_attention import DocumentMask
 from .lse_kernels import UnitKernel
@@ -380,6 +388,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     plan = ring_plan(ring, q.shape[0], q.device, q.dtype, q.shape[-1], backend=backend,
                      window=window, documents=attention_mask)
+    _announce_once(f"ring: {plan.dense.name} for whole units, {plan.masked.name} for units "
+                   f"the window or documents cut")
     # The kernels run in the activation dtype with fp32 accumulation whatever autocast says:
     # autocast would recast the forward's inputs and not the backward's.
     with torch.autocast(q.device.type, enabled=False):

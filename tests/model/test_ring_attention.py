@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from megatron_ul.model.document_attention import DocumentMask, dense_document_mask
+from megatron_ul.model.document_attention import DocumentMask
+from tests.dense_masks import dense_document_mask
 from megatron_ul.model.ring_attention import Ring, measure_ring_time, ring_attention
 from megatron_ul.model.ulysses import DistributedAttention
 from megatron_ul.mpu import comm_stats

@@ -16,7 +16,8 @@ import torch
 from megatron_ul.data.sequence_layout import ring_local_positions
 from megatron_ul.model import lse_kernels
 from megatron_ul.model.attention_dispatch import ring_unit_kernels
-from megatron_ul.model.document_attention import DocumentMask, dense_document_mask
+from megatron_ul.model.document_attention import DocumentMask
+from tests.dense_masks import dense_document_mask
 from megatron_ul.model.ring_attention import (Ring, backward_step, chunked, forward_step,
                                               measure_ring_time, packed_kv, ring_plan)
 from tests.stand_ins.sdpa_efficient_cuda import EfficientOps
