@@ -10,8 +10,11 @@ call (device, dtype, head dim, heads, documents, window, ring, --use-flash-attn)
   sdpa efficient        torch SDPA, its memory-efficient kernel (CUDA fp32; GQA by expanding
                         k/v first, since the kernel takes equal head counts only)
   sdpa cpu-flash        torch SDPA on CPU (its fused flash kernel, any float dtype)
-  document blocks       documents / window on SDPA, one call per document or query block
-                        (document_attention.py: the only path without flash-attn)
+  document tiles        documents / window on CUDA without flash-attn: query tiles of 512 on
+                        torch's efficient kernel, a few calls per tile whatever the number
+                        of documents (tiled_document_attention.py)
+  document blocks       documents / window on the CPU (and with attention dropout): SDPA
+                        once per document or query block (document_attention.py)
   ring: <dense>/<masked> the ring's unit kernels (lse_kernels.py) for unmasked units and for
                         units the window or documents cut through
 
@@ -110,7 +113,7 @@ def attention_kernel(call: AttentionCall) -> str:
     if call.documents or call.window is not None:
         if flash:
             return "flash-attn varlen" if call.documents else "flash-attn"
-        return "document blocks"
+        return "document tiles" if call.device.type == "cuda" else "document blocks"
     if flash:
         return "flash-attn"
     if call.device.type != "cuda":

@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .tiled_document_attention import tiled_document_attention
 from ..mpu.random import _device_rng_get, _device_rng_set, get_rng_tracker
 from .attention import (_announce_once, _flash_attn_module, expand_kv_for_sdpa, flash_attn_refusal,
                         require_one_dtype)
@@ -152,6 +153,15 @@ class _BlockwiseAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def tiled_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float) -> Optional[str]:
+    """The fused kernel of the tiled path (no loop per document), or None for the per-document
+    loop: CUDA runs torch's efficient kernel (fp64: the softmax written out); the CPU, and
+    attention dropout (the tiles' kernels run without it), keep the loop."""
+    if device.type != "cuda" or dropout_p > 0:
+        return None
+    return "reference" if dtype == torch.float64 else "sdpa-efficient"
+
+
 # ---- flash-attn ----------------------------------------------------------------------------
 def _flash(q, k, v, documents, window, dropout_p, scale):
     n, b = q.shape[:2]
@@ -187,11 +197,16 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bac
     use_flash = backend == "flash" and flash_attn_refusal(q.device, q.dtype) is None
     what = ("documents" if documents is not None else "") + (
         f"{' + ' if documents is not None else ''}window {window}" if window is not None else "")
+    tiled = None if use_flash else tiled_kernel(q.device, q.dtype, dropout_p)
     _announce_once(f"{what}: " + ("flash-attn 2 (varlen / window_size)" if use_flash else
-                                  "memory-linear blockwise SDPA"))
+                                  f"document tiles on {tiled}" if tiled else
+                                  "memory-linear blockwise SDPA, one call per document"))
     with get_rng_tracker().fork():   # attention dropout: a per-(TP, SP)-rank stream
         if use_flash:
             return _flash(q, k, v, documents, window, dropout_p, softmax_scale)
+        tiled = tiled_kernel(q.device, q.dtype, dropout_p)
+        if tiled is not None:
+            return tiled_document_attention(q, k, v, documents, window, softmax_scale, tiled)
         offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
         return _BlockwiseAttention.apply(q, k, v, _blocks(offsets, n, window), window,
                                          dropout_p, softmax_scale)

@@ -59,7 +59,8 @@ def _cpu_flash_forward(q, k, v, causal, bias, scale):
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, causal, bias, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse.to(q.dtype if q.dtype == torch.float64 else torch.float32),
+        dout, q, k, v, out,
+        lse.to(q.dtype if q.dtype == torch.float64 else torch.float32).contiguous(),
         0.0, causal, attn_mask=bias, scale=scale)
 
 

@@ -53,7 +53,7 @@ def test_dry_run_names_each_path():
     assert planned_kernel(True, bf16, 128, 32, 8, False, None, False) == (
         "flash-attn where flash-attn is installed, else sdpa flash")
     assert planned_kernel(True, bf16, 128, 32, 8, True, None, False) == (
-        "flash-attn varlen where flash-attn is installed, else document blocks")
+        "flash-attn varlen where flash-attn is installed, else document tiles")
     assert planned_kernel(False, torch.float32, 64, 8, 2, False, None, True) == (
         "ring: sdpa-efficient")
     assert planned_kernel(False, bf16, 64, 8, 2, True, 64, True) == (
