@@ -34,11 +34,10 @@ def table(cases, heads, head_dim) -> str:
     for docs, n in cases:
         documents = DocumentMask(torch.arange(0, n + 1, n // docs, dtype=torch.int32), 1)
         blocks = _blocks(documents.offsets, n, None)
-        loop = _seconds(lambda q, k, v: _BlockwiseAttention.apply(q, k, v, blocks, None, 0.0,
-                                                                  None), n, heads, head_dim)
-        tiles = _seconds(lambda q, k, v: tiled_document_attention(q, k, v, documents, None,
-                                                                  None, "cpu-flash"),
-                         n, heads, head_dim)
+        loop = _seconds(lambda q, k, v, b=blocks: _BlockwiseAttention.apply(
+            q, k, v, b, None, 0.0, None), n, heads, head_dim)
+        tiles = _seconds(lambda q, k, v, d=documents: tiled_document_attention(
+            q, k, v, d, None, None, "cpu-flash"), n, heads, head_dim)
         rows.append([docs, n, n // docs, f"{loop:.2f}", f"{1e3 * loop / docs:.3f}",
                      f"{tiles:.2f}", f"{loop / tiles:.1f}"])
     return markdown_table(["documents", "N", "tokens per document", "loop s",
