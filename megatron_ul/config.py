@@ -80,8 +80,8 @@ class ModelConfig:
     init_method_std: float = flag(0.02, help="std of the normal weight initialisation")
     use_flash_attn: bool = flag(False,
                                 help="FlashAttention-2 where it can run (CUDA, --bf16/--fp16, "
-                                     "flash-attn installed, no --reset-attention-mask), else "
-                                     "torch SDPA; the log says which ran")
+                                     "flash-attn installed; documents via its varlen kernel), "
+                                     "else torch SDPA; the log and --dry-run say which runs")
     gelu_approximate: Literal["none", "tanh"] = flag(
         "none", help="tanh = GPT-2's gelu_new (for Hugging Face GPT-2 weights)")
     recompute_granularity: Optional[Literal["full", "selective"]] = flag(

@@ -38,10 +38,16 @@ def flash_attn_stand_in(monkeypatch):
     from megatron_ul.model.attention import FLASH_ON_CPU_ENV
     monkeypatch.syspath_prepend(STAND_INS)
     monkeypatch.setenv(FLASH_ON_CPU_ENV, "1")
-    sys.modules.pop("flash_attn", None)
+    _forget_flash_attn()
     import flash_attn
+    import flash_attn.flash_attn_interface  # noqa: F401 (registers its call counters)
     assert getattr(flash_attn, "IS_STAND_IN", False), flash_attn.__file__
     for name in flash_attn.calls:
         flash_attn.calls[name] = 0
     yield flash_attn
-    sys.modules.pop("flash_attn", None)
+    _forget_flash_attn()
+
+
+def _forget_flash_attn():
+    for name in [m for m in sys.modules if m == "flash_attn" or m.startswith("flash_attn.")]:
+        sys.modules.pop(name)

@@ -2,11 +2,13 @@
 run, else torch SDPA. No communication happens here.
 
 The rule (one source of truth: `flash_attn_refusal`): FlashAttention-2 runs only when it is
-asked for (--use-flash-attn), `flash_attn` is importable, the tensors are on a CUDA device and
-in fp16/bf16, and no explicit attention mask is given (--reset-attention-mask). Every other
-request falls back to SDPA, and the log says once which path ran and why; it never names
-flash-attn for a call that SDPA computed. Requests are not refused by validation, so that one
-launch script serves a GPU run and an fp32 CPU run.
+asked for (--use-flash-attn), `flash_attn` is importable, and the tensors are on a CUDA device
+and in fp16/bf16. Documents (--reset-attention-mask) and windows never reach this module: they
+travel as offsets to document_attention.py (flash-attn's varlen kernel) or the ring. Every
+other request falls back to SDPA, and the log says once which path ran and why; it never names
+flash-attn for a call that SDPA computed. attention_dispatch.attention_kernel is the whole
+decision (what --dry-run prints). Requests are not refused by validation, so that one launch
+script serves a GPU run and an fp32 CPU run.
 
 Test hook: with the environment variable MEGATRON_UL_TEST_FLASH_ATTN_ON_CPU=1 the CPU counts as
 a device where flash-attn can run. Tests set it together with the strict CPU stand-in of
@@ -71,19 +73,8 @@ def _input_refusal(dtype: Optional[torch.dtype], has_mask: bool) -> Optional[str
         return (f"{str(dtype).replace('torch.', '')} activations, FlashAttention-2 takes only "
                 f"fp16/bf16 (add --bf16 or --fp16)")
     if has_mask:
-        return "an explicit attention mask (--reset-attention-mask)"
+        return "a dense attention mask (tests only: documents travel as offsets)"
     return None
-
-
-def planned_attention(use_flash_attn: bool, activation_dtype: torch.dtype,
-                      has_mask: bool) -> str:
-    """What --dry-run reports: the kernel a run with these flags will use on a GPU."""
-    if not use_flash_attn:
-        return "torch SDPA"
-    why_not = _input_refusal(activation_dtype, has_mask)
-    if why_not is not None:
-        return f"torch SDPA (--use-flash-attn given, but {why_not})"
-    return "flash-attn 2 on GPUs where flash-attn is installed, else torch SDPA"
 
 
 def select_backend(use_flash_attn: bool, device: torch.device) -> str:
@@ -117,6 +108,18 @@ def _own_buffer_unless_shared_with(t: torch.Tensor, q: torch.Tensor) -> torch.Te
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def expand_kv_for_sdpa(q, k, v, has_mask: bool, heads_dim: int = 2):
+    """k, v repeated to q's heads where CUDA SDPA would otherwise run its math kernel (O(N²)
+    memory) because of GQA alone: fp32 (no flash kernel) needs the efficient kernel, which
+    takes equal head counts only (attention_dispatch.sdpa_cuda_backend)."""
+    from .attention_dispatch import sdpa_expands_kv
+    hq, hk = q.shape[heads_dim], k.shape[heads_dim]
+    if not sdpa_expands_kv(q.device, q.dtype, q.shape[-1], hq, hk, has_mask):
+        return k, v
+    return (k.repeat_interleave(hq // hk, dim=heads_dim),
+            v.repeat_interleave(hq // hk, dim=heads_dim))
+
+
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
                     dropout_p: float, attention_mask: Optional[torch.Tensor] = None,
                     softmax_scale: Optional[float] = None) -> torch.Tensor:
@@ -124,8 +127,9 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backen
 
     backend: 'flash' runs FlashAttention-2 when `flash_attn_refusal` allows this call, else
     SDPA; 'sdpa' always SDPA.
-    attention_mask: optional bool [b, 1, N, N], True = masked (Megatron's convention), used for
-    --reset-attention-mask; it already includes the causal part.
+    attention_mask: optional dense bool [b, 1, N, N], True = masked, including the causal part:
+    for tests that compare against Megatron's dense mask (training passes documents as offsets
+    to document_attention instead).
     Returns [N, b, hq, d] in the dtype of q (the activation dtype: never upcast here).
     """
     require_one_dtype(q, k, v)
@@ -150,6 +154,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backen
         # heads inside the kernel instead of keeping k and v repeated hq/hk times for backward.
         # On torch 2.13 CPU the flash kernel takes it; 8 q / 2 kv heads, N=2048, d=64: saved
         # bytes 16.8 MB -> 10.6 MB, forward+backward time unchanged (0.59 s both).
+        k, v = expand_kv_for_sdpa(q, k, v, attention_mask is not None)
         gqa = k.shape[2] != q.shape[2]
         # [N, b, h, d] -> [b, h, N, d]
         q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, k, v))

@@ -28,8 +28,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .tiled_document_attention import tiled_document_attention
 from ..mpu.random import _device_rng_get, _device_rng_set, get_rng_tracker
-from .attention import _announce_once, _flash_attn_module, flash_attn_refusal, require_one_dtype
+from .attention import (_announce_once, _flash_attn_module, expand_kv_for_sdpa, flash_attn_refusal,
+                        require_one_dtype)
 
 # queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
 WINDOW_QUERY_BLOCK = 512
@@ -42,6 +44,7 @@ class DocumentMask:
     cu_seqlens: torch.Tensor
     batch_size: int
     _host: Optional[list] = field(default=None, repr=False)
+    _ids: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def seq_length(self) -> int:
@@ -52,6 +55,15 @@ class DocumentMask:
         if self._host is None:   # one device->host copy per micro-batch, not per layer
             self._host = self.cu_seqlens.tolist()
         return self._host
+
+    def token_documents(self) -> torch.Tensor:
+        """[b, N] index of each token's document, on the offsets' device (O(N); computed
+        once per micro-batch, not per layer)."""
+        if self._ids is None:
+            cu = self.cu_seqlens.long()
+            flat = torch.arange(self.offsets[-1], device=cu.device)
+            self._ids = torch.searchsorted(cu[1:], flat, right=True).view(self.batch_size, -1)
+        return self._ids
 
     @property
     def max_seqlen(self) -> int:
@@ -86,6 +98,7 @@ def _blocks(offsets: list[int], seq_length: int, window: Optional[int]):
 def _block_attention(q, k, v, block, window, dropout_p, scale):
     """One block: q [Lq, h, d], k/v [Lk, hk, d] -> [Lq, h, d]."""
     _, q0, q1, k0, k1, needs_mask = block
+    k, v = expand_kv_for_sdpa(q, k, v, needs_mask, heads_dim=1)
     q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, h, L, d]
     gqa = k.shape[1] != q.shape[1]
     if not needs_mask:
@@ -140,6 +153,15 @@ class _BlockwiseAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
+def tiled_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float) -> Optional[str]:
+    """The fused kernel of the tiled path (no loop per document), or None for the per-document
+    loop: CUDA runs torch's efficient kernel (fp64: the softmax written out); the CPU, and
+    attention dropout (the tiles' kernels run without it), keep the loop."""
+    if device.type != "cuda" or dropout_p > 0:
+        return None
+    return "reference" if dtype == torch.float64 else "sdpa-efficient"
+
+
 # ---- flash-attn ----------------------------------------------------------------------------
 def _flash(q, k, v, documents, window, dropout_p, scale):
     n, b = q.shape[:2]
@@ -175,23 +197,16 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bac
     use_flash = backend == "flash" and flash_attn_refusal(q.device, q.dtype) is None
     what = ("documents" if documents is not None else "") + (
         f"{' + ' if documents is not None else ''}window {window}" if window is not None else "")
+    tiled = None if use_flash else tiled_kernel(q.device, q.dtype, dropout_p)
     _announce_once(f"{what}: " + ("flash-attn 2 (varlen / window_size)" if use_flash else
-                                  "memory-linear blockwise SDPA"))
+                                  f"document tiles on {tiled}" if tiled else
+                                  "memory-linear blockwise SDPA, one call per document"))
     with get_rng_tracker().fork():   # attention dropout: a per-(TP, SP)-rank stream
         if use_flash:
             return _flash(q, k, v, documents, window, dropout_p, softmax_scale)
+        tiled = tiled_kernel(q.device, q.dtype, dropout_p)
+        if tiled is not None:
+            return tiled_document_attention(q, k, v, documents, window, softmax_scale, tiled)
         offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
         return _BlockwiseAttention.apply(q, k, v, _blocks(offsets, n, window), window,
                                          dropout_p, softmax_scale)
-
-
-def dense_document_mask(documents: DocumentMask) -> torch.Tensor:
-    """Megatron's dense [b, 1, N, N] bool mask (True = masked) for the same documents: the
-    O(N²) reference that tests compare against at small N. Never used for training."""
-    b, n = documents.batch_size, documents.seq_length
-    doc_id = torch.zeros(b * n, dtype=torch.long)
-    doc_id[torch.tensor(documents.offsets[1:-1], dtype=torch.long)] = 1
-    doc_id = doc_id.cumsum(0).view(b, n)
-    same = doc_id.unsqueeze(2) == doc_id.unsqueeze(1)
-    causal = torch.ones(n, n, dtype=torch.bool).tril()
-    return (~(same & causal)).unsqueeze(1)

@@ -24,20 +24,29 @@ Masks compose per unit, from global token positions (chunk index · C + offset):
     alone; a unit that the window cuts through is masked. A step whose units are all skipped
     still passes its k/v (and, backward, its dk/dv) on: the ring's order does not change.
   documents (--reset-attention-mask): the full sequence's document offsets (a DocumentMask,
-    O(N)) become one document id per token; a unit masks pairs across documents and is
-    skipped when the documents exclude all of it. A dense bool mask [b, 1, N, N] (True =
-    masked) is accepted too, for tests.
+    O(N)). Which units to skip and which to mask is decided on the host from the offsets
+    (read once per micro-batch), never by a device sync: a unit is skipped when the first
+    query's document starts after the last key, and masked when one document does not cover
+    it; masks come from one document id per token.
+  A masked unit runs in tiles of MASK_TILE_ROWS query rows with an additive mask [b, 1, T, C],
+  so no mask or score tensor is quadratic in C.
 
 Backward is written out as in FlashAttention: with the final out and lse, a unit's
 probabilities are exp(S - lse) and D = rowsum(dout·out), so dq accumulates locally while each
 k/v block travels around the ring again with its dk/dv accumulator, which takes one last hop
 home. Nothing goes through autograd across p2p.
 
-The unit kernel is plain fp32 matmul + softmax (exact, any device); a FlashAttention-style
-fused kernel returning the log-sum-exp would replace `_unit_forward`/`_unit_backward`.
+The unit kernels (lse_kernels.py, chosen by attention_dispatch.ring_unit_kernels) are fused
+kernels that return the log-sum-exp, in the activation dtype: flash-attn's forward/backward
+for whole units where it is installed, torch's memory-efficient kernel on CUDA otherwise (and
+for masked units), torch's CPU flash kernel on CPU (fp64 too: the exactness tests use it).
+Partial outputs, the log-sum-exp, dq and the travelling dk/dv accumulators are fp32 (fp64 for
+fp64); every tensor is a chunk view of its [L, b, h, d] layout, so nothing is copied to
+or from a blocked layout.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from contextlib import contextmanager
@@ -50,7 +59,11 @@ import torch.distributed as dist
 from ..mpu.comm_stats import record
 from ..mpu.parallel_state import ParallelDims
 from ..data.sequence_layout import ring_chunks
+from . import lse_kernels
+from .attention import _announce_once, require_one_dtype
+from .attention_dispatch import ring_unit_kernels
 from .document_attention import DocumentMask
+from .lse_kernels import UnitKernel
 
 KV_TAG, DKV_TAG = 11, 12   # labels only: NCCL ignores tags, the posting order pairs messages
 
@@ -119,101 +132,123 @@ def _wait(requests: list) -> None:
             r.wait()
 
 
-# ---- which C×C units each step computes ----------------------------------------------------------
+# ---- which C×C units each step computes (decided on the host, once per call) ------------------
+# Rows of queries per masked kernel call: the additive mask of one call is [b, 1, T, C], linear
+# in C, where a whole unit's mask would be quadratic.
+MASK_TILE_ROWS = 512
+
+
 @dataclass(frozen=True)
 class _Unit:
     """Local query chunk `q` (0 or 1) against chunk `kv` (0 or 1) of the arriving block; `i`
-    and `j` are their global chunk indices."""
+    and `j` are their global chunk indices. `masked`: the window or the documents cut through
+    the unit (a bias per tile of rows), else the kernel's own causal flag (i == j) or nothing."""
     q: int
     kv: int
     i: int
     j: int
+    masked: bool = False
+
+
+@dataclass(frozen=True)
+class _Documents:
+    """Document starts per sample (host, from the micro-batch's offsets: one device->host copy
+    per micro-batch) and each token's document id [b, N] on the device (for masks)."""
+    starts: tuple[tuple[int, ...], ...]
+    length: int
+    ids: torch.Tensor
+
+    @classmethod
+    def of(cls, documents: DocumentMask) -> "_Documents":
+        n = documents.seq_length
+        starts: list[list[int]] = [[] for _ in range(documents.batch_size)]
+        for offset in documents.offsets[:-1]:
+            sample, position = divmod(offset, n)
+            starts[sample].append(position)
+        return cls(tuple(tuple(s) for s in starts), n, documents.token_documents())
+
+    def span(self, sample: int, position: int) -> tuple[int, int]:
+        """[start, end) of the document holding `position` in `sample`."""
+        starts = self.starts[sample]
+        k = bisect.bisect_right(starts, position) - 1
+        return starts[k], starts[k + 1] if k + 1 < len(starts) else self.length
+
+
+def _unit(q: int, kv: int, i: int, j: int, chunk: int, window: Optional[int],
+          documents: Optional[_Documents]) -> Optional[_Unit]:
+    """The unit, or None when causality, the window or the documents exclude all of it.
+    Relative position of query a vs key b in a unit: (i - j)·C + a - b; its smallest value is
+    (i - j)·C - (C - 1), between the unit's first query and last key."""
+    if j > i:
+        return None                                       # the keys are in the future
+    offset = (i - j) * chunk
+    if window is not None and offset - (chunk - 1) > window:
+        return None                                       # every key is beyond the window
+    masked = window is not None and offset + chunk - 1 > window
+    if documents is not None:
+        samples = range(len(documents.starts))
+        # The first query's document holds the closest pair; if it starts after the last key,
+        # no query of the unit shares a document with any key.
+        if j < i and all(documents.span(s, i * chunk)[0] >= (j + 1) * chunk for s in samples):
+            return None
+        masked = masked or any(documents.span(s, j * chunk)[1] < (i + 1) * chunk
+                               for s in samples)
+    return _Unit(q, kv, i, j, masked)
 
 
 def _units(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], chunk: int,
-           window: Optional[int]) -> list[_Unit]:
-    """The units of one step that causality and the window do not exclude, query-chunk major.
-    Relative position of query a vs key b in a unit: (i - j)·C + a - b."""
-    units = []
-    for q, i in enumerate(q_chunks):
-        for kv, j in enumerate(kv_chunks):
-            if j > i:
-                continue                                  # the keys are in the future
-            if window is not None and (i - j) * chunk - (chunk - 1) > window:
-                continue                                  # every key is beyond the window
-            units.append(_Unit(q, kv, i, j))
-    return units
-
-
-def _unit_mask(unit: _Unit, chunk: int, window: Optional[int], mask: Optional[torch.Tensor],
-               device) -> Optional[torch.Tensor]:
-    """bool [b or 1, 1, C, C] (True = masked) or None: causal on the diagonal, the window
-    where it cuts the unit, and the documents / dense mask (``mask``: document ids [b, N] or
-    a dense bool [b, 1, N, N])."""
-    result = None
-    offset = (unit.i - unit.j) * chunk
-    if unit.i == unit.j or (window is not None and offset + chunk - 1 > window):
-        r = torch.arange(chunk, device=device)
-        distance = offset + r.unsqueeze(1) - r.unsqueeze(0)
-        result = distance < 0
-        if window is not None:
-            result |= distance > window
-        result = result.view(1, 1, chunk, chunk)
-    if mask is not None:
-        rows = slice(unit.i * chunk, (unit.i + 1) * chunk)
-        cols = slice(unit.j * chunk, (unit.j + 1) * chunk)
-        if mask.dtype == torch.bool:
-            extra = mask[:, :, rows, cols]
-        else:
-            extra = (mask[:, rows].unsqueeze(-1) != mask[:, cols].unsqueeze(-2)).unsqueeze(1)
-        result = extra if result is None else result | extra
-    return result
+           window: Optional[int], documents: Optional[_Documents] = None) -> list[_Unit]:
+    """The units of one step that causality, the window and the documents do not exclude,
+    query-chunk major."""
+    units = [_unit(q, kv, i, j, chunk, window, documents)
+             for q, i in enumerate(q_chunks) for kv, j in enumerate(kv_chunks)]
+    return [u for u in units if u is not None]
 
 
 @dataclass(frozen=True)
 class _Plan:
-    """What one rank computes: the global chunks of each ring rank, C, window and mask."""
+    """What one rank computes: the global chunks of each ring rank, C, window, documents and
+    the unit kernels (`dense` for unmasked units, `masked` for those that take a bias)."""
     rank: int
     chunks: tuple[tuple[int, int], ...]    # per ring rank
     chunk: int
     window: Optional[int]
-    mask: Optional[torch.Tensor]
+    documents: Optional[_Documents]
+    dense: UnitKernel = lse_kernels.CPU_FLASH
+    masked: UnitKernel = lse_kernels.CPU_FLASH
 
-    def step(self, src: int, device) -> list[tuple[_Unit, Optional[torch.Tensor]]]:
-        """The (unit, mask) pairs to compute against src's block; units that the mask
-        excludes entirely are dropped (one host sync per unit, only with a mask)."""
-        work = []
-        for unit in _units(self.chunks[self.rank], self.chunks[src], self.chunk, self.window):
-            m = _unit_mask(unit, self.chunk, self.window, self.mask, device)
-            if m is not None and self.mask is not None and bool(m.all()):
-                continue
-            work.append((unit, m))
-        return work
+    def step(self, src: int) -> list[_Unit]:
+        """The units to compute against src's block (host arithmetic only, no device sync)."""
+        return _units(self.chunks[self.rank], self.chunks[src], self.chunk, self.window,
+                      self.documents)
 
+    def tiles(self, unit: _Unit) -> list[tuple[int, int]]:
+        """Query row ranges [r0, r1) of the kernel calls for `unit`."""
+        if not unit.masked:
+            return [(0, self.chunk)]
+        return [(r, min(r + MASK_TILE_ROWS, self.chunk))
+                for r in range(0, self.chunk, MASK_TILE_ROWS)]
 
-# ---- the unit kernel: [b, hk, g·C, d] queries grouped under their kv head ----------------------
-def _scores(q, k, scale, mask: Optional[torch.Tensor], group: int):
-    """fp32 scores [b, hk, g·C, C] with masked entries at -inf."""
-    s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:   # [b|1, 1, Cq, Ck] -> broadcast over kv heads and the group
-        b, hk, rows, lk = s.shape
-        s = s.view(b, hk, group, rows // group, lk).masked_fill(mask.unsqueeze(2),
-                                                                float("-inf"))
-        s = s.view(b, hk, rows, lk)
-    return s
-
-
-def _unit_forward(q, k, v, scale, mask, group):
-    """(out [b, hk, g·C, d], lse [b, hk, g·C]) of one unit; rows that see nothing get out 0
-    and lse -inf (they merge as a no-op)."""
-    s = _scores(q, k, scale, mask, group)
-    row_max = s.amax(-1, keepdim=True)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    p = torch.exp(s - row_max)
-    total = p.sum(-1, keepdim=True)
-    out = torch.matmul(p, v) / total.clamp_min(torch.finfo(total.dtype).tiny)
-    lse = (row_max + total.log()).squeeze(-1)
-    return out, lse
+    def bias(self, unit: _Unit, rows: tuple[int, int], dtype, device) -> Optional[torch.Tensor]:
+        """Additive mask [b or 1, 1, r1 - r0, C] (0 visible, -inf masked) of a masked unit's
+        rows: causality, the window and the documents, from global token positions."""
+        if not unit.masked:
+            return None
+        c = self.chunk
+        qpos = torch.arange(unit.i * c + rows[0], unit.i * c + rows[1], device=device)
+        kpos = torch.arange(unit.j * c, (unit.j + 1) * c, device=device)
+        distance = qpos.unsqueeze(1) - kpos.unsqueeze(0)
+        hidden = (distance < 0).unsqueeze(0)
+        if self.window is not None:
+            hidden = hidden | (distance > self.window)
+        if self.documents is not None:
+            ids = self.documents.ids
+            hidden = hidden | (ids[:, qpos].unsqueeze(2) != ids[:, kpos].unsqueeze(1))
+        # rows padded to a multiple of 16 elements: the CUDA efficient kernel's alignment
+        width = -(-c // lse_kernels.BIAS_ALIGN) * lse_kernels.BIAS_ALIGN
+        bias = torch.zeros(hidden.shape[0], 1, hidden.shape[1], width, dtype=dtype,
+                           device=device)[..., :c]
+        return bias.masked_fill_(hidden.unsqueeze(1), float("-inf"))
 
 
 def _merge(out, lse, unit_out, unit_lse):
@@ -227,140 +262,102 @@ def _merge(out, lse, unit_out, unit_lse):
     lse.copy_(new_lse)
 
 
-def _unit_backward(q, k, v, dout, lse, delta, scale, mask, group):
-    """(dq, dk, dv) of one unit given the FINAL out's lse and delta = rowsum(dout·out)."""
-    s = _scores(q, k, scale, mask, group)
-    p = torch.exp(s - lse.unsqueeze(-1))              # exactly 0 where masked
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    dp = torch.matmul(dout, v.transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, k) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
-    return dq, dk, dv
+def _calls(plan: _Plan, unit: _Unit, dtype, device):
+    """(kernel, rows, causal, bias) per kernel call of `unit`."""
+    kernel = plan.masked if unit.masked else plan.dense
+    for rows in plan.tiles(unit):
+        yield kernel, slice(*rows), unit.i == unit.j and not unit.masked, plan.bias(
+            unit, rows, dtype, device)
 
 
 # ---- one step's compute (no communication; also what bench_ring times per rank) ----------------
-def forward_step(qg, out, lse, kv, work, scale, group) -> None:
-    """Attend the chunked queries qg [2, b, hk, g·C, d] to the block kv [2, 2, b, hk, C, d]
-    (chunk, k/v, ...) over `work`, merging into out / lse [2, b, hk, g·C(, d)] in place."""
+def forward_step(qg, out, lse, kv, work, scale, plan: _Plan) -> None:
+    """Attend the chunked queries qg [2, b, hq, C, d] to the block kv [2 (k, v), L, b, hk, d]
+    over the units `work`, merging into out / lse [2, b, hq, C(, d)] (fp32 or wider, views
+    of the [L, ...] results) in place."""
     with _timed("compute_cpu_s", time.thread_time):
-        for unit, m in work:
-            unit_out, unit_lse = _unit_forward(qg[unit.q], *_kv_chunk(kv, unit.kv), scale, m,
-                                               group)
-            _merge(out[unit.q], lse[unit.q], unit_out, unit_lse)
+        for unit in work:
+            k, v = chunked(kv[0])[unit.kv], chunked(kv[1])[unit.kv]
+            for kernel, rows, causal, bias in _calls(plan, unit, qg.dtype, qg.device):
+                unit_out, unit_lse = kernel.forward(qg[unit.q][:, :, rows], k, v, causal, bias,
+                                                    scale)
+                _merge(out[unit.q][:, :, rows], lse[unit.q][:, :, rows], unit_out, unit_lse)
     if _times is not None:
         _times["forward_blocks"] += len(work)
 
 
-def backward_step(qg, dog, lse, delta, kv, dq, dkv, work, scale, group) -> None:
-    """Add this block's share of dq into dq [2, b, hk, g·C, d] and of its dk/dv into the
-    travelling accumulator dkv [2, 2, b, hk, C, d], in place."""
+def backward_step(qg, dog, outg, lse, kv, dq, dkv, work, scale, plan: _Plan) -> None:
+    """Add this block's share of dq into dq [2, b, hq, C, d] and of its dk/dv into the
+    travelling accumulator dkv [2 (k, v), L, b, hk, d] (fp32 or wider), in place; outg and
+    lse are the final (merged) output and log-sum-exp."""
     with _timed("compute_cpu_s", time.thread_time):
-        for unit, m in work:
-            q = unit.q
-            dq_u, dk_u, dv_u = _unit_backward(qg[q], *_kv_chunk(kv, unit.kv), dog[q], lse[q],
-                                              delta[q], scale, m, group)
-            dq[q].add_(dq_u)
-            dkv[unit.kv, 0].add_(dk_u)
-            dkv[unit.kv, 1].add_(dv_u)
+        for unit in work:
+            q, k, v = unit.q, chunked(kv[0])[unit.kv], chunked(kv[1])[unit.kv]
+            dk, dv = chunked(dkv[0])[unit.kv], chunked(dkv[1])[unit.kv]
+            for kernel, rows, causal, bias in _calls(plan, unit, qg.dtype, qg.device):
+                dq_u, dk_u, dv_u = kernel.backward(dog[q][:, :, rows], qg[q][:, :, rows], k, v,
+                                                   outg[q][:, :, rows], lse[q][:, :, rows],
+                                                   causal, bias, scale)
+                dq[q][:, :, rows].add_(dq_u)
+                dk.add_(dk_u)
+                dv.add_(dv_u)
 
 
-# ---- layout helpers ----------------------------------------------------------------------------
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for half types (scores, softmax and the merge need its range), else unchanged."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def chunked_queries(q: torch.Tensor, hk: int) -> torch.Tensor:
-    """[L, b, hq, d] -> [2, b, hk, g·C, d] (fp32 or wider; C = L/2): per local chunk, query
-    head i under kv head i // g, so that a chunk's rows are one contiguous tensor."""
-    length, b, hq, d = q.shape
-    g, c = hq // hk, length // 2
-    chunked = q.to(_accumulation_dtype(q.dtype)).view(2, c, b, hk, g, d)
-    return chunked.permute(0, 2, 3, 4, 1, 5).reshape(2, b, hk, g * c, d)
-
-
-def _unchunked(x: torch.Tensor, group: int) -> torch.Tensor:
-    """[2, b, hk, g·C, d] -> [L, b, hq, d]."""
-    _, b, hk, rows, d = x.shape
-    c = rows // group
-    return x.view(2, b, hk, group, c, d).permute(0, 4, 1, 2, 3, 5).reshape(2 * c, b, hk * group,
-                                                                           d)
-
-
-def _unpacked(dkv: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[2 chunks, 2 (k, v), b, hk, C, d] -> dk, dv [L, b, hk, d] in `dtype`."""
-    _, _, b, hk, c, d = dkv.shape
-    both = dkv.permute(1, 0, 4, 2, 3, 5).reshape(2, 2 * c, b, hk, d).to(dtype)
-    return both[0], both[1]
+# ---- layout helpers: chunk views of [L, b, h, d] tensors, no copies -----------------------------
+def chunked(x: torch.Tensor) -> torch.Tensor:
+    """[L, b, h, d] -> a view [2, b, h, C, d] (C = L/2): chunk, then the kernels' layout."""
+    length, b, h, d = x.shape
+    return x.view(2, length // 2, b, h, d).permute(0, 2, 3, 1, 4)
 
 
 def packed_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """k, v [L, b, hk, d] -> one contiguous [2 chunks, 2 (k, v), b, hk, C, d] buffer in the
-    model's dtype: one message per step (upcast per unit, at compute)."""
-    length, b, hk, d = k.shape
-    both = torch.stack([k, v]).view(2, 2, length // 2, b, hk, d)     # (k/v, chunk, ...)
-    return both.permute(1, 0, 3, 4, 2, 5).contiguous()
-
-
-def _kv_chunk(kv: torch.Tensor, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    acc = _accumulation_dtype(kv.dtype)
-    return kv[chunk, 0].to(acc), kv[chunk, 1].to(acc)
-
-
-def _document_ids(documents: DocumentMask) -> torch.Tensor:
-    """[b, N] index of each token's document, from the full sequence's cu_seqlens (O(N))."""
-    cu = documents.cu_seqlens.long()
-    flat = torch.arange(int(cu[-1]), device=cu.device)
-    ids = torch.searchsorted(cu[1:], flat, right=True)
-    return ids.view(documents.batch_size, -1)
+    """k, v [L, b, hk, d] -> one contiguous [2 (k, v), L, b, hk, d] buffer in the model's
+    dtype: one message per step."""
+    return torch.stack([k, v])
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, scale: float, plan: _Plan):
         # q [L, b, hq, d]; k, v [L, b, hk, d]
-        hk = k.shape[2]
-        group = q.shape[2] // hk
-        qg = chunked_queries(q, hk)
+        qg = chunked(q)
         kv = packed_kv(k, v)
-        out = torch.zeros_like(qg)
-        lse = torch.full(qg.shape[:4], float("-inf"), dtype=qg.dtype, device=q.device)
+        # partial outputs and log-sum-exp merge in fp32 (fp64 for fp64)
+        out = torch.zeros(q.shape, dtype=lse_kernels.lse_dtype(q.dtype), device=q.device)
+        lse = torch.full(qg.shape[:4], float("-inf"), dtype=out.dtype, device=q.device)
         spare = torch.empty_like(kv)
         for step in range(ring.size):
             pending = ring.start_shift(kv, spare, KV_TAG) if step < ring.size - 1 else []
             src = (ring.rank - step) % ring.size
-            forward_step(qg, out, lse, kv, plan.step(src, q.device), scale, group)
+            forward_step(qg, chunked(out), lse, kv, plan.step(src), scale, plan)
             _wait(pending)
             if pending:
                 kv, spare = spare, kv
+        out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.scale, ctx.plan = ring, scale, plan
-        return _unchunked(out, group).to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale, plan = ctx.ring, ctx.scale, ctx.plan
-        hk = k.shape[2]
-        group = q.shape[2] // hk
-        qg, dog = chunked_queries(q, hk), chunked_queries(dout, hk)
-        delta = (dog * out).sum(-1)                                   # [2, b, hk, g·C]
+        qg, dog, outg = chunked(q), chunked(dout.to(q.dtype)), chunked(out)
         kv = packed_kv(k, v)
         spare = torch.empty_like(kv)
-        dq = torch.zeros_like(qg)
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
         # dk/dv accumulators travel in fp32 (or wider): sums of R partial gradients.
-        dkv = torch.zeros(kv.shape, dtype=qg.dtype, device=kv.device)
+        dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
         dkv_in = torch.empty_like(dkv)
         dkv_pending: list = []
         for step in range(ring.size):
             kv_pending = ring.start_shift(kv, spare, KV_TAG) if step < ring.size - 1 else []
             src = (ring.rank - step) % ring.size
-            work = plan.step(src, q.device)
+            work = plan.step(src)
             if step > 0:   # the accumulator of src's block, from the previous rank
                 _wait(dkv_pending)
                 dkv, dkv_in = dkv_in, dkv
-            backward_step(qg, dog, lse, delta, kv, dq, dkv, work, scale, group)
+            backward_step(qg, dog, outg, lse, kv, chunked(dq), dkv, work, scale, plan)
             # Pass src's accumulator on (even when no unit touched it); after the last step
             # it reaches its owner.
             dkv_pending = ring.start_shift(dkv, dkv_in, DKV_TAG)
@@ -368,27 +365,39 @@ class _RingAttention(torch.autograd.Function):
             if kv_pending:
                 kv, spare = spare, kv
         _wait(dkv_pending)
-        return (_unchunked(dq, group).to(q.dtype), *_unpacked(dkv_in, k.dtype), None, None, None)
+        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
+
+
+def ring_plan(ring: Ring, length: int, device: torch.device, dtype: torch.dtype,
+              head_dim: int, *, backend: str = "sdpa", window: Optional[int] = None,
+              documents: Optional[DocumentMask] = None) -> _Plan:
+    """This rank's plan: its units and the unit kernels `ring_unit_kernels` chooses."""
+    if length % 2:
+        raise ValueError(f"ring attention needs an even local sequence (two chunks), got {length}")
+    dense, masked = ring_unit_kernels(device, dtype, head_dim, backend == "flash")
+    return _Plan(ring.rank, tuple(ring_chunks(r, ring.size) for r in range(ring.size)),
+                 length // 2, window, None if documents is None else _Documents.of(documents),
+                 lse_kernels.kernel_named(dense), lse_kernels.kernel_named(masked))
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
-                   attention_mask: Optional[torch.Tensor] = None, window: Optional[int] = None,
-                   softmax_scale: Optional[float] = None) -> torch.Tensor:
+                   attention_mask: Optional[DocumentMask] = None, window: Optional[int] = None,
+                   softmax_scale: Optional[float] = None, backend: str = "sdpa") -> torch.Tensor:
     """Causal attention of this ring rank's local sequence (chunks r and 2R-1-r) against the
     whole sequence. q [L, b, hq, d]; k, v [L, b, hk, d] (hq a multiple of hk); returns
-    [L, b, hq, d]. attention_mask: None, the full sequence's DocumentMask, or a dense bool
-    [b, 1, N, N] over the full sequence (True = masked). window: query i sees keys
-    i-window..i (None: unlimited)."""
-    length = q.shape[0]
-    if length % 2:
-        raise ValueError(f"ring attention needs an even local sequence (two chunks), got {length}")
+    [L, b, hq, d] in q's dtype. attention_mask: None or the full sequence's DocumentMask.
+    window: query i sees keys i-window..i (None: unlimited). backend 'flash': flash-attn's
+    kernels for the unmasked units where they can run (attention_dispatch)."""
+    if attention_mask is not None and not isinstance(attention_mask, DocumentMask):
+        raise TypeError("ring attention takes the documents as a DocumentMask (offsets), not a "
+                        f"dense mask (got {type(attention_mask).__name__})")
+    require_one_dtype(q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if isinstance(attention_mask, DocumentMask):
-        attention_mask = _document_ids(attention_mask)
-    plan = _Plan(ring.rank, tuple(ring_chunks(r, ring.size) for r in range(ring.size)),
-                 length // 2, window, attention_mask)
-    # The unit kernel chooses its own precision (fp32 accumulation for half types): autocast
-    # would run the forward's matmuls in bf16 and the backward's (outside autocast) in fp32,
-    # and exp(S - lse) would then not be the forward's probabilities.
+    plan = ring_plan(ring, q.shape[0], q.device, q.dtype, q.shape[-1], backend=backend,
+                     window=window, documents=attention_mask)
+    _announce_once(f"ring: {plan.dense.name} for whole units, {plan.masked.name} for units "
+                   f"the window or documents cut")
+    # The kernels run in the activation dtype with fp32 accumulation whatever autocast says:
+    # autocast would recast the forward's inputs and not the backward's.
     with torch.autocast(q.device.type, enabled=False):
         return _RingAttention.apply(q, k, v, ring, scale, plan)

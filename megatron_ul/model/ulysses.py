@@ -53,7 +53,7 @@ class DistributedAttention:
             # config_rules.validate refuses attention dropout with a ring; documents (a
             # DocumentMask) and the sliding window mask and skip blocks inside the ring.
             return ring_attention(q, k, v, self.ring, attention_mask=attention_mask,
-                                  window=self.window)
+                                  window=self.window, backend=self.backend)
         if isinstance(attention_mask, DocumentMask) or self.window is not None:
             if attention_mask is not None and not isinstance(attention_mask, DocumentMask):
                 raise ValueError("a sliding window does not combine with a dense attention mask")

@@ -7,7 +7,7 @@ import math
 import torch
 
 from ..config import Config
-from ..model.attention import planned_attention
+from ..model.attention_dispatch import planned_kernel
 from .memory_estimator import (GiB, estimate_config, init_peak_bytes, layout_from_config,
                                recompute_of)
 
@@ -53,10 +53,9 @@ def describe(cfg: Config) -> str:
         f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision {precision}, "
         f"{activation_bytes}-byte activations; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
-        "attention: " + (f"ring attention over CP {cp} (fp32 block kernel, log-sum-exp merge)"
-                         if cp > 1 else
-                         planned_attention(m.use_flash_attn, activation_dtype, has_mask=False))
-        + (" (per document, varlen)" if cfg.data.reset_attention_mask else ""),
+        "attention kernel on a GPU: " + planned_kernel(
+            m.use_flash_attn, activation_dtype, m.head_dim, m.num_attention_heads,
+            m.query_groups, cfg.data.reset_attention_mask, m.attention_window, cp > 1),
         "long context: " + long_context(cfg),
         "memory estimate per GPU: " + est.describe(),
         f"initialisation peak per GPU: "

@@ -6,7 +6,8 @@ import functools
 import pytest
 import torch
 
-from megatron_ul.model.document_attention import DocumentMask, dense_document_mask
+from megatron_ul.model.document_attention import DocumentMask
+from tests.dense_masks import dense_document_mask
 from tests.distributed import run_distributed
 from tests.model.long_context_harness import LLAMA, MODEL, compare_runs, slow_except
 from tests.training.equivalence import BASE, compare, run_layout

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from megatron_ul.model.document_attention import DocumentMask
+from tests.dense_masks import dense_document_mask
 from megatron_ul.model.ring_attention import Ring, measure_ring_time, ring_attention
 from megatron_ul.model.ulysses import DistributedAttention
 from megatron_ul.mpu import comm_stats
@@ -52,16 +54,18 @@ def needed_units(mask, ring_rank, ring_size):
                for i in (ring_rank, 2 * ring_size - 1 - ring_rank) for j in range(2 * ring_size))
 
 
+def documents(starts=(5, 19), batch_rows=(0,)):
+    """Documents starting at `starts` in the batch rows given (the other rows hold one
+    document), as the data pipeline gives them: offsets over the flattened batch."""
+    offsets = [row * N + s for row in range(B)
+               for s in ((0, *starts) if row in batch_rows else (0,))]
+    return DocumentMask(torch.tensor(offsets + [B * N], dtype=torch.int32), B)
+
+
 def document_mask(starts=(5, 19), batch_rows=(0,)):
-    """Causal, and no attention across documents starting at `starts` (in the batch rows
-    given; the other rows hold one document)."""
-    doc = torch.zeros(B, N, dtype=torch.long)
-    for row in batch_rows:
-        for start in starts:
-            doc[row, start:] += 1
-    same = doc.unsqueeze(2) == doc.unsqueeze(1)
-    causal = torch.ones(N, N, dtype=torch.bool).tril()
-    return (~(same & causal)).unsqueeze(1)
+    """The dense reference mask of documents(starts, batch_rows): causal, and no attention
+    across documents."""
+    return dense_document_mask(documents(starts, batch_rows))
 
 
 def _inputs(hq, hk):
@@ -87,17 +91,17 @@ def _check_ring(rank, world):
     ring = Ring.from_dims(ps.initialize_model_parallel(1, 1, 1, context_parallel_size=world))
     positions = ring_local_positions(ring.rank, ring.size, N)
     computed = {}
-    for documents in (None, document_mask()):
+    for docs in (None, documents()):
         for window in WINDOWS:
-            mask = window_mask(window, documents)
+            mask = window_mask(window, None if docs is None else dense_document_mask(docs))
             for hq, hk in CASES:
                 with measure_ring_time() as times:
-                    _compare(lambda q, k, v, d=documents, w=window: ring_attention(
+                    _compare(lambda q, k, v, d=docs, w=window: ring_attention(
                                  q, k, v, ring, attention_mask=d, window=w),
                              positions, hq, hk, mask, f"R={world} hq={hq} hk={hk} "
-                             f"documents={documents is not None} window={window}")
-                computed[documents is not None, window] = (times["forward_blocks"],
-                                                           needed_units(mask, ring.rank, world))
+                             f"documents={docs is not None} window={window}")
+                computed[docs is not None, window] = (times["forward_blocks"],
+                                                      needed_units(mask, ring.rank, world))
     if world == 2:
         _check_half_precision(ring, positions)
         return computed, _count_skipped_blocks(ring)
@@ -128,10 +132,11 @@ def _check_half_precision(ring, positions):
 def _count_skipped_blocks(ring):
     """R = 2, chunks of 8: documents [0, 8), [8, 24), [24, 32) exclude both ranks' second
     block (rank 0's tokens 24.. never see 8..23; rank 1's 8..23 never see 0..7)."""
-    mask = document_mask(starts=(8, 24), batch_rows=range(B))
+    docs = documents(starts=(8, 24), batch_rows=range(B))
+    mask = dense_document_mask(docs)
     positions = ring_local_positions(ring.rank, ring.size, N)
     with measure_ring_time() as times:
-        _compare(lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=mask),
+        _compare(lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=docs),
                  positions, 4, 2, mask, "R=2 document-aligned mask")
     return times["forward_blocks"]
 

@@ -70,9 +70,11 @@ def test_dry_run_reports_the_precision_it_will_use(flag, text, act_bytes):
 
 def test_dry_run_says_which_attention_kernel_it_plans():
     out = describe(configure(BASE + ["--use-flash-attn", "--dry-run"], 1))
-    assert "attention: torch SDPA (--use-flash-attn given, but float32 activations" in out
+    assert ("attention kernel on a GPU: sdpa efficient (--use-flash-attn given, but float32 "
+            "activations") in out
     out = describe(configure(BASE + ["--use-flash-attn", "--bf16", "--dry-run"], 1))
-    assert "attention: flash-attn 2 on GPUs" in out
+    assert ("attention kernel on a GPU: flash-attn where flash-attn is installed, else sdpa "
+            "flash") in out
 
 
 def test_apex_announcement_tells_installed_from_missing(monkeypatch, caplog):

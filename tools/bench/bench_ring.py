@@ -11,6 +11,9 @@
 3. The ring's causal load balance: each ring rank's compute (forward + backward, the module's
    own step functions) run alone, rank after rank, in one process; max/min over ranks.
 
+4. Peak memory of the attention call per rank as the local sequence doubles, ring against
+   Ulysses alone at the same tokens per rank (torch's profiler, every allocation and free).
+
     python -m tools.bench.bench_ring [--seq-length 4096 --hidden-size 512] [--write-docs]
 """
 import argparse
@@ -123,23 +126,64 @@ def rank_step_seconds(plan: ring_attention._Plan, ring_size: int, heads: int, he
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(length, 1, heads, head_dim, generator=g) for _ in range(4))
     scale, srcs = head_dim ** -0.5, [(plan.rank - s) % ring_size for s in range(ring_size)]
-    qg, kv = ring_attention.chunked_queries(q, heads), ring_attention.packed_kv(k, v)
-    dog = ring_attention.chunked_queries(dout, heads)
+    qg, kv = ring_attention.chunked(q), ring_attention.packed_kv(k, v)
+    dog = ring_attention.chunked(dout)
     out = torch.zeros_like(qg)
     lse = torch.full(qg.shape[:4], float("-inf"))
     dq, dkv = torch.zeros_like(qg), torch.zeros(kv.shape)
     seconds = []
     for src in srcs:
         start = time.thread_time()
-        ring_attention.forward_step(qg, out, lse, kv, plan.step(src, q.device), scale, 1)
+        ring_attention.forward_step(qg, out, lse, kv, plan.step(src), scale, plan)
         seconds.append(time.thread_time() - start)
-    delta = (dog * out).sum(-1)
     for src in srcs:
         start = time.thread_time()
-        ring_attention.backward_step(qg, dog, lse, delta, kv, dq, dkv, plan.step(src, q.device),
-                                     scale, 1)
+        ring_attention.backward_step(qg, dog, out, lse, kv, dq, dkv, plan.step(src), scale,
+                                     plan)
         seconds.append(time.thread_time() - start)
     return seconds
+
+
+# ---- peak memory of the attention call ----------------------------------------------------
+def _peak_bytes(fn) -> int:
+    """Largest sum of live bytes that fn allocates on the CPU (torch's profiler: every
+    allocation and free, in order), above what was live when it started."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def attention_peak(rank, world, local, heads, head_dim, u, r):
+    """Peak bytes of one attention forward + backward on this rank (inputs excluded)."""
+    dims = ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
+    model_parallel_seed(1, dims, "cpu")
+    core = DistributedAttention(u, "sdpa", dims.sp_group, ring=Ring.from_dims(dims))
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(local, 1, heads, head_dim, generator=g).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(local, 1, heads, head_dim, generator=g)
+    dist.barrier()
+    return _peak_bytes(lambda: core(q, k, v, dropout_p=0.0).backward(dout))
+
+
+def table_memory(chunks: list[int], heads: int, head_dim: int) -> str:
+    rows, previous = [], None
+    for c in chunks:
+        ring = max(run_ranks(attention_peak, 2, 2 * c, heads, head_dim, 1, 2))
+        ulysses = max(run_ranks(attention_peak, 2, 2 * c, heads, head_dim, 2, 1))
+        rows.append([c, 2 * c, 4 * c, f"{ring / MIB:.1f}",
+                     f"{ring / previous:.2f}" if previous else "-", f"{ulysses / MIB:.1f}",
+                     f"{ring / ulysses:.2f}"])
+        previous = ring
+    return markdown_table(["C", "local tokens L = 2C", "N", "ring R2 MiB",
+                           "× per doubling", "Ulysses U2 MiB (same L)", "ring / Ulysses"], rows)
 
 
 def table_balance(seq: int, heads: int, head_dim: int, sizes: list[int], repeats: int) -> str:
@@ -199,8 +243,11 @@ def main(argv=None):
     ap.add_argument("--time-size", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--sections", nargs="+", choices=["bytes", "time", "balance"],
-                    default=["bytes", "time", "balance"])
+    ap.add_argument("--sections", nargs="+", choices=["bytes", "time", "balance", "memory"],
+                    default=["bytes", "time", "balance", "memory"])
+    ap.add_argument("--memory-chunks", type=int, nargs="+",
+                    default=[1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--memory-heads", type=int, default=2)
     ap.add_argument("--balance-sizes", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--write-docs", action="store_true")
@@ -210,6 +257,8 @@ def main(argv=None):
         _report_bytes(args, n, h, heads)
     if "time" in args.sections:
         _report_time(args, h, heads)
+    if "memory" in args.sections:
+        _report_memory(args, args.memory_heads, h // heads)
     if "balance" in args.sections:
         s = args.time_seq_length
         report("ring-balance", "Causal load balance of the ring (CPU)",
@@ -232,6 +281,21 @@ def main(argv=None):
                "per-step minima (short runs are less often disturbed). A contiguous split "
                "makes the last rank do about 2R-1 times the first's work.",
                write_docs=args.write_docs)
+
+
+def _report_memory(args, heads, head_dim):
+    report("ring-memory", "Peak memory of ring attention per doubling (CPU)",
+           f"One attention call (forward + backward) per rank, fp32, {heads} heads of "
+           f"{head_dim}, micro-batch 1, 2 gloo ranks: the ring (U1×R2, chunks of C tokens, "
+           f"local sequence L = 2C) against Ulysses alone (U2×R1) at the same L tokens per "
+           f"rank (N = 2L). Peak = the largest sum of bytes allocated and not yet freed during "
+           f"the call, every CPU allocation and free in order (torch's profiler), above the "
+           f"inputs; max over ranks.",
+           table_memory(args.memory_chunks, heads, head_dim),
+           "Each unit runs a fused kernel that returns the log-sum-exp (torch's CPU flash "
+           "kernel here): no C×C score tensor is held, and the ring keeps q, k, v, the fp32 "
+           "partial output and log-sum-exp, the travelling k/v block and, backward, the fp32 "
+           "dq and dk/dv accumulators, all linear in C.", write_docs=args.write_docs)
 
 
 def _report_bytes(args, n, h, heads):
