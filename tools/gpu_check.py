@@ -778,8 +778,11 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"--sections: unknown {', '.join(unknown)} (choose from {', '.join(names)})")
     check = Check(mode, args.write_docs)
-    check.print(f"GPU check on {torch.cuda.get_device_name() if mode.device == 'cuda' else 'CPU'}"
-                f"; torch {torch.__version__}; budget {mode.budget_s:.0f} s.\n{SCOPE}")
+    where = torch.cuda.get_device_name() if mode.device == "cuda" else (
+        "CPU (reduced mode: tiny shapes, the GPU check's code paths; its numbers say nothing "
+        "about GPUs)")
+    check.print(f"GPU check on {where}; torch {torch.__version__}; budget "
+                f"{mode.budget_s:.0f} s.\n{SCOPE}")
     for section in every:
         if args.sections is None or section.key in args.sections:
             check.run(section)
