@@ -758,7 +758,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu", action="store_true",
                         help="reduced mode on CPU (tiny shapes, the same code paths)")
     parser.add_argument("--sections", nargs="+", metavar="NAME",
-                        help="run only these sections (default: all, in order)")
+                        help="run only these sections (default: all, in order): precision "
+                             "attention ring offload checkpoint adamw fused documents "
+                             "performance")
     parser.add_argument("--write-docs", action="store_true",
                         help="write the tables into docs/benchmarks.md and docs/gpu.md "
                              "(section gpu-check), after every section")
