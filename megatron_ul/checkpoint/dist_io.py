@@ -371,6 +371,15 @@ def records_of(metadata, iter_dir: str) -> tuple[dict, dict]:
 
 
 # ---- save and load ---------------------------------------------------------------------------
+class _Writer(FileSystemWriter):
+    """FileSystemWriter whose finish records where each piece went on the Metadata that
+    dcp.save returns (records_of reads it): torch 2.11's finish records it on a copy."""
+
+    def finish(self, metadata, results) -> None:
+        metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
+        super().finish(metadata, results)
+
+
 class _AlreadyStaged(AsyncStager):
     """The pieces handed to async_save are already private CPU copies."""
     _synchronize_after_execute = False
@@ -391,7 +400,7 @@ def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = F
     # Accelerator pieces are copied to host memory one at a time, and kept (see _own_storage)
     # until their file is closed: one file per piece keeps that to one piece.
     on_host = all(h.data.device.type == "cpu" for h in held)
-    writer = FileSystemWriter(iter_dir, single_file_per_rank=on_host, sync_files=True)
+    writer = _Writer(iter_dir, single_file_per_rank=on_host, sync_files=True)
     os.makedirs(iter_dir, exist_ok=True)
     if not background:
         metadata = _dcp_save(planner, writer, iter_dir, dims.checkpoint_group)

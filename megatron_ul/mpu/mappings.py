@@ -62,7 +62,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
         raise ValueError(f"cannot reduce-scatter dim {dim} of size {x.shape[0]} over {world} ranks")
     out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     record("reduce_scatter", x, group)
-    dist.reduce_scatter_single(out, x, group=group)
+    dist.reduce_scatter_tensor(out, x, group=group)
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 

@@ -34,16 +34,17 @@ def machine_info() -> str:
             f"torch {torch.__version__}, {platform.system()} {platform.release()}")
 
 
-def write_section(name: str, body: str) -> None:
-    """Replace (or append) the section between this benchmark's markers in docs/benchmarks.md."""
+def write_section(name: str, body: str, path: str = DOCS) -> None:
+    """Replace (or append) the section between this benchmark's markers in `path`
+    (docs/benchmarks.md unless told otherwise)."""
     start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
-    text = open(DOCS).read() if os.path.exists(DOCS) else HEADER
+    text = open(path).read() if os.path.exists(path) else HEADER
     block = f"{start}\n{body.rstrip()}\n{end}"
     if start in text and end in text:
         text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
-    with open(DOCS, "w") as f:
+    with open(path, "w") as f:
         f.write(text)
 
 

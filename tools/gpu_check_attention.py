@@ -1,0 +1,262 @@
+"""The attention rows of tools/gpu_check.py: every attention path through the model's own
+attention core (model/ulysses.DistributedAttention, which dispatches to the kernels), checked
+against attention written out densely in fp64, and ring attention run as R virtual ranks in
+one process.
+
+Virtual ranks: a ring rank's forward and backward block on messages from the previous rank,
+and all R ranks share one device here, so they cannot run side by side (NCCL refuses two ranks
+on one GPU; autograd runs a GPU graph's backward on one device thread). Instead each rank runs
+alone, in rank order, and its k-th receive is the previous rank's k-th send (NCCL's rule: one
+communicator's messages match in issue order, tags ignored): sent in this pass when that rank
+has already run, else recorded in the previous pass (zeros in the first). The passes repeat
+until every rank's output and gradients are bitwise those of the previous pass: a fixpoint is
+the ring's exact result, since each message then equals what the real ring would carry.
+A last pass replays the fixpoint's messages without recording, to time each rank and measure
+its memory alone. Communication itself is not exercised (one GPU cannot show it)."""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from megatron_ul.data.sequence_layout import rank_positions
+from megatron_ul.model.document_attention import DocumentMask
+from megatron_ul.model.ring_attention import Ring
+from megatron_ul.model.ulysses import DistributedAttention
+from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
+
+HALF_OUT_TOLERANCE = 2e-2    # as tests/model/test_ring_attention.py (bf16)
+HALF_GRAD_TOLERANCE = 5e-2   # as tests/model/test_document_attention.py (bf16 gradients)
+FP32_TOLERANCE = 1e-5        # the project's fp32 bar
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    seq: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    documents: int = 0           # documents in the sequence (0: none)
+    window: Optional[int] = None
+
+    def bounds(self) -> tuple[float, float]:
+        if self.dtype == torch.float32:
+            return FP32_TOLERANCE, FP32_TOLERANCE
+        return HALF_OUT_TOLERANCE, HALF_GRAD_TOLERANCE
+
+
+def inputs(case: Case, device: str, seed: int = 0):
+    """q, k, v, dout [N, 1, h, d] in the case's dtype, and the DocumentMask (or None). Also
+    seeds the attention-dropout stream the core forks (as a one-rank training run does)."""
+    tracker = get_rng_tracker()
+    tracker.reset(device)
+    tracker.add(MODEL_PARALLEL_RNG, seed + 2718)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shapes = [(case.seq, 1, case.heads, case.head_dim), (case.seq, 1, case.kv_heads, case.head_dim),
+              (case.seq, 1, case.kv_heads, case.head_dim), (case.seq, 1, case.heads, case.head_dim)]
+    q, k, v, dout = (torch.randn(s, generator=g).to(device, case.dtype) for s in shapes)
+    documents = None
+    if case.documents > 1:
+        starts = torch.randperm(case.seq - 1, generator=g)[:case.documents - 1] + 1
+        cu = torch.cat([torch.tensor([0]), starts.sort().values, torch.tensor([case.seq])])
+        documents = DocumentMask(cu.to(device, torch.int32), 1)
+    return q, k, v, dout, documents
+
+
+def dense_reference(q, k, v, dout, documents: Optional[DocumentMask], window: Optional[int]):
+    """(out, dq, dk, dv) of causal attention written out in fp64 with an explicit mask."""
+    n, _, hq, d = q.shape
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = hq // k.shape[2]
+    kk, vv = (t.repeat_interleave(group, dim=2) for t in (k64, v64))
+    pos = torch.arange(n, device=q.device)
+    allowed = pos.unsqueeze(1) >= pos.unsqueeze(0)
+    if window is not None:
+        allowed &= pos.unsqueeze(1) - pos.unsqueeze(0) <= window
+    if documents is not None:
+        doc = torch.zeros(n, dtype=torch.long, device=q.device)
+        doc[documents.cu_seqlens[1:-1].long()] = 1
+        doc = doc.cumsum(0)
+        allowed &= doc.unsqueeze(1) == doc.unsqueeze(0)
+    scores = torch.einsum("qbhd,kbhd->bhqk", q64, kk) / d ** 0.5
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    out = torch.einsum("bhqk,kbhd->qbhd", probs, vv)
+    out.backward(dout.double())
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+def relative_error(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |a - ref| / max |ref| (a scale-free error for outputs and gradients alike)."""
+    scale = ref.double().abs().max().clamp_min(1e-30)
+    return float((a.double() - ref.double()).abs().max() / scale)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+@dataclass
+class Measured:
+    results: tuple            # out, dq, dk, dv
+    seconds: float
+    working_mib: Optional[float]   # CUDA: peak allocated above what was allocated before
+
+
+def fused_kernels_only(device: str):
+    """On CUDA, SDPA may use its flash, memory-efficient or cuDNN kernels but not the math
+    kernel (O(N²) memory): a call that only the math kernel takes raises instead."""
+    if device != "cuda":
+        return nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                        SDPBackend.CUDNN_ATTENTION])
+
+
+def forward_backward(core, q, k, v, dout, documents, device: str,
+                     fused_only: bool = True) -> Measured:
+    """One forward + backward of an attention core on leaf copies of q, k, v (on CUDA with
+    SDPA's math kernel refused unless fused_only is False)."""
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    _sync(device)
+    before = torch.cuda.memory_allocated() if device == "cuda" else 0
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    with fused_kernels_only(device) if fused_only else nullcontext():
+        out = core(*leaves, dropout_p=0.0, attention_mask=documents)
+        out.backward(dout)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    working = (torch.cuda.max_memory_allocated() - before) / MIB if device == "cuda" else None
+    return Measured((out.detach(), *(t.grad for t in leaves)), seconds, working)
+
+
+def one_device(case: Case, q, k, v, dout, documents, device: str, repeats: int = 2,
+               fused_only: bool = True) -> Measured:
+    """The attention core on one device (no Ulysses, no ring); the last of `repeats` runs."""
+    core = DistributedAttention(1, "sdpa", None, window=case.window)
+    for _ in range(repeats):
+        run = forward_backward(core, q, k, v, dout, documents, device, fused_only)
+    return run
+
+
+def errors(results, reference) -> tuple[float, float]:
+    """(output error, worst gradient error), each relative to the reference's largest entry."""
+    out = relative_error(results[0], reference[0])
+    return out, max(relative_error(a, b) for a, b in zip(results[1:], reference[1:]))
+
+
+# ---- ring attention on virtual ranks --------------------------------------------------------
+class _Completed:
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class VirtualLinks:
+    """The messages of one pass over R virtual ranks (see the module docstring)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.current: list[list[torch.Tensor]] = [[] for _ in range(size)]
+        self.previous: list[list[torch.Tensor]] = [[] for _ in range(size)]
+        self.received = [0] * size
+        self.finished: set[int] = set()
+        self.replay = False
+
+    def new_pass(self, replay: bool = False) -> None:
+        if not self.replay:
+            self.previous = self.current
+        self.current = [[] for _ in range(self.size)]
+        self.received = [0] * self.size
+        self.finished = set()
+        self.replay = replay
+
+    def shift(self, rank: int, prev: int, send: torch.Tensor, recv: torch.Tensor) -> list:
+        if not self.replay:
+            self.current[rank].append(send.detach().clone())
+        index = self.received[rank]
+        self.received[rank] += 1
+        source = self.current[prev] if prev in self.finished and not self.replay \
+            else self.previous[prev]
+        if index < len(source):
+            message = source[index]
+            if message.shape != recv.shape or message.dtype != recv.dtype:
+                raise RuntimeError(
+                    f"virtual ring: rank {rank}'s receive #{index} from rank {prev} is "
+                    f"{tuple(recv.shape)} {recv.dtype}, the matching send was "
+                    f"{tuple(message.shape)} {message.dtype} (messages match in issue order)")
+            recv.copy_(message)
+        else:
+            recv.zero_()
+        return [_Completed()]
+
+
+@dataclass(frozen=True)
+class VirtualRing(Ring):
+    """A Ring whose exchange goes through VirtualLinks instead of a process group."""
+    links: Any = None
+
+    def start_shift(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
+        return self.links.shift(self.rank, self.prev_rank, send, recv)
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+@dataclass
+class RingRun:
+    results: tuple          # out, dq, dk, dv over the full sequence (scattered back)
+    passes: int
+    converged: bool
+    seconds: float          # slowest rank, forward + backward
+    working_mib: Optional[float]   # largest rank's, CUDA only
+
+
+def virtual_ring(case: Case, size: int, q, k, v, dout, documents, device: str) -> RingRun:
+    """Ring attention over `size` virtual ranks of the full-sequence q, k, v."""
+    positions = [rank_positions(case.seq, 0, 1, r, size).to(q.device) for r in range(size)]
+    links = VirtualLinks(size)
+
+    def one_pass():
+        per_rank = []
+        for r in range(size):
+            ring = VirtualRing(group=None, rank=r, size=size, next_rank=(r + 1) % size,
+                               prev_rank=(r - 1) % size, links=links)
+            core = DistributedAttention(1, "sdpa", None, window=case.window, ring=ring)
+            p = positions[r]
+            per_rank.append(forward_backward(core, q[p], k[p], v[p], dout[p], documents,
+                                             device))
+            links.finished.add(r)
+        return per_rank
+
+    previous, passes, converged = None, 0, False
+    while not converged and passes < 2 * size + 1:
+        links.new_pass()
+        runs = one_pass()
+        passes += 1
+        converged = previous is not None and _same([m.results for m in runs],
+                                                   [m.results for m in previous])
+        previous = runs
+    links.new_pass(replay=True)
+    runs = one_pass()
+    converged &= _same([m.results for m in runs], [m.results for m in previous])
+    full = [torch.empty_like(t) for t in (q, k, v)]
+    out = torch.empty_like(q)
+    for p, m in zip(positions, runs):
+        out[p] = m.results[0]
+        for buffer, grad in zip(full, m.results[1:]):
+            buffer[p] = grad
+    working = [m.working_mib for m in runs]
+    return RingRun((out, *full), passes, converged, max(m.seconds for m in runs),
+                   max(working) if working[0] is not None else None)
