@@ -24,10 +24,10 @@ from tests.checkpoint.runs import NO_DROPOUT, TINY
 from tests.checkpoint.test_megatron_lm import LLAMA
 
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not MEGATRON_LM_DIR or not os.path.isdir(os.path.join(MEGATRON_LM_DIR or "", "megatron",
                                                           "legacy", "model")),
-    reason="MEGATRON_LM_DIR (a Megatron-LM checkout with megatron/legacy) not set")
+    reason="MEGATRON_LM_DIR (a Megatron-LM checkout with megatron/legacy) not set")]
 # Megatron-LM's legacy attention views its query split as [sq, b, np, hn], which only works
 # with one query group per TP rank (more groups raise in its forward, on any device).
 LLAMA_ONE_GROUP = [x if x != "2" else "1" for x in LLAMA]
