@@ -34,9 +34,9 @@ parameter table: the fused QKV rows are [query groups, q_per_group + 2, head_dim
 (Megatron's `view(sq, b, ng, (np/ng + 2) * hn)` then split; for MHA that is [q, k, v] per head),
 SwiGLU's dense_h_to_4h is [gate_r; up_r] per TP rank (our stride-2 fc1), the vocabulary is
 padded to a multiple of make_vocab_size_divisible_by × TP in both. One difference: Megatron's
-softmax includes the padded vocabulary rows and ours excludes them; importing keeps
-`args.vocab_size` when the checkpoint records it, else the padded size (so the imported model
-computes exactly what Megatron computed).
+softmax includes the padded vocabulary rows and ours excludes them; importing keeps the real
+rows (NullTokenizer: args.vocab_size + 1, its EOD included; else args.vocab_size when recorded),
+else the padded size (so the imported model computes exactly what Megatron computed).
 """
 from __future__ import annotations
 
