@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import ModelConfig
 from .files import CheckpointError
 
 
@@ -110,7 +111,7 @@ def ours_to_gpt2(p: dict, m: dict) -> tuple[dict, dict]:
             sd[hf + their + ".bias"] = p[ours + mine + ".bias"]
     config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
               "n_layer": m["num_layers"], "n_embd": m["hidden_size"], "n_head": heads,
-              "n_inner": m["ffn_hidden_size"] or 4 * m["hidden_size"],
+              "n_inner": ModelConfig(**m).ffn_size,
               "n_positions": m["max_position_embeddings"], "vocab_size": m["vocab_size"],
               "layer_norm_epsilon": m["norm_epsilon"],
               "activation_function": "gelu_new" if m["gelu_approximate"] == "tanh" else "gelu",
@@ -175,7 +176,6 @@ def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
     heads = m["num_attention_heads"]
     groups = m["num_query_groups"] or heads
     head_dim = m["kv_channels"] or m["hidden_size"] // heads
-    ffn = m["ffn_hidden_size"]
     tied = not m["untie_embeddings_and_output_weights"]
     sd = {"model.embed_tokens.weight": p["word_embeddings.weight"],
           "model.norm.weight": p["final_norm.weight"],
@@ -194,7 +194,7 @@ def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
     config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
               "num_hidden_layers": m["num_layers"], "hidden_size": m["hidden_size"],
               "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": head_dim,
-              "intermediate_size": ffn or m["hidden_size"] * 4, "vocab_size": m["vocab_size"],
+              "intermediate_size": ModelConfig(**m).ffn_size, "vocab_size": m["vocab_size"],
               "max_position_embeddings": m["max_position_embeddings"],
               "rms_norm_eps": m["norm_epsilon"], "hidden_act": "silu",
               "rope_theta": m["rotary_base"],
@@ -263,7 +263,6 @@ def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> t
     Returns (iteration directory, our ModelConfig fields)."""
     from dataclasses import asdict
 
-    from ..config import ModelConfig
     from . import files, reshard
     config = read_hf_config(hf_dir)
     kind = detect(config)

@@ -34,9 +34,9 @@ parameter table: the fused QKV rows are [query groups, q_per_group + 2, head_dim
 (Megatron's `view(sq, b, ng, (np/ng + 2) * hn)` then split; for MHA that is [q, k, v] per head),
 SwiGLU's dense_h_to_4h is [gate_r; up_r] per TP rank (our stride-2 fc1), the vocabulary is
 padded to a multiple of make_vocab_size_divisible_by × TP in both. One difference: Megatron's
-softmax includes the padded vocabulary rows and ours excludes them; importing keeps
-`args.vocab_size` when the checkpoint records it, else the padded size (so the imported model
-computes exactly what Megatron computed).
+softmax includes the padded vocabulary rows and ours excludes them; importing keeps the real
+rows (NullTokenizer: args.vocab_size + 1, its EOD included; else args.vocab_size when recorded),
+else the padded size (so the imported model computes exactly what Megatron computed).
 """
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ import torch
 
 from ..config import ModelConfig
 from ..pipeline.model import chunk_layer_numbers
-from . import files, reshard
+from . import files, megatron_pickle, reshard
 from .files import CheckpointError
 
 log = logging.getLogger("megatron_ul")
@@ -67,19 +67,13 @@ _LOCAL_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
 # ---- reading ---------------------------------------------------------------------------------
+# Megatron-LM's legacy model never passes --rotary-base to its RotaryEmbedding: it computes
+# with this base whatever its args record.
+LEGACY_ROTARY_BASE = 10000
+
+
 def _load(path: str, trust_pickle: bool) -> dict:
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing; the Megatron-LM checkpoint is incomplete")
-    if trust_pickle:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        try:
-            return torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - unpickling refused or file damaged
-            raise CheckpointError(
-                f"{path}: cannot be read safely ({type(e).__name__}: {str(e)[:300]}); if the "
-                f"file comes from a source you trust, pass --trust-pickle (full unpickling "
-                f"runs code from the file)") from e
+    return megatron_pickle.load(path, trust_pickle)
 
 
 def _iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
@@ -117,8 +111,7 @@ def model_config_from_args(args, true_vocab_size: int | None = None) -> dict:
                               f"megatron_ul does not implement")
     heads, hidden = args.num_attention_heads, args.hidden_size
     kv = get("kv_channels")
-    padded = args.padded_vocab_size
-    vocab = true_vocab_size or get("vocab_size") or padded
+    vocab = true_vocab_size or megatron_vocab_size(args)
     swiglu, bias = bool(get("swiglu")), get("add_bias_linear", True)
     # Megatron's GELU: tanh-approximated with --openai-gelu or its fused bias-gelu kernel
     tanh = not swiglu and (get("openai_gelu") or (bias and get("bias_gelu_fusion", True)))
@@ -133,13 +126,31 @@ def model_config_from_args(args, true_vocab_size: int | None = None) -> dict:
             "vocab_size": vocab,
             "make_vocab_size_divisible_by": get("make_vocab_size_divisible_by", 128),
             "position_embedding_type": "rope" if rope else "learned_absolute",
-            "rotary_base": float(get("rotary_base", 10000) or 10000),
+            "rotary_base": float(_legacy_rotary_base(args) if rope else 10000),
             "normalization": get("normalization", "LayerNorm"),
             "norm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
             "swiglu": swiglu, "add_bias_linear": bias,
             "untie_embeddings_and_output_weights": bool(
                 get("untie_embeddings_and_output_weights")),
             "gelu_approximate": "tanh" if tanh else "none"}
+
+
+def megatron_vocab_size(args) -> int:
+    """The rows of the softmax that are real tokens. Megatron-LM's NullTokenizer of the legacy
+    model's releases (up to 0.17) has --vocab-size V ids plus EOD = V; other tokenizers leave
+    args.vocab_size unset, so the padded size (all of which Megatron's softmax includes)."""
+    if getattr(args, "tokenizer_type", None) == "NullTokenizer" and args.vocab_size:
+        return args.vocab_size + 1
+    return getattr(args, "vocab_size", None) or args.padded_vocab_size
+
+
+def _legacy_rotary_base(args) -> int:
+    recorded = getattr(args, "rotary_base", LEGACY_ROTARY_BASE) or LEGACY_ROTARY_BASE
+    if recorded != LEGACY_ROTARY_BASE:
+        log.warning("the Megatron-LM checkpoint records --rotary-base %s, which its legacy model "
+                    "ignores (it computes with %d); importing with %d, as Megatron computed",
+                    recorded, LEGACY_ROTARY_BASE, LEGACY_ROTARY_BASE)
+    return LEGACY_ROTARY_BASE
 
 
 def _our_name(legacy: str) -> str | None:
@@ -258,19 +269,45 @@ def import_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
 
 
 # ---- writing -----------------------------------------------------------------------------------
+def _tokenizer(data_args: dict, vocab_size: int) -> dict:
+    """Megatron's tokenizer args for the run's tokenizer. A tokenizer-less (mock-data) run or a
+    NullTokenizer one has EOD = vocab_size - 1, which is Megatron's NullTokenizer with
+    --vocab-size vocab_size - 1 (its ids plus EOD)."""
+    kind = data_args.get("tokenizer_type") or "NullTokenizer"
+    if kind == "NullTokenizer":
+        return {"tokenizer_type": kind, "vocab_size": vocab_size - 1}
+    return {"tokenizer_type": kind, "vocab_size": vocab_size,
+            "vocab_file": data_args.get("vocab_file"), "merge_file": data_args.get("merge_file"),
+            "tokenizer_model": data_args.get("tokenizer_model")}
+
+
+def check_exportable(m: dict) -> None:
+    if m["position_embedding_type"] == "rope" and m["rotary_base"] != LEGACY_ROTARY_BASE:
+        raise CheckpointError(
+            f"the model uses --rotary-base {m['rotary_base']:g}; Megatron-LM's legacy model "
+            f"always computes RoPE with base {LEGACY_ROTARY_BASE}, so it would compute other "
+            f"logits. Export it as a megatron-core checkpoint instead "
+            f"(python -m tools.checkpoint.megatron_core export)")
+
+
 def megatron_args(m: dict, tp: int, pp: int, iteration: int, common: dict) -> argparse.Namespace:
-    """The args a legacy Megatron-LM GPT with model `m` runs with (flags must match them)."""
+    """The args a legacy Megatron-LM GPT with model `m` runs with (flags must match them; the
+    ones its check_checkpoint_args compares are all present)."""
     heads = m["num_attention_heads"]
+    data = (common.get("args") or {}).get("data") or {}
     return argparse.Namespace(
         num_layers=m["num_layers"], hidden_size=m["hidden_size"],
-        ffn_hidden_size=m["ffn_hidden_size"] or ModelConfig(**m).ffn_size,
+        ffn_hidden_size=ModelConfig(**m).ffn_size,
         num_attention_heads=heads, kv_channels=m["kv_channels"] or m["hidden_size"] // heads,
         group_query_attention=m["num_query_groups"] is not None,
         num_query_groups=m["num_query_groups"] or heads, seq_length=m["seq_length"],
-        max_position_embeddings=m["max_position_embeddings"], vocab_size=m["vocab_size"],
+        max_position_embeddings=m["max_position_embeddings"],
+        **_tokenizer(data, m["vocab_size"]),
         padded_vocab_size=ModelConfig(**m).padded_vocab_size(tp),
         make_vocab_size_divisible_by=m["make_vocab_size_divisible_by"],
-        position_embedding_type=m["position_embedding_type"], rotary_base=m["rotary_base"],
+        position_embedding_type=m["position_embedding_type"],
+        add_position_embedding=True,     # Megatron's default (its --no-position-embedding)
+        rotary_base=LEGACY_ROTARY_BASE,
         rotary_percent=1.0, normalization=m["normalization"], norm_epsilon=m["norm_epsilon"],
         swiglu=m["swiglu"], add_bias_linear=m["add_bias_linear"],
         add_qkv_bias=m["add_bias_linear"],
@@ -279,10 +316,11 @@ def megatron_args(m: dict, tp: int, pp: int, iteration: int, common: dict) -> ar
         openai_gelu=m["gelu_approximate"] == "tanh" and not m["add_bias_linear"],
         apply_residual_connection_post_layernorm=False, tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
-        iteration=iteration, consumed_train_samples=common.get("consumed_samples", 0),
+        data_parallel_random_init=False, iteration=iteration,
+        consumed_train_samples=common.get("consumed_samples", 0),
         consumed_valid_samples=common.get("consumed_valid_samples", 0),
         params_dtype=torch.float32, fp16=False, bf16=False, use_legacy_models=True,
-        transformer_impl="local", model_type="GPT")
+        ckpt_format="torch", transformer_impl="local", model_type="GPT")
 
 
 def _legacy_state(tensors: dict, m: dict, pp: int, pp_rank: int) -> dict:
@@ -314,9 +352,10 @@ def _legacy_state(tensors: dict, m: dict, pp: int, pp_rank: int) -> dict:
 
 
 def export_megatron(load_dir: str, save_dir: str, tp: int | None = None,
-                    pp: int | None = None) -> str:
+                    pp: int | None = None) -> tuple[str, list[str]]:
     """Write the latest iteration of a megatron_ul checkpoint (any layout) as a legacy
-    Megatron-LM checkpoint with TP × PP shards (default: the source's), weights only."""
+    Megatron-LM checkpoint with TP × PP shards (default: the source's), weights only.
+    Returns (the iteration directory, the Megatron-LM flags that load it)."""
     iteration = files.read_tracker(load_dir)
     if iteration is None:
         raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
@@ -330,6 +369,7 @@ def export_megatron(load_dir: str, save_dir: str, tp: int | None = None,
         raise CheckpointError(f"{final} already exists; choose an empty --save-dir")
     full = reshard.read_full(iter_dir, with_optim=False)
     m, table = full.metadata["model"], reshard.layout_table(full.metadata, tp, pp, None)
+    check_exportable(m)
     args = megatron_args(m, tp, pp, iteration, full.common)
     os.makedirs(save_dir, exist_ok=True)
     tmp = f"{final}.tmp-export"
@@ -347,15 +387,35 @@ def export_megatron(load_dir: str, save_dir: str, tp: int | None = None,
         raise
     os.rename(tmp, final)
     files.write_tracker(save_dir, iteration)
-    return final
+    return final, megatron_flags(args)
 
 
-def megatron_flags(m: dict) -> list[str]:
-    """Megatron-LM flags that build the exported model (besides the layout and data flags)."""
-    from .hf import model_flags
-    flags = [f for f in model_flags(m) if f != "--gelu-approximate" and f != "tanh"]
-    if not m["swiglu"] and m["gelu_approximate"] == "none":
-        flags.append("--no-bias-gelu-fusion")          # erf GELU, as F.gelu
-    elif not m["swiglu"] and not m["add_bias_linear"]:
-        flags.append("--openai-gelu")                  # tanh GELU without the fused bias kernel
-    return flags + ["--use-legacy-models", "--no-load-optim", "--no-load-rng"]
+def megatron_flags(args: argparse.Namespace) -> list[str]:
+    """Megatron-LM flags that build the model of exported `args` and load it (besides the
+    layout, data and training flags); each one is an option its argument parser accepts."""
+    flags = ["--use-legacy-models", "--ckpt-format", "torch", "--transformer-impl", "local",
+             "--num-layers", args.num_layers, "--hidden-size", args.hidden_size,
+             "--ffn-hidden-size", args.ffn_hidden_size,
+             "--num-attention-heads", args.num_attention_heads, "--kv-channels", args.kv_channels,
+             "--seq-length", args.seq_length,
+             "--max-position-embeddings", args.max_position_embeddings,
+             "--position-embedding-type", args.position_embedding_type,
+             "--normalization", args.normalization, "--norm-epsilon", args.norm_epsilon,
+             "--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by,
+             "--tokenizer-type", args.tokenizer_type]
+    files_flags = [("vocab_file", "--vocab-file"), ("merge_file", "--merge-file"),
+                   ("tokenizer_model", "--tokenizer-model")]
+    flags += [x for field, flag in files_flags if getattr(args, field, None)
+              for x in (flag, getattr(args, field))]
+    if args.tokenizer_type == "NullTokenizer":
+        flags += ["--vocab-size", args.vocab_size]
+    if args.group_query_attention:
+        flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
+    switches = [(args.swiglu, "--swiglu"), (not args.add_bias_linear, "--disable-bias-linear"),
+                (args.untie_embeddings_and_output_weights,
+                 "--untie-embeddings-and-output-weights"),
+                (not args.swiglu and not args.bias_gelu_fusion and not args.openai_gelu,
+                 "--no-bias-gelu-fusion"),                 # erf GELU, as F.gelu
+                (args.openai_gelu, "--openai-gelu")]       # tanh GELU without the fused kernel
+    flags += [flag for on, flag in switches if on]
+    return [str(x) for x in flags + ["--no-load-optim", "--no-load-rng"]]

@@ -140,12 +140,14 @@ class GPT2BPETokenizer(AbstractTokenizer):
 
 
 def _read_merges(merge_file: str) -> dict:
+    """Megatron's (and GPT-2's) reading: split on newlines, drop the first line (meant to be
+    the "#version" header) and the last element (meant to be the empty one after the final
+    newline) whatever they hold. A file without the header loses its first merge, one without
+    a final newline its last merge, exactly as in Megatron."""
     with open(merge_file, encoding="utf-8") as handle:
-        lines = handle.read().split("\n")
-    if lines and lines[0].startswith("#version"):
-        lines = lines[1:]
-    merges = [tuple(line.split()) for line in lines if line.strip()]
-    return {pair: rank for rank, pair in enumerate(merges)}
+        lines = handle.read().split("\n")[1:-1]
+    merges = [tuple(line.split()) for line in lines]
+    return {pair: rank for rank, pair in enumerate(merges)}    # a repeated pair: its last rank
 
 
 def _merge_pair(parts: list, pair: tuple) -> list:

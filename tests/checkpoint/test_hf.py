@@ -113,3 +113,24 @@ def test_import_validates_the_target_layout_before_writing(tmp_path, single_rank
 class _NoSchedule:
     def state_dict(self):
         return {"num_steps": 0}
+
+
+def test_swiglu_model_without_ffn_hidden_size_exports_its_real_width(tmp_path, single_rank):
+    """Megatron's default SwiGLU width (8h/3 rounded down to 64) is what the weights have and
+    what config.json must say; 4h would make from_pretrained fail on a size mismatch."""
+    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=2,
+                  vocab_size=VOCAB, seq_length=16, max_position_embeddings=16,
+                  position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
+                  add_bias_linear=False, untie_embeddings_and_output_weights=True)
+    ours = _ours(fields)
+    assert ours.cfg.ffn_hidden_size is None and ours.cfg.ffn_size == 64 != 4 * 32
+    cfg = Config(model=ours.cfg, checkpoint=CheckpointConfig(save=str(tmp_path / "ours")))
+    cfg.train.global_batch_size = 1
+    save_checkpoint(cfg, _perturb(ours), None, _NoSchedule(), 1)
+    export_checkpoint(str(tmp_path / "ours"), str(tmp_path / "hf"))
+    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert theirs.config.intermediate_size == 64
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
+    diff = (_our_logits(ours, tokens) - _their_logits(theirs, tokens)).abs().max()
+    print(f"default-width SwiGLU export: max |logit diff| {diff:.2e}")
+    assert diff < 1e-5

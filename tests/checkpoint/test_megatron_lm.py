@@ -5,6 +5,7 @@ out as Megatron-LM's own code views its tensors (per-group q, k, v rows; [gate_r
 rank; Megatron-DeepSpeed's *_layernorm names) imports to the right q, k, v, gate and up."""
 import argparse
 import os
+import re
 
 import pytest
 import torch
@@ -121,3 +122,85 @@ def test_megatron_views_of_fused_tensors_import_to_the_right_pieces(tmp_path, si
         assert torch.equal(ours.params[f"layers.{i}.input_norm.weight"], t["n1"])
     assert torch.equal(ours.params["output_layer.weight"], head)
     assert torch.equal(ours.params["final_norm.weight"], final)
+
+
+def test_export_refuses_a_rotary_base_the_legacy_model_ignores(tmp_path, single_rank):
+    """Megatron-LM's legacy model always computes RoPE with base 10000."""
+    from megatron_ul.checkpoint.files import CheckpointError
+    src = str(tmp_path / "src")
+    setup(configure(TINY + ["--train-iters", "1", "--save", src, "--position-embedding-type",
+                            "rope", "--rotary-base", "500000"], 1)).train()
+    with pytest.raises(CheckpointError, match="--rotary-base 500000.*base 10000"):
+        export_megatron(src, str(tmp_path / "meg"))
+    assert not (tmp_path / "meg").exists()
+
+
+def test_exported_args_and_flags_are_megatron_lms(tmp_path, single_rank):
+    """Mock data is Megatron's NullTokenizer: --vocab-size V - 1 ids plus EOD; the args carry
+    what check_checkpoint_args compares; --rotary-base (ignored by the legacy model) is not
+    printed as a float; the legacy format needs --ckpt-format torch."""
+    src, meg = str(tmp_path / "src"), str(tmp_path / "meg")
+    setup(configure(TINY + LLAMA + ["--train-iters", "1", "--save", src], 1)).train()
+    _, flags = export_megatron(src, meg)
+    args = torch.load(files.model_file(os.path.join(meg, "iter_0000001"), 0, 0, 1),
+                      weights_only=False)["args"]
+    assert (args.tokenizer_type, args.vocab_size, args.padded_vocab_size) == ("NullTokenizer",
+                                                                              199, 208)
+    assert args.add_position_embedding and args.rotary_base == 10000
+    text = " ".join(flags)
+    assert "--ckpt-format torch" in text and "--use-legacy-models" in text
+    assert "--tokenizer-type NullTokenizer --vocab-size 199" in text
+    assert "--rotary-base" not in text and "10000.0" not in text
+    # importing Megatron's NullTokenizer args keeps the EOD row (id 199)
+    import_megatron(meg, str(tmp_path / "back"))
+    back = reshard.read_full(os.path.join(tmp_path / "back", "iter_0000001"), False)
+    assert back.metadata["model"]["vocab_size"] == 200
+
+
+def _megatron_like_file(path, extra=None):
+    """A file pickled as Megatron-LM writes one, made without the megatron package: its enums
+    (module megatron.core.enums) and numpy's RNG state in the args and rng_state."""
+    import enum
+    import signal
+    import sys
+    import types
+
+    import numpy as np
+    modules = {name: types.ModuleType(name) for name in
+               ("megatron", "megatron.core", "megatron.core.enums")}
+    model_type = enum.Enum("ModelType", {"encoder_or_decoder": 1})
+    model_type.__module__ = "megatron.core.enums"
+    modules["megatron.core.enums"].ModelType = model_type
+    sys.modules.update(modules)
+    try:
+        args = argparse.Namespace(model_type=model_type.encoder_or_decoder,
+                                  exit_signal=signal.SIGTERM, extra=extra)
+        torch.save({"args": args, "rng_state": [{"np_rng_state": np.random.get_state()}],
+                    "model": {}}, path)
+    finally:
+        for name in modules:
+            sys.modules.pop(name)
+
+
+def test_restricted_loader_reads_megatron_enums_and_numpy_rng_state(tmp_path):
+    from megatron_ul.checkpoint import megatron_pickle
+    path = str(tmp_path / "model_optim_rng.pt")
+    _megatron_like_file(path)
+    state = megatron_pickle.load(path)
+    assert state["args"].model_type.value == 1
+    assert state["args"].model_type.enum_name == "megatron.core.enums.ModelType"
+    assert state["rng_state"][0]["np_rng_state"][1].dtype.name == "uint32"
+
+
+def test_restricted_loader_refuses_any_other_object_naming_the_file(tmp_path):
+    import datetime
+
+    from megatron_ul.checkpoint import megatron_pickle
+    from megatron_ul.checkpoint.files import CheckpointError
+    path = str(tmp_path / "model_optim_rng.pt")
+    _megatron_like_file(path, extra=datetime.date(2024, 1, 1))
+    refused = re.escape(path) + r": cannot be read safely \(it pickles datetime.date"
+    with pytest.raises(CheckpointError, match=refused):
+        megatron_pickle.load(path)
+    with pytest.raises(CheckpointError, match="module 'megatron'"):   # full unpickling
+        megatron_pickle.load(path, trust_pickle=True)

@@ -79,3 +79,34 @@ def test_list_valued_json_same_bytes_as_megatron_lm(tmp_path):
                  str(tmp_path))
     assert preprocess_data.main(["--input", source, "--output-prefix", str(tmp_path / "ours"), *flags]) == 0
     assert read_pair(tmp_path / "ours_text_document") == read_pair(tmp_path / "theirs_text_document")
+
+
+
+GPT2_TOKENIZATION = os.path.join(MEGATRON_LM_DIR or "", "megatron", "training", "tokenizer",
+                                 "gpt2_tokenization.py")
+
+
+@pytest.mark.skipif(not os.path.isfile(GPT2_TOKENIZATION),
+                    reason="this Megatron-LM checkout has no gpt2_tokenization.py (removed after "
+                           "core_r0.16.0; later releases load GPT-2 through the Hugging Face hub)")
+@pytest.mark.parametrize("layout", ["header", "no-header", "no-final-newline"])
+def test_gpt2_merges_edge_cases_same_ids_as_megatron_lm(tmp_path, layout):
+    """Megatron drops the first line and the last element of merges.txt whatever they hold."""
+    import importlib.util
+
+    from megatron_ul.data.tokenizers import GPT2BPETokenizer
+    spec = importlib.util.spec_from_file_location("megatron_gpt2_tokenization", GPT2_TOKENIZATION)
+    theirs_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(theirs_module)
+    vocab, merges, _ = byte_level_gpt2_files(str(tmp_path))
+    with open(merges, encoding="utf-8") as handle:
+        lines = handle.read().split("\n")
+    text = {"header": "\n".join(lines), "no-header": "\n".join(lines[1:]),
+            "no-final-newline": "\n".join(lines[:-1])}[layout]
+    with open(merges, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    theirs = theirs_module.GPT2Tokenizer(vocab, merges, errors="replace", special_tokens=[],
+                                         max_len=None)
+    ours = GPT2BPETokenizer(vocab, merges)
+    for record in texts_with_empties():
+        assert ours.tokenize(record["text"]) == theirs.encode(record["text"]), layout

@@ -309,3 +309,24 @@ def test_training_flag_accepts_every_tokenizer_type():
 
     literal = typing.get_args(typing.get_type_hints(DataConfig)["tokenizer_type"])[0]
     assert typing.get_args(literal) == TOKENIZER_TYPES
+
+
+@pytest.mark.parametrize("layout", ["header", "no-header", "no-final-newline", "blank-line"])
+def test_gpt2_merges_read_as_megatron_reads_them(tmp_path, layout):
+    """Megatron drops the first line and the last element of merges.txt.split('\\n'), whatever
+    they hold: without the header the first merge is lost, without a final newline the last."""
+    merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("o", "r")]
+    vocab, vocab_file, merge_file = write_gpt2_files(tmp_path, merges)
+    body = [f"{a} {b}" for a, b in merges]
+    text = {"header": "#version: 0.2\n" + "\n".join(body) + "\n",
+            "no-header": "\n".join(body) + "\n",
+            "no-final-newline": "#version: 0.2\n" + "\n".join(body),
+            "blank-line": "#version: 0.2\n" + "\n".join(body[:2] + [""] + body[2:]) + "\n"}[layout]
+    with open(merge_file, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    used = {"header": merges, "no-header": merges[1:], "no-final-newline": merges[:-1],
+            "blank-line": merges}[layout]
+    reference = ReferenceBPE(vocab, used)
+    tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
+    for sample in ["hello world", "he hell or word", "llama"]:
+        assert tokenizer.tokenize(sample) == reference.encode(sample), (layout, sample)

@@ -19,7 +19,7 @@ import sys
 from megatron_ul.checkpoint import files
 from megatron_ul.checkpoint.files import CheckpointError
 from megatron_ul.checkpoint.hf import model_flags
-from megatron_ul.checkpoint.megatron_lm import export_megatron, import_megatron, megatron_flags
+from megatron_ul.checkpoint.megatron_lm import export_megatron, import_megatron
 
 
 def main(argv=None) -> int:
@@ -50,12 +50,9 @@ def main(argv=None) -> int:
             model = files.read_json(os.path.join(out, files.METADATA), "")["model"]
             print(f"wrote {out}\nmodel flags: {' '.join(model_flags(model))}")
         else:
-            out = export_megatron(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
-                                  a.target_pipeline_parallel_size)
-            model = files.read_json(os.path.join(
-                files.find_iteration_dir(a.load_dir, files.read_tracker(a.load_dir)),
-                files.METADATA), "")["model"]
-            print(f"wrote {out}\nMegatron-LM flags: {' '.join(megatron_flags(model))}")
+            out, flags = export_megatron(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
+                                         a.target_pipeline_parallel_size)
+            print(f"wrote {out}\nMegatron-LM flags: {' '.join(flags)}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
