@@ -482,8 +482,32 @@ def estimate_config(cfg: Config) -> MemoryEstimate:
     zero = getattr(cfg.parallel, "zero_stage", 0) or (
         1 if getattr(cfg.parallel, "use_distributed_optimizer", False) else 0)
     return estimate(cfg.model, layout_from_config(cfg), zero_stage=zero,
-                    recompute=recompute_of(cfg),
-                    precision=Precision(bf16=cfg.train.bf16 or cfg.train.fp16))
+                    recompute=recompute_of(cfg), precision=precision_of(cfg),
+                    kernels=kernels_of(cfg))
+
+
+def precision_of(cfg: Config) -> Precision:
+    """--bf16/--fp16 are autocast over an fp32 model today; a Config that says the model itself
+    is in half precision (Megatron's meaning) is estimated as such."""
+    t = cfg.train
+    half = bool(t.bf16 or t.fp16)
+    half_model = half and bool(_setting(cfg, "half_precision_model", False))
+    return Precision(bf16=half and not half_model, half_model=half_model,
+                     fp32_residual=bool(_setting(cfg, "fp32_residual_connection", False)))
+
+
+def kernels_of(cfg: Config) -> Kernels:
+    offload = 0.0
+    if _setting(cfg, "optimizer_cpu_offload", False):
+        offload = float(_setting(cfg, "optimizer_offload_fraction", 1.0))
+    return Kernels(documents=bool(cfg.data.reset_attention_mask), optimizer_offload=offload)
+
+
+def _setting(cfg: Config, name: str, default):
+    for section in (cfg.train, cfg.model, cfg.parallel):
+        if hasattr(section, name):
+            return getattr(section, name)
+    return default
 
 
 def recompute_of(cfg: Config) -> str:

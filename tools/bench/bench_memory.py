@@ -222,7 +222,11 @@ def peak_worker(rank, world, argv, precision: str):
         optimizer = MainParamsAdamW(model, cfg.train.lr, model.dims)
     batches = [next(trainer.train_batches) for _ in range(cfg.train.train_iters)]
     params = list(model.parameters())
-    tracker = LiveTensorTracker(model, preexisting=params + getattr(optimizer, "main", []))
+    main = getattr(optimizer, "main", [])
+
+    def gradients():
+        return {"gradients": [p.grad for p in params + main if p.grad is not None]}
+    tracker = LiveTensorTracker(model, preexisting=params + main, classify=gradients)
     _phase_wrap(step_module, "clip_gradients", tracker, "clip")
     _phase_wrap(optimizer, "step", tracker, "optimizer")
     _mark_backward_stages(model, tracker)
@@ -234,7 +238,7 @@ def peak_worker(rank, world, argv, precision: str):
                                    autocast_dtype=autocast)
     inner = getattr(optimizer, "optimizer", optimizer)
     state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
-    classes = {"parameters": params + getattr(optimizer, "main", []),
+    classes = {"parameters": params + main,
                "optimizer state": state}
     phases = {}
     for phase, peak in tracker.peaks.items():

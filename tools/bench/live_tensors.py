@@ -47,13 +47,24 @@ class Peak:
         self.snapshot: list = []
         self.snapshot_bytes = 0
 
-    def update(self, live: int, where, storages: dict) -> None:
+    def update(self, live: int, where, storages: dict, classify) -> None:
         if live <= self.bytes:
             return
         self.bytes, self.where = live, where()
         if live > self.snapshot_bytes * (1 + SNAPSHOT_STEP):
-            self.snapshot = [(key, e[0], e[2]) for key, e in storages.items()]
+            classes = _class_of_keys(classify())
+            self.snapshot = [(key, e[0], classes.get(key, e[2])) for key, e in storages.items()]
             self.snapshot_bytes = live
+
+
+def _class_of_keys(classes: dict) -> dict:
+    by_key = {}
+    for name, tensors in classes.items():
+        for t in tensors:
+            key, _ = _storage_key(t)
+            if key is not None:
+                by_key.setdefault(key, name)
+    return by_key
 
 
 def _storage_key(t: torch.Tensor):
@@ -67,8 +78,11 @@ def _storage_key(t: torch.Tensor):
 class LiveTensorTracker(TorchDispatchMode):
     """Counts live storage bytes; `phase` is set by the caller ('iteration 2', 'optimizer')."""
 
-    def __init__(self, model: torch.nn.Module | None = None, preexisting=()):
+    def __init__(self, model: torch.nn.Module | None = None, preexisting=(), classify=dict):
+        """classify() -> {name: tensors}: called when a peak is photographed; storages of those
+        tensors are reported under that name ('gradients', ...) instead of the op's label."""
         super().__init__()
+        self._classify = classify
         self.phase = "setup"
         self._names = {m: n for n, m in model.named_modules()} if model is not None else {}
         self._module_stack: list[str] = []
@@ -139,7 +153,7 @@ class LiveTensorTracker(TorchDispatchMode):
                 label = label or self._label(func)
                 self._register(t, label)
         self.peaks[self.phase].update(self.live_bytes, lambda: self._label(func),
-                                      self._storages)
+                                      self._storages, self._classify)
         return out
 
     # ---- results -----------------------------------------------------------------------------
@@ -152,15 +166,10 @@ class LiveTensorTracker(TorchDispatchMode):
     def peak_breakdown(self, phase: str | None = None,
                        classes: dict | None = None) -> dict[str, int]:
         """{label: bytes} of the storages alive at the (photographed) peak of `phase` (the
-        largest phase when None). `classes` maps a
-        name ('parameters', 'gradients', 'optimizer state') to tensors whose storages are
-        reported under that name instead of the op that made them."""
-        by_key = {}
-        for name, tensors in (classes or {}).items():
-            for t in tensors:
-                key, _ = _storage_key(t)
-                if key is not None:
-                    by_key[key] = name
+        largest phase when None). `classes` maps a name ('parameters', 'optimizer state') to
+        tensors whose storages are reported under that name instead of the op that made
+        them (as `classify` does at the time of the peak)."""
+        by_key = _class_of_keys(classes or {})
         totals: dict[str, int] = defaultdict(int)
         for key, nbytes, label in self.peak(phase)[1].snapshot:
             totals[by_key.get(key, label)] += nbytes
