@@ -117,12 +117,10 @@ class Kernels:
     host_is_device: bool = False
 
 
-# Measured with tools/bench/bench_memory.py --peak (live tensors, CPU, fp32 and a bf16 model):
-# what one layer's backward holds above its saved tensors, in [s, b, h] units. Residual-stream
-# gradients (the incoming one, the residual branch's and the norm input's) and the
-# activation-dtype gradients alive at the attention backward (d out, dq, dk, dv, the fused dqkv).
-BACKWARD_RESIDUAL_UNITS = 3
-BACKWARD_ACTIVATION_UNITS = 5
+# Measured with tools/bench/bench_memory.py --peak (live tensors, CPU): while a layer
+# backpropagates, the residual-stream gradients alive besides the saved tensors (the incoming
+# one and the residual branch's), in [s, b, h] units of the residual dtype.
+BACKWARD_RESIDUAL_UNITS = 2
 RING_SCORE_UNITS = 5      # s, p, dp, dp - delta, ds of one unit alive in its backward
 CLIP_BYTES_PER_ELEMENT = 16   # the grad norm upcasts each gradient to fp64 and squares it
 FOREACH_ADAM_BYTES = 4        # _foreach_sqrt(exp_avg_sq): one fp32 list the size of the step
@@ -313,10 +311,39 @@ def document_working_bytes(m: ModelConfig, layout: Layout, precision: Precision,
 
 
 def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
-    """Gradients alive at once while one layer backpropagates (see the constants' comment)."""
+    """Gradients alive at once at the attention's backward (the layer's backward peak): the
+    residual-stream gradients, the attention output's gradient and dq, dk, dv; under Ulysses
+    also the backward all-to-all's send copy and receive buffer of dq, dk, dv."""
     z = _sizes(m, layout)
-    return (BACKWARD_RESIDUAL_UNITS * z.norm * precision.residual
-            + BACKWARD_ACTIVATION_UNITS * z.hidden / layout.tp * precision.act)
+    exchange = 2 * z.qkv * precision.act if layout.sp > 1 else 0.0
+    return (BACKWARD_RESIDUAL_UNITS * z.norm * precision.residual + z.attn * precision.act
+            + z.qkv * precision.act + exchange)
+
+
+def layer_backward_terms(m: ModelConfig, layout: Layout, precision: Precision,
+                         kernels: Kernels) -> dict[str, float]:
+    """One layer's backward at its larger stage: the MLP's (every saved tensor, the
+    residual gradients and the MLP's own gradients) or the attention's (what the attention
+    half saved, its gradients, and the ring's or the document kernel's working set)."""
+    saved = layer_terms(m, layout, precision, kernels)
+    z, res, act = _sizes(m, layout), precision.residual, precision.act
+    residual_grads = BACKWARD_RESIDUAL_UNITS * z.norm * res
+    mlp_stage = {**saved, "residual-stream gradients": residual_grads,
+                 "MLP gradients": 0.75 * _mlp_elements(m, layout, z) * act}
+    attention_stage = {
+        "layer input (norm input)": z.norm * res,
+        "norm output (QKV input)": z.norm * act,
+        "q, k, v": saved["q, k, v"],
+        "backward working set (residual grads, d out, dq, dk, dv)":
+            backward_working_bytes(m, layout, precision),
+        "ring unit working set": ring_working_bytes(m, layout, kernels),
+        "document attention backward": document_working_bytes(m, layout, precision, kernels),
+    }
+    if layout.cp > 1:      # the ring keeps its fp32 output and log-sum-exp for backward
+        attention_stage["attention output (ring, fp32)"] = z.attn * 4
+    if sum(mlp_stage.values()) > sum(attention_stage.values()):
+        return mlp_stage
+    return attention_stage
 
 
 def head_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
@@ -428,27 +455,32 @@ def estimate(m: ModelConfig, layout: Layout, *, zero_stage: int = 0, recompute: 
     backward = backward_working_bytes(m, layout, precision)
     ring = ring_working_bytes(m, layout, kernels)
     documents = document_working_bytes(m, layout, precision, kernels)
-    rebuilt = layer_terms(m, layout, precision, kernels) if recompute == "full" else {}
     grads_in_forward = grad_bytes if layout.num_micro_batches > 1 else 0.0
     embedding_grad = 4 * _embedding_parameters(m, layout.tp) / (
         layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
     stepped = params / (layout.dp * layout.sp * layout.cp if zero_stage >= 1 else 1)
+    output_grad = 4 * _embedding_parameters(m, layout.tp)
     layer_phase = {
         "activations kept (other layers)": kept - (per_layer_kept if recompute == "full"
                                                    else 0.0),
-        **rebuilt,
-        "backward working set": backward,
-        "ring unit working set": ring,
-        "document attention backward": documents,
+        **(layer_backward_terms(m, layout, precision, kernels) if recompute == "full" else {
+            "backward working set": backward, "ring unit working set": ring,
+            "document attention backward": documents}),
         "gradients (all but the embedding's)": max(grad_bytes - embedding_grad, 0.0),
     }
     forward_phase = {"activations kept": kept, "head": head, "loss working set": loss,
                      "ring unit working set": ring / 2,
                      "gradients (accumulating)": grads_in_forward}
+    # The output layer's gradient is summed chunk by chunk into a new tensor: two coexist.
+    loss_phase = {"activations kept": kept, "head": head, "loss working set": loss,
+                  "output-layer gradient (accumulating)": 2 * output_grad if layout.pp == 1
+                  else 0.0,
+                  "gradients (accumulating)": grads_in_forward}
     step_phase = {"gradients": grad_bytes,
                   "optimizer step temporaries": _optimizer_working_bytes(
                       m, layout, zero_stage, stepped, kernels)}
-    phases = {"forward": forward_phase, "layer backward": layer_phase, "optimizer": step_phase}
+    phases = {"forward": forward_phase, "loss backward": loss_phase,
+              "layer backward": layer_phase, "optimizer": step_phase}
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     peak = max(totals, key=totals.get)
     return MemoryEstimate(params, param_bytes, grad_bytes, optimizer_bytes,

@@ -2,7 +2,6 @@
 exactly, parameter + gradient + Adam bytes and the bytes each layer keeps for backward within
 15%, single rank, Ulysses SP2 and TP2 with and without Megatron-SP; that Megatron-SP's
 column-parallel linears keep only their input shard; plus the GPU-count search."""
-import dataclasses
 import functools
 
 import pytest
