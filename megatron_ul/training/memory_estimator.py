@@ -3,7 +3,9 @@ that fits a given GPU memory.
 
 Parameters, gradients and Adam state follow what megatron_ul allocates: fp32 parameters,
 fp32 gradients and two fp32 Adam moments (16 bytes per parameter); --bf16 and --fp16 run under
-autocast, which also keeps a 2-byte copy of every matmul weight alive from forward to backward.
+autocast, which also keeps a 2-byte copy of every matmul weight alive from forward to backward
+(Precision.bf16). Precision.half_model is Megatron's meaning of the flags: 2-byte parameters
+and activations, fp32 main parameters and gradients next to Adam (18 bytes per parameter).
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
 parameters, over the data × sequence parallel group (Ulysses ranks hold replicated weights, as
 in DeepSpeed).
@@ -28,10 +30,17 @@ the full-recompute layer inputs to host memory (reported as host_bytes); two sta
 (the one being recomputed and the one prefetched). Document masking and sliding windows add
 nothing of size N² (O(N) offsets).
 Pipelining with 1F1B keeps min(PP, micro-batches) micro-batches of L/PP layers alive on the
-first stage. The loss's short-lived logits copy (or tiled chunk) and the gradients alive while a
-layer backpropagates (8 [s, b, h] tensors) are counted as their own rows.
-Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU), and the
-backward's other short-lived gradient buffers.
+first stage.
+The peak is the largest of the phases, which never coexist (MemoryEstimate.phases): forward,
+the loss's backward (one chunk's logits, the output layer's gradient accumulating), a layer's
+backward (the rebuilt layer at its larger stage, MLP or attention, with the ring's or the
+document kernel's working set) and the optimizer step (foreach AdamW's temporaries, the grad
+norm's fp64 copy of the largest gradient). The model state (parameters, optimizer state) is
+under every phase; gradients are under the backward and step phases.
+Checked against the live-tensor tracker (tools/bench/live_tensors.py) in
+tests/training/test_memory_estimator_measured.py, not against these formulas.
+Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU), kernels'
+internal workspaces (they show in peak RSS on CPU, not in live tensors).
 """
 from __future__ import annotations
 
