@@ -86,14 +86,17 @@ class DistributedAttention:
         if r > 1:
             k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
         hk = k.shape[2]
-        # Pack per destination rank j: [q heads of j | k heads of j | v heads of j].
-        per_rank = [t.reshape(s, b, sp, t.shape[2] // sp, d) for t in (q, k, v)]
+        # Pack per destination rank j: [q heads of j | k heads of j | v heads of j], written
+        # straight into the send layout [SP, s, b, H/SP, d]: the all-to-all sends it as it is
+        # (seen as [s, b, SP, H/SP, d], its per-rank chunks are already contiguous) instead of
+        # making a send copy next to it.
+        per_rank = [t.reshape(s, b, sp, t.shape[2] // sp, d).movedim(2, 0) for t in (q, k, v)]
         del q, k, v
-        packed = torch.cat(per_rank, dim=3).reshape(s, b, sp * (hq + 2 * hk) // sp, d)
+        packed = torch.cat(per_rank, dim=3).movedim(0, 2)
         del per_rank
-        # all-to-all #1: scatter heads (dim 2), gather sequence (dim 0) -> [N, b, H/SP, d]
+        # all-to-all #1: scatter heads (dim 2), gather sequence (dim 0) -> [N, b, 1, H/SP, d]
         full = ulysses_all_to_all(packed, scatter_dim=2, gather_dim=0, group=self.group,
-                                  timers=self.timers)
+                                  timers=self.timers).squeeze(2)
         del packed
         q_full, k_full, v_full = full.split([hq // sp, hk // sp, hk // sp], dim=2)
         del full
