@@ -1,6 +1,8 @@
 """The lean layer: RMSNorm as one autograd Function (saves its input and the reciprocal RMS
 only), LayerNorm's native kernel (input, mean, rstd), and q, k, v split out of the fused QKV
 output into owned buffers with one fused-size gradient buffer in backward."""
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -120,14 +122,15 @@ def test_attention_keeps_no_view_of_the_fused_qkv_output():
     tokens = torch.randint(0, 127, (1, 64))
     positions = torch.arange(64).unsqueeze(0)
     fused_bytes = 64 * 3 * 64 * 4
-    sizes = []
+    outputs = []   # a weak reference: a view saved for backward would keep it alive
     hook = model.layers[0].attention.qkv.register_forward_hook(
-        lambda _m, _i, out: sizes.append(out.untyped_storage().data_ptr()))
-    _, saved = _saved_storages(lambda: model(tokens, positions, None, tokens),
-                               model.parameters())
+        lambda _m, _i, out: outputs.append(weakref.ref(out)))
+    loss, saved = _saved_storages(lambda: model(tokens, positions, None, tokens),
+                                  model.parameters())
     hook.remove()
-    assert sizes and sizes[0] not in saved, "the fused QKV output is kept for backward"
+    assert outputs and outputs[0]() is None, "the fused QKV output is kept for backward"
     assert fused_bytes not in saved.values()
+    del loss
     total = saved_activation_bytes(lambda: model(tokens, positions, None, tokens),
                                    model.parameters())[1]
     assert total > 0
