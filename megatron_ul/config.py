@@ -214,6 +214,9 @@ class TrainConfig:
     eval_iters: int = flag(10, help="validation batches per evaluation")
     dry_run: bool = flag(False, help="validate, print the resolved layout and a per-GPU memory "
                                      "estimate, exit (with --world-size N for the planned launch)")
+    gpu_memory_gb: Optional[float] = flag(
+        None, help="--dry-run: GPU memory per device; the plan is refused (exit 1, naming the "
+                   "largest term) when the estimate does not fit")
 
 
 @dataclass

@@ -1,4 +1,10 @@
-"""LayerNorm and RMSNorm: apex's fused kernels when importable on a GPU, else PyTorch."""
+"""LayerNorm and RMSNorm: apex's fused kernels when importable on a GPU, else PyTorch.
+
+Both keep only what their backward needs: LayerNorm's native kernel (F.layer_norm) saves its
+input, the mean and the reciprocal standard deviation; RMSNorm is one autograd Function that
+saves its input and the per-token reciprocal RMS. PyTorch's composite F.rms_norm instead saves
+the normalised input besides the input, and its backward makes four [s, h] temporaries.
+"""
 from __future__ import annotations
 
 import logging
@@ -29,10 +35,42 @@ def _announce(use_apex: bool) -> None:
         message = "PyTorch F.layer_norm / F.rms_norm (apex is installed; its fused kernels " \
                   "need a CUDA device)"
     else:
-        message = "PyTorch F.layer_norm / F.rms_norm (apex is not installed)"
+        message = "PyTorch F.layer_norm / RMSNorm Function (apex is not installed)"
     if message not in _announced:
         log.info("normalization: %s", message)
         _announced.add(message)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """y = x · rsqrt(mean(x²) + eps) · w, computed in fp32 (fp64 inputs: in fp64), returned in
+    x's and w's dtype."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        compute = torch.promote_types(x.dtype, torch.float32)
+        rstd = torch.rsqrt(x.to(compute).square().mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, weight, rstd)
+        out_dtype = torch.promote_types(x.dtype, weight.dtype)
+        return (x.to(compute) * rstd).mul_(weight.to(compute)).to(out_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x.to(rstd.dtype) * rstd                 # recomputed: one [s, h] temporary
+        g = grad_out.to(rstd.dtype)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (g * x_hat).sum(tuple(range(g.dim() - 1))).to(weight.dtype)
+        g = g * weight.to(rstd.dtype)                   # a new tensor: grad_out stays intact
+        # dx = rstd · (g − x̂ · mean(g · x̂)), written into g's buffer.
+        c = (g * x_hat).mean(-1, keepdim=True)
+        grad_x = g.sub_(x_hat.mul_(c)).mul_(rstd).to(x.dtype)
+        return grad_x, grad_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, saving only x and the per-token reciprocal RMS."""
+    return _RMSNorm.apply(x, weight, eps)
 
 
 class Norm(nn.Module):
@@ -59,4 +97,4 @@ class Norm(nn.Module):
             return fused_rms_norm_affine(x, self.weight, self.size, self.eps)
         if self.kind == "LayerNorm":
             return F.layer_norm(x, self.size, self.weight, self.bias, self.eps)
-        return F.rms_norm(x, self.size, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps)

@@ -22,6 +22,7 @@ from ..timers import NO_TIMERS, Timers
 from .attention import select_backend
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
+from .qkv import split_qkv
 from .ring_attention import Ring
 from .rotary import apply_rotary
 from .tiled_mlp import tiled_mlp
@@ -70,12 +71,16 @@ class SelfAttention(nn.Module):
         qkv = self.qkv(x)                                        # [s, b, groups/TP * (qpg+2) * d]
         s, b = qkv.shape[:2]
         per_group = self.q_heads // self.kv_heads
-        qkv = qkv.view(s, b, self.kv_heads, per_group + 2, self.head_dim)
-        q = qkv[:, :, :, :per_group].reshape(s, b, self.q_heads, self.head_dim)
-        k, v = qkv[:, :, :, per_group], qkv[:, :, :, per_group + 1]
+        # Three owned buffers; no name keeps the fused output (or q, k, v) alive past its use.
+        q, k, v = split_qkv(qkv.view(s, b, self.kv_heads, per_group + 2, self.head_dim),
+                            per_group)
+        del qkv
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        out = self.core(q, k, v, dropout_p=self.attention_dropout if self.training else 0.0,
+        qkv_list = [q, k, v]
+        del q, k, v
+        out = self.core(qkv_list,
+                        dropout_p=self.attention_dropout if self.training else 0.0,
                         attention_mask=attention_mask)
         return self.proj(out.reshape(s, b, self.q_heads * self.head_dim))
 

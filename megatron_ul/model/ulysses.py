@@ -66,8 +66,17 @@ class DistributedAttention:
                 attention_mask=attention_mask)
         return checkpoint(run, q, k, v) if self.recompute else run(q, k, v)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float,
+    def __call__(self, q, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
+                 *, dropout_p: float,
                  attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(q, k, v), or one list [q, k, v] that is emptied: a caller handing over its only
+        references lets q, k and v die once packed for the all-to-all, and the packed buffer
+        once sent."""
+        if isinstance(q, list):
+            handed_over = q
+            q, k, v = handed_over
+            handed_over.clear()
+        assert k is not None and v is not None
         sp = self.sp
         require_one_dtype(q, k, v)   # the packed buffer below must not be upcast
         if sp == 1:
@@ -77,14 +86,22 @@ class DistributedAttention:
         if r > 1:
             k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
         hk = k.shape[2]
-        # Pack per destination rank j: [q heads of j | k heads of j | v heads of j].
-        per_rank = [t.reshape(s, b, sp, t.shape[2] // sp, d) for t in (q, k, v)]
-        packed = torch.cat(per_rank, dim=3).reshape(s, b, sp * (hq + 2 * hk) // sp, d)
-        # all-to-all #1: scatter heads (dim 2), gather sequence (dim 0) -> [N, b, H/SP, d]
+        # Pack per destination rank j: [q heads of j | k heads of j | v heads of j], written
+        # straight into the send layout [SP, s, b, H/SP, d]: the all-to-all sends it as it is
+        # (seen as [s, b, SP, H/SP, d], its per-rank chunks are already contiguous) instead of
+        # making a send copy next to it.
+        per_rank = [t.reshape(s, b, sp, t.shape[2] // sp, d).movedim(2, 0) for t in (q, k, v)]
+        del q, k, v
+        packed = torch.cat(per_rank, dim=3).movedim(0, 2)
+        del per_rank
+        # all-to-all #1: scatter heads (dim 2), gather sequence (dim 0) -> [N, b, 1, H/SP, d]
         full = ulysses_all_to_all(packed, scatter_dim=2, gather_dim=0, group=self.group,
-                                  timers=self.timers)
+                                  timers=self.timers).squeeze(2)
+        del packed
         q_full, k_full, v_full = full.split([hq // sp, hk // sp, hk // sp], dim=2)
+        del full
         out = self._attend(q_full, k_full, v_full, dropout_p, attention_mask)
+        del q_full, k_full, v_full
         # all-to-all #2: scatter sequence (dim 0), gather heads (dim 2) -> [N/SP, b, hq, d]
         return ulysses_all_to_all(out, scatter_dim=0, gather_dim=2, group=self.group,
                                   timers=self.timers)

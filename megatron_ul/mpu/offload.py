@@ -131,7 +131,14 @@ class _OffloadedCheckpoint(torch.autograd.Function):
                 out = ctx.function(x, *ctx.args)
         finally:
             _set_rng_states(current, device_type)
-        torch.autograd.backward(out, grad_out)
+        # Backpropagate from the output's gradient edge, not the output: nothing in backward
+        # needs the recomputed output itself ([s, b, h]), so it is freed before backward runs.
+        if out.grad_fn is not None:
+            edge = torch.autograd.graph.get_gradient_edge(out)
+            del out
+            torch.autograd.backward(edge, grad_out)
+        elif out.requires_grad:
+            torch.autograd.backward(out, grad_out)
         grad_x = x.grad if ctx.input_requires_grad else None
         return (None, None, None, grad_x) + (None,) * len(ctx.args)
 

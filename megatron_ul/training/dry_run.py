@@ -3,6 +3,7 @@ torch.distributed or building the model."""
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -81,8 +82,26 @@ def long_context(cfg: Config) -> str:
     return "; ".join(parts)
 
 
+def fit_problem(cfg: Config) -> str | None:
+    """Why the plan does not fit --gpu-memory-gb (naming the largest term), or None."""
+    budget = cfg.train.gpu_memory_gb
+    if budget is None:
+        return None
+    est = estimate_config(cfg)
+    if est.total_bytes <= budget * GiB:
+        return None
+    name, value = est.largest_term()
+    return (f"the plan does not fit --gpu-memory-gb {budget:g}: estimated "
+            f"{est.total_bytes / GiB:.1f} GiB per GPU at its peak ({est.peak_phase}); the "
+            f"largest term is {name} ({value / GiB:.1f} GiB)")
+
+
 def dry_run(cfg: Config) -> int:
     print(describe(cfg), flush=True)
+    problem = fit_problem(cfg)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return 1
     print(f"dry run: configuration is valid; estimated "
           f"{estimate_config(cfg).total_bytes / GiB:.1f} GiB per GPU (+ CUDA context); "
           f"not training", flush=True)

@@ -3,7 +3,9 @@ that fits a given GPU memory.
 
 Parameters, gradients and Adam state follow what megatron_ul allocates: fp32 parameters,
 fp32 gradients and two fp32 Adam moments (16 bytes per parameter); --bf16 and --fp16 run under
-autocast, which also keeps a 2-byte copy of every matmul weight alive from forward to backward.
+autocast, which also keeps a 2-byte copy of every matmul weight alive from forward to backward
+(Precision.bf16). Precision.half_model is Megatron's meaning of the flags: 2-byte parameters
+and activations, fp32 main parameters and gradients next to Adam (18 bytes per parameter).
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
 parameters, over the data × sequence parallel group (Ulysses ranks hold replicated weights, as
 in DeepSpeed).
@@ -28,14 +30,21 @@ the full-recompute layer inputs to host memory (reported as host_bytes); two sta
 (the one being recomputed and the one prefetched). Document masking and sliding windows add
 nothing of size N² (O(N) offsets).
 Pipelining with 1F1B keeps min(PP, micro-batches) micro-batches of L/PP layers alive on the
-first stage. The loss's short-lived logits copy (or tiled chunk) and the gradients alive while a
-layer backpropagates (8 [s, b, h] tensors) are counted as their own rows.
-Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU), and the
-backward's other short-lived gradient buffers.
+first stage.
+The peak is the largest of the phases, which never coexist (MemoryEstimate.phases): forward,
+the loss's backward (one chunk's logits, the output layer's gradient accumulating), a layer's
+backward (the rebuilt layer at its larger stage, MLP or attention, with the ring's or the
+document kernel's working set) and the optimizer step (foreach AdamW's temporaries, the grad
+norm's fp64 copy of the largest gradient). The model state (parameters, optimizer state) is
+under every phase; gradients are under the backward and step phases.
+Checked against the live-tensor tracker (tools/bench/live_tensors.py) in
+tests/training/test_memory_estimator_measured.py, not against these formulas.
+Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU), kernels'
+internal workspaces (they show in peak RSS on CPU, not in live tensors).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ..config import Config, ModelConfig
 from ..mpu.param_init import WORKSPACE_BYTES
@@ -67,36 +76,109 @@ class Layout:
 
 @dataclass(frozen=True)
 class Precision:
-    bf16: bool = False            # 2-byte autocast activations: --bf16 or --fp16
+    """Bytes per element of each kind of tensor.
+
+    bf16: --bf16/--fp16 as autocast over an fp32 model (today's flags): 2-byte matmul inputs and
+    outputs, fp32 parameters, gradients and residual stream, plus a 2-byte copy of every matmul
+    weight alive from forward to backward.
+    half_model: Megatron-LM's --bf16/--fp16: the model (parameters, activations, residual
+    stream) in half precision, fp32 main parameters and fp32 main gradients (accumulated in
+    fp32) next to Adam's two fp32 moments. fp32_residual: --fp32-residual-connection."""
+    bf16: bool = False
     dropout_mask_bytes: int = 1   # CUDA keeps a bool mask; the CPU kernel keeps a float mask
     fused_attention: bool = True  # flash / SDPA: no N×N tensors kept for backward
+    half_model: bool = False
+    fp32_residual: bool = False
+
+    @property
+    def act(self) -> int:
+        """Bytes of a matmul input/output."""
+        return 2 if self.bf16 or self.half_model else 4
+
+    @property
+    def residual(self) -> int:
+        """Bytes of the residual stream (layer inputs, norm inputs, their gradients)."""
+        return 2 if self.half_model and not self.fp32_residual else 4
+
+    @property
+    def param(self) -> int:
+        """Bytes per parameter on the device besides the optimizer: the model's own weights
+        (+ autocast's 2-byte copies)."""
+        return 2 if self.half_model else 4 + (2 if self.bf16 else 0)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """What the kernels and options chosen keep beyond the tensors every path has.
+
+    ring: "scores" (today's ring unit: fp32 C×C scores, probabilities and their gradients per
+    unit of C = N/(2·CP) tokens) or "fused" (a fused unit kernel returning the log-sum-exp: one
+    unit's output and log-sum-exp, O(C·d)). documents: --reset-attention-mask; document_kernel
+    "accumulate" (today's SDPA path: each document's dq, dk, dv next to the full-size
+    accumulators) or "in-place" (gradients written into the accumulators). optimizer_offload:
+    --optimizer-offload-fraction (0 = off). host_is_device: offloaded bytes live in the same
+    memory (a CPU run), so they count in the peak."""
+    ring: str = "scores"
+    documents: bool = False
+    document_kernel: str = "accumulate"
+    foreach_optimizer: bool = True
+    optimizer_offload: float = 0.0
+    host_is_device: bool = False
+
+
+# Measured with tools/bench/bench_memory.py --peak (live tensors, CPU): while a layer
+# backpropagates, the residual-stream gradients alive besides the saved tensors (the incoming
+# one and the residual branch's), in [s, b, h] units of the residual dtype.
+BACKWARD_RESIDUAL_UNITS = 2
+RING_SCORE_UNITS = 5      # s, p, dp, dp - delta, ds of one unit alive in its backward
+CLIP_BYTES_PER_ELEMENT = 16   # the grad norm upcasts each gradient to fp64 and squares it
+FOREACH_ADAM_BYTES = 4        # _foreach_sqrt(exp_avg_sq): one fp32 list the size of the step
 
 
 @dataclass
 class MemoryEstimate:
+    """Per-GPU bytes. The model state (parameters, gradients, optimizer) plus the largest
+    phase: phases never coexist, so the peak is their maximum, not their sum."""
     params_per_rank: int
     parameter_bytes: float
     gradient_bytes: float
     optimizer_bytes: float
-    activation_bytes: float
-    host_bytes: float = 0.0        # offloaded activations, in host memory (not in total)
-    loss_working_bytes: float = 0.0  # the loss's short-lived logits copy (or tiled chunk)
+    activation_bytes: float            # kept from forward to backward (all layers, head)
+    host_bytes: float = 0.0            # offloaded activations and optimizer state (host)
+    loss_working_bytes: float = 0.0    # the loss's short-lived logits (or tiled chunk)
     backward_working_bytes: float = 0.0  # gradients alive while one layer backpropagates
+    phases: dict = field(default_factory=dict)   # phase -> bytes above params + optimizer
+    terms: dict = field(default_factory=dict)    # the largest phase's terms
+    host_in_peak: bool = False
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get) if self.phases else "forward"
 
     @property
     def total_bytes(self) -> float:
-        return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
-                + self.activation_bytes + self.loss_working_bytes
-                + self.backward_working_bytes)
+        working = max(self.phases.values()) if self.phases else (
+            self.gradient_bytes + self.activation_bytes + self.loss_working_bytes
+            + self.backward_working_bytes)
+        return self.parameter_bytes + self.optimizer_bytes + working
+
+    def largest_term(self) -> tuple[str, float]:
+        """The biggest contribution to the peak (model state or a term of the peak phase)."""
+        every = {"parameters": self.parameter_bytes, "optimizer state": self.optimizer_bytes,
+                 **self.terms}
+        name = max(every, key=every.get)
+        return name, every[name]
 
     def rows(self) -> list[tuple[str, float]]:
-        return [("parameters", self.parameter_bytes), ("gradients", self.gradient_bytes),
+        rows = [("parameters", self.parameter_bytes), ("gradients", self.gradient_bytes),
                 ("optimizer state", self.optimizer_bytes),
-                ("activations", self.activation_bytes),
+                ("activations kept", self.activation_bytes),
                 ("loss working set", self.loss_working_bytes),
-                ("backward working set", self.backward_working_bytes),
-                ("total", self.total_bytes)] + (
-                    [("host memory (offloaded)", self.host_bytes)] if self.host_bytes else [])
+                ("backward working set", self.backward_working_bytes)]
+        rows += [(f"phase {name} (above params + optimizer)", v)
+                 for name, v in self.phases.items()]
+        rows.append((f"total (peak: {self.peak_phase})", self.total_bytes))
+        return rows + ([("host memory (offloaded)", self.host_bytes)] if self.host_bytes else [])
 
     def describe(self) -> str:
         return " | ".join(f"{name} {value / GiB:.2f} GiB" for name, value in self.rows())
@@ -116,12 +198,16 @@ def layer_parameters(m: ModelConfig, tp: int) -> int:
     return 2 * norm + weights + biases
 
 
+def _embedding_parameters(m: ModelConfig, tp: int) -> int:
+    return m.padded_vocab_size(tp) * m.hidden_size // tp
+
+
 def stage_parameters(m: ModelConfig, tp: int, pp: int) -> int:
     """Parameters on the largest pipeline stage of one TP rank (the first, or the last when the
     output layer is untied and larger)."""
-    h, vocab = m.hidden_size, m.padded_vocab_size(tp)
+    h = m.hidden_size
     layers = -(-m.num_layers // pp) * layer_parameters(m, tp)
-    embedding = vocab * h // tp
+    embedding = _embedding_parameters(m, tp)
     position = (m.max_position_embeddings or m.seq_length) * h \
         if m.position_embedding_type == "learned_absolute" else 0
     final_norm = h * (2 if m.normalization == "LayerNorm" else 1)
@@ -132,143 +218,294 @@ def stage_parameters(m: ModelConfig, tp: int, pp: int) -> int:
     return layers + max(embedding + position, final_norm + head)
 
 
+def _largest_parameter(m: ModelConfig, tp: int) -> int:
+    h, ffn = m.hidden_size, m.ffn_size
+    fc1 = h * ffn * (2 if m.swiglu else 1) // tp
+    qkv = h * (m.num_attention_heads + 2 * m.query_groups) * m.head_dim // tp
+    return max(_embedding_parameters(m, tp), fc1, qkv)
+
+
 # ---- activations --------------------------------------------------------------------------------
-def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
-                           recompute: str = "none") -> float:
-    """Bytes one transformer layer keeps for backward, per micro-batch, on one rank."""
-    tp, sp, b = layout.tp, layout.sp, layout.micro_batch_size
+@dataclass(frozen=True)
+class _Sizes:
+    """Element counts of one rank's tensors for one micro-batch."""
+    s: float          # tokens per rank between layers: N / (SP·CP)
+    norm: float       # [s, b, h] (÷TP under Megatron-SP): norms, residual, layer inputs
+    hidden: float     # [s, b, h]: a TP rank's linear inputs are replicated (or gathered)
+    qkv: float        # q, k and v of this TP rank's heads
+    attn: float       # the attention output of this TP rank's heads
+    ffn: float        # one MLP intermediate [s, b, ffn/TP]
+
+
+def _sizes(m: ModelConfig, layout: Layout) -> _Sizes:
+    tp, b = layout.tp, layout.micro_batch_size
     s = m.seq_length / layout.sequence_ranks
-    sbh = s * b * m.hidden_size
-    norm_region = sbh / (tp if layout.sequence_parallel else 1)   # norms, dropouts, residual
-    residual_bytes = 4                       # the residual stream stays fp32 under autocast
-    act = 2 if precision.bf16 else 4         # matmul inputs/outputs
-    if recompute == "full":                  # only the layer's input is kept
-        return norm_region * residual_bytes
-    d, heads, groups = m.head_dim, m.num_attention_heads, m.query_groups
-    qkv = s * b * (heads + 2 * groups) * d / tp
-    attn_out = s * b * heads * d / tp
-    ffn = s * b * m.ffn_size / tp
-    if m.tiled_mlp_chunk_size:               # only one chunk's intermediate at a time
-        local_tokens = s / (tp if layout.sequence_parallel else 1)
+    hidden = s * b * m.hidden_size
+    d = m.head_dim
+    return _Sizes(s=s, norm=hidden / (tp if layout.sequence_parallel else 1), hidden=hidden,
+                  qkv=s * b * (m.num_attention_heads + 2 * m.query_groups) * d / tp,
+                  attn=s * b * m.num_attention_heads * d / tp, ffn=s * b * m.ffn_size / tp)
+
+
+def _mlp_elements(m: ModelConfig, layout: Layout, z: _Sizes) -> float:
+    """What the MLP keeps: GELU its input and output; SwiGLU [gate; up], silu(gate) and the
+    product. Tiled: one chunk's, while that chunk is recomputed."""
+    ffn = z.ffn
+    if m.tiled_mlp_chunk_size:
+        local_tokens = z.s / (layout.tp if layout.sequence_parallel else 1)
         ffn *= min(1.0, m.tiled_mlp_chunk_size / local_tokens)
-    mlp = (4 if m.swiglu else 2) * ffn       # GELU: its input and output; SwiGLU: [gate; up],
-    #                                          silu(gate) and the product
-    # Column-parallel linear inputs: TP-replicated, or the local shard under Megatron-SP.
-    linear_in = norm_region
-    elements = (linear_in                    # QKV linear input (norm output)
-                + qkv                        # q, k, v kept by the attention kernel
-                + attn_out * (2 if layout.cp > 1 else 1)  # attention output kept by the
-                #                                kernel (the ring keeps it in fp32)
-                + attn_out                   # projection input (re-laid-out output)
-                + linear_in                  # fc1 input
-                + mlp)
-    # The two norm inputs; PyTorch's RMSNorm also keeps its normalised input (and a per-token
-    # rsqrt), which apex's fused kernel does not: counted, erring on the safe side.
-    norms = 2 * norm_region * residual_bytes
-    if m.normalization == "RMSNorm":
-        norms *= 2
-    total = norms + elements * act
+    return (4 if m.swiglu else 2) * ffn
+
+
+def layer_terms(m: ModelConfig, layout: Layout, precision: Precision,
+                kernels: Kernels = Kernels()) -> dict[str, float]:
+    """Bytes one transformer layer keeps for backward (no recompute), per micro-batch, per
+    rank, by term (model/transformer.py tensor by tensor)."""
+    z, act, res = _sizes(m, layout), precision.act, precision.residual
+    ring = layout.cp > 1
+    documents_view = kernels.documents and layout.sp == 1 and not ring
+    terms = {
+        "layer input + post-attention residual (norm inputs)": 2 * z.norm * res,
+        "norm outputs (QKV and fc1 inputs)": 2 * z.norm * act,
+        "q, k, v": z.qkv * act,
+        # The ring keeps its output in fp32; SDPA's output is permuted, so the projection
+        # keeps a re-laid-out copy (the document path writes it in place: no copy).
+        "attention output": z.attn * (4 if ring else act) * (1 if documents_view else 2),
+    }
+    mlp = _mlp_elements(m, layout, z) * act
+    if m.tiled_mlp_chunk_size:
+        terms["tiled MLP chunk (while recomputed)"] = mlp
+    else:
+        terms["MLP intermediate"] = mlp
     if m.hidden_dropout > 0:
-        total += 2 * norm_region * precision.dropout_mask_bytes
-    if not precision.fused_attention and recompute != "selective" and layout.cp == 1:
-        scores = heads / (tp * sp) * b * m.seq_length ** 2
-        total += 2 * scores * act + (scores * precision.dropout_mask_bytes
-                                     if m.attention_dropout > 0 else 0)
-    return total
+        terms["dropout masks"] = 2 * z.norm * precision.dropout_mask_bytes
+    if not precision.fused_attention and not ring and not kernels.documents:
+        scores = m.num_attention_heads / (layout.tp * layout.sp) * layout.micro_batch_size \
+            * m.seq_length ** 2
+        terms["attention scores (unfused kernel)"] = 2 * scores * act + (
+            scores * precision.dropout_mask_bytes if m.attention_dropout > 0 else 0)
+    return terms
+
+
+def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
+                           recompute: str = "none", kernels: Kernels = Kernels()) -> float:
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one rank."""
+    if recompute == "full":                  # only the layer's input is kept
+        return _sizes(m, layout).norm * precision.residual
+    terms = layer_terms(m, layout, precision, kernels)
+    if recompute == "selective":             # the attention core is recomputed: q, k, v stay
+        terms.pop("attention scores (unfused kernel)", None)
+    return sum(terms.values())
+
+
+def ring_working_bytes(m: ModelConfig, layout: Layout, kernels: Kernels) -> float:
+    """One ring unit's working set: C = N/(2·CP) queries × C keys for this rank's
+    heads/(TP·SP) heads."""
+    if layout.cp == 1:
+        return 0.0
+    heads = m.num_attention_heads / (layout.tp * layout.sp) * layout.micro_batch_size
+    chunk = m.seq_length / (2 * layout.cp)
+    if kernels.ring == "fused":              # unit output (fp32) + log-sum-exp, and dq/dk/dv
+        return 4 * heads * chunk * m.head_dim * 4
+    return RING_SCORE_UNITS * heads * chunk * chunk * 4
+
+
+def document_working_bytes(m: ModelConfig, layout: Layout, precision: Precision,
+                           kernels: Kernels) -> float:
+    """Document attention's backward beyond dq/dk/dv: each document's gradients next to the
+    full-size accumulators (all documents' at once in the worst case)."""
+    if not kernels.documents or layout.cp > 1 or kernels.document_kernel == "in-place":
+        return 0.0
+    return _sizes(m, layout).qkv * precision.act
+
+
+def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
+    """Gradients alive at once at the attention's backward (the layer's backward peak): the
+    residual-stream gradients, the attention output's gradient and dq, dk, dv; under Ulysses
+    also the backward all-to-all's send copy and receive buffer of dq, dk, dv."""
+    z = _sizes(m, layout)
+    exchange = 2 * z.qkv * precision.act if layout.sp > 1 else 0.0
+    return (BACKWARD_RESIDUAL_UNITS * z.norm * precision.residual + z.attn * precision.act
+            + z.qkv * precision.act + exchange)
+
+
+def layer_backward_terms(m: ModelConfig, layout: Layout, precision: Precision,
+                         kernels: Kernels) -> dict[str, float]:
+    """One layer's backward at its larger stage: the MLP's (every saved tensor, the
+    residual gradients and the MLP's own gradients) or the attention's (what the attention
+    half saved, its gradients, and the ring's or the document kernel's working set)."""
+    saved = layer_terms(m, layout, precision, kernels)
+    z, res, act = _sizes(m, layout), precision.residual, precision.act
+    residual_grads = BACKWARD_RESIDUAL_UNITS * z.norm * res
+    mlp_stage = {**saved, "residual-stream gradients": residual_grads,
+                 "MLP gradients": 0.75 * _mlp_elements(m, layout, z) * act}
+    attention_stage = {
+        "layer input (norm input)": z.norm * res,
+        "norm output (QKV input)": z.norm * act,
+        "q, k, v": saved["q, k, v"],
+        "backward working set (residual grads, d out, dq, dk, dv)":
+            backward_working_bytes(m, layout, precision),
+        "ring unit working set": ring_working_bytes(m, layout, kernels),
+        "document attention backward": document_working_bytes(m, layout, precision, kernels),
+    }
+    if layout.cp > 1:      # the ring keeps its fp32 output and log-sum-exp for backward
+        attention_stage["attention output (ring, fp32)"] = z.attn * 4
+    if sum(mlp_stage.values()) > sum(attention_stage.values()):
+        return mlp_stage
+    return attention_stage
 
 
 def head_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
-    """Final norm, output-layer input and the fp32 softmax the vocab-parallel loss keeps."""
-    s = m.seq_length / layout.sequence_ranks
-    sbh = s * layout.micro_batch_size * m.hidden_size
-    norm_region = sbh / (layout.tp if layout.sequence_parallel else 1)
-    act = 2 if precision.bf16 else 4
-    softmax = 0.0 if _loss_is_tiled(m, layout) else _logits_bytes(m, layout, s)
-    return norm_region * 4 + norm_region * act + softmax  # output-layer input: see linear_in
+    """Final norm's input and output (the output layer's input), and the fp32 softmax the
+    untiled vocab-parallel loss keeps."""
+    z = _sizes(m, layout)
+    softmax = 0.0 if _loss_is_tiled(m, layout) else _logits_bytes(m, layout, z.s)
+    return z.norm * precision.residual + z.norm * precision.act + softmax
 
 
 def _loss_is_tiled(m: ModelConfig, layout: Layout) -> bool:
     gathered = layout.tp if layout.sequence_parallel else 1
     chunk = m.tiled_loss_chunk_size
-    return bool(chunk) and chunk < m.seq_length / layout.sp / gathered
+    return bool(chunk) and chunk < m.seq_length / layout.sequence_ranks / gathered
 
 
-def _logits_bytes(m: ModelConfig, layout: Layout, rows: float) -> float:
-    """fp32 logits of `rows` tokens on one TP rank."""
-    return rows * layout.micro_batch_size * m.padded_vocab_size(layout.tp) / layout.tp * 4
+def _logits_bytes(m: ModelConfig, layout: Layout, rows: float, element: float = 4) -> float:
+    """Logits of `rows` tokens on one TP rank (fp32 unless `element` says otherwise)."""
+    return rows * layout.micro_batch_size * m.padded_vocab_size(layout.tp) / layout.tp * element
 
 
-def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
-    """Gradients alive at once while one layer backpropagates, in units of [s, b, h]: the
-    incoming, residual and norm-input gradients in the fp32 residual stream (3), and dq, dk,
-    dv, the attention output's and the MLP input's gradients in the activation dtype (5).
-    On CPU (fp32) the benchmark measures about this much above the kept activations."""
-    s = m.seq_length / layout.sp
-    sbh = s * layout.micro_batch_size * m.hidden_size
-    norm_region = sbh / (layout.tp if layout.sequence_parallel else 1)
-    act = 2 if precision.bf16 else 4
-    return 3 * norm_region * 4 + 5 * sbh / layout.tp * act
-
-
-def loss_working_bytes(m: ModelConfig, layout: Layout) -> float:
-    """The loss's short-lived buffers on the last stage: untiled, the output layer's logits
-    and the shifted copy the softmax is made of coexist in forward (the copy is kept); tiled,
-    one chunk's logits and shifted copy, [c·TP_gathered, b, V/TP] each."""
+def loss_working_bytes(m: ModelConfig, layout: Layout,
+                       precision: Precision = Precision()) -> float:
+    """The loss's short-lived buffers on the last stage: the logits, their fp32 upcast (half
+    precision) and the shifted copy the softmax is made of; tiled, one chunk's,
+    [c·TP_gathered, b, V/TP] each."""
+    element = 8 + (2 if precision.act == 2 else 0)
     if not _loss_is_tiled(m, layout):
-        return _logits_bytes(m, layout, m.seq_length / layout.sp)
+        return _logits_bytes(m, layout, m.seq_length / layout.sequence_ranks, element - 4)
     gathered = layout.tp if layout.sequence_parallel else 1
-    return 2 * _logits_bytes(m, layout, m.tiled_loss_chunk_size * gathered)
+    return _logits_bytes(m, layout, m.tiled_loss_chunk_size * gathered, element)
+
+
+def kept_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
+                          recompute: str, kernels: Kernels = Kernels()) -> tuple[float, float]:
+    """(on the device, in host memory): what all layers of the busiest stage keep from
+    forward to backward."""
+    layers = -(-m.num_layers // layout.pp)
+    in_flight = min(layout.pp, layout.num_micro_batches)
+    per_layer = layer_activation_bytes(m, layout, precision, recompute, kernels)
+    total = layers * in_flight * per_layer
+    if recompute == "full" and m.activation_checkpoint_cpu_offload:
+        device = min(total, 2 * per_layer)    # the one recomputed and the one prefetched
+        return device, total
+    return total, 0.0
 
 
 def activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
-                     recompute: str = "none") -> float:
-    """Peak activation bytes on the busiest rank (the first pipeline stage)."""
-    layers = -(-m.num_layers // layout.pp)
-    in_flight = min(layout.pp, layout.num_micro_batches)
-    per_layer = layer_activation_bytes(m, layout, precision, recompute)
-    total = layers * in_flight * per_layer
-    if recompute == "full" and m.activation_checkpoint_cpu_offload:
-        total = min(total, 2 * per_layer)    # the rest waits in host memory
-    if recompute == "full":  # during backward one layer is rebuilt with all its activations
-        total += layer_activation_bytes(m, layout, precision, "none")
+                     recompute: str = "none", kernels: Kernels = Kernels()) -> float:
+    """Peak activation bytes on the busiest rank (the first pipeline stage): everything kept,
+    the one layer rebuilt during a full-recompute backward, the head."""
+    device, _ = kept_activation_bytes(m, layout, precision, recompute, kernels)
+    if recompute == "full":
+        device += layer_activation_bytes(m, layout, precision, "none", kernels)
     if layout.pp == 1:
-        total += head_activation_bytes(m, layout, precision)
-    return total
+        device += head_activation_bytes(m, layout, precision)
+    return device
+
+
+# ---- model state --------------------------------------------------------------------------------
+def _model_state(params: int, layout: Layout, zero_stage: int, precision: Precision,
+                 kernels: Kernels) -> tuple[float, float, float, float]:
+    """(parameters, gradients, optimizer state on the device, optimizer bytes on the host).
+    ZeRO shards over dp × CP × SP (every replica of the weights). The optimizer's fp32 main
+    parameters (half model), fp32 gradient copy and Adam moments move to host memory for
+    the offloaded fraction."""
+    shards = layout.dp * layout.sp * layout.cp
+    param_bytes = precision.param * params / (shards if zero_stage >= 3 else 1)
+    grad_bytes = 4 * params / (shards if zero_stage >= 2 else 1)
+    main = 4 if precision.half_model else 0          # fp32 main parameters
+    stepped = params / (shards if zero_stage >= 1 else 1)
+    optimizer = (8 + main) * stepped
+    host = kernels.optimizer_offload * (optimizer + 4 * stepped)   # + the fp32 gradient copy
+    return param_bytes, grad_bytes, optimizer * (1 - kernels.optimizer_offload), host
+
+
+def _optimizer_working_bytes(m: ModelConfig, layout: Layout, zero_stage: int,
+                             stepped: float, kernels: Kernels) -> float:
+    """Temporaries of the step on the device: foreach AdamW's sqrt(exp_avg_sq) list (one
+    per parameter under the per-tensor loop), and the gradient norm's fp64 copy and square of
+    the largest gradient."""
+    largest = _largest_parameter(m, layout.tp)
+    adam = stepped if kernels.foreach_optimizer else min(stepped, largest)
+    adam *= FOREACH_ADAM_BYTES * (1 - kernels.optimizer_offload)
+    clip = CLIP_BYTES_PER_ELEMENT * largest / (
+        layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
+    return max(adam, clip)
 
 
 # ---- totals -------------------------------------------------------------------------------------
 def estimate(m: ModelConfig, layout: Layout, *, zero_stage: int = 0, recompute: str = "none",
-             precision: Precision = Precision()) -> MemoryEstimate:
+             precision: Precision = Precision(), kernels: Kernels = Kernels()) -> MemoryEstimate:
     if recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES} (got {recompute!r})")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3 (got {zero_stage})")
+    if kernels.ring not in ("scores", "fused"):
+        raise ValueError(f"ring kernel must be 'scores' or 'fused' (got {kernels.ring!r})")
     params = stage_parameters(m, layout.tp, layout.pp)
-    # ZeRO partitions over the data × ring × Ulysses group (all replicas of the parameters)
-    shards = layout.dp * layout.sp * layout.cp
-    param_bytes = 4 * params / (shards if zero_stage >= 3 else 1)
-    if precision.bf16:  # autocast's bf16 weight copies, kept for backward (under ZeRO-3 only
-        # the gathered layers' copies live at once: counted as a shard, a lower bound)
-        param_bytes += 2 * params / (shards if zero_stage >= 3 else 1)
-    grad_bytes = 4 * params / (shards if zero_stage >= 2 else 1)
-    optimizer_bytes = 8 * params / (shards if zero_stage >= 1 else 1)
-    host = 0.0
-    if recompute == "full" and m.activation_checkpoint_cpu_offload:
-        host = (-(-m.num_layers // layout.pp) * min(layout.pp, layout.num_micro_batches)
-                * layer_activation_bytes(m, layout, precision, "full"))
+    param_bytes, grad_bytes, optimizer_bytes, host_optimizer = _model_state(
+        params, layout, zero_stage, precision, kernels)
+    kept, host_kept = kept_activation_bytes(m, layout, precision, recompute, kernels)
+    if kernels.host_is_device:   # a CPU run: the "host" copies are the tensors themselves
+        kept = max(kept, host_kept)
+        optimizer_bytes += host_optimizer
+    per_layer_kept = layer_activation_bytes(m, layout, precision, recompute, kernels)
+    head = head_activation_bytes(m, layout, precision) if layout.pp == 1 else 0.0
+    loss = loss_working_bytes(m, layout, precision) if layout.pp == 1 else 0.0
+    backward = backward_working_bytes(m, layout, precision)
+    ring = ring_working_bytes(m, layout, kernels)
+    documents = document_working_bytes(m, layout, precision, kernels)
+    grads_in_forward = grad_bytes if layout.num_micro_batches > 1 else 0.0
+    embedding_grad = 4 * _embedding_parameters(m, layout.tp) / (
+        layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
+    stepped = params / (layout.dp * layout.sp * layout.cp if zero_stage >= 1 else 1)
+    output_grad = 4 * _embedding_parameters(m, layout.tp)
+    layer_phase = {
+        "activations kept (other layers)": kept - (per_layer_kept if recompute == "full"
+                                                   else 0.0),
+        **(layer_backward_terms(m, layout, precision, kernels) if recompute == "full" else {
+            "backward working set": backward, "ring unit working set": ring,
+            "document attention backward": documents}),
+        "gradients (all but the embedding's)": max(grad_bytes - embedding_grad, 0.0),
+    }
+    forward_phase = {"activations kept": kept, "head": head, "loss working set": loss,
+                     "ring unit working set": ring / 2,
+                     "gradients (accumulating)": grads_in_forward}
+    # The output layer's gradient is summed chunk by chunk into a new tensor: two coexist.
+    loss_phase = {"activations kept": kept, "head": head, "loss working set": loss,
+                  "output-layer gradient (accumulating)": 2 * output_grad if layout.pp == 1
+                  else 0.0,
+                  "gradients (accumulating)": grads_in_forward}
+    step_phase = {"gradients": grad_bytes,
+                  "optimizer step temporaries": _optimizer_working_bytes(
+                      m, layout, zero_stage, stepped, kernels)}
+    phases = {"forward": forward_phase, "loss backward": loss_phase,
+              "layer backward": layer_phase, "optimizer": step_phase}
+    totals = {name: sum(terms.values()) for name, terms in phases.items()}
+    peak = max(totals, key=totals.get)
     return MemoryEstimate(params, param_bytes, grad_bytes, optimizer_bytes,
-                          activation_bytes(m, layout, precision, recompute), host,
-                          loss_working_bytes(m, layout),
-                          backward_working_bytes(m, layout, precision))
+                          activation_bytes(m, layout, precision, recompute, kernels),
+                          host_kept + host_optimizer, loss, backward, phases=totals,
+                          terms={k: v for k, v in phases[peak].items() if v},
+                          host_in_peak=kernels.host_is_device)
 
 
 def init_peak_bytes(m: ModelConfig, layout: Layout, zero_stage: int = 0) -> float:
     """Peak during initialisation: a rank allocates only the fp32 parameters it holds (its TP
-    slice and pipeline stage; under ZeRO-3 its dp_sp shard, the model being built on the meta
-    device first) and computes them in place, plus the generator's bounded workspace
+    slice and pipeline stage; under ZeRO-3 its shard over dp × CP × SP, the model being built on
+    the meta device first) and computes them in place, plus the generator's bounded workspace
     (mpu/param_init.py). Nothing is drawn in full, on the host or on the GPU."""
     params = stage_parameters(m, layout.tp, layout.pp)
-    shards = layout.dp * layout.sp if zero_stage >= 3 else 1
+    shards = layout.dp * layout.sp * layout.cp if zero_stage >= 3 else 1
     return 4 * params / shards + WORKSPACE_BYTES
 
 
@@ -286,8 +523,32 @@ def estimate_config(cfg: Config) -> MemoryEstimate:
     zero = getattr(cfg.parallel, "zero_stage", 0) or (
         1 if getattr(cfg.parallel, "use_distributed_optimizer", False) else 0)
     return estimate(cfg.model, layout_from_config(cfg), zero_stage=zero,
-                    recompute=recompute_of(cfg),
-                    precision=Precision(bf16=cfg.train.bf16 or cfg.train.fp16))
+                    recompute=recompute_of(cfg), precision=precision_of(cfg),
+                    kernels=kernels_of(cfg))
+
+
+def precision_of(cfg: Config) -> Precision:
+    """--bf16/--fp16 are autocast over an fp32 model today; a Config that says the model itself
+    is in half precision (Megatron's meaning) is estimated as such."""
+    t = cfg.train
+    half = bool(t.bf16 or t.fp16)
+    half_model = half and bool(_setting(cfg, "half_precision_model", False))
+    return Precision(bf16=half and not half_model, half_model=half_model,
+                     fp32_residual=bool(_setting(cfg, "fp32_residual_connection", False)))
+
+
+def kernels_of(cfg: Config) -> Kernels:
+    offload = 0.0
+    if _setting(cfg, "optimizer_cpu_offload", False):
+        offload = float(_setting(cfg, "optimizer_offload_fraction", 1.0))
+    return Kernels(documents=bool(cfg.data.reset_attention_mask), optimizer_offload=offload)
+
+
+def _setting(cfg: Config, name: str, default):
+    for section in (cfg.train, cfg.model, cfg.parallel):
+        if hasattr(section, name):
+            return getattr(section, name)
+    return default
 
 
 def recompute_of(cfg: Config) -> str:

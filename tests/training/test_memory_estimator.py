@@ -2,7 +2,6 @@
 exactly, parameter + gradient + Adam bytes and the bytes each layer keeps for backward within
 15%, single rank, Ulysses SP2 and TP2 with and without Megatron-SP; that Megatron-SP's
 column-parallel linears keep only their input shard; plus the GPU-count search."""
-import dataclasses
 import functools
 
 import pytest
@@ -105,25 +104,24 @@ def test_zero_and_recompute_shrink_what_they_should():
     assert full.activation_bytes < plain.activation_bytes
 
 
-def test_long_context_options_shrink_what_they_should():
-    """Tiled loss: no [s, b, V] softmax kept, a 2-chunk working set; tiled MLP: one chunk's
-    intermediate; offload: the full-recompute inputs move to host_bytes."""
-    cfg = configure(BASE + ["--hidden-dropout", "0", "--seq-length", "4096", "--num-layers", "8"],
-                    1)
-    m, layout = cfg.model, me.layout_from_config(cfg)
-    plain = me.estimate(m, layout, recompute="full")
-    vocab, s, b = m.padded_vocab_size(1), 4096, 2
-    tiled = me.estimate(dataclasses.replace(m, tiled_loss_chunk_size=256), layout,
-                        recompute="full")
-    assert plain.loss_working_bytes == s * b * vocab * 4
-    assert tiled.loss_working_bytes == 2 * 256 * b * vocab * 4
-    assert plain.activation_bytes - tiled.activation_bytes == s * b * vocab * 4
-    mlp = me.layer_activation_bytes(dataclasses.replace(m, tiled_mlp_chunk_size=512), layout,
-                                    me.Precision())
-    untiled = me.layer_activation_bytes(m, layout, me.Precision())
-    assert untiled - mlp == pytest.approx(2 * s * b * m.ffn_size * 4 * (1 - 512 / s))
-    off = me.estimate(dataclasses.replace(m, activation_checkpoint_cpu_offload=True), layout,
-                      recompute="full")
-    per_input = me.layer_activation_bytes(m, layout, me.Precision(), "full")
-    assert off.host_bytes == 8 * per_input
-    assert plain.activation_bytes - off.activation_bytes == 6 * per_input
+def test_init_peak_and_zero_shards_count_the_ring():
+    """ZeRO-3 shards over dp × CP × SP: SP2 × CP2 holds what SP4 holds, at start-up too."""
+    cfg = configure(BASE + ["--hidden-dropout", "0"], 1)
+    hybrid, ulysses = me.Layout(sp=2, cp=2), me.Layout(sp=4)
+    assert me.init_peak_bytes(cfg.model, hybrid, 3) == me.init_peak_bytes(cfg.model, ulysses, 3)
+    a = me.estimate(cfg.model, hybrid, zero_stage=3)
+    b = me.estimate(cfg.model, ulysses, zero_stage=3)
+    assert a.parameter_bytes + a.optimizer_bytes == b.parameter_bytes + b.optimizer_bytes
+
+
+def test_dry_run_refuses_a_plan_that_does_not_fit_naming_the_largest_term(capsys):
+    from megatron_ul.training.pretrain import main
+    argv = ["--mock-data", "--vocab-size", "32000", "--num-layers", "4", "--hidden-size", "1024",
+            "--num-attention-heads", "8", "--seq-length", "262144",
+            "--max-position-embeddings", "262144", "--micro-batch-size", "1",
+            "--global-batch-size", "1", "--position-embedding-type", "rope", "--dry-run"]
+    assert main(argv + ["--gpu-memory-gb", "8"]) == 1
+    err = capsys.readouterr().err
+    assert "does not fit --gpu-memory-gb 8" in err and "largest term is" in err
+    assert main(argv + ["--gpu-memory-gb", "4000"]) == 0
+

@@ -87,6 +87,6 @@ def test_estimator_counts_ring_ranks_as_sequence_and_zero_ranks():
     assert hybrid.world == ulysses.world == 4
     a, b = estimate(m, ulysses, zero_stage=1), estimate(m, hybrid, zero_stage=1)
     assert a.optimizer_bytes == b.optimizer_bytes            # ZeRO shards over DP×CP×SP
-    # same tokens per rank; the ring also keeps its fp32 output (s·b·h more elements)
-    extra = 4096 / 4 * 256 * 4
-    assert b.activation_bytes - a.activation_bytes == 2 * extra   # two layers
+    # same tokens per rank; the ring's unit working set comes on top
+    assert b.activation_bytes == a.activation_bytes
+    assert b.total_bytes > a.total_bytes

@@ -159,6 +159,205 @@ def table_longest_sequence(cap_bytes: int, start: int) -> str:
     return "\n".join(rows)
 
 
+# ---- 4. peak live tensors over two training iterations -----------------------------------------
+PEAK_MODEL = ["--num-layers", "1", "--num-attention-heads", "8", "--vocab-size", "32000",
+              "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
+              "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+              "--attention-dropout", "0", "--hidden-dropout", "0", "--micro-batch-size", "1",
+              "--recompute-granularity", "full", "--recompute-method", "uniform",
+              "--train-iters", "2", "--log-interval", "100", "--mock-data",
+              "--distributed-timeout-minutes", "30"]
+LONG_CONTEXT = ["--tiled-loss-chunk-size", "1024", "--tiled-mlp-chunk-size", "4096",
+                "--activation-checkpoint-cpu-offload", "--tokenizer-type", "NullTokenizer",
+                "--reset-attention-mask", "--reset-position-ids"]
+PRECISIONS = ("fp32", "autocast-bf16", "bf16-model")
+
+
+class MainParamsAdamW:
+    """Megatron's half-precision optimizer, for the bench: the model is bf16; each gradient is
+    added into an fp32 main gradient as soon as backward makes it (then dropped), and AdamW
+    steps fp32 main parameters that are copied back into the model."""
+
+    def __init__(self, model, lr: float, dims):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.main = [p.detach().float().requires_grad_() for p in self.params]
+        for main in self.main:
+            main.grad = torch.zeros_like(main)
+        self.optimizer = torch.optim.AdamW(self.main, lr=lr, foreach=True)
+        self.dims = dims
+        for p, main in zip(self.params, self.main):
+            p.register_post_accumulate_grad_hook(
+                lambda p, main=main: (main.grad.add_(p.grad), setattr(p, "grad", None)))
+
+    def reduce_and_clip_gradients(self, clip: float) -> float:
+        if self.dims.dp_sp_size > 1:
+            for main in self.main:
+                dist.all_reduce(main.grad, group=self.dims.dp_sp_group)
+        return 1.0
+
+    def step(self):
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, main in zip(self.params, self.main):
+                p.copy_(main)
+
+    def zero_grad(self, set_to_none: bool = True):
+        for main in self.main:
+            main.grad.zero_()
+
+
+def peak_worker(rank, world, argv, precision: str):
+    """Two training iterations under the live-tensor tracker; per phase (forward, loss
+    backward, layer backward (and the embedding's), gradient clipping, optimizer step) its peak
+    and what was alive then."""
+    from megatron_ul.training import step as step_module
+    from megatron_ul.training.pretrain import configure, setup
+    from tools.bench.live_tensors import LiveTensorTracker, peak_rss_bytes
+    cfg = configure(argv + (["--bf16"] if precision == "autocast-bf16" else []), world)
+    rss_start = peak_rss_bytes()
+    trainer = setup(cfg)
+    model, optimizer = trainer.model, trainer.optimizer
+    if precision == "bf16-model":
+        model.to(torch.bfloat16)
+        optimizer = MainParamsAdamW(model, cfg.train.lr, model.dims)
+    batches = [next(trainer.train_batches) for _ in range(cfg.train.train_iters)]
+    params = list(model.parameters())
+    main = getattr(optimizer, "main", [])
+
+    def gradients():
+        return {"gradients": [p.grad for p in params + main if p.grad is not None]}
+    tracker = LiveTensorTracker(model, preexisting=params + main, classify=gradients)
+    _phase_wrap(step_module, "clip_gradients", tracker, "clip")
+    _phase_wrap(optimizer, "step", tracker, "optimizer")
+    _mark_backward_stages(model, tracker)
+    autocast = torch.bfloat16 if precision == "autocast-bf16" else None
+    with tracker:
+        for i, batch in enumerate(batches):
+            tracker.phase = f"iteration {i + 1} forward"
+            step_module.train_step(model, optimizer, batch, clip_grad=cfg.train.clip_grad,
+                                   autocast_dtype=autocast)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+    classes = {"parameters": params + main,
+               "optimizer state": state}
+    phases = {}
+    for phase, peak in tracker.peaks.items():
+        phases[phase] = {"peak": peak.bytes, "where": peak.where,
+                         "breakdown": tracker.peak_breakdown(phase, classes)}
+    return {"phases": phases, "peak": max(p["peak"] for p in phases.values()),
+            "rss_peak": peak_rss_bytes(), "rss_start": rss_start,
+            "tokens_per_rank": cfg.model.seq_length // (model.dims.sp * model.dims.cp),
+            "params": sum(p.numel() for p in params)}
+
+
+def _phase_wrap(owner, name: str, tracker, phase: str) -> None:
+    """owner.name(...) runs as `phase` of the tracker's current iteration."""
+    inner = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        _set_stage(tracker, phase)
+        return inner(*args, **kwargs)
+    setattr(owner, name, wrapped)
+
+
+def _set_stage(tracker, stage: str) -> None:
+    """'iteration N <stage>', keeping N."""
+    tracker.phase = " ".join(tracker.phase.split(" ")[:2] + [stage])
+
+
+def _mark_backward_stages(model, tracker) -> None:
+    """A layer (or the output layer) running forward inside backward is its recompute: from
+    there on, backward is that layer's (the loss's)."""
+    def stage(name):
+        def hook(_module, _inputs):
+            if torch._C._current_autograd_node() is not None:
+                _set_stage(tracker, name)
+        return hook
+    for layer in model.layers:
+        layer.register_forward_pre_hook(stage("layer backward"))
+    head = getattr(model, "output_layer", None)
+    if head is not None:
+        head.register_forward_pre_hook(stage("loss backward"))
+
+
+def measure_peak(hidden: int, seq_length: int, precision: str, sp: int = 1, cp: int = 1,
+                 extra: tuple = ()) -> dict:
+    """The fullest rank's result of `peak_worker` for one configuration."""
+    argv = PEAK_MODEL + LONG_CONTEXT + list(extra) + [
+        "--hidden-size", str(hidden), "--seq-length", str(seq_length),
+        "--global-batch-size", "1", "--ds-sequence-parallel-size", str(sp),
+        "--context-parallel-size", str(cp)]
+    results = run_ranks(peak_worker, sp * cp, argv, precision)
+    return max(results, key=lambda r: r["peak"])
+
+
+def table_peak(hidden: int, seq_length: int, precisions, top: int) -> str:
+    lines = []
+    for precision in precisions:
+        got = measure_peak(hidden, seq_length, precision)
+        n = got["tokens_per_rank"]
+        lines += [f"### {precision}, hidden {hidden}, N = {seq_length}", "",
+                  f"Peak RSS {got['rss_peak'] / MIB:.0f} MiB "
+                  f"({(got['rss_peak'] - got['rss_start']) / MIB:.0f} MiB above start).", ""]
+        for phase, p in got["phases"].items():
+            lines += [f"{phase}: peak live tensors {p['peak'] / MIB:.1f} MiB = "
+                      f"{p['peak'] / n:.0f} bytes/token, at `{p['where']}`", "",
+                      "| alive at the peak (phase / module or autograd node / op) | MiB | "
+                      "bytes/token |", "|---|---:|---:|"]
+            for label, nbytes in list(p["breakdown"].items())[:top]:
+                lines.append(f"| {label} | {nbytes / MIB:.1f} | {nbytes / n:.0f} |")
+            lines.append("")
+    return "\n".join(lines)
+
+# ---- 5. the targets, carried to GPUs by the estimator -------------------------------------------
+TARGET_GPT = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "32",
+              "--vocab-size", "50257"]
+TARGET_LLAMA = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
+                "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size",
+                "14336", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                "--untie-embeddings-and-output-weights", "--vocab-size", "128256"]
+TARGET_COMMON = ["--mock-data", "--micro-batch-size", "1", "--position-embedding-type", "rope",
+                 "--recompute-granularity", "full", "--recompute-method", "uniform", "--bf16",
+                 "--use-flash-attn", "--attention-dropout", "0", "--hidden-dropout", "0",
+                 "--tiled-loss-chunk-size", "8192", "--tiled-mlp-chunk-size", "16384",
+                 "--activation-checkpoint-cpu-offload"]
+TARGETS = [  # (name, model, N, SP, GPU GB, ZeRO stage, optimizer offload, half model)
+    ("GPT 1.2B", TARGET_GPT, 1 << 20, 1, 141, 0, 0.0, True),
+    ("GPT 1.2B", TARGET_GPT, 1 << 20, 1, 141, 0, 0.0, False),
+    ("Llama-3-8B", TARGET_LLAMA, 500 * 1024, 1, 80, 0, 1.0, True),
+    ("Llama-3-8B", TARGET_LLAMA, 500 * 1024, 1, 80, 0, 0.0, True),
+    ("Llama-3-8B", TARGET_LLAMA, 4 << 20, 8, 80, 3, 0.0, True),
+    ("Llama-3-8B", TARGET_LLAMA, 16 << 20, 32, 80, 3, 0.0, True),
+]
+
+
+def table_targets() -> str:
+    from megatron_ul.training import memory_estimator as me
+    from megatron_ul.training.pretrain import configure
+    rows = ["| model | N | GPUs | precision | estimate GiB/GPU | budget GiB | | peak phase and "
+            "its terms (GiB) | host GiB/GPU |", "|---|---:|---|---|---:|---:|---|---|---:|"]
+    for name, model, n, sp, gpu_gb, zero, offload, half in TARGETS:
+        argv = TARGET_COMMON + model + ["--seq-length", str(n), "--max-position-embeddings",
+                                        str(n), "--global-batch-size", "1",
+                                        "--ds-sequence-parallel-size", str(sp)]
+        cfg = configure(argv + (["--zero-stage", "3"] if zero == 3 else []), sp)
+        est = me.estimate(cfg.model, me.layout_from_config(cfg), zero_stage=zero,
+                          recompute="full", precision=me.Precision(half_model=half, bf16=not half),
+                          kernels=me.Kernels(optimizer_offload=offload))
+        budget = gpu_gb * 1e9 / me.GiB - 2
+        terms = "; ".join(f"{k} {v / me.GiB:.1f}" for k, v in
+                          sorted(est.terms.items(), key=lambda kv: -kv[1]) if v > 0.5 * me.GiB)
+        fits = "fits" if est.total_bytes <= budget * me.GiB else "does not fit"
+        rows.append(f"| {name} | {n // 1024}K | {sp} × {gpu_gb} GB | "
+                    f"{'half model' if half else 'autocast'}"
+                    f"{', optimizer offload' if offload else ''}, ZeRO-{zero} | "
+                    f"{est.total_bytes / me.GiB:.1f} | {budget:.0f} | {fits} | "
+                    f"{est.peak_phase}: params {est.parameter_bytes / me.GiB:.1f}, optimizer "
+                    f"{est.optimizer_bytes / me.GiB:.1f}; {terms} | "
+                    f"{est.host_bytes / me.GiB:.0f} |")
+    return "\n".join(rows)
+
+
 def machine_info() -> str:
     return (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
             f"torch {torch.__version__}, gloo on CPU")
@@ -171,7 +370,12 @@ def main() -> None:
     parser.add_argument("--cap-mib", type=float, default=96, help="per-rank cap of table 3")
     parser.add_argument("--start-seq", type=int, default=1024, help="first length tried")
     parser.add_argument("--output", default=os.path.join(ROOT, "docs", "memory.md"))
+    parser.add_argument("--targets", action="store_true",
+                        help="print only the estimator's GPU targets table")
     args = parser.parse_args()
+    if args.targets:
+        print(table_targets())
+        return
     command = " ".join(["python -m tools.bench.bench_memory", *sys.argv[1:]])
     sections = [
         ("Model state per rank (params + grads + Adam state) under ZeRO over dp_sp",

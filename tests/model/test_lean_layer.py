@@ -1,0 +1,136 @@
+"""The lean layer: RMSNorm as one autograd Function (saves its input and the reciprocal RMS
+only), LayerNorm's native kernel (input, mean, rstd), and q, k, v split out of the fused QKV
+output into owned buffers with one fused-size gradient buffer in backward."""
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_ul.model.norms import Norm, rms_norm
+from megatron_ul.model.qkv import split_qkv
+from megatron_ul.training.memory import saved_activation_bytes
+from tools.bench.live_tensors import LiveTensorTracker
+
+S, B, H = 64, 2, 256
+
+
+def _saved_storages(fn, exclude):
+    storages = []
+
+    def pack(t):
+        storages.append((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    skip = {p.untyped_storage().data_ptr() for p in exclude}
+    return out, {ptr: n for ptr, n in storages if ptr not in skip}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rms_norm_matches_the_composite_forward_and_backward(dtype):
+    torch.manual_seed(0)
+    x = torch.randn(S, B, H, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(H, dtype=dtype)).requires_grad_()
+    g = torch.randn(S, B, H, dtype=dtype)
+    got = [rms_norm(x, w, 1e-5)]
+    got += torch.autograd.grad(got[0], (x, w), g)
+    want = [F.rms_norm(x, (H,), w, 1e-5)]
+    want += torch.autograd.grad(want[0], (x, w), g)
+    tol = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 1e-2}[dtype]
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_rms_norm_saves_only_its_input_and_the_reciprocal_rms():
+    norm = Norm("RMSNorm", H, 1e-5)
+    x = torch.randn(S, B, H, requires_grad=True)
+    _, saved = _saved_storages(lambda: norm(x), norm.parameters())
+    assert sorted(saved.values()) == [S * B * 4, S * B * H * 4]
+    # the composite kernel keeps a second [s, b, h] tensor (its normalised input)
+    _, composite = _saved_storages(lambda: F.rms_norm(x, (H,), norm.weight, 1e-5),
+                                   norm.parameters())
+    assert sum(composite.values()) >= 2 * S * B * H * 4
+
+
+def test_layer_norm_saves_its_input_mean_and_rstd():
+    norm = Norm("LayerNorm", H, 1e-5)
+    x = torch.randn(S, B, H, requires_grad=True)
+    _, saved = _saved_storages(lambda: norm(x), norm.parameters())
+    assert sorted(saved.values()) == [S * B * 4, S * B * 4, S * B * H * 4]
+
+
+def _fused(groups=2, per_group=3, d=16):
+    torch.manual_seed(1)
+    return torch.randn(S, B, groups * (per_group + 2) * d, requires_grad=True), groups, \
+        per_group, d
+
+
+def test_split_qkv_equals_indexing_and_owns_its_buffers():
+    fused, groups, per_group, d = _fused()
+    view = fused.view(S, B, groups, per_group + 2, d)
+    q, k, v = split_qkv(view, per_group)
+    want = (view[:, :, :, :per_group].reshape(S, B, groups * per_group, d),
+            view[:, :, :, per_group], view[:, :, :, per_group + 1])
+    for a, b in zip((q, k, v), want):
+        assert torch.equal(a, b)
+        assert a.is_contiguous()
+        assert a.untyped_storage().data_ptr() != fused.untyped_storage().data_ptr()
+    grads = [torch.randn_like(t) for t in (q, k, v)]
+    got = torch.autograd.grad((q, k, v), fused, grads)[0]
+    ref = torch.autograd.grad(want, fused, grads)[0]
+    assert torch.equal(got, ref)
+
+
+def test_split_qkv_backward_builds_one_fused_size_buffer():
+    """Indexing's select/slice backward makes a zero-filled fused-size buffer per piece; the
+    split writes the three gradients into one."""
+    fused, groups, per_group, d = _fused()
+    fused_bytes = fused.numel() * 4
+
+    def backward_peak(split):
+        q, k, v = split(fused.view(S, B, groups, per_group + 2, d))
+        grads = [torch.ones_like(t) for t in (q, k, v)]
+        tracker = LiveTensorTracker(preexisting=grads)
+        start = tracker.live_bytes
+        with tracker:
+            tracker.phase = "backward"
+            torch.autograd.grad((q, k, v), fused, grads)
+        return tracker.peak("backward")[1].bytes - start
+
+    def by_index(view):
+        return (view[:, :, :, :per_group].reshape(S, B, groups * per_group, d),
+                view[:, :, :, per_group], view[:, :, :, per_group + 1])
+    lean, indexed = backward_peak(lambda t: split_qkv(t, per_group)), backward_peak(by_index)
+    assert lean <= 1.05 * fused_bytes < 2 * fused_bytes <= indexed
+
+
+def test_attention_keeps_no_view_of_the_fused_qkv_output():
+    from megatron_ul.training.pretrain import build_model, configure
+    from megatron_ul.mpu.parallel_state import single_rank_dims
+    from megatron_ul.mpu.random import model_parallel_seed
+    cfg = configure(["--mock-data", "--vocab-size", "128", "--num-layers", "1",
+                     "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                     "--micro-batch-size", "1", "--global-batch-size", "1",
+                     "--position-embedding-type", "rope", "--attention-dropout", "0",
+                     "--hidden-dropout", "0", "--normalization", "RMSNorm", "--swiglu",
+                     "--reset-attention-mask", "--tokenizer-type", "NullTokenizer"], 1)
+    dims = single_rank_dims()
+    model_parallel_seed(0, dims)
+    model = build_model(cfg, torch.device("cpu"), dims)
+    tokens = torch.randint(0, 127, (1, 64))
+    positions = torch.arange(64).unsqueeze(0)
+    fused_bytes = 64 * 3 * 64 * 4
+    outputs = []   # a weak reference: a view saved for backward would keep it alive
+    hook = model.layers[0].attention.qkv.register_forward_hook(
+        lambda _m, _i, out: outputs.append(weakref.ref(out)))
+    loss, saved = _saved_storages(lambda: model(tokens, positions, None, tokens),
+                                  model.parameters())
+    hook.remove()
+    assert outputs and outputs[0]() is None, "the fused QKV output is kept for backward"
+    assert fused_bytes not in saved.values()
+    del loss
+    total = saved_activation_bytes(lambda: model(tokens, positions, None, tokens),
+                                   model.parameters())[1]
+    assert total > 0
