@@ -189,9 +189,16 @@ class TrainConfig:
     adam_eps: float = flag(1e-8, help="AdamW ε")
     clip_grad: float = flag(1.0, help="clip the global gradient norm to this (0: no clipping)")
     seed: int = flag(1234, help="seed of initialisation, data order and dropout")
-    bf16: bool = flag(False, help="bf16 compute with fp32 master weights")
-    fp16: bool = flag(False,
-                      help="fp16 compute (autocast) with fp32 master weights and loss scaling")
+    bf16: bool = flag(False, help="bf16 parameters and activations (Megatron's Float16Module); "
+                                  "fp32 main parameters, gradients and Adam state")
+    fp16: bool = flag(False, help="fp16 parameters and activations with fp32 main parameters, "
+                                  "gradients and Adam state, and loss scaling")
+    fp32_residual_connection: bool = flag(
+        False, help="--bf16/--fp16: keep the residual stream (and pipeline traffic) in fp32")
+    optimizer_cpu_offload: bool = flag(
+        False, help="fp32 main parameters and Adam state in host memory; the step runs there")
+    optimizer_offload_fraction: float = flag(
+        1.0, help="--optimizer-cpu-offload: share of the parameters (in order) offloaded")
     loss_scale: Optional[float] = flag(None,
                                        help="fp16: constant loss scale; default: dynamic scaling")
     initial_loss_scale: float = flag(2.0 ** 32, help="fp16: first dynamic loss scale")
@@ -362,8 +369,7 @@ def validate(cfg: Config) -> Config:
     errors += _pipeline_errors(cfg, dp)
     errors += _checkpoint_errors(cfg)
     errors += _data_errors(d)
-    if t.bf16 and t.fp16:
-        errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
+    errors += _precision_errors(t)
 
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))
@@ -618,6 +624,21 @@ def _overlap_errors(p: ParallelConfig, t: TrainConfig) -> list[str]:
         errors.append("--overlap-grad-reduce with --fp16 is not supported (the loss scaler "
                       "unscales gradients before they are reduced); use --bf16 or drop "
                       "--overlap-grad-reduce")
+    return errors
+
+
+def _precision_errors(t: TrainConfig) -> list[str]:
+    errors = []
+    if t.bf16 and t.fp16:
+        errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
+    if t.fp32_residual_connection and not (t.bf16 or t.fp16):
+        errors.append("--fp32-residual-connection needs --bf16 or --fp16 (without them the "
+                      "residual stream is fp32 already)")
+    if not 0.0 <= t.optimizer_offload_fraction <= 1.0:
+        errors.append(f"--optimizer-offload-fraction must be in [0, 1] "
+                      f"(got {t.optimizer_offload_fraction})")
+    if t.optimizer_offload_fraction != 1.0 and not t.optimizer_cpu_offload:
+        errors.append("--optimizer-offload-fraction needs --optimizer-cpu-offload")
     return errors
 
 

@@ -113,7 +113,7 @@ def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tenso
     stage)."""
     chunks = model_chunks(model)
     device = num_tokens.device
-    dtype = next(chunks[0].parameters()).dtype
+    dtype = chunks[0].activation_dtype   # half precision, or fp32 (residual or fp32 model)
     comm = StageCommunicator(activation_shape(chunks[0], micro_batches[0]), dtype, device,
                              model_dims(model))
     total = torch.zeros((), dtype=torch.float32, device=device)
