@@ -111,7 +111,8 @@ def held_tensors(model, optimizer, with_optim: bool, create_state: bool = False)
     out = []
     for name, p in params.items():
         # ZeRO-1 with a separate fp32 main copy: its pieces are the weights saved and loaded.
-        parts = getattr(p, "main_shards", None) or [tuple(reversed(_local_part(p)))]
+        parts = (p.main_shards if hasattr(p, "main_shards")    # none: another rank's
+                 else [tuple(reversed(_local_part(p)))])
         for lo, data in parts:
             out.append(Held(f"model/{_global_name(name)}", data, tuple(p.shape), lo,
                             param_spec(p), tuple(full_shape(p, tp)),

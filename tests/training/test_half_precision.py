@@ -59,11 +59,30 @@ def watch_one_step(rank: int, world: int, argv: list[str]) -> dict:
     return seen
 
 
-@pytest.mark.parametrize("flags, model_dtype", [
-    (["--bf16"], torch.bfloat16), (["--fp16", "--initial-loss-scale", "4096"], torch.float16),
-    (["--bf16", "--use-distributed-optimizer"], torch.bfloat16)], ids=["bf16", "fp16", "bf16-zero1"])
-def test_half_model_has_half_parameters_and_activations_and_fp32_main_state(flags, model_dtype):
-    seen = run_distributed(watch_one_step, 1, ONE_STEP + flags)[0]
+DTYPE_CASES = {
+    "bf16": ["--bf16"],
+    "fp16": ["--fp16", "--initial-loss-scale", "4096"],
+    "bf16-zero1": ["--bf16", "--use-distributed-optimizer"],
+    "bf16-fp32-residual": ["--bf16", "--fp32-residual-connection"],
+    "bf16-zero3": ["--bf16", "--zero-stage", "3"],
+}
+
+
+def watch_cases(rank: int, world: int, cases: dict) -> dict:
+    return {name: watch_one_step(rank, world, ONE_STEP + flags) for name, flags in cases.items()}
+
+
+@pytest.fixture(scope="module")
+def watched():
+    """One spawned rank runs every case (start-up is most of the cost)."""
+    return run_distributed(watch_cases, 1, DTYPE_CASES)[0]
+
+
+@pytest.mark.parametrize("case, model_dtype", [
+    ("bf16", torch.bfloat16), ("fp16", torch.float16), ("bf16-zero1", torch.bfloat16)])
+def test_half_model_has_half_parameters_and_activations_and_fp32_main_state(
+        watched, case, model_dtype):
+    seen = watched[case]
     assert seen["param"] == {model_dtype}
     assert seen["residual"] == {model_dtype} and seen["qkv_input"] == {model_dtype}
     assert seen["main"] == {torch.float32} and seen["moments"] == {torch.float32}
@@ -72,15 +91,14 @@ def test_half_model_has_half_parameters_and_activations_and_fp32_main_state(flag
     assert not seen["half_grad_left"]
 
 
-def test_fp32_residual_connection_keeps_the_residual_stream_fp32():
-    seen = run_distributed(watch_one_step, 1, ONE_STEP + ["--bf16",
-                                                          "--fp32-residual-connection"])[0]
+def test_fp32_residual_connection_keeps_the_residual_stream_fp32(watched):
+    seen = watched["bf16-fp32-residual"]
     assert seen["param"] == {torch.bfloat16} and seen["residual"] == {torch.float32}
     assert seen["qkv_input"] == {torch.bfloat16}          # the sublayers still run in bf16
 
 
-def test_zero3_gathers_half_parameters_and_keeps_fp32_shards():
-    seen = run_distributed(watch_one_step, 1, ONE_STEP + ["--bf16", "--zero-stage", "3"])[0]
+def test_zero3_gathers_half_parameters_and_keeps_fp32_shards(watched):
+    seen = watched["bf16-zero3"]
     assert seen["local_param"] == {torch.float32}          # the shards are the main copy
     assert seen["qkv_weight"] == {torch.bfloat16}          # what FSDP2 gathered for forward
     assert seen["residual"] == {torch.bfloat16}
