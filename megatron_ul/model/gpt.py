@@ -47,7 +47,8 @@ class GPTModel(nn.Module):
         std = cfg.init_method_std
         self.share_embeddings = not cfg.untie_embeddings_and_output_weights
         # What the residual stream and pipeline traffic carry (use_half_precision sets them).
-        self.activation_dtype, self.fp32_residual = dtype, False
+        self.activation_dtype: torch.dtype = dtype
+        self.fp32_residual = False
 
         if pre_process or (post_process and self.share_embeddings):
             # With tied weights the last stage keeps its own copy of the table (Megatron's
@@ -158,6 +159,7 @@ def use_half_precision(model: nn.Module, dtype: torch.dtype, *, fp32_residual: b
     initialisation rounded to `dtype`, on every layout. cast_parameters=False (ZeRO-3): the fp32
     shards are only rounded; FSDP2's MixedPrecisionPolicy casts what it gathers."""
     for chunk in model_chunks(model):
+        assert isinstance(chunk, GPTModel)
         chunk.activation_dtype = torch.float32 if fp32_residual else dtype
         chunk.fp32_residual = fp32_residual
     for p in model.parameters():

@@ -38,7 +38,7 @@ def dropout(x: torch.Tensor, p: float, training: bool, sharded_sequence: bool) -
     return F.dropout(x, p, True)
 
 
-def norm_in_weight_dtype(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def norm_in_weight_dtype(norm: Norm, x: torch.Tensor) -> torch.Tensor:
     """norm(x) in the norm's weight dtype: under --fp32-residual-connection the residual x is
     fp32 while the weights (and the sublayer after the norm) are half precision."""
     return norm(x.to(norm.weight.dtype))

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from ..model.document_attention import document_mask_of
-from ..model.chunks import model_chunks, model_dims
+from ..model.chunks import activation_dtype, model_chunks, model_dims
 from .p2p import StageCommunicator
 from ..timers import NO_TIMERS, Timers
 
@@ -113,7 +113,7 @@ def run_pipeline_order(model, micro_batches: list[dict], num_tokens: torch.Tenso
     stage)."""
     chunks = model_chunks(model)
     device = num_tokens.device
-    dtype = chunks[0].activation_dtype   # half precision, or fp32 (residual or fp32 model)
+    dtype = activation_dtype(model)   # half precision, or fp32 (residual or fp32 model)
     comm = StageCommunicator(activation_shape(chunks[0], micro_batches[0]), dtype, device,
                              model_dims(model))
     total = torch.zeros((), dtype=torch.float32, device=device)

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from ..config import Config
 from ..model.chunks import model_dims
 from ..mpu.parallel_state import ParallelDims

@@ -110,7 +110,7 @@ def test_fp32_residual_connection_needs_half_precision():
         configure(ONE_STEP + ["--fp32-residual-connection"], 1)
 
 
-# ---- wire dtype: Ulysses all-to-all and pipeline sends --------------------------------------------
+# ---- wire dtype: Ulysses all-to-all and pipeline sends ----
 def count_wire(rank: int, world: int, argv: list[str]) -> dict:
     """One training step with torch.distributed's all-to-all and point-to-point calls patched
     to record the dtype and bytes of every tensor they carry."""
@@ -148,7 +148,7 @@ def test_ulysses_and_pipeline_traffic_travel_in_bf16():
         assert wire["send"]["dtypes"] == {torch.bfloat16}
 
 
-# ---- bitwise resume from the fp32 main weights ----------------------------------------------------
+# ---- bitwise resume from the fp32 main weights ----
 RESUME_LAYOUTS = {
     "bf16-DP2": ["--bf16"],
     "bf16-ZeRO1-DP2": ["--bf16", "--use-distributed-optimizer"],
@@ -165,7 +165,7 @@ def test_half_precision_resume_is_bitwise(tmp_path):
     assert_bitwise_resume(results, RESUME_LAYOUTS)
 
 
-# ---- every layout against one process in the same precision ---------------------------------------
+# ---- every layout against one process in the same precision ----
 # Tolerances, from measurement (5 steps of BASE; max per-step |loss diff|, max relative param
 # diff after rounding to the half dtype). The noise floor is the one-process run against itself
 # with 8 micro-batches of 1 instead of 4 of 2 (other GEMM shapes, other fp32 accumulation
