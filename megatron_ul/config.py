@@ -370,6 +370,10 @@ def validate(cfg: Config) -> Config:
     errors += _checkpoint_errors(cfg)
     errors += _data_errors(d)
     errors += _precision_errors(t)
+    if t.optimizer_cpu_offload and p.zero_stage == 3:
+        errors.append("--optimizer-cpu-offload with --zero-stage 3 is not provided yet (FSDP2's "
+                      "CPUOffloadPolicy is not wired in); use --use-distributed-optimizer "
+                      "(ZeRO-1) or drop --optimizer-cpu-offload")
 
     if errors:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(errors))

@@ -74,6 +74,7 @@ def test_offload_and_on_device_checkpoints_resume_each_other_bitwise(tmp_path):
                                               "--optimizer-cpu-offload"),
     (OFFLOAD + ["--optimizer-offload-fraction", "1.5"], r"--optimizer-offload-fraction must "
                                                         r"be in \[0, 1\]"),
+    (OFFLOAD + ["--zero-stage", "3"], "--optimizer-cpu-offload with --zero-stage 3"),
 ])
 def test_bad_offload_flags_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
