@@ -26,7 +26,8 @@ def precision_of(cfg: Config) -> tuple[str, torch.dtype]:
     if t.fp16:
         scale = (f"constant loss scale {_number(t.loss_scale)}" if t.loss_scale is not None
                  else f"dynamic loss scaling from {_number(t.initial_loss_scale)}")
-        return f"fp16 model (fp32 main parameters, gradients and Adam state; {scale})", torch.float16
+        return (f"fp16 model (fp32 main parameters, gradients and Adam state; {scale})",
+                torch.float16)
     return "fp32", torch.float32
 
 
