@@ -200,9 +200,16 @@ class TrainConfig:
     adam_eps: float = flag(1e-8, help="AdamW ε")
     clip_grad: float = flag(1.0, help="clip the global gradient norm to this (0: no clipping)")
     seed: int = flag(1234, help="seed of initialisation, data order and dropout")
-    bf16: bool = flag(False, help="bf16 compute with fp32 master weights")
-    fp16: bool = flag(False,
-                      help="fp16 compute (autocast) with fp32 master weights and loss scaling")
+    bf16: bool = flag(False, help="bf16 parameters and activations (Megatron's Float16Module); "
+                                  "fp32 main parameters, gradients and Adam state")
+    fp16: bool = flag(False, help="fp16 parameters and activations with fp32 main parameters, "
+                                  "gradients and Adam state, and loss scaling")
+    fp32_residual_connection: bool = flag(
+        False, help="--bf16/--fp16: keep the residual stream (and pipeline traffic) in fp32")
+    optimizer_cpu_offload: bool = flag(
+        False, help="fp32 main parameters and Adam state in host memory; the step runs there")
+    optimizer_offload_fraction: float = flag(
+        1.0, help="--optimizer-cpu-offload: share of the parameters (in order) offloaded")
     loss_scale: Optional[float] = flag(None,
                                        help="fp16: constant loss scale; default: dynamic scaling")
     initial_loss_scale: float = flag(2.0 ** 32, help="fp16: first dynamic loss scale")

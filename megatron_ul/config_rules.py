@@ -91,7 +91,8 @@ RANGES: dict[str, Range] = {
     "train.seed": Range(0, 2 ** 32 - 1),        # numpy's RandomState orders the data with it
     "train.loss_scale": above(0), "train.initial_loss_scale": above(0),
     "train.min_loss_scale": above(0), "train.loss_scale_window": at_least(1),
-    "train.hysteresis": at_least(1),
+    "train.hysteresis": at_least(1), "train.optimizer_offload_fraction": Range(0, 1),
+    "train.gpu_memory_gb": above(0),
     "train.eval_interval": at_least(0),        # 0: never evaluate
     "train.eval_iters": at_least(0),           # 0: skip evaluation (Megatron-LM)
     # checkpoint
@@ -143,11 +144,26 @@ def problems(cfg: Config, given: Optional[Config] = None) -> list[str]:
     found += _overlap_errors(p, t)
     found += _loss_scale_errors(t)
     found += _checkpoint_errors(cfg.checkpoint)
-    if t.bf16 and t.fp16:
-        found.append("--bf16 and --fp16 are mutually exclusive; pick one")
+    found += _precision_errors(t, p)
     if not bad_fields & DIVISORS:
         found += _layout_errors(cfg)
     return found
+
+
+def _precision_errors(t: TrainConfig, p: ParallelConfig) -> list[str]:
+    errors = []
+    if t.bf16 and t.fp16:
+        errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
+    if t.fp32_residual_connection and not (t.bf16 or t.fp16):
+        errors.append("--fp32-residual-connection needs --bf16 or --fp16 (without them the "
+                      "residual stream is fp32 already)")
+    if t.optimizer_offload_fraction != 1.0 and not t.optimizer_cpu_offload:
+        errors.append("--optimizer-offload-fraction needs --optimizer-cpu-offload")
+    if t.optimizer_cpu_offload and p.zero_stage == 3:
+        errors.append("--optimizer-cpu-offload with --zero-stage 3 is not provided yet (FSDP2's "
+                      "CPUOffloadPolicy is not wired in); use --use-distributed-optimizer "
+                      "(ZeRO-1) or drop --optimizer-cpu-offload")
+    return errors
 
 
 def field_problems(cfg: Config) -> tuple[set[str], list[str]]:

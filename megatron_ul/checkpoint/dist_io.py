@@ -110,9 +110,13 @@ def held_tensors(model, optimizer, with_optim: bool, create_state: bool = False)
     params = named_parameters(model)
     out = []
     for name, p in params.items():
-        data, lo = _local_part(p)
-        out.append(Held(f"model/{_global_name(name)}", data, tuple(p.shape), lo, param_spec(p),
-                        tuple(full_shape(p, tp)), name.startswith(REPLICA_PREFIX)))
+        # ZeRO-1 with a separate fp32 main copy: its pieces are the weights saved and loaded.
+        parts = (p.main_shards if hasattr(p, "main_shards")    # none: another rank's
+                 else [tuple(reversed(_local_part(p)))])
+        for lo, data in parts:
+            out.append(Held(f"model/{_global_name(name)}", data, tuple(p.shape), lo,
+                            param_spec(p), tuple(full_shape(p, tp)),
+                            name.startswith(REPLICA_PREFIX)))
     if not with_optim or optimizer is None:
         return out
     inner = torch_optimizer(optimizer)

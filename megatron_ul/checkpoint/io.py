@@ -507,7 +507,8 @@ def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
 
 
 def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) -> Resume:
-    """Collective-free: each rank reads what it needs. Returns where training resumes."""
+    """Each rank reads what it needs (collective-free but for ZeRO-1's parameter all-gather).
+    Returns where training resumes."""
     c = cfg.checkpoint
     iteration = files.read_tracker(c.load)
     if iteration is None:
@@ -527,6 +528,11 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
         payload, source, model_sd, optim_sd = _read_model_and_optim(cfg, meta, iter_dir, model,
                                                                     load_optim)
         load_model_state(model, model_sd, source)
+    # The fp32 main weights were loaded: round them into a half-precision model (ZeRO-1:
+    # and all-gather them, the one collective of a load).
+    copy_main_to_model = getattr(optimizer, "copy_main_to_model", None)
+    if copy_main_to_model is not None:
+        copy_main_to_model()
     if c.finetune:
         log.info("loaded weights of %s for fine-tuning; starting at iteration 0", iter_dir)
         return Resume()

@@ -19,8 +19,12 @@ from ..mpu.random import get_rng_tracker
 from ..pipeline.model import global_named_parameters
 
 def named_parameters(model) -> dict[str, torch.nn.Parameter]:
-    """{layout-independent name: parameter} for this rank's part of the model."""
-    return dict(global_named_parameters(model))
+    """{layout-independent name: parameter} for this rank's part of the model. A parameter
+    with an fp32 main copy (a half-precision model, or optimizer offload: optim/
+    mixed_precision.py) is represented by that copy: checkpoints hold the fp32 main weights,
+    and the optimizer's state is keyed by it. (ZeRO-1 hangs its main pieces on the parameter
+    as `main_shards` instead: checkpoint/zero.py and dist_io.py read those.)"""
+    return {name: getattr(p, "main_param", p) for name, p in global_named_parameters(model)}
 
 
 def model_state(model) -> dict[str, torch.Tensor]:

@@ -35,14 +35,30 @@ def checkpoint_model_state(model) -> dict[str, torch.Tensor] | None:
     """{name: full CPU tensor} on the dp_sp root, None elsewhere. Collective over dp_sp when
     parameters are DTensors (ZeRO-3): gathered one at a time."""
     params, root = named_parameters(model), _is_dp_sp_root(model)
-    if not root and not any(isinstance(p, DTensor) for p in params.values()):
+    if not root and not any(isinstance(p, DTensor) or hasattr(p, "main_shards")
+                            for p in params.values()):
         return None
     out = {}
     for name, p in params.items():
-        full = p.full_tensor() if isinstance(p, DTensor) else p
+        if hasattr(p, "main_shards"):
+            full = _gather_main(model, p)
+        else:
+            full = p.full_tensor() if isinstance(p, DTensor) else p
         if root:     # other ranks take part in the gather and keep nothing
             out[name] = full.detach().cpu().clone()
     return out if root else None
+
+
+def _gather_main(model, p) -> torch.Tensor:
+    """p's fp32 main weights from the ZeRO-1 pieces every dp_sp rank holds (`main_shards`):
+    a SUM of disjoint pieces over zeros onto the dp_sp root, exact (collective)."""
+    full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+    for start, piece in p.main_shards:
+        full[start:start + piece.numel()] = piece
+    group = model_dims(model).dp_sp_group
+    if dist.get_world_size(group) > 1:
+        dist.reduce(full, dst=dist.get_global_rank(group, 0), group=group)
+    return full.view(p.shape)
 
 
 def checkpoint_optimizer_state(model, optimizer) -> dict | None:
@@ -128,6 +144,8 @@ def load_checkpoint_model_state(model, state: dict) -> None:
                 p.to_local().copy_(_my_chunk(full, p))
             else:
                 p.copy_(full)
+            for start, piece in getattr(p, "main_shards", ()):   # ZeRO-1's fp32 main copy
+                piece.copy_(full.reshape(-1)[start:start + piece.numel()])
 
 
 def _my_chunk(full: torch.Tensor, like: DTensor) -> torch.Tensor:

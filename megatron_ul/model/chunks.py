@@ -6,6 +6,9 @@ the chunks without importing the pipeline package.
 """
 from __future__ import annotations
 
+from typing import cast
+
+import torch
 from torch import nn
 
 
@@ -17,3 +20,9 @@ def model_chunks(model: nn.Module) -> list[nn.Module]:
 def model_dims(model: nn.Module):
     """The rank grid (ParallelDims) the model was built on: every chunk holds it."""
     return model_chunks(model)[0].dims
+
+
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """What the residual stream carries between layers and pipeline stages (GPTModel's
+    activation_dtype: the parameters' dtype, or fp32 under --fp32-residual-connection)."""
+    return cast(torch.dtype, model_chunks(model)[0].activation_dtype)

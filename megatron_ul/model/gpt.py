@@ -11,6 +11,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ..config import ModelConfig
 from ..mpu.cross_entropy import vocab_parallel_cross_entropy
@@ -20,13 +21,14 @@ from ..mpu.mappings import copy_to_tensor_model_parallel_region, scatter_to_sequ
 from ..mpu.offload import HostOffloader
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.recompute import layers_to_checkpoint, run_layers
+from .chunks import model_chunks
 from .fusion import fuse_layers
 from ..timers import NO_TIMERS, Timers
 from .init import normal_init
 from .norms import Norm
 from .rotary import rotary_cos_sin
 from .tiled_loss import tiled_logits_loss
-from .transformer import TransformerLayer, dropout
+from .transformer import TransformerLayer, dropout, norm_in_weight_dtype
 
 
 class GPTModel(nn.Module):
@@ -44,6 +46,9 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = cfg.padded_vocab_size(tp)
         std = cfg.init_method_std
         self.share_embeddings = not cfg.untie_embeddings_and_output_weights
+        # What the residual stream and pipeline traffic carry (use_half_precision sets them).
+        self.activation_dtype: torch.dtype = dtype
+        self.fp32_residual = False
 
         if pre_process or (post_process and self.share_embeddings):
             # With tied weights the last stage keeps its own copy of the table (Megatron's
@@ -93,6 +98,8 @@ class GPTModel(nn.Module):
         x = self.word_embeddings(tokens.t())
         if hasattr(self, "position_embeddings"):
             x = x + self.position_embeddings(position_ids.t())
+        if self.fp32_residual:
+            x = x.float()
         if self.sequence_parallel:
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
         return dropout(x, self.cfg.hidden_dropout, self.training, self.sequence_parallel)
@@ -127,7 +134,7 @@ class GPTModel(nn.Module):
                        offloader=self._offloader(x.device))
         if not self.post_process:
             return x
-        x = self.final_norm(x)
+        x = norm_in_weight_dtype(self.final_norm, x)
         if labels is None:
             return self.logits(x)
         return self.loss(x, labels.t()).t().contiguous()  # fresh: FSDP2 warns about views
@@ -141,3 +148,24 @@ class GPTModel(nn.Module):
         gathered = self.tp_size if self.sequence_parallel else 1
         return tiled_logits_loss(self.logits, x, labels, self.cfg.vocab_size, chunk, gathered,
                                  self.tp_group)
+
+
+@torch.no_grad()
+def use_half_precision(model: nn.Module, dtype: torch.dtype, *, fp32_residual: bool = False,
+                       cast_parameters: bool = True) -> nn.Module:
+    """Megatron's Float16Module for --bf16/--fp16, in place: parameters in `dtype`, and so every
+    activation, the residual stream included (fp32_residual: --fp32-residual-connection keeps
+    the residual stream, and the pipeline traffic, in fp32). The initial weights are the fp32
+    initialisation rounded to `dtype`, on every layout. cast_parameters=False (ZeRO-3): the fp32
+    shards are only rounded; FSDP2's MixedPrecisionPolicy casts what it gathers."""
+    for chunk in model_chunks(model):
+        assert isinstance(chunk, GPTModel)
+        chunk.activation_dtype = torch.float32 if fp32_residual else dtype
+        chunk.fp32_residual = fp32_residual
+    for p in model.parameters():
+        if cast_parameters:
+            p.data = p.data.to(dtype)
+        else:
+            local = p.to_local() if isinstance(p, DTensor) else p
+            local.copy_(local.to(dtype))
+    return model

@@ -39,6 +39,12 @@ def dropout(x: torch.Tensor, p: float, training: bool, sharded_sequence: bool) -
     return F.dropout(x, p, True)
 
 
+def norm_in_weight_dtype(norm: Norm, x: torch.Tensor) -> torch.Tensor:
+    """norm(x) in the norm's weight dtype: under --fp32-residual-connection the residual x is
+    fp32 while the weights (and the sublayer after the norm) are half precision."""
+    return norm(x.to(norm.weight.dtype))
+
+
 class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, key: str, seed: int, sequence_parallel: bool,
                  num_layers: int, device, dtype, timers: Timers = NO_TIMERS, *,
@@ -143,5 +149,6 @@ class TransformerLayer(nn.Module):
                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         drop = lambda t: dropout(t, self.hidden_dropout, self.training,  # noqa: E731
                                  self.sequence_parallel)
-        x = x + drop(self.attention(self.input_norm(x), rotary, attention_mask))
-        return x + drop(self.mlp(self.post_attention_norm(x)))
+        x = x + drop(self.attention(norm_in_weight_dtype(self.input_norm, x), rotary,
+                                    attention_mask))
+        return x + drop(self.mlp(norm_in_weight_dtype(self.post_attention_norm, x)))

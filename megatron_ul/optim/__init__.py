@@ -11,6 +11,7 @@ from ..mpu.parallel_state import ParallelDims
 from ..pipeline.model import tied_embedding_weights
 from .grad_buckets import bucket_elements
 from .grads import DataParallelGradSync
+from .mixed_precision import MainParamOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
     # Weights tied across pipeline stages are summed over the embedding group first.
     tied = (tied_embedding_weights(model)
             if dims.pp > 1 else [])
+    offload = train.optimizer_offload_fraction if train.optimizer_cpu_offload else 0.0
     if stage == 1:
         from .distributed_optimizer import DistributedOptimizer
         log.info("optimizer: ZeRO-1 distributed AdamW over dp_sp (gradient reduce-scatter %s, "
@@ -36,7 +38,7 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
         return DistributedOptimizer(model, train, dims, max_bucket_elements=elements,
                                     overlap_grad_reduce=overlap,
                                     overlap_param_gather=parallel.overlap_param_gather,
-                                    deferred_params=tied)
+                                    deferred_params=tied, offload_fraction=offload)
     if stage == 3:
         from .zero3 import Zero3Optimizer
         log.info("optimizer: ZeRO-3 (FSDP2 over dp_sp), torch AdamW on the shards")
@@ -48,12 +50,20 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
     groups = [{"params": decay, "weight_decay": train.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     on_gpu = any(p.is_cuda for p in model.parameters())
-    kwargs = {"fused": True} if on_gpu else {"foreach": True}
-    log.info("optimizer: torch AdamW (%s); gradient all-reduce over dp_sp %s",
-             "fused CUDA kernel" if on_gpu else "foreach, CPU",
+    half = any(p.dtype != torch.float32 for p in decay + no_decay)
+    log.info("optimizer: torch AdamW (%s)%s; gradient all-reduce over dp_sp %s",
+             "fused CUDA kernel" if on_gpu and not offload else "foreach",
+             " on fp32 main copies" if half else "",
              "overlapped with backward" if overlap else "after backward")
-    optimizer = torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
-                                  eps=train.adam_eps, **kwargs)
+    if half or offload:
+        # Before the gradient hooks of the reduction: the fp32 accumulation hooks run first.
+        optimizer = MainParamOptimizer(model, train, groups, offload_fraction=offload,
+                                       fused=on_gpu)
+    else:
+        kwargs = {"fused": True} if on_gpu else {"foreach": True}
+        optimizer = torch.optim.AdamW(groups, lr=train.lr,
+                                      betas=(train.adam_beta1, train.adam_beta2),
+                                      eps=train.adam_eps, **kwargs)
     optimizer.grad_sync = DataParallelGradSync(
         [p for p in model.parameters() if p.requires_grad], elements, dims, overlap=overlap,
         deferred_params=tied)

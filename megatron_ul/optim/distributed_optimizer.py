@@ -6,9 +6,14 @@ bucket (grad_buckets.py: runs of about --ddp-bucket-size elements in model.param
 a weight tied across pipeline stages in a bucket of its own, last); the model's parameters
 become views of it. Each bucket is padded to a multiple of N = dp_sp size and rank r owns the
 r-th N-th of every bucket, as in Megatron's distributed optimizer, so each bucket is one
-reduce-scatter and one all-gather. Parameters stay fp32 (--bf16 and --fp16 compute under
-autocast), so the owned slices of this buffer *are* the fp32 master copy of the shard: no second
-copy is kept. Gradients are views of a twin buffer, so autograd accumulates straight into it.
+reduce-scatter and one all-gather. The buffer has the model's dtype. An fp32 model that does not
+offload steps the owned slices of this buffer in place: they *are* the fp32 main copy of the
+shard. A --bf16/--fp16 model (or --optimizer-cpu-offload) keeps a separate fp32 main copy of
+the owned slices only (in host memory when offloaded, whole buckets, the first
+--optimizer-offload-fraction of them), and after the step rounds it into the buffer, whose
+all-gather then moves half-precision bytes. Gradients live in a twin fp32 buffer: an fp32
+model's .grad are views of it (autograd accumulates straight into it); a half-precision
+model's fp32 `main_grad` are (mixed_precision.attach_main_grad adds each micro-batch in).
 
 Step. (1) Megatron-SP replicated weights: all-reduce over TP, as in grads.py. (2) Reduce-
 scatter each bucket of the gradient buffer over dp_sp with SUM (the loss is already divided by
@@ -30,7 +35,8 @@ Per-rank state format (state_dict(); load on the same layout and bucket size):
      "pieces": [(param name, param offset in buffer, piece start, piece end)] in the inner
                optimizer's parameter order (start/end are flat-buffer indices),
      "optimizer": torch AdamW state_dict over those pieces (exp_avg, exp_avg_sq, step)}
-The master weights are the model parameters: save them with the model as usual.
+The main weights are saved with the model: checkpoints read each parameter's `main_shards`
+(its pieces of the fp32 main copy) where it has them, else the parameter itself.
 Training checkpoints do not use this per-rank format: checkpoint/zero.py gathers the moments
 into the per-parameter form plain AdamW checkpoints use, so they load on any layout.
 """
@@ -45,7 +51,8 @@ from ..config import TrainConfig
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 from .grad_buckets import BucketLauncher, split_into_buckets
-from .grads import _all_reduce_coalesced, _counts_once
+from .grads import _all_reduce_coalesced, _counts_once, grad_of
+from .mixed_precision import HOST, attach_main_grad, host_buffer, offloaded_prefix
 
 FORMAT = "megatron_ul.zero1.v2"
 
@@ -56,12 +63,12 @@ class DistributedOptimizer:
     def __init__(self, model: torch.nn.Module, train: TrainConfig,
                  dims: ParallelDims, *, max_bucket_elements: int,
                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 deferred_params=()):
+                 deferred_params=(), offload_fraction: float = 0.0):
         self.dims = dims
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        if len({p.dtype for _, p in named}) != 1 or named[0][1].dtype != torch.float32:
-            raise ValueError("the distributed optimizer expects fp32 parameters "
-                             "(mixed precision runs under autocast)")
+        if len({p.dtype for _, p in named}) != 1:
+            raise ValueError("the distributed optimizer expects one parameter dtype")
+        self.half = named[0][1].dtype != torch.float32
         self.group = self.dims.dp_sp_group
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         deferred_ids = {id(p) for p in deferred_params}
@@ -83,9 +90,12 @@ class DistributedOptimizer:
             self.shard_ranges.append((offset + self.rank * per_rank,
                                       offset + (self.rank + 1) * per_rank))
             offset += per_rank * self.size
-        self.param_buffer = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.param_buffer = torch.zeros(offset, dtype=self.params[0].dtype, device=device)
         self.grad_buffer = torch.zeros(offset, dtype=torch.float32, device=device)
         self.pieces = self._bind_params(named, buckets)
+        self.main_shards = self._main_shards(
+            offloaded_prefix([hi - lo for lo, hi in self.shard_ranges], offload_fraction))
+        self._bind_main_shards()
         self.optimizer = self._build_inner(train)
         self.grad_sync = self
         self._grads_in_flight: dict[int, object] = {}
@@ -109,18 +119,60 @@ class DistributedOptimizer:
                 view = self.param_buffer[offset:offset + n].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-                p.grad = self.grad_buffer[offset:offset + n].view_as(p)
+                grad = self.grad_buffer[offset:offset + n].view_as(p)
+                if self.half:
+                    attach_main_grad(p, grad)
+                else:
+                    p.grad = grad
                 lo, hi = max(offset, lo_own), min(offset + n, hi_own)
                 if lo < hi:
                     pieces.append((by_id[id(p)], p, offset, lo, hi))
                 offset += n
         return pieces
 
+    def _main_shards(self, offloaded_buckets: int) -> list[tuple]:
+        """(fp32 main copy of bucket b's owned slice, its gradient) per bucket: views of the
+        buffers for an fp32 model on the device; separate fp32 tensors otherwise (on the host,
+        with a host gradient, for the first `offloaded_buckets`)."""
+        shards = []
+        for b, (lo, hi) in enumerate(self.shard_ranges):
+            own, grad = self.param_buffer[lo:hi], self.grad_buffer[lo:hi]
+            if b < offloaded_buckets:
+                main, grad = host_buffer(own), host_buffer(own)
+                main.copy_(own)
+            elif self.half:
+                main = own.float()
+            else:
+                main = own
+            shards.append((main, grad))
+        return shards
+
+    @property
+    def separate_main(self) -> bool:
+        return any(main.data_ptr() != self.param_buffer[lo:hi].data_ptr()
+                   for (main, _), (lo, hi) in zip(self.main_shards, self.shard_ranges))
+
+    def _main_piece(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(main copy, gradient) of the owned flat range [lo, hi)."""
+        for (main, grad), (own_lo, own_hi) in zip(self.main_shards, self.shard_ranges):
+            if own_lo <= lo and hi <= own_hi:
+                return main[lo - own_lo:hi - own_lo], grad[lo - own_lo:hi - own_lo]
+        raise AssertionError(f"[{lo}, {hi}) is not owned by this rank")
+
+    def _bind_main_shards(self) -> None:
+        """Checkpoints read and write the main copy: hang each parameter's pieces of it on the
+        parameter as `main_shards` [(first element in the parameter, fp32 piece)]."""
+        if not self.separate_main:
+            return
+        for p in self.params:
+            p.main_shards = []
+        for _, p, offset, lo, hi in self.pieces:
+            p.main_shards.append((lo - offset, self._main_piece(lo, hi)[0]))
+
     def _build_inner(self, train: TrainConfig) -> torch.optim.AdamW:
         decay, no_decay = [], []
         for _, p, _, lo, hi in self.pieces:
-            piece = self.param_buffer[lo:hi]
-            piece.grad = self.grad_buffer[lo:hi]
+            piece, piece.grad = self._main_piece(lo, hi)
             (no_decay if p.dim() == 1 else decay).append(piece)
         groups = [{"params": decay, "weight_decay": train.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
@@ -138,7 +190,7 @@ class DistributedOptimizer:
         self.launcher.start(num_micro_batches)
 
     def _launch_grad_reduce(self, b: int) -> None:
-        sequence_parallel = [p.grad for p in self.buckets[b]
+        sequence_parallel = [grad_of(p) for p in self.buckets[b]
                              if getattr(p, "sequence_parallel", False)]
         _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if self.size == 1:
@@ -181,7 +233,29 @@ class DistributedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.finish_param_sync()
+        self._gradients_to_host()
         self.optimizer.step()
+        self.copy_main_to_model()
+
+    def _gradients_to_host(self) -> None:
+        copied = False
+        for (main, grad), (lo, hi) in zip(self.main_shards, self.shard_ranges):
+            if main.device == HOST and self.grad_buffer.device != HOST:
+                grad.copy_(self.grad_buffer[lo:hi], non_blocking=True)
+                copied = True
+            elif main.device == HOST:
+                grad.copy_(self.grad_buffer[lo:hi])
+        if copied and self.grad_buffer.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()   # once per step: the host reads them
+
+    @torch.no_grad()
+    def copy_main_to_model(self) -> None:
+        """Round the main copy into this rank's slices of the buffer and all-gather it (after
+        a step or a checkpoint load)."""
+        for (main, _), (lo, hi) in zip(self.main_shards, self.shard_ranges):
+            own = self.param_buffer[lo:hi]
+            if main.data_ptr() != own.data_ptr():
+                own.copy_(main, non_blocking=True)
         if self.size == 1:
             return
         for b, ((lo, hi), (own_lo, own_hi)) in enumerate(zip(self.bucket_ranges,

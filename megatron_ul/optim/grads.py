@@ -23,6 +23,13 @@ from .grad_buckets import BucketLauncher, bucket_elements, split_into_buckets
 _BUCKET_BYTES = 64 * 2**20
 
 
+def grad_of(p: torch.nn.Parameter):
+    """The gradient the optimizer reduces, clips and applies: a half-precision model's fp32
+    `main_grad` (optim/mixed_precision.py accumulates into it), else `p.grad`."""
+    main = getattr(p, "main_grad", None)
+    return main if main is not None else p.grad
+
+
 def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
     """Sum `grads` over `group` in a few large flat buffers (one per dtype and bucket)."""
     if dist.get_world_size(group) == 1 or not grads:
@@ -70,12 +77,13 @@ class DataParallelGradSync:
         self.launcher.start(num_micro_batches)
 
     def _launch(self, i: int) -> None:
-        with_grad = [p for p in self.buckets[i] if p.grad is not None]
-        sequence_parallel = [p.grad for p in with_grad if getattr(p, "sequence_parallel", False)]
+        with_grad = [p for p in self.buckets[i] if grad_of(p) is not None]
+        sequence_parallel = [grad_of(p) for p in with_grad
+                             if getattr(p, "sequence_parallel", False)]
         _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if dist.get_world_size(self.group) == 1 or not with_grad:
             return
-        grads = [p.grad for p in with_grad]
+        grads = [grad_of(p) for p in with_grad]
         flat = _flatten_dense_tensors(grads)
         record("all_reduce", flat, self.group)
         self.in_flight[i] = (grads, flat, dist.all_reduce(flat, group=self.group,
@@ -114,7 +122,7 @@ def _counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
 def global_grad_norm(params: list[torch.nn.Parameter],
                      dims: ParallelDims) -> float:
     """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
-    grads = [p.grad for p in params if p.grad is not None and _counts_once(p, dims)]
+    grads = [grad_of(p) for p in params if grad_of(p) is not None and _counts_once(p, dims)]
     # the parameters' device even when this rank counts no gradient (the reduction needs it)
     sq = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for g in grads:
@@ -134,6 +142,6 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float,
         coeff = max_norm / (norm + 1e-6)
         if coeff < 1.0:
             for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coeff)
+                if grad_of(p) is not None:
+                    grad_of(p).mul_(coeff)
     return norm

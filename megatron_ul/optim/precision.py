@@ -1,8 +1,9 @@
 """fp16 loss scaling (Megatron's ConstantGradScaler / DynamicGradScaler semantics).
 
-fp16 runs keep fp32 parameters, gradients and Adam state and compute under autocast(float16);
-the loss is multiplied by the scale before backward so small gradients survive fp16, and the
-fp32 gradients are multiplied by 1/scale (a power of two: exact) before they are reduced,
+fp16 runs hold an fp16 model with fp32 main parameters, gradients and Adam state
+(mixed_precision.py); the loss is multiplied by the scale before backward so small gradients
+survive fp16, and the fp32 (main) gradients are multiplied by 1/scale (a power of two: exact)
+before they are reduced,
 clipped and applied. A step whose gradients hold inf/nan on ANY rank is skipped on every rank
 and logged; the dynamic scale then backs off.
 
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
+from .grads import grad_of
 
 log = logging.getLogger("megatron_ul")
 
@@ -55,8 +57,8 @@ class GradScaler:
     def unscale_and_check(self, params: list[torch.Tensor], iteration: int = 0) -> bool:
         """Multiply this rank's gradients by 1/scale; True if every rank's are finite.
         Updates the scale and logs a skipped step."""
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                 for p in params if p.grad is not None]
+        grads = [g.to_local() if isinstance(g, DTensor) else g
+                 for g in map(grad_of, params) if g is not None]
         # On the training device: NCCL has no CPU tensors, and one host sync is enough.
         found = torch.zeros((), dtype=torch.float32, device=params[0].device)
         for g in grads:

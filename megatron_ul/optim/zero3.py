@@ -24,7 +24,7 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
@@ -37,16 +37,26 @@ _PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride
                      "sequence_parallel", "shared_embedding_replica", "init_spec", "spec")
 
 
-def shard_model(model: torch.nn.Module, dims: ParallelDims) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, dims: ParallelDims,
+                param_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """fully_shard each transformer layer, then each model chunk as a root, over the dp_sp
-    mesh of `dims`, in place; a PipelineStageModel stays a plain container."""
+    mesh of `dims`, in place; a PipelineStageModel stays a plain container.
+
+    param_dtype (--bf16/--fp16): FSDP2's MixedPrecisionPolicy. The sharded parameters stay
+    fp32 (they are the main copy AdamW steps); each all-gather casts them to param_dtype, so
+    forward and backward run in half precision and the gathers move half the bytes; gradients
+    are reduce-scattered and accumulated in fp32. Inputs are not cast (the model's residual
+    dtype decides, see model/gpt.py)."""
     mesh = dims.dp_sp_mesh
     saved = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
              for name, p in model.named_parameters()}
+    policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                   cast_forward_inputs=False)
+              if param_dtype is not None else MixedPrecisionPolicy())
     for chunk in model_chunks(model):
         for layer in chunk.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(chunk, mesh=mesh)
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+        fully_shard(chunk, mesh=mesh, mp_policy=policy)
         for module in [chunk, *chunk.layers]:
             module.set_gradient_divide_factor(1.0)   # SUM over dp_sp, not the mean
             # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.

@@ -153,8 +153,11 @@ def allreduce_embedding_grads(model: nn.Module, dims: ParallelDims) -> None:
         return
     group = dims.embedding_group
     for weight in tied_embedding_weights(model):
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
+        # A half-precision model's gradient is its fp32 main_grad (optim/mixed_precision.py).
+        grad = getattr(weight, "main_grad", None)
+        if grad is None:
+            if weight.grad is None:
+                weight.grad = torch.zeros_like(weight)
+            grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
         record("all_reduce", grad, group)
         dist.all_reduce(grad, group=group)

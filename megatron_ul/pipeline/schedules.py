@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 from ..model.document_attention import document_mask_of
-from ..model.chunks import model_chunks, model_dims
+from ..model.chunks import activation_dtype, model_chunks, model_dims
 from .p2p import StageCommunicator
 from ..timers import NO_TIMERS, Timers
 
@@ -133,7 +133,7 @@ def run_pipeline_steps(model, micro_batches: list[dict], num_tokens: torch.Tenso
     receives what the next step needs, so every batch pairs with the neighbours' batches."""
     chunks = model_chunks(model)
     device = num_tokens.device
-    dtype = next(chunks[0].parameters()).dtype
+    dtype = activation_dtype(model)   # half precision, or fp32 (residual or fp32 model)
     comm = StageCommunicator(activation_shape(chunks[0], micro_batches[0]), dtype, device,
                              model_dims(model))
     total = torch.zeros((), dtype=torch.float32, device=device)

@@ -23,11 +23,12 @@ def precision_of(cfg: Config) -> tuple[str, torch.dtype]:
     """(description, activation dtype) of the precision a run with these flags uses."""
     t = cfg.train
     if t.bf16:
-        return "bf16 (autocast; fp32 master weights)", torch.bfloat16
+        return "bf16 model (fp32 main parameters, gradients and Adam state)", torch.bfloat16
     if t.fp16:
         scale = (f"constant loss scale {_number(t.loss_scale)}" if t.loss_scale is not None
                  else f"dynamic loss scaling from {_number(t.initial_loss_scale)}")
-        return f"fp16 (autocast; fp32 master weights; {scale})", torch.float16
+        return (f"fp16 model (fp32 main parameters, gradients and Adam state; {scale})",
+                torch.float16)
     return "fp32", torch.float32
 
 

@@ -3,8 +3,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from ..config import Config
 from ..model.chunks import model_dims
 from ..mpu.parallel_state import ParallelDims
@@ -17,8 +15,10 @@ log = logging.getLogger("megatron_ul")
 
 
 def autocast_dtype(cfg: Config):
-    # bf16/fp16: compute under autocast; parameters, gradients and the optimizer stay fp32.
-    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
+    """None: --bf16/--fp16 build a half-precision model (model/gpt.py use_half_precision) with
+    fp32 main parameters in the optimizer; nothing runs under autocast."""
+    del cfg
+    return None
 
 
 def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches=None,

@@ -14,12 +14,13 @@ from ..checkpoint.io import Resume, claim_save_dir, load_checkpoint
 from ..config import Config, ConfigError
 from ..data.gpt_dataset import DataError
 from ..initialize import initialize_distributed, shutdown
-from ..model.gpt import GPTModel
+from ..model.gpt import GPTModel, use_half_precision
 from ..mpu.param_init import deferred, materialize
 from ..mpu.parallel_state import ParallelDims
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
 from ..pipeline.model import build_pipeline_model
+from ..optim.mixed_precision import half_dtype
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
@@ -37,11 +38,18 @@ def build_model(cfg: Config, device, dims: ParallelDims,
     """This rank's model (chunks under pipelining) on the rank grid `dims`. Each rank computes
     only the parameters it holds: its TP slice and pipeline stage and, under ZeRO-3, its dp_sp
     shard (built on the meta device, sharded by FSDP2, then materialised)."""
+    half = half_dtype(cfg.train)
     if cfg.parallel.zero_stage == 3:
         with deferred():
             model = _build_unsharded(cfg, device, dims, timers)
-        return materialize(shard_model(model, dims), device)
-    return _build_unsharded(cfg, device, dims, timers)
+        model = materialize(shard_model(model, dims, half), device)
+    else:
+        model = _build_unsharded(cfg, device, dims, timers)
+    if half is not None:
+        # ZeRO-3 keeps fp32 shards (FSDP2 casts what it gathers); the others cast here.
+        use_half_precision(model, half, fp32_residual=cfg.train.fp32_residual_connection,
+                           cast_parameters=cfg.parallel.zero_stage != 3)
+    return model
 
 
 def _build_unsharded(cfg: Config, device, dims: ParallelDims, timers: Timers) -> GPTModel:

@@ -1,0 +1,145 @@
+"""fp32 main parameters for a half-precision model, and the optimizer step in host memory.
+
+Megatron-LM's Float16OptimizerWithFloat16Params with --accumulate-allreduce-grads-in-fp32, and
+megatron-core's --optimizer-cpu-offload:
+- A --bf16/--fp16 model holds its parameters in half precision. Each one gets an fp32
+  `main_grad`; a post-accumulate-grad hook adds every micro-batch's half-precision gradient into
+  it and drops the half one, so gradients accumulate, are reduced over dp_sp and clipped in
+  fp32 (optim/grads.py reduces `grad_of(p)`).
+- AdamW steps fp32 main copies (`p.main_param`); the updated main copy is then rounded into the
+  model's parameter. Checkpoints read and write the main copies (checkpoint/state.py), so the
+  saved weights and Adam state are fp32 whatever the model's dtype.
+- --optimizer-cpu-offload puts the main copies of the first --optimizer-offload-fraction of the
+  parameters (counted in elements, in model.parameters() order), and so their Adam state, in
+  host memory (pinned when a GPU trains): gradients go down, AdamW steps on the host, the new
+  weights go up, each copy non-blocking. On a CPU run the host *is* the device: the step is
+  the same arithmetic on the same values, bit for bit.
+An fp32 model that offloads nothing keeps torch's AdamW on the parameters themselves.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import TrainConfig
+from .grads import grad_of
+
+HOST = torch.device("cpu")
+
+
+def half_dtype(train: TrainConfig):
+    """The model's parameter dtype under --bf16 / --fp16, None for fp32."""
+    return torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else None
+
+
+def _accumulate_into_main_grad(p: nn.Parameter) -> None:
+    p.main_grad.add_(p.grad)     # fp32 += half: the accumulation is in fp32
+    p.grad = None
+
+
+def attach_main_grad(p: nn.Parameter, main_grad: torch.Tensor) -> None:
+    """Accumulate p's gradients into the fp32 `main_grad` (registered before any other
+    gradient hook, so the reduction hooks of grad_buckets.py see the accumulated sum)."""
+    p.main_grad = main_grad
+    p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+
+
+def offloaded_prefix(sizes: list[int], fraction: float) -> int:
+    """How many of the leading items (of `sizes` elements each) the offload takes: as many as
+    keep the offloaded elements within fraction · total (fraction 1: all)."""
+    total, taken, count = sum(sizes), 0, 0
+    for n in sizes:
+        if taken + n > fraction * total:
+            break
+        taken, count = taken + n, count + 1
+    return count
+
+
+def host_buffer(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """An empty host tensor shaped like `like`; pinned when `like` lives on a GPU, so copies
+    to and from it can run asynchronously."""
+    return torch.empty(like.shape, dtype=dtype, device=HOST,
+                       pin_memory=like.device.type == "cuda")
+
+
+def main_copy(p: nn.Parameter, device) -> nn.Parameter:
+    """An fp32 copy of p on `device` carrying p's attributes (TP layout, names' markers)."""
+    data = (host_buffer(p) if device == HOST else
+            torch.empty(p.shape, dtype=torch.float32, device=p.device))
+    data.copy_(p.detach())
+    main = nn.Parameter(data)
+    for key, value in vars(p).items():
+        if key not in ("main_grad", "main_param") and not key.startswith("_"):
+            setattr(main, key, value)
+    return main
+
+
+class MainParamOptimizer:
+    """AdamW over fp32 main copies of the model's parameters (plain data parallelism; ZeRO-1
+    keeps its own main shard in distributed_optimizer.py)."""
+
+    def __init__(self, model: nn.Module, train: TrainConfig, groups: list[dict], *,
+                 offload_fraction: float, fused: bool):
+        params = [p for g in groups for p in g["params"]]
+        half = params[0].dtype != torch.float32
+        order = [p for p in model.parameters() if p.requires_grad]
+        host = {id(p) for p in order[:offloaded_prefix([p.numel() for p in order],
+                                                        offload_fraction)]}
+        self.pairs = []
+        for p in params:
+            device = HOST if id(p) in host else p.device
+            main = main_copy(p, device) if half or device == HOST else p
+            if main is not p:
+                p.main_param = main
+            if half:
+                attach_main_grad(p, torch.zeros_like(p, dtype=torch.float32))
+            self.pairs.append((p, main))
+        main_of = {id(p): m for p, m in self.pairs}
+        main_groups = [{**g, "params": [main_of[id(p)] for p in g["params"]]} for g in groups]
+        # fused needs every tensor on the GPU; foreach groups them by device.
+        self.optimizer = torch.optim.AdamW(
+            main_groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
+            eps=train.adam_eps, **({"fused": True} if fused and not host else {"foreach": True}))
+        self.offloaded_elements = sum(p.numel() for p in params if id(p) in host)
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @torch.no_grad()
+    def step(self) -> None:
+        copies = []
+        for p, main in self.pairs:
+            grad = grad_of(p)
+            if main is p or grad is None:
+                continue
+            if main.device == grad.device:
+                main.grad = grad                    # the fp32 main_grad itself: no copy
+            else:
+                if main.grad is None:
+                    main.grad = host_buffer(main)
+                main.grad.copy_(grad, non_blocking=True)
+                copies.append(grad)
+        if copies and copies[0].device.type == "cuda":
+            torch.cuda.current_stream().synchronize()   # once per step: the host reads them
+        self.optimizer.step()
+        self.copy_main_to_model()
+
+    @torch.no_grad()
+    def copy_main_to_model(self) -> None:
+        """Round the fp32 main copies into the model's parameters (after a step or a load)."""
+        for p, main in self.pairs:
+            if main is not p:
+                p.copy_(main, non_blocking=True)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p, _ in self.pairs:
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.zero_()      # persistent: the accumulation hooks add into it
+            p.grad = None if set_to_none else p.grad
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
