@@ -528,27 +528,16 @@ def estimate_config(cfg: Config) -> MemoryEstimate:
 
 
 def precision_of(cfg: Config) -> Precision:
-    """--bf16/--fp16 are autocast over an fp32 model today; a Config that says the model itself
-    is in half precision (Megatron's meaning) is estimated as such."""
+    """--bf16/--fp16 put the model itself in half precision (Megatron's meaning)."""
     t = cfg.train
-    half = bool(t.bf16 or t.fp16)
-    half_model = half and bool(_setting(cfg, "half_precision_model", False))
-    return Precision(bf16=half and not half_model, half_model=half_model,
-                     fp32_residual=bool(_setting(cfg, "fp32_residual_connection", False)))
+    return Precision(half_model=bool(t.bf16 or t.fp16), fp32_residual=t.fp32_residual_connection)
 
 
 def kernels_of(cfg: Config) -> Kernels:
-    offload = 0.0
-    if _setting(cfg, "optimizer_cpu_offload", False):
-        offload = float(_setting(cfg, "optimizer_offload_fraction", 1.0))
-    return Kernels(documents=bool(cfg.data.reset_attention_mask), optimizer_offload=offload)
-
-
-def _setting(cfg: Config, name: str, default):
-    for section in (cfg.train, cfg.model, cfg.parallel):
-        if hasattr(section, name):
-            return getattr(section, name)
-    return default
+    t = cfg.train
+    offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
+    return Kernels(ring="fused", documents=bool(cfg.data.reset_attention_mask),
+                   optimizer_offload=offload)
 
 
 def recompute_of(cfg: Config) -> str:
