@@ -30,8 +30,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePlan, TensorWriteData,
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -42,11 +43,24 @@ from ..model.chunks import model_dims
 from ..mpu.param_spec import ParamSpec, full_shape, param_spec
 from ..pipeline.model import REPLICA_PREFIX, replicated_name
 from . import pieces as geometry
-from .files import CheckpointError
+from .files import METADATA, CheckpointError
+from .safe_pickle import restricted_load
 from .state import named_parameters
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DCP_METADATA = ".metadata"
+# What DCP's .metadata pickle may name (torch 2.11 to 2.13 write the same): its metadata
+# dataclasses, the dtypes, layouts and memory formats of TensorProperties, and the checkpoint
+# path of StorageMeta. Nothing else is imported while it is read.
+_DCP = "torch.distributed.checkpoint.metadata"
+DCP_METADATA_GLOBALS = frozenset(
+    {(_DCP, name) for name in ("Metadata", "StorageMeta", "MetadataIndex", "TensorProperties",
+                               "ChunkStorageMetadata", "TensorStorageMetadata",
+                               "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")}
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+       ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+       ("pathlib._local", "PosixPath"), ("pathlib", "PurePosixPath")}
+    | {("torch", name) for name, v in vars(torch).items() if isinstance(v, torch.dtype)})
 
 
 @dataclass
@@ -282,8 +296,28 @@ class _CheckedReader(FileSystemReader):
         _check_index(path, metadata_record)
         super().__init__(path)
         self._root, self._digests = path, digests
+        self._index = self._read_index()      # before DCP starts: a refusal is ours to name
         self.bytes_read = 0           # file bytes read
         self.tensor_bytes_read = 0    # of which tensor data (the rest: serialisation headers)
+
+    def read_metadata(self, *args, **options) -> Metadata:
+        # Not named **kwargs: DCP would then fall back to rank-local index files, which this
+        # format never writes, and hide why the index was refused.
+        if getattr(self._index, "storage_meta", None) is None:
+            self._index.storage_meta = StorageMeta()
+        self._index.storage_meta.load_id = self.load_id
+        return self._index
+
+    def _read_index(self) -> Metadata:
+        """DCP's index, unpickled admitting only its own metadata types (torch's reader uses
+        plain pickle.load, which would run whatever the file names)."""
+        path = os.path.join(self._root, DCP_METADATA)
+        with open(path, "rb") as f:
+            index = restricted_load(f, DCP_METADATA_GLOBALS, path)
+        if not isinstance(index, Metadata):
+            raise CheckpointError(f"{path}: holds a {type(index).__name__}, not DCP's index "
+                                  f"of the stored pieces; not loaded")
+        return index
 
     def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
         per_file: dict[str, list] = {}
@@ -299,9 +333,10 @@ class _CheckedReader(FileSystemReader):
                     data = f.read(info.length)
                     self.bytes_read += len(data)
                     self._check(path, rel, info.offset, data)
-                    if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(data))
-                        continue
+                    if item.type == LoadItemType.BYTE_IO:    # DCP would unpickle it freely
+                        raise CheckpointError(f"{path}: holds a pickled object at byte "
+                                              f"{info.offset}; this format stores tensors only "
+                                              f"— not loaded")
                     stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                     self.tensor_bytes_read += stored.numel() * stored.element_size()
                     target = planner.resolve_tensor(item).detach()
@@ -323,9 +358,10 @@ class _CheckedReader(FileSystemReader):
 
 def _check_index(iter_dir: str, record: dict | None) -> None:
     """DCP's index of the stored pieces (.metadata) against metadata.json's record of it."""
-    if record is None:
-        return
     path = os.path.join(iter_dir, DCP_METADATA)
+    if record is None:
+        raise CheckpointError(f"{path}: not among the files {os.path.join(iter_dir, METADATA)} "
+                              f"records; the checkpoint is inconsistent — not loaded")
     found = file_digests(iter_dir, DCP_METADATA, [], [])[0] if os.path.isfile(path) else None
     if found != record:
         raise CheckpointError(f"{path}: {'missing' if found is None else 'corrupt'} "

@@ -355,7 +355,7 @@ def _finish_save(cfg: Config, model, optimizer, iteration: int, tmp: str, final:
     if dist_format:
         meta["piece_sha256"] = digests
     try:
-        files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
+        files.write_metadata(tmp, meta)
         _publish(save_dir, tmp, final, save_id, iteration)
     except CheckpointError:
         if os.path.isdir(tmp):
@@ -517,8 +517,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
         return Resume()
     iter_dir = files.find_iteration_dir(c.load, iteration)
     meta_path = os.path.join(iter_dir, files.METADATA)
-    meta = files.read_json(meta_path, "checkpoint metadata")
-    files.check_format(meta, meta_path)
+    meta = files.read_metadata(iter_dir)
     check_model_matches(meta, cfg, meta_path)
     load_optim = not (c.finetune or c.no_load_optim)
     if meta.get("storage") == "torch_dist":
