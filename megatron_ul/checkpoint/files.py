@@ -300,7 +300,22 @@ def stale_temporaries(save_dir: str) -> list[str]:
 
 
 def complete_iterations(save_dir: str) -> list[int]:
+    """The iterations in `save_dir` whose directory is complete (is_complete), ascending."""
     found = []
     for d in glob.glob(os.path.join(save_dir, "iter_" + "[0-9]" * 7)):
-        found.append(int(os.path.basename(d)[5:]))
+        if is_complete(d):
+            found.append(int(os.path.basename(d)[5:]))
     return sorted(found)
+
+
+def lost_tracker_error(load_dir: str) -> Optional[CheckpointError]:
+    """With no tracker, complete iterations in `load_dir` mean the tracker was lost, not that
+    nothing was saved: starting from scratch would abandon them (and later overwrite them)."""
+    complete = complete_iterations(load_dir)
+    if not complete:
+        return None
+    tracker = os.path.join(load_dir, TRACKER)
+    return CheckpointError(f"{tracker}: missing, but {load_dir} holds complete checkpoints "
+                           f"(newest {iteration_dir_name(complete[-1])}); not starting from "
+                           f"scratch over them — to resume from the newest: echo "
+                           f"{complete[-1]} > {tracker}")

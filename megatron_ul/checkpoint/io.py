@@ -123,13 +123,52 @@ def _on_rank0(action) -> object:
 
 def claim_save_dir(cfg: Config) -> None:
     """Collective: rank 0 takes the --save directory's lock (files.claim_save_dir) so that a
-    second job saving into it fails at start-up, naming the holder."""
-    _on_rank0(lambda: files.claim_save_dir(cfg.checkpoint.save))
+    second job saving into it fails at start-up, naming the holder, and refuses a run that
+    would save over complete checkpoints there (check_nothing_overwritten)."""
+    def claim() -> None:
+        files.claim_save_dir(cfg.checkpoint.save)
+        check_nothing_overwritten(cfg)
+    _on_rank0(claim)
 
 
-def _begin_save(save_dir: str) -> str:
-    """Rank 0: the directory's lock, then a fresh save id."""
+def start_iteration(cfg: Config) -> int:
+    """The iteration this run starts from: the --load tracker's (0 without --load or with
+    --finetune). CheckpointError when the tracker was lost (files.lost_tracker_error)."""
+    c = cfg.checkpoint
+    if c.load is None or not os.path.isdir(c.load):
+        return 0
+    iteration = files.read_tracker(c.load)
+    if iteration is None:
+        lost = files.lost_tracker_error(c.load)
+        if lost is not None:
+            raise lost
+    return 0 if c.finetune or iteration is None else iteration
+
+
+def check_nothing_overwritten(cfg: Config) -> None:
+    """Refuse, before any work, a run whose saves would land on complete checkpoints in
+    --save: those after its start iteration (a run from scratch: all of them), unless
+    --overwrite-checkpoints."""
+    c = cfg.checkpoint
+    start = start_iteration(cfg)
+    later = [i for i in files.complete_iterations(c.save) if i > start or start == 0]
+    if later and not c.overwrite_checkpoints:
+        names = ", ".join(files.iteration_dir_name(i) for i in later[:4])
+        raise CheckpointError(
+            f"--save {c.save} holds complete checkpoints this run (starting at iteration "
+            f"{start}) would save over: {names}{' …' if len(later) > 4 else ''}; resume with "
+            f"--load {c.save}, choose another --save, or pass --overwrite-checkpoints")
+
+
+def _begin_save(save_dir: str, iteration: int, overwrite: bool) -> str:
+    """Rank 0: the directory's lock, the check that no complete checkpoint of `iteration`
+    would be replaced (unless `overwrite`), then a fresh save id."""
     files.claim_save_dir(save_dir)
+    final = os.path.join(save_dir, files.iteration_dir_name(iteration))
+    if not overwrite and files.is_complete(final):
+        raise CheckpointError(f"{final}: a complete checkpoint of iteration {iteration} is "
+                              f"already there; not replaced (pass --overwrite-checkpoints to "
+                              f"replace it)")
     return uuid.uuid4().hex[:12]
 
 
@@ -227,7 +266,7 @@ def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) 
                 files.fsync_dir(os.path.join(root, d))
         files.fsync_dir(tmp)
         aside = None
-        if os.path.exists(final):  # never overwrite: move the old copy aside, delete it last
+        if os.path.exists(final):  # replace: move the old copy aside, delete it last
             aside = f"{final}.old-{save_id}"
             os.rename(final, aside)
         os.rename(tmp, final)
@@ -271,7 +310,8 @@ def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
         position = Resume(iteration, iteration * cfg.train.global_batch_size,
                           consumed_valid_samples(cfg, iteration))
     save_dir = cfg.checkpoint.save
-    save_id = _on_rank0(lambda: _begin_save(save_dir))
+    save_id = _on_rank0(lambda: _begin_save(save_dir, iteration,
+                                            cfg.checkpoint.overwrite_checkpoints))
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     tmp = f"{final}.tmp-{save_id}"
     pending = PendingSave(cfg, model, optimizer, iteration, tmp, final, save_id)
@@ -511,6 +551,9 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
     c = cfg.checkpoint
     iteration = files.read_tracker(c.load)
     if iteration is None:
+        lost = files.lost_tracker_error(c.load)
+        if lost is not None:
+            raise lost
         partial = files.unfinished_saves(c.load)
         log.warning("no complete checkpoint in %s (no %s)%s; training starts from scratch",
                     c.load, files.TRACKER, f"; unfinished saves: {partial}" if partial else "")

@@ -11,12 +11,9 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_ul.checkpoint import dist_io, files
 from megatron_ul.checkpoint.safe_pickle import UnsafePickleError, restricted_load
-from megatron_ul.mpu import parallel_state as ps
-from megatron_ul.mpu.random import model_parallel_seed
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV, convert_cli
 from tests.distributed import free_port
@@ -33,24 +30,6 @@ class Planted:
 
     def __reduce__(self):
         return exec, (f"open({self.marker!r}, 'w').write('ran')",)
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    """One checkpoint of each format after two iterations: {format: directory}."""
-    root = tmp_path_factory.mktemp("pristine")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        model_parallel_seed(0, ps.initialize_model_parallel(1, 1, 1))
-        out = {}
-        for fmt in ("torch", "torch_dist"):
-            out[fmt] = str(root / fmt)
-            setup(configure(ARGV + ["--save", out[fmt], "--ckpt-format", fmt], 1)).train()
-            files.release_save_dir(out[fmt])
-    finally:
-        dist.destroy_process_group()
-    return out
 
 
 def _reseal(iter_dir: str, rel: str, data: bytes, piece_digests: dict | None = None) -> None:

@@ -41,7 +41,7 @@ def child(directory: str, fmt: list[str], background: bool, write_delay: float) 
             time.sleep(write_delay)
             return write_data(self, plan, planner)
         FileSystemWriter.write_data = slow
-    trainer = setup(configure(MODEL + fmt + ["--save", directory]))
+    trainer = setup(configure(MODEL + fmt + ["--save", directory, "--overwrite-checkpoints"]))
     start = files.read_tracker(directory) or 0
     print("ready", flush=True)
     pending = None
