@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..model.chunks import model_dims
-from . import dist_io, files, reshard
+from . import dist_io, files, reshard, resume_rules
 from .files import CheckpointError
 from .files import FORMAT
 from ..pipeline.param_table import local_parameter_table
@@ -48,13 +48,6 @@ MODEL_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "normalization": "--normalization", "norm_epsilon": "--norm-epsilon",
                 "gelu_approximate": "--gelu-approximate"}
 ROPE_FIELDS = {"rotary_base": "--rotary-base"}     # compared when both use rotary embeddings
-# LRSchedule hyper-parameters and the flags that set them (Megatron's
-# OptimizerParamScheduler checks the same ones on load).
-SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup_steps": "--lr-warmup-iters",
-                  "decay_steps": "--lr-decay-iters (default --train-iters)",
-                  "decay_style": "--lr-decay-style"}
-
-
 @dataclass
 class Resume:
     iteration: int = 0
@@ -500,24 +493,19 @@ def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> 
     load_checkpoint_optimizer_state(model, optimizer, optim_sd, source)
 
 
-def _load_scheduler(cfg: Config, scheduler, saved: dict, source: str) -> None:
-    """Megatron's rule: a resume whose schedule flags differ from the checkpoint's is refused
-    unless --override-opt_param-scheduler (this run's flags win) or
-    --use-checkpoint-opt_param-scheduler (the checkpoint's schedule wins) says which."""
-    c = cfg.checkpoint
-    ours = scheduler.state_dict()
-    if c.override_opt_param_scheduler:
-        saved = {"num_steps": saved["num_steps"]}
-    elif not c.use_checkpoint_opt_param_scheduler:
-        diffs = [f"{flag}: checkpoint {saved[k]!r}, this run {ours[k]!r}"
-                 for k, flag in SCHEDULE_FLAGS.items() if k in saved and saved[k] != ours[k]]
-        if diffs:
-            raise CheckpointError(
-                f"{source}: the checkpoint's learning-rate schedule differs from this run's "
-                f"flags:\n  " + "\n  ".join(diffs) + "\npass --override-opt_param-scheduler to "
-                "use this run's flags, or --use-checkpoint-opt_param-scheduler to continue the "
-                "checkpoint's schedule")
-    scheduler.load_state_dict(saved)
+def _load_scheduler(cfg: Config, scheduler, optimizer, payload: dict, source: str,
+                    optimizer_loaded: bool) -> None:
+    """The LR schedule, and every setting that differs from the checkpoint's refused or
+    applied as resume_rules says."""
+    c, saved = cfg.checkpoint, payload["opt_param_scheduler"]
+    diffs = resume_rules.differences(payload.get("args"), saved, asdict(cfg),
+                                     scheduler.state_dict(), optimizer_loaded)
+    keep = resume_rules.decide(diffs, c.override_opt_param_scheduler,
+                               c.use_checkpoint_opt_param_scheduler, source)
+    scheduler.load_state_dict({"num_steps": saved["num_steps"]}
+                              if c.override_opt_param_scheduler else saved)
+    if optimizer_loaded:
+        resume_rules.apply_to_optimizer(dist_io.torch_optimizer(optimizer), cfg.train, keep)
 
 
 def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
@@ -574,7 +562,8 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
         return Resume()
     if load_optim and meta.get("storage") != "torch_dist":
         _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
-    _load_scheduler(cfg, scheduler, payload["opt_param_scheduler"], source)
+    _load_scheduler(cfg, scheduler, optimizer, payload, source,
+                    load_optim and optimizer is not None)
     _load_grad_scaler(grad_scaler, payload, source)
     if not c.no_load_rng:
         _load_rng(cfg, meta, iter_dir)
