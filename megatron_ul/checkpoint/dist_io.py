@@ -326,6 +326,10 @@ class _CheckedReader(FileSystemReader):
                                 []).append(item)
         for rel, items in per_file.items():
             path = os.path.join(self._root, rel)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: missing (stored pieces of the checkpoint); the "
+                                      f"checkpoint is incomplete — restore the file or load an "
+                                      f"earlier iteration")
             with open(path, "rb") as f:
                 for item in sorted(items, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[item.storage_index]
@@ -449,8 +453,20 @@ def _as_checkpoint_error(e: BaseException, iter_dir: str) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
     return CheckpointError(f"{iter_dir}: writing the torch_dist checkpoint failed "
-                           f"({type(e).__name__}: {str(e)[:400]}); check the free space, quota "
-                           f"and permissions there")
+                           f"({causes(e)}); check the free space, quota and permissions there")
+
+
+def causes(e: BaseException) -> str:
+    """Why DCP failed, shortly: each failed rank's exception and its root cause. (The text of
+    DCP's CheckpointException is every rank's traceback, with the cause last.)"""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {rank}: {causes(f[0] if isinstance(f, tuple) else f)}"
+                         for rank, f in sorted(e.failures.items()))
+    root = e
+    while (root.__cause__ or root.__context__) is not None:
+        root = root.__cause__ or root.__context__
+    text = f"{type(e).__name__}: {e}"
+    return text if root is e else f"{text}, caused by {type(root).__name__}: {root}"
 
 
 def _dcp_save(planner, writer, iter_dir: str, group):
@@ -484,8 +500,7 @@ def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict,
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's
         inner = _first_checkpoint_error(e)
-        raise inner or CheckpointError(f"{iter_dir}: cannot be read ({type(e).__name__}: "
-                                       f"{str(e)[:600]})") from e
+        raise inner or CheckpointError(f"{iter_dir}: cannot be read ({causes(e)})") from e
     with torch.no_grad():
         for rows in planner.beyond:               # padding rows of a larger padded vocabulary
             rows.zero_()
@@ -527,5 +542,5 @@ def read_tensor(iter_dir: str, key: str, digests: dict,
         dcp.load({key: out}, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - named below
         raise _first_checkpoint_error(e) or CheckpointError(
-            f"{iter_dir}: {key} cannot be read ({type(e).__name__}: {str(e)[:400]})") from e
+            f"{iter_dir}: {key} cannot be read ({causes(e)})") from e
     return out

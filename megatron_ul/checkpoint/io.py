@@ -459,13 +459,19 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
 last_load_report: list = [None]     # this process's last torch_dist load (tests, benchmarks)
 
 
-def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool):
-    """torch_dist: this rank's pieces of the model (and Adam moments), whatever layout saved
-    them, straight into its parameters and optimizer state. Returns (common payload, source)."""
+def _read_dist_common(meta: dict, iter_dir: str, load_optim: bool):
+    """torch_dist: (the common payload, its path)."""
     path = os.path.join(iter_dir, files.COMMON_FILE)
     payload = files.load_torch(path, "common state", files.expected_record(meta, iter_dir, path))
     if load_optim:
         _check_optimizer_kind(meta, path, "sharded")
+    return payload, path
+
+
+def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool, payload: dict,
+               path: str) -> None:
+    """torch_dist (collective): this rank's pieces of the model (and Adam moments), whatever
+    layout saved them, straight into its parameters and optimizer state."""
     # An optimizer that had not stepped yet has no moments to read.
     moments = load_optim and payload["optimizer"]["step"] is not None
     report = dist_io.load(model, optimizer if moments else None, moments, iter_dir,
@@ -475,7 +481,6 @@ def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool):
     last_load_report[0] = report
     if load_optim:
         dist_io.restore_optimizer_common(optimizer, payload["optimizer"], path)
-    return payload, path
 
 
 def _check_optimizer_kind(meta: dict, source: str, kind: str) -> None:
@@ -534,8 +539,31 @@ def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
                                        files.expected_record(meta, iter_dir, path)))
 
 
-def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) -> Resume:
-    """Collective-free: each rank reads what it needs. Returns where training resumes."""
+def _on_every_rank(step):
+    """Collective: run `step` (which does not communicate, or fails on all ranks together) on
+    every rank; when it fails on any rank, every rank raises, naming each failed rank and its
+    error — so rank 0 reports another rank's missing or corrupt file, not a broken
+    connection."""
+    try:
+        result, error = step(), None
+    except CheckpointError as e:
+        result, error = None, str(e)
+    except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+        result, error = None, f"{type(e).__name__}: {e}"
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if not failed:
+        return result
+    if len(failed) == len(errors) and len({e for _, e in failed}) == 1:
+        raise CheckpointError(failed[0][1])          # one shared file: say it once
+    raise CheckpointError(f"loading the checkpoint failed on {len(failed)} of {len(errors)} "
+                          f"ranks:\n" + "\n".join(f"  rank {rank}: {e}" for rank, e in failed))
+
+
+def _locate(cfg: Config):
+    """(iteration, its directory, its checked metadata), or None when there is nothing to
+    load."""
     c = cfg.checkpoint
     iteration = files.read_tracker(c.load)
     if iteration is None:
@@ -545,14 +573,37 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
         partial = files.unfinished_saves(c.load)
         log.warning("no complete checkpoint in %s (no %s)%s; training starts from scratch",
                     c.load, files.TRACKER, f"; unfinished saves: {partial}" if partial else "")
-        return Resume()
+        return None
     iter_dir = files.find_iteration_dir(c.load, iteration)
-    meta_path = os.path.join(iter_dir, files.METADATA)
     meta = files.read_metadata(iter_dir)
-    check_model_matches(meta, cfg, meta_path)
+    check_model_matches(meta, cfg, os.path.join(iter_dir, files.METADATA))
+    return iteration, iter_dir, meta
+
+
+def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) -> Resume:
+    """Collective: each rank reads what it needs; an error on any rank is raised on every rank
+    (_on_every_rank). Returns where training resumes."""
+    c = cfg.checkpoint
+    found = _on_every_rank(lambda: _locate(cfg))
+    if found is None:
+        return Resume()
+    iteration, iter_dir, meta = found
     load_optim = not (c.finetune or c.no_load_optim)
+    common = None
     if meta.get("storage") == "torch_dist":
-        payload, source = _read_dist(meta, iter_dir, model, optimizer, load_optim)
+        common = _on_every_rank(lambda: _read_dist_common(meta, iter_dir, load_optim))
+        _on_every_rank(lambda: _read_dist(meta, iter_dir, model, optimizer, load_optim, *common))
+    return _on_every_rank(lambda: _apply(cfg, model, optimizer, scheduler, grad_scaler,
+                                         iteration, iter_dir, meta, load_optim, common))
+
+
+def _apply(cfg: Config, model, optimizer, scheduler, grad_scaler, iteration: int,
+           iter_dir: str, meta: dict, load_optim: bool, common) -> Resume:
+    """Everything a load does besides the collective torch_dist read (`common`: its payload
+    and path)."""
+    c = cfg.checkpoint
+    if common is not None:
+        payload, source = common
     else:
         payload, source, model_sd, optim_sd = _read_model_and_optim(cfg, meta, iter_dir, model,
                                                                     load_optim)
@@ -560,7 +611,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
     if c.finetune:
         log.info("loaded weights of %s for fine-tuning; starting at iteration 0", iter_dir)
         return Resume()
-    if load_optim and meta.get("storage") != "torch_dist":
+    if load_optim and common is None:
         _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
     _load_scheduler(cfg, scheduler, optimizer, payload, source,
                     load_optim and optimizer is not None)
