@@ -544,19 +544,22 @@ def _on_every_rank(step):
     every rank; when it fails on any rank, every rank raises, naming each failed rank and its
     error — so rank 0 reports another rank's missing or corrupt file, not a broken
     connection."""
+    result, error, local = None, None, None
     try:
-        result, error = step(), None
+        result = step()
     except CheckpointError as e:
-        result, error = None, str(e)
+        error, local = str(e), e
     except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
-        result, error = None, f"{type(e).__name__}: {e}"
+        error, local = f"{type(e).__name__}: {e}", e
     errors: list = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     failed = [(rank, e) for rank, e in enumerate(errors) if e]
     if not failed:
         return result
     if len(failed) == len(errors) and len({e for _, e in failed}) == 1:
-        raise CheckpointError(failed[0][1])          # one shared file: say it once
+        if isinstance(local, CheckpointError):
+            raise local                              # one shared file: said once, as raised
+        raise CheckpointError(error) from local
     raise CheckpointError(f"loading the checkpoint failed on {len(failed)} of {len(errors)} "
                           f"ranks:\n" + "\n".join(f"  rank {rank}: {e}" for rank, e in failed))
 

@@ -10,7 +10,7 @@ import subprocess
 
 import torch
 
-from tools.checkpoint.kill_trial import MODEL, check_loadable, one_trial, start_child
+from tools.checkpoint.kill_trial import check_loadable, load_and_release, one_trial, start_child
 
 CELLS = [("torch", False), ("torch_dist", False), ("torch_dist", True)]
 DAMAGES = ("truncate", "flip", "delete")
@@ -77,10 +77,9 @@ def kill_cell(directory: str, trials: int, rng: random.Random, fmt: list[str],
 
 def _loaded(directory: str):
     from megatron_ul.checkpoint.state import named_parameters
-    from megatron_ul.training.pretrain import configure, setup
-    trainer = setup(configure(MODEL + ["--load", directory]))
-    return trainer.start_iteration, {n: p.detach().clone()
-                                     for n, p in named_parameters(trainer.model).items()}
+    return load_and_release(directory, lambda trainer: (
+        trainer.start_iteration,
+        {n: p.detach().clone() for n, p in named_parameters(trainer.model).items()}))
 
 
 def _damage(path: str, how: str) -> None:

@@ -137,14 +137,24 @@ def one_trial(directory: str, max_delay: float, rng: random.Random, fmt: list[st
     return {"delay": delay, **outcome(proc)}
 
 
-def check_loadable(directory: str, last_saved) -> tuple[bool, str]:
-    """The trainer loads `directory` (any format) at an iteration >= the last reported save."""
+def load_and_release(directory: str, inspect):
+    """inspect(the trainer loaded from `directory`), then the process groups are destroyed (a
+    process creating groups for every trial runs out of threads)."""
+    from megatron_ul.initialize import shutdown
     from megatron_ul.training.pretrain import configure, setup
     try:
-        trainer = setup(configure(MODEL + ["--load", directory]))
+        return inspect(setup(configure(MODEL + ["--load", directory])))
+    finally:
+        shutdown()
+        os.environ.pop("MASTER_PORT", None)      # the next group gets a fresh port
+
+
+def check_loadable(directory: str, last_saved) -> tuple[bool, str]:
+    """The trainer loads `directory` (any format) at an iteration >= the last reported save."""
+    try:
+        loaded = load_and_release(directory, lambda trainer: trainer.start_iteration)
     except Exception as e:  # noqa: BLE001 - a failed load is the outcome being counted
         return False, f"{type(e).__name__}: {e}"
-    loaded = trainer.start_iteration
     if last_saved is not None and loaded < last_saved:
         return False, f"loaded iteration {loaded} < last reported save {last_saved}"
     return True, f"iteration {loaded}"
