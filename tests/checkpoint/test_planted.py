@@ -169,3 +169,26 @@ def test_restricted_load_refuses_what_is_not_listed():
         restricted_load(data, set(), "x")
     with pytest.raises(files.CheckpointError, match="y: cannot be read"):
         restricted_load(data[:-3], {("torch", "Size")}, "y")
+
+
+@pytest.mark.parametrize("edit,named", [
+    ("record", "do not match the SHA-256 it carries"),       # edited, not resealed
+    ("no files", "records no files"),                        # resealed without any records
+    ("no record", "rank_00000.pt: not among the files")])    # resealed without one record
+def test_metadata_json_is_sealed_and_every_file_needs_a_record(pristine, tmp_path, single_rank,
+                                                                edit, named):
+    save = str(tmp_path / "ckpt")
+    shutil.copytree(pristine["torch"], save)
+    iter_dir = os.path.join(save, ITER)
+    meta = files.read_json(os.path.join(iter_dir, files.METADATA), "")
+    if edit == "record":
+        meta["files"]["rng/rank_00000.pt"]["sha256"] = "0" * 64
+        files.write_json_durably(os.path.join(iter_dir, files.METADATA), meta)
+    else:
+        if edit == "no files":
+            del meta["files"]
+        else:
+            del meta["files"]["rng/rank_00000.pt"]
+        files.write_metadata(iter_dir, meta)
+    with pytest.raises(files.CheckpointError, match=named):
+        setup(configure(ARGV + ["--load", save], 1))
