@@ -453,7 +453,21 @@ def _as_checkpoint_error(e: BaseException, iter_dir: str) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
     return CheckpointError(f"{iter_dir}: writing the torch_dist checkpoint failed "
-                           f"({causes(e)}); check the free space, quota and permissions there")
+                           f"({causes(e)}; {_free_space(iter_dir)}); check the free space, "
+                           f"quota and permissions there")
+
+
+def _free_space(path: str) -> str:
+    """What the file system holding `path` has left: torch.save inside DCP's writer reports a
+    full disk as "file write failed", without the OS error."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return "free space unknown"
+    free = st.f_bavail * st.f_frsize
+    return f"{free} bytes free there" + (" — No space left on device" if free < 1 << 20 else "")
 
 
 def causes(e: BaseException) -> str:
