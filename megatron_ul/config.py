@@ -288,6 +288,10 @@ class CheckpointConfig:
                       "--use-checkpoint-opt-param-scheduler"),
         help="on resume, continue the checkpoint's LR schedule whatever this run's "
              "--lr/--min-lr/warmup/decay flags say")
+    overwrite_checkpoints: bool = flag(
+        False, help="let this run save over complete checkpoints already in --save (one of the "
+                    "same iteration, or any after the iteration it starts from); without it "
+                    "such a run stops at start-up")
 
 
 @dataclass

@@ -39,8 +39,11 @@ def _saved_data_args(load_dir: str) -> dict:
     """The data flags (tokenizer) recorded with the latest checkpoint, if any."""
     iteration = files.read_tracker(load_dir)
     iter_dir = files.find_iteration_dir(load_dir, iteration)
-    pp = files.read_json(os.path.join(iter_dir, files.METADATA), "metadata")["layout"]["pp"]
-    payload = files.load_torch(files.model_file(iter_dir, 0, 0, pp), "model shard")
+    meta = files.read_metadata(iter_dir)
+    # torch_dist keeps the arguments in its common file, the torch format in every shard.
+    path = (os.path.join(iter_dir, files.COMMON_FILE) if meta.get("storage") == "torch_dist"
+            else files.model_file(iter_dir, 0, 0, meta["layout"]["pp"]))
+    payload = files.load_torch(path, "saved arguments", files.expected_record(meta, iter_dir, path))
     return payload.get("args", {}).get("data", {})
 
 

@@ -30,8 +30,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePlan, TensorWriteData,
                                                   WriteItem, WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
@@ -42,11 +43,24 @@ from ..model.chunks import model_dims
 from ..mpu.param_spec import ParamSpec, full_shape, param_spec
 from ..pipeline.model import REPLICA_PREFIX, replicated_name
 from . import pieces as geometry
-from .files import CheckpointError
+from .files import METADATA, CheckpointError
+from .safe_pickle import restricted_load
 from .state import named_parameters
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DCP_METADATA = ".metadata"
+# What DCP's .metadata pickle may name (torch 2.11 to 2.13 write the same): its metadata
+# dataclasses, the dtypes, layouts and memory formats of TensorProperties, and the checkpoint
+# path of StorageMeta. Nothing else is imported while it is read.
+_DCP = "torch.distributed.checkpoint.metadata"
+DCP_METADATA_GLOBALS = frozenset(
+    {(_DCP, name) for name in ("Metadata", "StorageMeta", "MetadataIndex", "TensorProperties",
+                               "ChunkStorageMetadata", "TensorStorageMetadata",
+                               "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")}
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+       ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+       ("pathlib._local", "PosixPath"), ("pathlib", "PurePosixPath")}
+    | {("torch", name) for name, v in vars(torch).items() if isinstance(v, torch.dtype)})
 
 
 @dataclass
@@ -286,8 +300,28 @@ class _CheckedReader(FileSystemReader):
         _check_index(path, metadata_record)
         super().__init__(path)
         self._root, self._digests = path, digests
+        self._index = self._read_index()      # before DCP starts: a refusal is ours to name
         self.bytes_read = 0           # file bytes read
         self.tensor_bytes_read = 0    # of which tensor data (the rest: serialisation headers)
+
+    def read_metadata(self, *args, **options) -> Metadata:
+        # Not named **kwargs: DCP would then fall back to rank-local index files, which this
+        # format never writes, and hide why the index was refused.
+        if getattr(self._index, "storage_meta", None) is None:
+            self._index.storage_meta = StorageMeta()
+        self._index.storage_meta.load_id = self.load_id
+        return self._index
+
+    def _read_index(self) -> Metadata:
+        """DCP's index, unpickled admitting only its own metadata types (torch's reader uses
+        plain pickle.load, which would run whatever the file names)."""
+        path = os.path.join(self._root, DCP_METADATA)
+        with open(path, "rb") as f:
+            index = restricted_load(f, DCP_METADATA_GLOBALS, path)
+        if not isinstance(index, Metadata):
+            raise CheckpointError(f"{path}: holds a {type(index).__name__}, not DCP's index "
+                                  f"of the stored pieces; not loaded")
+        return index
 
     def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
         per_file: dict[str, list] = {}
@@ -296,6 +330,10 @@ class _CheckedReader(FileSystemReader):
                                 []).append(item)
         for rel, items in per_file.items():
             path = os.path.join(self._root, rel)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{path}: missing (stored pieces of the checkpoint); the "
+                                      f"checkpoint is incomplete — restore the file or load an "
+                                      f"earlier iteration")
             with open(path, "rb") as f:
                 for item in sorted(items, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[item.storage_index]
@@ -303,9 +341,10 @@ class _CheckedReader(FileSystemReader):
                     data = f.read(info.length)
                     self.bytes_read += len(data)
                     self._check(path, rel, info.offset, data)
-                    if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(data))
-                        continue
+                    if item.type == LoadItemType.BYTE_IO:    # DCP would unpickle it freely
+                        raise CheckpointError(f"{path}: holds a pickled object at byte "
+                                              f"{info.offset}; this format stores tensors only "
+                                              f"— not loaded")
                     stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                     self.tensor_bytes_read += stored.numel() * stored.element_size()
                     target = planner.resolve_tensor(item).detach()
@@ -327,9 +366,10 @@ class _CheckedReader(FileSystemReader):
 
 def _check_index(iter_dir: str, record: dict | None) -> None:
     """DCP's index of the stored pieces (.metadata) against metadata.json's record of it."""
-    if record is None:
-        return
     path = os.path.join(iter_dir, DCP_METADATA)
+    if record is None:
+        raise CheckpointError(f"{path}: not among the files {os.path.join(iter_dir, METADATA)} "
+                              f"records; the checkpoint is inconsistent — not loaded")
     found = file_digests(iter_dir, DCP_METADATA, [], [])[0] if os.path.isfile(path) else None
     if found != record:
         raise CheckpointError(f"{path}: {'missing' if found is None else 'corrupt'} "
@@ -426,8 +466,34 @@ def _as_checkpoint_error(e: BaseException, iter_dir: str) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
     return CheckpointError(f"{iter_dir}: writing the torch_dist checkpoint failed "
-                           f"({type(e).__name__}: {str(e)[:400]}); check the free space, quota "
-                           f"and permissions there")
+                           f"({causes(e)}; {_free_space(iter_dir)}); check the free space, "
+                           f"quota and permissions there")
+
+
+def _free_space(path: str) -> str:
+    """What the file system holding `path` has left: torch.save inside DCP's writer reports a
+    full disk as "file write failed", without the OS error."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return "free space unknown"
+    free = st.f_bavail * st.f_frsize
+    return f"{free} bytes free there" + (" — No space left on device" if free < 1 << 20 else "")
+
+
+def causes(e: BaseException) -> str:
+    """Why DCP failed, shortly: each failed rank's exception and its root cause. (The text of
+    DCP's CheckpointException is every rank's traceback, with the cause last.)"""
+    if isinstance(e, CheckpointException):
+        return "; ".join(f"rank {rank}: {causes(f[0] if isinstance(f, tuple) else f)}"
+                         for rank, f in sorted(e.failures.items()))
+    root = e
+    while (root.__cause__ or root.__context__) is not None:
+        root = root.__cause__ or root.__context__
+    text = f"{type(e).__name__}: {e}"
+    return text if root is e else f"{text}, caused by {type(root).__name__}: {root}"
 
 
 def _dcp_save(planner, writer, iter_dir: str, group):
@@ -461,8 +527,7 @@ def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict,
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's
         inner = _first_checkpoint_error(e)
-        raise inner or CheckpointError(f"{iter_dir}: cannot be read ({type(e).__name__}: "
-                                       f"{str(e)[:600]})") from e
+        raise inner or CheckpointError(f"{iter_dir}: cannot be read ({causes(e)})") from e
     with torch.no_grad():
         for rows in planner.beyond:               # padding rows of a larger padded vocabulary
             rows.zero_()
@@ -504,5 +569,5 @@ def read_tensor(iter_dir: str, key: str, digests: dict,
         dcp.load({key: out}, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - named below
         raise _first_checkpoint_error(e) or CheckpointError(
-            f"{iter_dir}: {key} cannot be read ({type(e).__name__}: {str(e)[:400]})") from e
+            f"{iter_dir}: {key} cannot be read ({causes(e)})") from e
     return out

@@ -11,7 +11,8 @@ A save in progress lives in DIR/iter_0000100.tmp-<uuid> and is renamed into plac
 an iteration being replaced is first renamed to DIR/iter_0000100.old-<uuid>; a directory being
 deleted is first renamed to DIR/iter_0000100.del-<uuid>, which no loader ever considers.
 metadata.json lists every other file of the iteration with its size and SHA-256, checked when
-the file is read. DIR/.megatron_ul.lock is held (POSIX lock) by the job saving into DIR.
+the file is read (a file it does not list is not read), and carries the SHA-256 of its own
+contents (metadata_sha256). DIR/.megatron_ul.lock is held (POSIX lock) by the job saving into DIR.
 """
 from __future__ import annotations
 
@@ -95,15 +96,13 @@ def save_torch(obj, path: str) -> dict:
     return file_record(data)
 
 
-def expected_record(meta: dict, iter_dir: str, path: str) -> Optional[dict]:
-    """The record metadata.json holds for `path` (None for checkpoints written before files
-    were recorded); CheckpointError when metadata lists files but not this one."""
-    if "files" not in meta:
-        return None
+def expected_record(meta: dict, iter_dir: str, path: str) -> dict:
+    """The record metadata.json holds for `path`; CheckpointError when it holds none (a file
+    without a record is never read unchecked)."""
     record = meta["files"].get(os.path.relpath(path, iter_dir))
     if record is None:
         raise CheckpointError(f"{path}: not among the files {os.path.join(iter_dir, METADATA)} "
-                              f"records; the checkpoint is inconsistent")
+                              f"records; the checkpoint is inconsistent — not loaded")
     return record
 
 
@@ -155,6 +154,38 @@ def check_format(meta: dict, path: str) -> None:
                               f"re-import it with this version")
 
 
+SELF_SHA = "metadata_sha256"   # metadata.json's checksum of its other entries
+
+
+def _metadata_digest(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != SELF_SHA}
+    return hashlib.sha256(json.dumps(body, indent=1, sort_keys=True).encode()).hexdigest()
+
+
+def write_metadata(iter_dir: str, meta: dict) -> None:
+    """metadata.json, sealed with the SHA-256 of its own contents."""
+    write_json_durably(os.path.join(iter_dir, METADATA),
+                       {**meta, SELF_SHA: _metadata_digest(meta)})
+
+
+def read_metadata(iter_dir: str) -> dict:
+    """metadata.json of an iteration directory, checked: its own checksum, its format, and a
+    record of the files (every file read later must have one)."""
+    path = os.path.join(iter_dir, METADATA)
+    meta = read_json(path, "checkpoint metadata")
+    if not isinstance(meta, dict) or meta.get(SELF_SHA) != _metadata_digest(meta):
+        found = meta.get(SELF_SHA) if isinstance(meta, dict) else None
+        raise CheckpointError(f"{path}: corrupt — its contents do not match the SHA-256 it "
+                              f"carries ({str(found or 'none')[:16]}…); written by another "
+                              f"version or edited — not loaded: restore the file or load an "
+                              f"earlier iteration")
+    check_format(meta, path)
+    if not isinstance(meta.get("files"), dict):
+        raise CheckpointError(f"{path}: records no files; the checkpoint is inconsistent — "
+                              f"not loaded")
+    return meta
+
+
 def write_tracker(save_dir: str, iteration: int) -> None:
     """Point the tracker at `iteration` atomically: write a temporary file, then os.replace."""
     tmp = os.path.join(save_dir, f".{TRACKER}.tmp-{os.getpid()}")
@@ -168,7 +199,7 @@ def read_tracker(load_dir: str) -> Optional[int]:
     path = os.path.join(load_dir, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
+    text = open(path, "rb").read().decode(errors="replace").strip()
     try:
         return int(text)
     except ValueError:
@@ -185,12 +216,12 @@ def is_complete(iter_dir: str) -> bool:
     """metadata.json parses and every file it records is there with its recorded size (a
     directory whose deletion was interrupted fails this)."""
     try:
-        meta = read_json(os.path.join(iter_dir, METADATA), "checkpoint metadata")
+        meta = read_metadata(iter_dir)
     except CheckpointError:
         return False
     return all(os.path.isfile(p) and os.path.getsize(p) == record["bytes"]
                for p, record in ((os.path.join(iter_dir, rel), record)
-                                 for rel, record in (meta.get("files") or {}).items()))
+                                 for rel, record in meta["files"].items()))
 
 
 def find_iteration_dir(load_dir: str, iteration: int) -> str:
@@ -269,7 +300,22 @@ def stale_temporaries(save_dir: str) -> list[str]:
 
 
 def complete_iterations(save_dir: str) -> list[int]:
+    """The iterations in `save_dir` whose directory is complete (is_complete), ascending."""
     found = []
     for d in glob.glob(os.path.join(save_dir, "iter_" + "[0-9]" * 7)):
-        found.append(int(os.path.basename(d)[5:]))
+        if is_complete(d):
+            found.append(int(os.path.basename(d)[5:]))
     return sorted(found)
+
+
+def lost_tracker_error(load_dir: str) -> Optional[CheckpointError]:
+    """With no tracker, complete iterations in `load_dir` mean the tracker was lost, not that
+    nothing was saved: starting from scratch would abandon them (and later overwrite them)."""
+    complete = complete_iterations(load_dir)
+    if not complete:
+        return None
+    tracker = os.path.join(load_dir, TRACKER)
+    return CheckpointError(f"{tracker}: missing, but {load_dir} holds complete checkpoints "
+                           f"(newest {iteration_dir_name(complete[-1])}); not starting from "
+                           f"scratch over them — to resume from the newest: echo "
+                           f"{complete[-1]} > {tracker}")

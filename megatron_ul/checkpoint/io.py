@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..config import Config
 from ..model.chunks import model_dims
-from . import dist_io, files, reshard
+from . import dist_io, files, reshard, resume_rules
 from .files import CheckpointError
 from .files import FORMAT
 from ..pipeline.param_table import local_parameter_table
@@ -48,13 +48,6 @@ MODEL_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
                 "normalization": "--normalization", "norm_epsilon": "--norm-epsilon",
                 "gelu_approximate": "--gelu-approximate"}
 ROPE_FIELDS = {"rotary_base": "--rotary-base"}     # compared when both use rotary embeddings
-# LRSchedule hyper-parameters and the flags that set them (Megatron's
-# OptimizerParamScheduler checks the same ones on load).
-SCHEDULE_FLAGS = {"max_lr": "--lr", "min_lr": "--min-lr", "warmup_steps": "--lr-warmup-iters",
-                  "decay_steps": "--lr-decay-iters (default --train-iters)",
-                  "decay_style": "--lr-decay-style"}
-
-
 @dataclass
 class Resume:
     iteration: int = 0
@@ -123,13 +116,52 @@ def _on_rank0(action) -> object:
 
 def claim_save_dir(cfg: Config) -> None:
     """Collective: rank 0 takes the --save directory's lock (files.claim_save_dir) so that a
-    second job saving into it fails at start-up, naming the holder."""
-    _on_rank0(lambda: files.claim_save_dir(cfg.checkpoint.save))
+    second job saving into it fails at start-up, naming the holder, and refuses a run that
+    would save over complete checkpoints there (check_nothing_overwritten)."""
+    def claim() -> None:
+        files.claim_save_dir(cfg.checkpoint.save)
+        check_nothing_overwritten(cfg)
+    _on_rank0(claim)
 
 
-def _begin_save(save_dir: str) -> str:
-    """Rank 0: the directory's lock, then a fresh save id."""
+def start_iteration(cfg: Config) -> int:
+    """The iteration this run starts from: the --load tracker's (0 without --load or with
+    --finetune). CheckpointError when the tracker was lost (files.lost_tracker_error)."""
+    c = cfg.checkpoint
+    if c.load is None or not os.path.isdir(c.load):
+        return 0
+    iteration = files.read_tracker(c.load)
+    if iteration is None:
+        lost = files.lost_tracker_error(c.load)
+        if lost is not None:
+            raise lost
+    return 0 if c.finetune or iteration is None else iteration
+
+
+def check_nothing_overwritten(cfg: Config) -> None:
+    """Refuse, before any work, a run whose saves would land on complete checkpoints in
+    --save: those after its start iteration (a run from scratch: all of them), unless
+    --overwrite-checkpoints."""
+    c = cfg.checkpoint
+    start = start_iteration(cfg)
+    later = [i for i in files.complete_iterations(c.save) if i > start or start == 0]
+    if later and not c.overwrite_checkpoints:
+        names = ", ".join(files.iteration_dir_name(i) for i in later[:4])
+        raise CheckpointError(
+            f"--save {c.save} holds complete checkpoints this run (starting at iteration "
+            f"{start}) would save over: {names}{' …' if len(later) > 4 else ''}; resume with "
+            f"--load {c.save}, choose another --save, or pass --overwrite-checkpoints")
+
+
+def _begin_save(save_dir: str, iteration: int, overwrite: bool) -> str:
+    """Rank 0: the directory's lock, the check that no complete checkpoint of `iteration`
+    would be replaced (unless `overwrite`), then a fresh save id."""
     files.claim_save_dir(save_dir)
+    final = os.path.join(save_dir, files.iteration_dir_name(iteration))
+    if not overwrite and files.is_complete(final):
+        raise CheckpointError(f"{final}: a complete checkpoint of iteration {iteration} is "
+                              f"already there; not replaced (pass --overwrite-checkpoints to "
+                              f"replace it)")
     return uuid.uuid4().hex[:12]
 
 
@@ -227,7 +259,7 @@ def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) 
                 files.fsync_dir(os.path.join(root, d))
         files.fsync_dir(tmp)
         aside = None
-        if os.path.exists(final):  # never overwrite: move the old copy aside, delete it last
+        if os.path.exists(final):  # replace: move the old copy aside, delete it last
             aside = f"{final}.old-{save_id}"
             os.rename(final, aside)
         os.rename(tmp, final)
@@ -271,7 +303,8 @@ def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
         position = Resume(iteration, iteration * cfg.train.global_batch_size,
                           consumed_valid_samples(cfg, iteration))
     save_dir = cfg.checkpoint.save
-    save_id = _on_rank0(lambda: _begin_save(save_dir))
+    save_id = _on_rank0(lambda: _begin_save(save_dir, iteration,
+                                            cfg.checkpoint.overwrite_checkpoints))
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     tmp = f"{final}.tmp-{save_id}"
     pending = PendingSave(cfg, model, optimizer, iteration, tmp, final, save_id)
@@ -355,7 +388,7 @@ def _finish_save(cfg: Config, model, optimizer, iteration: int, tmp: str, final:
     if dist_format:
         meta["piece_sha256"] = digests
     try:
-        files.write_json_durably(os.path.join(tmp, files.METADATA), meta)
+        files.write_metadata(tmp, meta)
         _publish(save_dir, tmp, final, save_id, iteration)
     except CheckpointError:
         if os.path.isdir(tmp):
@@ -426,13 +459,19 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
 last_load_report: list = [None]     # this process's last torch_dist load (tests, benchmarks)
 
 
-def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool):
-    """torch_dist: this rank's pieces of the model (and Adam moments), whatever layout saved
-    them, straight into its parameters and optimizer state. Returns (common payload, source)."""
+def _read_dist_common(meta: dict, iter_dir: str, load_optim: bool):
+    """torch_dist: (the common payload, its path)."""
     path = os.path.join(iter_dir, files.COMMON_FILE)
     payload = files.load_torch(path, "common state", files.expected_record(meta, iter_dir, path))
     if load_optim:
         _check_optimizer_kind(meta, path, "sharded")
+    return payload, path
+
+
+def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool, payload: dict,
+               path: str) -> None:
+    """torch_dist (collective): this rank's pieces of the model (and Adam moments), whatever
+    layout saved them, straight into its parameters and optimizer state."""
     # An optimizer that had not stepped yet has no moments to read.
     moments = load_optim and payload["optimizer"]["step"] is not None
     report = dist_io.load(model, optimizer if moments else None, moments, iter_dir,
@@ -442,7 +481,6 @@ def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool):
     last_load_report[0] = report
     if load_optim:
         dist_io.restore_optimizer_common(optimizer, payload["optimizer"], path)
-    return payload, path
 
 
 def _check_optimizer_kind(meta: dict, source: str, kind: str) -> None:
@@ -460,24 +498,19 @@ def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> 
     load_checkpoint_optimizer_state(model, optimizer, optim_sd, source)
 
 
-def _load_scheduler(cfg: Config, scheduler, saved: dict, source: str) -> None:
-    """Megatron's rule: a resume whose schedule flags differ from the checkpoint's is refused
-    unless --override-opt_param-scheduler (this run's flags win) or
-    --use-checkpoint-opt_param-scheduler (the checkpoint's schedule wins) says which."""
-    c = cfg.checkpoint
-    ours = scheduler.state_dict()
-    if c.override_opt_param_scheduler:
-        saved = {"num_steps": saved["num_steps"]}
-    elif not c.use_checkpoint_opt_param_scheduler:
-        diffs = [f"{flag}: checkpoint {saved[k]!r}, this run {ours[k]!r}"
-                 for k, flag in SCHEDULE_FLAGS.items() if k in saved and saved[k] != ours[k]]
-        if diffs:
-            raise CheckpointError(
-                f"{source}: the checkpoint's learning-rate schedule differs from this run's "
-                f"flags:\n  " + "\n  ".join(diffs) + "\npass --override-opt_param-scheduler to "
-                "use this run's flags, or --use-checkpoint-opt_param-scheduler to continue the "
-                "checkpoint's schedule")
-    scheduler.load_state_dict(saved)
+def _load_scheduler(cfg: Config, scheduler, optimizer, payload: dict, source: str,
+                    optimizer_loaded: bool) -> None:
+    """The LR schedule, and every setting that differs from the checkpoint's refused or
+    applied as resume_rules says."""
+    c, saved = cfg.checkpoint, payload["opt_param_scheduler"]
+    diffs = resume_rules.differences(payload.get("args"), saved, asdict(cfg),
+                                     scheduler.state_dict(), optimizer_loaded)
+    keep = resume_rules.decide(diffs, c.override_opt_param_scheduler,
+                               c.use_checkpoint_opt_param_scheduler, source)
+    scheduler.load_state_dict({"num_steps": saved["num_steps"]}
+                              if c.override_opt_param_scheduler else saved)
+    if optimizer_loaded:
+        resume_rules.apply_to_optimizer(dist_io.torch_optimizer(optimizer), cfg.train, keep)
 
 
 def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
@@ -506,39 +539,91 @@ def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
                                        files.expected_record(meta, iter_dir, path)))
 
 
-def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) -> Resume:
-    """Each rank reads what it needs (collective-free but for ZeRO-1's parameter all-gather).
-    Returns where training resumes."""
+def _on_every_rank(step):
+    """Collective: run `step` (which does not communicate, or fails on all ranks together) on
+    every rank; when it fails on any rank, every rank raises, naming each failed rank and its
+    error — so rank 0 reports another rank's missing or corrupt file, not a broken
+    connection."""
+    result, error, local = None, None, None
+    try:
+        result = step()
+    except CheckpointError as e:
+        error, local = str(e), e
+    except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+        error, local = f"{type(e).__name__}: {e}", e
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if not failed:
+        return result
+    if len(failed) == len(errors) and len({e for _, e in failed}) == 1:
+        if isinstance(local, CheckpointError):
+            raise local                              # one shared file: said once, as raised
+        raise CheckpointError(error) from local
+    raise CheckpointError(f"loading the checkpoint failed on {len(failed)} of {len(errors)} "
+                          f"ranks:\n" + "\n".join(f"  rank {rank}: {e}" for rank, e in failed))
+
+
+def _locate(cfg: Config):
+    """(iteration, its directory, its checked metadata), or None when there is nothing to
+    load."""
     c = cfg.checkpoint
     iteration = files.read_tracker(c.load)
     if iteration is None:
+        lost = files.lost_tracker_error(c.load)
+        if lost is not None:
+            raise lost
         partial = files.unfinished_saves(c.load)
         log.warning("no complete checkpoint in %s (no %s)%s; training starts from scratch",
                     c.load, files.TRACKER, f"; unfinished saves: {partial}" if partial else "")
-        return Resume()
+        return None
     iter_dir = files.find_iteration_dir(c.load, iteration)
-    meta_path = os.path.join(iter_dir, files.METADATA)
-    meta = files.read_json(meta_path, "checkpoint metadata")
-    files.check_format(meta, meta_path)
-    check_model_matches(meta, cfg, meta_path)
+    meta = files.read_metadata(iter_dir)
+    check_model_matches(meta, cfg, os.path.join(iter_dir, files.METADATA))
+    return iteration, iter_dir, meta
+
+
+def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) -> Resume:
+    """Collective: each rank reads what it needs; an error on any rank is raised on every rank
+    (_on_every_rank). Returns where training resumes."""
+    c = cfg.checkpoint
+    found = _on_every_rank(lambda: _locate(cfg))
+    if found is None:
+        return Resume()
+    iteration, iter_dir, meta = found
     load_optim = not (c.finetune or c.no_load_optim)
+    common = None
     if meta.get("storage") == "torch_dist":
-        payload, source = _read_dist(meta, iter_dir, model, optimizer, load_optim)
+        common = _on_every_rank(lambda: _read_dist_common(meta, iter_dir, load_optim))
+        _on_every_rank(lambda: _read_dist(meta, iter_dir, model, optimizer, load_optim, *common))
+    resume = _on_every_rank(lambda: _apply(cfg, model, optimizer, scheduler, grad_scaler,
+                                           iteration, iter_dir, meta, load_optim, common))
+    # The fp32 main weights were loaded: round them into a half-precision model (ZeRO-1:
+    # and all-gather them, the one collective of a load, so outside the checked steps).
+    copy_main_to_model = getattr(optimizer, "copy_main_to_model", None)
+    if copy_main_to_model is not None:
+        copy_main_to_model()
+    return resume
+
+
+def _apply(cfg: Config, model, optimizer, scheduler, grad_scaler, iteration: int,
+           iter_dir: str, meta: dict, load_optim: bool, common) -> Resume:
+    """Everything a load does besides the collective torch_dist read (`common`: its payload
+    and path)."""
+    c = cfg.checkpoint
+    if common is not None:
+        payload, source = common
     else:
         payload, source, model_sd, optim_sd = _read_model_and_optim(cfg, meta, iter_dir, model,
                                                                     load_optim)
         load_model_state(model, model_sd, source)
-    # The fp32 main weights were loaded: round them into a half-precision model (ZeRO-1:
-    # and all-gather them, the one collective of a load).
-    copy_main_to_model = getattr(optimizer, "copy_main_to_model", None)
-    if copy_main_to_model is not None:
-        copy_main_to_model()
     if c.finetune:
         log.info("loaded weights of %s for fine-tuning; starting at iteration 0", iter_dir)
         return Resume()
-    if load_optim and meta.get("storage") != "torch_dist":
+    if load_optim and common is None:
         _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
-    _load_scheduler(cfg, scheduler, payload["opt_param_scheduler"], source)
+    _load_scheduler(cfg, scheduler, optimizer, payload, source,
+                    load_optim and optimizer is not None)
     _load_grad_scaler(grad_scaler, payload, source)
     if not c.no_load_rng:
         _load_rng(cfg, meta, iter_dir)

@@ -117,8 +117,7 @@ def _merge_one(shards: list, info: dict, vocab: int) -> torch.Tensor:
 
 def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
     meta_path = os.path.join(iter_dir, files.METADATA)
-    meta = files.read_json(meta_path, "checkpoint metadata")
-    files.check_format(meta, meta_path)
+    meta = files.read_metadata(iter_dir)
     if meta.get("storage") == "torch_dist":
         return _read_full_dist(meta, iter_dir, with_optim)
     layout, vocab = meta["layout"], meta["model"]["vocab_size"]
@@ -252,9 +251,7 @@ def convert(load_dir: str, save_dir: str, tp: int, pp: int, sp: int | None = Non
         raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; {load_dir} "
                               f"holds no complete checkpoint")
     iter_dir = files.find_iteration_dir(load_dir, iteration)
-    meta_path = os.path.join(iter_dir, files.METADATA)
-    old = files.read_json(meta_path, "checkpoint metadata")
-    files.check_format(old, meta_path)
+    old = files.read_metadata(iter_dir)
     sp, dp = sp or old["layout"]["sp"], dp or old["layout"]["dp"]
     check_target_layout(old, tp, pp, sp, dp, vp, old["layout"].get("sequence_parallel", False))
     full = read_full(iter_dir, with_optim)
@@ -283,7 +280,7 @@ def write_layout(full: FullCheckpoint, meta: dict, save_dir: str, iteration: int
                 records[os.path.relpath(path, tmp)] = files.save_torch(
                     {**full.common, "model": model, "optimizer": optim if with_optim else None},
                     path)
-        files.write_json_durably(os.path.join(tmp, files.METADATA), {**meta, "files": records})
+        files.write_metadata(tmp, {**meta, "files": records})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)   # a failed conversion leaves nothing behind
         raise

@@ -1,8 +1,11 @@
 """A one-rank gloo process group in the test process, for checkpoint tests that need no peers."""
+import os
+import shutil
 
 import pytest
 import torch.distributed as dist
 
+from megatron_ul.checkpoint import files
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
 from megatron_ul.training.pretrain import configure, setup
@@ -29,3 +32,31 @@ def saved(tmp_path, single_rank):
     d = str(tmp_path / "ckpt")
     setup(configure(TINY_TWO_ITERS + ["--save", d], 1)).train()
     return d
+
+
+@pytest.fixture(scope="session")
+def pristine(tmp_path_factory):
+    """One two-iteration checkpoint of each format, made once: {format: directory}. Copy it
+    (see `copy_of`) before changing anything."""
+    root = tmp_path_factory.mktemp("pristine")
+    saved_port = os.environ.get("MASTER_PORT")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model_parallel_seed(0, ps.initialize_model_parallel(1, 1, 1))
+        out = {}
+        for fmt in ("torch", "torch_dist"):
+            out[fmt] = str(root / fmt)
+            setup(configure(TINY_TWO_ITERS + ["--save", out[fmt], "--ckpt-format", fmt],
+                            1)).train()
+            files.release_save_dir(out[fmt])
+    finally:
+        dist.destroy_process_group()
+        if saved_port is not None:
+            os.environ["MASTER_PORT"] = saved_port
+    return out
+
+
+def copy_of(pristine: dict, fmt: str, target) -> str:
+    shutil.copytree(pristine[fmt], str(target))
+    return str(target)

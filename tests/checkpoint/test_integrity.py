@@ -59,7 +59,7 @@ def test_a_second_job_cannot_save_into_the_same_directory(saved):
 
 
 def test_disk_full_names_the_path_and_keeps_the_previous_checkpoint(saved, monkeypatch):
-    trainer = setup(configure(ARGV + ["--save", saved], 1))
+    trainer = setup(configure(ARGV + ["--save", saved, "--load", saved], 1))
     before = listing(saved)
     calls = []
 

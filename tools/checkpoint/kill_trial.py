@@ -1,15 +1,21 @@
 #!/usr/bin/env python
-"""Crash-safety trial: kill -9 a process at random moments while it saves checkpoints, then
-check that the trainer still loads the latest checkpoint it reported complete.
+"""Fault-injection trials of checkpointing: kill -9 during saves, corrupted files, a full disk.
 
     python -m tools.checkpoint.kill_trial --trials 30 [--dir /tmp/kill_trial]
-        [--ckpt-format torch_dist [--async-save]]
+        [--ckpt-format torch_dist [--async-save]]              # kill trials of one format
+    python -m tools.checkpoint.kill_trial --suite [--trials 4]  # every fault, every format
 
-Each trial starts a child that saves checkpoints back to back into one directory (every
-iteration twice, so half of the saves replace an existing iteration), kills it with SIGKILL
-after a random delay, then loads the directory with the real trainer (setup() with --load) and
-checks that the loaded iteration is at least the last one the child reported saved.
-Prints a Markdown summary.
+Kill: a child saves checkpoints back to back into one directory (every iteration twice, so
+half of the saves replace an existing iteration, with --overwrite-checkpoints), is killed with
+SIGKILL after a random delay, then the real trainer (setup() with --load) must load an
+iteration at least the last one the child reported saved.
+Corruption (--suite): each kind of file of the newest iteration (and the tracker) truncated to
+half, one byte flipped in the middle, or deleted; the load must be refused naming the damaged
+file, or load exactly what was saved.
+Disk full (--suite): the child saves new iterations into a small tmpfs (sized at random between
+1.2 and 2.8 checkpoints; as root, else RLIMIT_FSIZE) until a save fails; the error must name
+the cause, no temporary directory may be left, and the last reported save must load.
+Held: the trial's condition is met; failed: it is not. Prints Markdown tables.
 """
 import argparse
 import os
@@ -26,13 +32,19 @@ MODEL = ["--mock-data", "--vocab-size", "1000", "--num-layers", "4", "--hidden-s
          "--train-iters", "1000000", "--log-interval", "1000000"]
 
 
-def child(directory: str, fmt: list[str], background: bool, write_delay: float) -> None:
+def child(directory: str, fmt: list[str], background: bool, write_delay: float,
+          fill: int = 0) -> None:
     """Save forever: iterations t+1, t+1, t+2, t+2, ... after the tracker's t. With
     --async-save each save is written in the background and completed just before the next
-    one starts ("writing N" once it is under way, "saved N" once the tracker names it)."""
+    one starts ("writing N" once it is under way, "saved N" once the tracker names it).
+    fill > 0: save iterations 1, 2, ... (each once) until `fill` saves completed or one failed
+    ("failed N <message>"), then return."""
     from megatron_ul.checkpoint import files
     from megatron_ul.checkpoint.io import save_checkpoint
     from megatron_ul.training.pretrain import configure, setup
+    if fill:
+        fill_directory(directory, fmt, background, fill)
+        return
     if write_delay:     # a slow file system: the background writer sleeps before writing
         from torch.distributed.checkpoint import FileSystemWriter
         write_data = FileSystemWriter.write_data
@@ -41,7 +53,7 @@ def child(directory: str, fmt: list[str], background: bool, write_delay: float) 
             time.sleep(write_delay)
             return write_data(self, plan, planner)
         FileSystemWriter.write_data = slow
-    trainer = setup(configure(MODEL + fmt + ["--save", directory]))
+    trainer = setup(configure(MODEL + fmt + ["--save", directory, "--overwrite-checkpoints"]))
     start = files.read_tracker(directory) or 0
     print("ready", flush=True)
     pending = None
@@ -60,13 +72,34 @@ def child(directory: str, fmt: list[str], background: bool, write_delay: float) 
             print(f"saved {iteration}", flush=True)
 
 
-def start_child(directory: str, fmt: list[str], background: bool, write_delay: float = 0.0):
+def fill_directory(directory: str, fmt: list[str], background: bool, saves: int) -> None:
+    from megatron_ul.checkpoint.files import CheckpointError
+    from megatron_ul.checkpoint.io import save_checkpoint
+    from megatron_ul.training.pretrain import configure, setup
+    trainer = setup(configure(MODEL + fmt + ["--save", directory]))
+    print("ready", flush=True)
+    for iteration in range(1, saves + 1):
+        print(f"saving {iteration}", flush=True)
+        try:
+            result = save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer,
+                                     trainer.scheduler, iteration, background=background)
+            if background:
+                result.complete()
+        except CheckpointError as e:
+            print(f"failed {iteration} " + str(e).replace("\n", " "), flush=True)
+            return
+        print(f"saved {iteration}", flush=True)
+
+
+def start_child(directory: str, fmt: list[str], background: bool, write_delay: float = 0.0,
+                fill: int = 0, file_size_limit: int = 0):
     """The child process, once it is ready to save."""
     # the child picks its own rendezvous port (this process holds one after the first check)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     child_cmd = [sys.executable, "-m", "tools.checkpoint.kill_trial", "--child", directory,
-                 "--write-delay", str(write_delay), *fmt] + (["--async-save"] if background
-                                                              else [])
+                 "--write-delay", str(write_delay), "--fill", str(fill),
+                 "--file-size-limit", str(file_size_limit), *fmt] + (
+                     ["--async-save"] if background else [])
     proc = subprocess.Popen(child_cmd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     first = [proc.stdout.readline()]
@@ -88,6 +121,14 @@ def outcome(proc, seen: str = "") -> dict:
             "saves": len(saved)}
 
 
+def limit_file_size(limit: int) -> None:
+    """No file written larger than `limit` bytes: writes fail with EFBIG (SIGXFSZ ignored)."""
+    import resource
+    import signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+
 def one_trial(directory: str, max_delay: float, rng: random.Random, fmt: list[str],
               background: bool) -> dict:
     proc = start_child(directory, fmt, background)
@@ -96,14 +137,24 @@ def one_trial(directory: str, max_delay: float, rng: random.Random, fmt: list[st
     return {"delay": delay, **outcome(proc)}
 
 
-def check_loadable(directory: str, last_saved) -> tuple[bool, str]:
-    """The trainer loads `directory` (any format) at an iteration >= the last reported save."""
+def load_and_release(directory: str, inspect):
+    """inspect(the trainer loaded from `directory`), then the process groups are destroyed (a
+    process creating groups for every trial runs out of threads)."""
+    from megatron_ul.initialize import shutdown
     from megatron_ul.training.pretrain import configure, setup
     try:
-        trainer = setup(configure(MODEL + ["--load", directory]))
+        return inspect(setup(configure(MODEL + ["--load", directory])))
+    finally:
+        shutdown()
+        os.environ.pop("MASTER_PORT", None)      # the next group gets a fresh port
+
+
+def check_loadable(directory: str, last_saved) -> tuple[bool, str]:
+    """The trainer loads `directory` (any format) at an iteration >= the last reported save."""
+    try:
+        loaded = load_and_release(directory, lambda trainer: trainer.start_iteration)
     except Exception as e:  # noqa: BLE001 - a failed load is the outcome being counted
         return False, f"{type(e).__name__}: {e}"
-    loaded = trainer.start_iteration
     if last_saved is not None and loaded < last_saved:
         return False, f"loaded iteration {loaded} < last reported save {last_saved}"
     return True, f"iteration {loaded}"
@@ -120,11 +171,20 @@ def main() -> int:
                    "background, completed before the next save")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--write-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--fill", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--file-size-limit", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--suite", action="store_true", help="kill, corruption and disk-full trials "
+                   "of both formats and --async-save; --trials kill trials per format")
     a = p.parse_args()
     fmt = ["--ckpt-format", a.ckpt_format]
     if a.child:
-        child(a.child, fmt, a.async_save, a.write_delay)
+        if a.file_size_limit:
+            limit_file_size(a.file_size_limit)
+        child(a.child, fmt, a.async_save, a.write_delay, a.fill)
         return 0
+    if a.suite:
+        from tools.checkpoint.fault_trials import suite
+        return suite(a.dir, a.trials, a.seed, a.max_delay)
     import logging
     logging.basicConfig(level=logging.ERROR)
     shutil.rmtree(a.dir, ignore_errors=True)
