@@ -361,7 +361,7 @@ def export_megatron(load_dir: str, save_dir: str, tp: int | None = None,
         raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
                               f"checkpoint in {load_dir}")
     iter_dir = files.find_iteration_dir(load_dir, iteration)
-    old = files.read_json(os.path.join(iter_dir, files.METADATA), "checkpoint metadata")
+    old = files.read_metadata(iter_dir)
     tp, pp = tp or old["layout"]["tp"], pp or old["layout"]["pp"]
     reshard.check_target_layout(old, tp, pp, 1, 1, None)
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))

@@ -47,7 +47,7 @@ def main(argv=None) -> int:
                                   a.target_pipeline_parallel_size or 1, iteration=a.iteration,
                                   true_vocab_size=a.true_vocab_size,
                                   trust_pickle=a.trust_pickle)
-            model = files.read_json(os.path.join(out, files.METADATA), "")["model"]
+            model = files.read_metadata(out)["model"]
             print(f"wrote {out}\nmodel flags: {' '.join(model_flags(model))}")
         else:
             out, flags = export_megatron(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
