@@ -34,6 +34,8 @@ PINNED = {
         "True only inside `with deferred()` (ZeRO-3's meta build, materialised after "
         "sharding); restored when the block ends",
     ("timers.py", "NO_TIMERS"): "the shared do-nothing Timers (log level 0 records nothing)",
+    **{("model/lse_kernels.py", name): "a frozen descriptor of one unit kernel (immutable)"
+       for name in ("CPU_FLASH", "FLASH_ATTN", "SDPA_EFFICIENT", "REFERENCE")},
 }
 
 _CONTAINER_CALLS = {"set", "dict", "list", "defaultdict", "OrderedDict", "deque", "Counter",

@@ -32,16 +32,16 @@ def test_vocabulary_guard_and_tokenizer_in_checkpoint(tmp_path):
     from megatron_ul.training.data import eod_token_for
     from megatron_ul.training.pretrain import configure
     cfg = configure(["--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-                     "--train-iters", "1", *MODEL], world_size=1)
+                     "--train-iters", "1", "--lr-warmup-iters", "0", *MODEL], world_size=1)
     assert cfg.model.vocab_size == 101 and eod_token_for(cfg) == 100
     # Ids 0..99 and EOD 100 do not fit a NullTokenizer vocabulary of 50 + EOD.
     refused = pretrain("--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "50",
-                       "--train-iters", "1", *MODEL)
+                       "--train-iters", "1", "--lr-warmup-iters", "0", *MODEL)
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert f"--data-path {prefix}: token id 100 does not fit the vocabulary of 51" in refused.stderr
     assert "iteration" not in refused.stdout
     trained = pretrain("--data-path", prefix, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100",
-                       "--train-iters", "1", "--save", str(tmp_path / "ckpt"), "--save-interval", "1", *MODEL)
+                       "--train-iters", "1", "--lr-warmup-iters", "0", "--save", str(tmp_path / "ckpt"), "--save-interval", "1", *MODEL)
     assert trained.returncode == 0, trained.stderr[-3000:]
     # No --data-cache-path: indices are cached beside the data.
     assert os.path.isdir(tmp_path / "index_cache" / "GPTDataset_indices")

@@ -5,7 +5,8 @@ import pytest
 
 from megatron_ul.data.sequence_layout import ring_local_positions
 from megatron_ul.model.ring_attention import Ring, ring_attention
-from tests.model.test_ring_attention import _compare, document_mask, window_mask
+from tests.dense_masks import dense_document_mask
+from tests.model.test_ring_attention import _compare, documents, window_mask
 from tests.stand_ins.nccl_p2p import Group, run_ranks
 
 
@@ -13,11 +14,12 @@ def _ring_rank(size: int, group: Group):
     def body(rank: int):
         ring = Ring(group, rank, size, (rank + 1) % size, (rank - 1) % size)
         positions = ring_local_positions(rank, size, 32)
-        for documents, window, (hq, hk) in [(None, None, (4, 4)), (document_mask(), 5, (4, 2))]:
-            _compare(lambda q, k, v, d=documents, w=window: ring_attention(
+        for docs, window, (hq, hk) in [(None, None, (4, 4)), (documents((5, 19), (0,)), 5, (4, 2))]:
+            _compare(lambda q, k, v, d=docs, w=window: ring_attention(
                          q, k, v, ring, attention_mask=d, window=w),
-                     positions, hq, hk, window_mask(window, documents),
-                     f"R={size} documents={documents is not None} window={window}")
+                     positions, hq, hk,
+                     window_mask(window, None if docs is None else dense_document_mask(docs)),
+                     f"R={size} documents={docs is not None} window={window}")
     return body
 
 
