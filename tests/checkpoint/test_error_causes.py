@@ -35,7 +35,11 @@ def test_a_full_disk_under_dcp_is_named(pristine, tmp_path, single_rank, monkeyp
 def test_generate_reads_a_torch_dist_checkpoints_arguments(pristine, tmp_path, capsys):
     from tools import generate
     save = copy_of(pristine, "torch_dist", tmp_path / "ckpt")
-    assert generate.main(["--load", save, "--prompt", "1 2", "--max-new-tokens", "2"]) == 0
+    try:
+        assert generate.main(["--load", save, "--prompt", "1 2", "--max-new-tokens", "2"]) == 0
+    finally:   # the tool sets up a one-process group for itself; later tests make their own
+        if dist.is_initialized():
+            dist.destroy_process_group()
     assert capsys.readouterr().out.startswith("1 2 ")
 
 
