@@ -33,7 +33,8 @@ def test_pipeline_targets_round_trip(tmp_path, single_rank):
     from megatron_ul.checkpoint.reshard import convert, read_full
     from megatron_ul.training.pretrain import configure, setup
     src, pp2, back = (str(tmp_path / n) for n in ("src", "pp2", "back"))
-    setup(configure(TINY + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", src], 1)).train()
+    one_iter = ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", src]
+    setup(configure(TINY + one_iter, 1)).train()
     convert(src, pp2, tp=2, pp=2)
     convert(pp2, back, tp=1, pp=1)
     stage = [files.load_torch(files.model_file(f"{pp2}/iter_0000001", 0, s, 2), "")["model"]

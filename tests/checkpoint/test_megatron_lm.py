@@ -31,7 +31,8 @@ def _logits(load_dir: str, vocab: int) -> torch.Tensor:
 @pytest.mark.parametrize("variant", ["gpt2", "llama"])
 def test_round_trip_through_the_legacy_format_is_exact(variant, tmp_path, single_rank):
     src, tp2pp2, meg, back = (str(tmp_path / n) for n in ("src", "tp2pp2", "meg", "back"))
-    argv = TINY + NO_DROPOUT + ["--num-layers", "4", "--train-iters", "1", "--lr-warmup-iters", "0", "--save", src]
+    argv = TINY + NO_DROPOUT + ["--num-layers", "4", "--train-iters", "1", "--lr-warmup-iters", "0",
+                                "--save", src]
     setup(configure(argv + (LLAMA if variant == "llama" else []), 1)).train()
     reshard.convert(src, tp2pp2, tp=2, pp=2)
     export_megatron(tp2pp2, meg)
@@ -128,8 +129,9 @@ def test_export_refuses_a_rotary_base_the_legacy_model_ignores(tmp_path, single_
     """Megatron-LM's legacy model always computes RoPE with base 10000."""
     from megatron_ul.checkpoint.files import CheckpointError
     src = str(tmp_path / "src")
-    setup(configure(TINY + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", src, "--position-embedding-type",
-                            "rope", "--rotary-base", "500000"], 1)).train()
+    setup(configure(TINY + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", src,
+                            "--position-embedding-type", "rope", "--rotary-base", "500000"],
+                    1)).train()
     with pytest.raises(CheckpointError, match="--rotary-base 500000.*base 10000"):
         export_megatron(src, str(tmp_path / "meg"))
     assert not (tmp_path / "meg").exists()
@@ -140,7 +142,8 @@ def test_exported_args_and_flags_are_megatron_lms(tmp_path, single_rank):
     what check_checkpoint_args compares; --rotary-base (ignored by the legacy model) is not
     printed as a float; the legacy format needs --ckpt-format torch."""
     src, meg = str(tmp_path / "src"), str(tmp_path / "meg")
-    setup(configure(TINY + LLAMA + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", src], 1)).train()
+    one_iter = ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", src]
+    setup(configure(TINY + LLAMA + one_iter, 1)).train()
     _, flags = export_megatron(src, meg)
     args = torch.load(files.model_file(os.path.join(meg, "iter_0000001"), 0, 0, 1),
                       weights_only=False)["args"]

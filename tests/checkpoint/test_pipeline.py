@@ -39,7 +39,8 @@ def test_bad_virtual_pipeline_target_is_refused_before_writing(tmp_path, single_
     from megatron_ul.checkpoint.reshard import convert
     from megatron_ul.training.pretrain import configure, setup
     src = str(tmp_path / "src")
-    setup(configure(TINY + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", src], 1)).train()
+    one_iter = ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", src]
+    setup(configure(TINY + one_iter, 1)).train()
     with pytest.raises(CheckpointError, match="refused by the trainer(.|\n)*"
                                               "--num-layers-per-virtual-pipeline-stage = 2×3"):
         convert(src, str(tmp_path / "out"), tp=1, pp=2, vp=3)

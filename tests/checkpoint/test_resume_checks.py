@@ -71,7 +71,8 @@ def test_override_and_use_checkpoint_say_which_schedule_wins(saved):
 
 def test_fields_that_change_the_function_are_checked(tmp_path, single_rank):
     d, rope = str(tmp_path / "rope"), ARGV + ["--position-embedding-type", "rope"]
-    setup(configure(rope + ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", d], 1)).train()
+    one_iter = ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", d]
+    setup(configure(rope + one_iter, 1)).train()
     for flags, named in [
             (["--gelu-approximate", "tanh"], "--gelu-approximate: checkpoint 'none', this run "
                                              "'tanh'"),
