@@ -12,6 +12,7 @@ import pytest
 
 from megatron_ul.data.indexed_dataset import HEADER_SIZE, IndexedDataset, IndexedDatasetBuilder
 from megatron_ul.training import pretrain
+from tests.refusals import refusal
 from tools import merge_datasets, preprocess_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,17 +33,6 @@ def write_dataset(prefix, documents, dtype=np.uint16):
 def prefix(tmp_path):
     rng = np.random.default_rng(0)
     return write_dataset(tmp_path / "d", [rng.integers(0, 100, 50) for _ in range(20)])
-
-
-def refusal(argv, capsys, monkeypatch) -> str:
-    def build(cfg):
-        raise AssertionError("setup() ran: the model would have been built")
-    monkeypatch.setattr(pretrain, "setup", build)
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert pretrain.main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
 
 
 def truncate(path, size):

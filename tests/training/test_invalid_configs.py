@@ -12,6 +12,7 @@ import pytest
 from megatron_ul.config import Config
 from megatron_ul.config_rules import JUDGED_BY_RULES, RANGES
 from megatron_ul.training import pretrain
+from tests.refusals import refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 OK = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32",
@@ -75,28 +76,16 @@ REFUSED = [
 ]
 
 
-def _refusal(argv, capsys, monkeypatch) -> str:
-    """pretrain.main(argv)'s exit status must be 2 before setup(); returns what it printed."""
-    def build(cfg):
-        raise AssertionError("setup() ran: the model would have been built")
-    monkeypatch.setattr(pretrain, "setup", build)
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    assert pretrain.main(argv) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err
-
-
 @pytest.mark.parametrize("flags,message", REFUSED, ids=[" ".join(f) for f, _ in REFUSED])
 def test_refused_before_the_model_naming_the_flag(flags, message, capsys, monkeypatch):
-    err = _refusal(OK + flags, capsys, monkeypatch)
+    err = refusal(OK + flags, capsys, monkeypatch)
     assert message in err, err
 
 
 def test_path_flags_are_checked(tmp_path, capsys, monkeypatch):
     afile = tmp_path / "a_file"
     afile.write_text("")
-    err = _refusal(OK + ["--tensorboard-dir", str(afile), "--save", str(afile),
+    err = refusal(OK + ["--tensorboard-dir", str(afile), "--save", str(afile),
                          "--data-cache-path", str(afile), "--load", str(tmp_path / "none")],
                    capsys, monkeypatch)
     for flag in ("--tensorboard-dir", "--save", "--data-cache-path"):
@@ -105,7 +94,7 @@ def test_path_flags_are_checked(tmp_path, capsys, monkeypatch):
 
 
 def test_no_data_flag_names_the_data_flags(capsys, monkeypatch):
-    err = _refusal(["--num-layers", "2"], capsys, monkeypatch)
+    err = refusal(["--num-layers", "2"], capsys, monkeypatch)
     assert "no training data: pass --data-path PREFIX" in err and "--mock-data" in err
     assert "--vocab-size" not in err
 
@@ -115,7 +104,7 @@ def test_every_problem_in_one_report(tmp_path, capsys, monkeypatch):
     tokenizer's and the mock-data rules were raised one at a time before)."""
     afile = tmp_path / "a_file"
     afile.write_text("")
-    err = _refusal(["--data-path", str(tmp_path / "d"), "--clip-grad", "-1", "--adam-beta1",
+    err = refusal(["--data-path", str(tmp_path / "d"), "--clip-grad", "-1", "--adam-beta1",
                     "1.5", "--lr", "0.1", "--min-lr", "0.5", "--tensorboard-dir", str(afile),
                     "--split", "0,0,0",
                     "--async-save", "--num-layers", "3", "--pipeline-model-parallel-size", "2",
