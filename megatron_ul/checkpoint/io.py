@@ -622,8 +622,13 @@ def _apply(cfg: Config, model, optimizer, scheduler, grad_scaler, iteration: int
         return Resume()
     if load_optim and common is None:
         _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
-    _load_scheduler(cfg, scheduler, optimizer, payload, source,
-                    load_optim and optimizer is not None)
+    if load_optim:
+        _load_scheduler(cfg, scheduler, optimizer, payload, source, optimizer is not None)
+    elif dist.get_rank() == 0:
+        # Megatron-LM's --no-load-optim skips the scheduler too: the iteration continues, the
+        # LR schedule starts again at step 0 (warm-up included).
+        log.info("--no-load-optim: optimizer and LR schedule start afresh at iteration %d",
+                 iteration)
     _load_grad_scaler(grad_scaler, payload, source)
     if not c.no_load_rng:
         _load_rng(cfg, meta, iter_dir)

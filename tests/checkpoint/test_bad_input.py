@@ -82,7 +82,9 @@ def test_no_optimizer_state_asks_for_flag(tmp_path, single_rank):
     d = str(tmp_path / "weights_only")
     setup(configure(ARGV + ["--save", d, "--no-save-optim"], 1)).train()
     assert "--no-load-optim or --finetune" in _load_error(ARGV + ["--load", d])
-    assert setup(configure(ARGV + ["--load", d, "--no-load-optim"], 1)).start_iteration == 2
+    resumed = setup(configure(ARGV + ["--load", d, "--no-load-optim"], 1))
+    # As in Megatron-LM: the iteration continues, the LR schedule starts again at step 0.
+    assert resumed.start_iteration == 2 and resumed.scheduler.num_steps == 0
 
 
 def test_conversion_never_overwrites(saved, tmp_path):
