@@ -168,7 +168,7 @@ RESUME_LAYOUTS = {
 }
 
 
-QUICK_RESUME = ("bf16-ZeRO1-DP2-torch_dist", "fp16-ZeRO3-DP2")
+QUICK_RESUME = ("bf16-ZeRO1-DP2-torch_dist",)   # every layout: the slow test below
 
 
 def test_half_precision_resume_is_bitwise(tmp_path):

@@ -28,8 +28,17 @@ def reference(model: str):
     return run_layout(BASE + MODELS[model][0], 1)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("model", list(MODELS))
+# The default suite runs each axis (TP, SP, DP, TP x SP, Megatron-SP, GQA with replicated kv
+# heads) once; the rest of the matrix runs with --run-slow.
+DEFAULT = {("gpt2-mha-learned", "TP2"), ("gpt2-mha-learned", "SP2"),
+           ("gpt2-mha-learned", "SP2-DP2"), ("gpt2-mha-learned", "TP2-SP2-megatron-sp"),
+           ("llama-gqa-rope", "SP2"), ("llama-gqa-rope", "TP2-SP2")}
+MATRIX = [pytest.param(model, layout, id=f"{model}-{layout}",
+                       marks=() if (model, layout) in DEFAULT else pytest.mark.slow)
+          for model in MODELS for layout in LAYOUTS]
+
+
+@pytest.mark.parametrize("model,layout", MATRIX)
 def test_layout_matches_single_process(model, layout):
     flags, world = LAYOUTS[layout]
     model_flags, heads, groups = MODELS[model]

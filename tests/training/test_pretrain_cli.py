@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -67,6 +69,7 @@ def test_bad_flags_fail_fast_naming_the_flag():
     assert "iteration" not in r.stdout  # nothing was trained
 
 
+@pytest.mark.slow  # a subprocess; in process: tests/data/test_data_checks.py
 def test_missing_data_files_fail_before_training(tmp_path):
     r = _run([sys.executable, "pretrain_gpt.py", "--data-path", str(tmp_path / "nothing"),
               "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"])

@@ -1,5 +1,6 @@
 """Parameters do not depend on the Ulysses or ring degree: a checkpoint saved at U2 (DP2)
 resumes at R2 (DP2) and at U2×R2 with ZeRO-1, continuing the loss curve within 1e-5."""
+import pytest
 import torch.distributed as dist
 
 from megatron_ul.checkpoint import files
@@ -29,6 +30,7 @@ def _save_at_u2_resume_on_rings(rank, world, save_dir):
     return out
 
 
+@pytest.mark.slow  # 4 ranks, three resumes; the ring layouts themselves: test_ring_equivalence
 def test_checkpoint_saved_with_ulysses_resumes_with_a_ring(tmp_path):
     assert_continues_the_curve(run_distributed(_save_at_u2_resume_on_rings, 4,
                                                str(tmp_path))[0])
