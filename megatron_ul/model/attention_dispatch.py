@@ -136,6 +136,23 @@ def attention_kernel(call: AttentionCall) -> str:
                                        call.dense_mask)
 
 
+def kernel_refusal(call: AttentionCall) -> Optional[str]:
+    """Why `call` has no fused kernel (a message naming the flags to change), or None: on
+    CUDA a head dim that SDPA's flash and efficient kernels both refuse would run its math
+    kernel (the N×N scores), and the ring's unit kernels refuse it outright."""
+    try:
+        kernel = attention_kernel(call)
+    except ValueError as refused:
+        return str(refused)
+    if "math" not in kernel:
+        return None
+    alignment = 8 if call.dtype in HALF_DTYPES else 4
+    return (f"no fused attention kernel on CUDA takes head dim {call.head_dim} in "
+            f"{str(call.dtype).replace('torch.', '')}: torch SDPA would run its math kernel "
+            f"(N×N scores); change {HEAD_DIM_FLAGS} so that the head dim is a multiple of "
+            f"{alignment}")
+
+
 def attention_path(call: AttentionCall) -> str:
     """The path a call belongs to, for the log: causal, documents, window W, ring unit kernel."""
     if call.ring:
