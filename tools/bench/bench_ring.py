@@ -168,16 +168,19 @@ def attention_peaks(rank, world, locals_, heads, head_dim, u, r) -> list[int]:
     core = DistributedAttention(u, "sdpa", dims.sp_group, ring=Ring.from_dims(dims))
     peaks = []
     for local in locals_:
-        g = torch.Generator().manual_seed(rank)
-        q, k, v = (torch.randn(local, 1, heads, head_dim, generator=g).requires_grad_()
-                   for _ in range(3))
-        dout = torch.randn(local, 1, heads, head_dim, generator=g)
-        dist.barrier()
-        peaks.append(_peak_bytes(lambda: core(q, k, v, dropout_p=0.0).backward(dout)))
+        peaks.append(_call_peak(core, rank, local, heads, head_dim))
         if rank == 0:
             print(f"U{u}xR{r} L={local}: {peaks[-1] / MIB:.1f} MiB", flush=True)
-        del q, k, v, dout
     return peaks
+
+
+def _call_peak(core, rank: int, local: int, heads: int, head_dim: int) -> int:
+    g = torch.Generator().manual_seed(rank)
+    q, k, v = (torch.randn(local, 1, heads, head_dim, generator=g).requires_grad_()
+               for _ in range(3))
+    dout = torch.randn(local, 1, heads, head_dim, generator=g)
+    dist.barrier()
+    return _peak_bytes(lambda: core(q, k, v, dropout_p=0.0).backward(dout))
 
 
 def memory_rows(chunks: list[int], heads: int, head_dim: int) -> list[tuple[int, int, int]]:
