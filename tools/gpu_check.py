@@ -433,7 +433,7 @@ def attention_rows(check: Check):
         out_bound, grad_bound = case.bounds()
         ok = out_err <= out_bound and grad_err <= grad_bound
         yield [case.name, f"{out_err:.1e}", f"{grad_err:.1e}", f"{out_bound:g} / {grad_bound:g}",
-               _ms(run.seconds), _mib(run.working_mib), _status(ok), ""]
+               _ms(run.seconds), _mib(run.working_mib), _status(ok), attn.kernel_of(case, device)]
         del reference, run
         _release()
 
@@ -462,7 +462,8 @@ def ring_rows(check: Check):
         out_err, grad_err = attn.errors(ring.results, reference)
         out_bound, grad_bound = case.bounds()
         ok = out_err <= out_bound and grad_err <= grad_bound and ring.converged
-        note = f"{ring.passes} passes" + ("" if ring.converged else ", no bitwise fixpoint")
+        note = (f"{attn.kernel_of(case, device, ring=True)}; {ring.passes} passes"
+                + ("" if ring.converged else ", no bitwise fixpoint"))
         yield [case.name, f"{out_err:.1e}", f"{grad_err:.1e}", f"{out_bound:g} / {grad_bound:g}",
                _ms(ring.seconds), _mib(ring.working_mib), _status(ok), note]
         del reference, ring
