@@ -121,8 +121,12 @@ def compare_all(rank, world, cases, rounds):
     torch.set_num_threads(1)
     dims = ps.initialize_model_parallel(1, world, 1)
     model_parallel_seed(1, dims, "cpu")
-    return [compare(dims, rank, world, seq, heads, kv_heads, 64, dtype, rounds)
-            for seq, heads, kv_heads, dtype in cases]
+    results = []
+    for seq, heads, kv_heads, dtype in cases:
+        results.append(compare(dims, rank, world, seq, heads, kv_heads, 64, dtype, rounds))
+        if rank == 0:   # progress: a long matrix on a shared machine
+            print(f"SP{world} N={seq} {heads}/{kv_heads} {dtype}: {results[-1]}", flush=True)
+    return results
 
 
 def table(cases, rounds: int) -> str:
