@@ -87,7 +87,7 @@ def attention_rows(check: Check):
         out_bound, grad_bound = case.bounds()
         ok = out_err <= out_bound and grad_err <= grad_bound
         yield [case.name, f"{out_err:.1e}", f"{grad_err:.1e}", f"{out_bound:g} / {grad_bound:g}",
-               ms(run.seconds), mib(run.working_mib), verdict(ok), ""]
+               ms(run.seconds), mib(run.working_mib), verdict(ok), attn.kernel_of(case, device)]
         del reference, run
         release()
 
@@ -116,7 +116,8 @@ def ring_rows(check: Check):
         out_err, grad_err = attn.errors(ring.results, reference)
         out_bound, grad_bound = case.bounds()
         ok = out_err <= out_bound and grad_err <= grad_bound and ring.converged
-        note = f"{ring.passes} passes" + ("" if ring.converged else ", no bitwise fixpoint")
+        note = (f"{attn.kernel_of(case, device, ring=True)}; {ring.passes} passes"
+                + ("" if ring.converged else ", no bitwise fixpoint"))
         yield [case.name, f"{out_err:.1e}", f"{grad_err:.1e}", f"{out_bound:g} / {grad_bound:g}",
                ms(ring.seconds), mib(ring.working_mib), verdict(ok), note]
         del reference, ring

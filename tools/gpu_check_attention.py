@@ -23,6 +23,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_ul.data.sequence_layout import rank_positions
+from megatron_ul.model.attention_dispatch import AttentionCall, attention_kernel
 from megatron_ul.model.document_attention import DocumentMask
 from megatron_ul.model.ring_attention import Ring
 from megatron_ul.model.ulysses import DistributedAttention
@@ -145,6 +146,13 @@ def one_device(case: Case, q, k, v, dout, documents, device: str, repeats: int =
     for _ in range(repeats):
         run = forward_backward(core, q, k, v, dout, documents, device, fused_only)
     return run
+
+
+def kernel_of(case: Case, device: str, ring: bool = False) -> str:
+    """The kernel attention_dispatch decides for the case (what the row ran, for its note)."""
+    call = AttentionCall(torch.device(device), case.dtype, case.head_dim, case.heads,
+                         case.kv_heads, case.documents > 0, case.window, ring)
+    return attention_kernel(call)
 
 
 def errors(results, reference) -> tuple[float, float]:

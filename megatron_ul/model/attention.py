@@ -6,8 +6,8 @@ asked for (--use-flash-attn), `flash_attn` is importable, and the tensors are on
 and in fp16/bf16. Documents (--reset-attention-mask) and windows never reach this module: they
 travel as offsets to document_attention.py (flash-attn's varlen kernel) or the ring. Every
 other request falls back to SDPA, and the log says once which path ran and why; it never names
-flash-attn for a call that SDPA computed. attention_dispatch.attention_kernel is the whole
-decision (what --dry-run prints). Requests are not refused by validation, so that one launch
+flash-attn for a call that SDPA computed. attention_dispatch.decide is the whole decision (what
+the log and --dry-run print). Requests are not refused by validation, so that one launch
 script serves a GPU run and an fp32 CPU run.
 
 Test hook: with the environment variable MEGATRON_UL_TEST_FLASH_ATTN_ON_CPU=1 the CPU counts as
@@ -132,15 +132,11 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backen
     to document_attention instead).
     Returns [N, b, hq, d] in the dtype of q (the activation dtype: never upcast here).
     """
+    from .attention_dispatch import AttentionCall, decide
     require_one_dtype(q, k, v)
-    use_flash = False
-    if backend == "flash":
-        why_not = flash_attn_refusal(q.device, q.dtype, attention_mask is not None)
-        use_flash = why_not is None
-        _announce_once("flash-attn 2 (flash_attn_func)" if use_flash else
-                       f"torch SDPA for some calls (--use-flash-attn given, but {why_not})")
-    else:
-        _announce_once("torch SDPA")
+    use_flash = decide(AttentionCall(q.device, q.dtype, q.shape[-1], q.shape[2], k.shape[2],
+                                     use_flash_attn=backend == "flash",
+                                     dense_mask=attention_mask is not None)) == "flash-attn"
     k, v = _own_buffer_unless_shared_with(k, q), _own_buffer_unless_shared_with(v, q)
     # Dropout on attention probabilities of this rank's heads: a per-(TP, SP)-rank stream.
     with get_rng_tracker().fork():

@@ -18,6 +18,13 @@ call (device, dtype, head dim, heads, documents, window, ring, --use-flash-attn)
   ring: <dense>/<masked> the ring's unit kernels (lse_kernels.py) for unmasked units and for
                         units the window or documents cut through
 
+Every call site (local_attention, document_attention, ring_attention) runs what `decide`
+returns, and `decide` logs it once per attention path and kernel, so the log names what ran:
+
+  attention: causal = sdpa cpu-flash (cpu)
+  attention: documents + window 64 = document blocks (cpu)
+  attention: ring unit kernel = cpu-flash / cpu-flash (cpu; --use-flash-attn given, but ...)
+
 `sdpa_cuda_backend` is a stand-in of torch's own CUDA backend selection rules (sdp_utils.cpp:
 flash needs fp16/bf16, head dim <= 256 and a multiple of 8 and no explicit mask; the
 memory-efficient kernel needs fp32/fp16/bf16, a head dim divisible by 8 for half types and 4
@@ -31,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .attention import FLASH_DTYPES, _input_refusal, flash_attn_refusal
+from .attention import FLASH_DTYPES, _announce_once, _input_refusal, flash_attn_refusal
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_FLAGS = "--kv-channels (or --hidden-size / --num-attention-heads)"
@@ -100,6 +107,8 @@ class AttentionCall:
     window: Optional[int] = None
     ring: bool = False
     use_flash_attn: bool = False
+    dropout: bool = False      # attention dropout: the document tiles run without it
+    dense_mask: bool = False   # a dense [b, 1, N, N] mask (tests only): SDPA with a mask
 
 
 def attention_kernel(call: AttentionCall) -> str:
@@ -109,18 +118,61 @@ def attention_kernel(call: AttentionCall) -> str:
                                           call.use_flash_attn)
         return f"ring: {dense}" + (f" / {masked}" if call.documents or call.window is not None
                                    else "")
-    flash = call.use_flash_attn and flash_attn_refusal(call.device, call.dtype) is None
+    flash = (call.use_flash_attn and not call.dense_mask
+             and flash_attn_refusal(call.device, call.dtype) is None)
     if call.documents or call.window is not None:
         if flash:
             return "flash-attn varlen" if call.documents else "flash-attn"
-        return "document tiles" if call.device.type == "cuda" else "document blocks"
+        tiles = call.device.type == "cuda" and not call.dropout
+        return "document tiles" if tiles else "document blocks"
     if flash:
         return "flash-attn"
     if call.device.type != "cuda":
         return "sdpa cpu-flash" if call.device.type == "cpu" else "sdpa"
     heads = call.q_heads if sdpa_expands_kv(call.device, call.dtype, call.head_dim,
-                                            call.q_heads, call.kv_heads) else call.kv_heads
-    return f"sdpa {sdpa_cuda_backend(call.dtype, call.head_dim, call.q_heads, heads, False)}"
+                                            call.q_heads, call.kv_heads,
+                                            call.dense_mask) else call.kv_heads
+    return "sdpa " + sdpa_cuda_backend(call.dtype, call.head_dim, call.q_heads, heads,
+                                       call.dense_mask)
+
+
+def kernel_refusal(call: AttentionCall) -> Optional[str]:
+    """Why `call` has no fused kernel (a message naming the flags to change), or None: on
+    CUDA a head dim that SDPA's flash and efficient kernels both refuse would run its math
+    kernel (the N×N scores), and the ring's unit kernels refuse it outright."""
+    try:
+        kernel = attention_kernel(call)
+    except ValueError as refused:
+        return str(refused)
+    if "math" not in kernel:
+        return None
+    alignment = 8 if call.dtype in HALF_DTYPES else 4
+    return (f"no fused attention kernel on CUDA takes head dim {call.head_dim} in "
+            f"{str(call.dtype).replace('torch.', '')}: torch SDPA would run its math kernel "
+            f"(N×N scores); change {HEAD_DIM_FLAGS} so that the head dim is a multiple of "
+            f"{alignment}")
+
+
+def attention_path(call: AttentionCall) -> str:
+    """The path a call belongs to, for the log: causal, documents, window W, ring unit kernel."""
+    if call.ring:
+        return "ring unit kernel"
+    parts = (["documents"] if call.documents else []) + (
+        [f"window {call.window}"] if call.window is not None else [])
+    return " + ".join(parts) or "causal"
+
+
+def decide(call: AttentionCall) -> str:
+    """attention_kernel(call), logged once per path and kernel with the device and, where
+    --use-flash-attn was given and flash-attn does not run, why."""
+    kernel = attention_kernel(call)
+    where = call.device.type
+    if call.use_flash_attn and "flash-attn" not in kernel:
+        why = (flash_attn_refusal(call.device, call.dtype, call.dense_mask)
+               or "flash-attn refuses this head dim")
+        where += f"; --use-flash-attn given, but {why}"
+    _announce_once(f"{attention_path(call)} = {kernel.removeprefix('ring: ')} ({where})")
+    return kernel
 
 
 def planned_kernel(use_flash_attn: bool, dtype: torch.dtype, head_dim: int, q_heads: int,

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from .tiled_document_attention import tiled_document_attention
 from ..mpu.random import _device_rng_get, _device_rng_set, get_rng_tracker
-from .attention import (_announce_once, _flash_attn_module, expand_kv_for_sdpa, flash_attn_refusal,
-                        require_one_dtype)
+from .attention import _flash_attn_module, expand_kv_for_sdpa, require_one_dtype
+from .attention_dispatch import AttentionCall, decide
 
 # queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
 WINDOW_QUERY_BLOCK = 512
@@ -194,18 +194,15 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bac
         raise ValueError(f"document offsets are for sequences of {documents.seq_length} tokens, "
                          f"attention got {n}")
     require_one_dtype(q, k, v)
-    use_flash = backend == "flash" and flash_attn_refusal(q.device, q.dtype) is None
-    what = ("documents" if documents is not None else "") + (
-        f"{' + ' if documents is not None else ''}window {window}" if window is not None else "")
-    tiled = None if use_flash else tiled_kernel(q.device, q.dtype, dropout_p)
-    _announce_once(f"{what}: " + ("flash-attn 2 (varlen / window_size)" if use_flash else
-                                  f"document tiles on {tiled}" if tiled else
-                                  "memory-linear blockwise SDPA, one call per document"))
+    kernel = decide(AttentionCall(q.device, q.dtype, q.shape[-1], q.shape[2], k.shape[2],
+                                  documents is not None, window, use_flash_attn=backend == "flash",
+                                  dropout=dropout_p > 0))
     with get_rng_tracker().fork():   # attention dropout: a per-(TP, SP)-rank stream
-        if use_flash:
+        if kernel.startswith("flash-attn"):
             return _flash(q, k, v, documents, window, dropout_p, softmax_scale)
-        tiled = tiled_kernel(q.device, q.dtype, dropout_p)
-        if tiled is not None:
+        if kernel == "document tiles":
+            tiled = tiled_kernel(q.device, q.dtype, dropout_p)
+            assert tiled is not None
             return tiled_document_attention(q, k, v, documents, window, softmax_scale, tiled)
         offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
         return _BlockwiseAttention.apply(q, k, v, _blocks(offsets, n, window), window,

@@ -60,8 +60,8 @@ from ..mpu.comm_stats import record
 from ..mpu.parallel_state import ParallelDims
 from ..data.sequence_layout import ring_chunks
 from . import lse_kernels
-from .attention import _announce_once, require_one_dtype
-from .attention_dispatch import ring_unit_kernels
+from .attention import require_one_dtype
+from .attention_dispatch import AttentionCall, decide, ring_unit_kernels
 from .document_attention import DocumentMask
 from .lse_kernels import UnitKernel
 
@@ -395,8 +395,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     plan = ring_plan(ring, q.shape[0], q.device, q.dtype, q.shape[-1], backend=backend,
                      window=window, documents=attention_mask)
-    _announce_once(f"ring: {plan.dense.name} for whole units, {plan.masked.name} for units "
-                   f"the window or documents cut")
+    decide(AttentionCall(q.device, q.dtype, q.shape[-1], q.shape[2], k.shape[2],
+                         attention_mask is not None, window, ring=True,
+                         use_flash_attn=backend == "flash"))
     # The kernels run in the activation dtype with fp32 accumulation whatever autocast says:
     # autocast would recast the forward's inputs and not the backward's.
     with torch.autocast(q.device.type, enabled=False):

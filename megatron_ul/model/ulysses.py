@@ -8,8 +8,9 @@ sequence shards. Sequence-first tensors make the gathered sequence land in globa
 GQA: each SP rank needs the kv heads of its query heads. When the TP-local kv heads cannot be
 split evenly over SP, each kv head is replicated (repeat_interleave: head j's copies stay
 adjacent, so query head i still meets kv head i // group) by the smallest factor r that makes
-kv_heads·r divisible by SP. Each rank then receives lcm(kv_heads, SP)/SP kv heads, the fewest
-that cover its query heads.
+kv_heads·r divisible by SP. Each rank attends lcm(kv_heads, SP)/SP kv heads, but receives only
+the distinct ones among them (kv_heads_to_send; 12 q / 6 kv heads at SP 4: 2 instead of 3) and
+rebuilds the replicated layout locally after the all-to-all.
 
 Hybrid Ulysses × ring (--context-parallel-size R): the all-to-all gathers this ring rank's
 local sequence (N/R tokens) instead of the whole one, and ring attention (ring_attention.py)
@@ -21,6 +22,7 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from ..mpu.mappings import ulysses_all_to_all
 from ..mpu.recompute import checkpoint
@@ -33,6 +35,26 @@ from .ring_attention import Ring, ring_attention
 def kv_replication_factor(kv_heads: int, sp: int) -> int:
     """Smallest r such that kv_heads * r is divisible by sp."""
     return sp // math.gcd(kv_heads, sp)
+
+
+def kv_heads_to_send(kv_heads: int, sp: int, r: int, rank: int, device=None):
+    """(send, unpack) index tensors when replicated kv heads would put one head on a rank
+    twice, else (None, None). With kv heads replicated r-fold, rank j attends replicated heads
+    [j·c, (j+1)·c) (c = kv_heads·r/SP), i.e. original heads (j·c + t) // r, often fewer than c
+    distinct ones (12 q / 6 kv heads at SP 4: c = 3, 2 distinct). send [SP, m] picks each
+    rank's m distinct heads (padded by repeating the last one); unpack [c] rebuilds this rank's
+    replicated layout from them after the all-to-all, so the bytes on the wire fall by m/c."""
+    if r == 1:
+        return None, None
+    c = kv_heads * r // sp
+    needed = [sorted({(j * c + t) // r for t in range(c)}) for j in range(sp)]
+    m = max(len(n) for n in needed)
+    if m == c:
+        return None, None
+    send = torch.tensor([n + n[-1:] * (m - len(n)) for n in needed], device=device)
+    unpack = torch.tensor([needed[rank].index((rank * c + t) // r) for t in range(c)],
+                          device=device)
+    return send, unpack
 
 
 class DistributedAttention:
@@ -83,7 +105,12 @@ class DistributedAttention:
             return self._attend(q, k, v, dropout_p, attention_mask)
         s, b, hq, d = q.shape
         r = kv_replication_factor(k.shape[2], sp)
-        if r > 1:
+        send_kv, unpack_kv = kv_heads_to_send(k.shape[2], sp, r, dist.get_rank(self.group),
+                                              k.device)
+        if send_kv is not None:   # each rank gets only the kv heads its query heads use
+            k, v = k[:, :, send_kv], v[:, :, send_kv]
+            k, v = (t.reshape(s, b, -1, d) for t in (k, v))
+        elif r > 1:
             k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
         hk = k.shape[2]
         # Pack per destination rank j: [q heads of j | k heads of j | v heads of j], written
@@ -100,6 +127,8 @@ class DistributedAttention:
         del packed
         q_full, k_full, v_full = full.split([hq // sp, hk // sp, hk // sp], dim=2)
         del full
+        if unpack_kv is not None:   # the replicated layout, rebuilt from the distinct heads
+            k_full, v_full = k_full[:, :, unpack_kv], v_full[:, :, unpack_kv]
         out = self._attend(q_full, k_full, v_full, dropout_p, attention_mask)
         del q_full, k_full, v_full
         # all-to-all #2: scatter sequence (dim 0), gather heads (dim 2) -> [N/SP, b, hq, d]

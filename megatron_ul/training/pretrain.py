@@ -24,6 +24,7 @@ from ..optim.mixed_precision import half_dtype
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
 from ..timers import NO_TIMERS, Timers
+from .attention_check import refuse_unrunnable_attention
 from .configure import configure
 from .data import build_datasets, eod_token_for, global_batches
 from ..exit_signals import catch_exit_signals, release_unless
@@ -89,6 +90,7 @@ def setup(cfg: Config) -> Trainer:
     """Initialize distributed state and build everything training needs."""
     # The rank grid is built once here and handed to everything that communicates.
     device, dims = initialize_distributed(cfg)
+    refuse_unrunnable_attention(cfg, device)   # before any buffer or model is built
     if cfg.checkpoint.save:
         claim_save_dir(cfg)   # a second job saving into the same directory stops here
     if torch.distributed.get_rank() != 0 and not is_reporting_rank(dims):

@@ -58,3 +58,43 @@ def test_dry_run_names_each_path():
         "ring: sdpa-efficient")
     assert planned_kernel(False, bf16, 64, 8, 2, True, 64, True) == (
         "ring: sdpa-efficient / sdpa-efficient")
+
+
+def _logged(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]
+
+
+def test_the_log_names_each_path_once_with_the_decided_kernel(monkeypatch, caplog):
+    """Each path in use gets one line, 'attention: <path> = <attention_kernel> (<device>)', the
+    first time it runs; calling again logs nothing new."""
+    import logging
+
+    from megatron_ul.model import attention
+    from megatron_ul.model.attention import local_attention
+    from megatron_ul.model.document_attention import DocumentMask, document_attention
+    from megatron_ul.model.ring_attention import Ring, ring_attention
+    from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
+
+    monkeypatch.setattr(attention, "_announced", set())
+    get_rng_tracker().reset("cpu")
+    get_rng_tracker().add(MODEL_PARALLEL_RNG, 0)
+    cpu = torch.device("cpu")
+    q, k, v = (torch.randn(16, 1, 4, 8) for _ in range(3))
+    documents = DocumentMask(torch.tensor([0, 5, 16], dtype=torch.int32), 1)
+    alone = Ring(None, 0, 1, 0, 0)
+    runs = [
+        (lambda: local_attention(q, k, v, backend="sdpa", dropout_p=0.0),
+         AttentionCall(cpu, torch.float32, 8, 4, 4), "causal"),
+        (lambda: document_attention(q, k, v, backend="sdpa", dropout_p=0.0, documents=documents,
+                                    window=4),
+         AttentionCall(cpu, torch.float32, 8, 4, 4, True, 4), "documents + window 4"),
+        (lambda: ring_attention(q, k, v, alone, attention_mask=documents),
+         AttentionCall(cpu, torch.float32, 8, 4, 4, True, ring=True), "ring unit kernel"),
+    ]
+    with caplog.at_level(logging.INFO, logger=attention.__name__):
+        for run, _, _ in runs + runs:
+            run()
+    kernels = [attention_kernel(call).removeprefix("ring: ") for _, call, _ in runs]
+    assert kernels == ["sdpa cpu-flash", "document blocks", "cpu-flash / cpu-flash"]
+    assert _logged(caplog) == [f"attention: {path} = {kernel} (cpu)"
+                               for (_, _, path), kernel in zip(runs, kernels)]

@@ -97,3 +97,16 @@ def test_tiled_kv_replication_would_be_caught():
     interleaved = reference_attention(q, k.repeat_interleave(4, 2), v.repeat_interleave(4, 2))
     torch.testing.assert_close(interleaved, right)
     assert not torch.allclose(tiled, right)
+
+
+def test_each_rank_receives_only_the_distinct_kv_heads_it_attends():
+    """12 q / 6 kv heads at SP 4: replicated 2-fold, rank j attends heads (3j + t) // 2 —
+    two distinct ones, so two are sent instead of three; unpack rebuilds the three."""
+    from megatron_ul.model.ulysses import kv_heads_to_send
+    r = kv_replication_factor(6, 4)
+    for rank in range(4):
+        send, unpack = kv_heads_to_send(6, 4, r, rank)
+        assert send.tolist() == [[0, 1], [1, 2], [3, 4], [4, 5]]
+        assert send[rank][unpack].tolist() == [(3 * rank + t) // 2 for t in range(3)]
+    assert kv_heads_to_send(2, 4, kv_replication_factor(2, 4), 0) == (None, None)   # 8/2 SP4
+    assert kv_heads_to_send(8, 4, 1, 0) == (None, None)

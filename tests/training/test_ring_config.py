@@ -90,3 +90,41 @@ def test_estimator_counts_ring_ranks_as_sequence_and_zero_ranks():
     # same tokens per rank; the ring's unit working set comes on top
     assert b.activation_bytes == a.activation_bytes
     assert b.total_bytes > a.total_bytes
+
+
+@pytest.mark.parametrize("flags,expected", [
+    # fp32, head dim 18: SDPA's flash and efficient kernels refuse it on CUDA (math: N×N)
+    (["--kv-channels", "18"], "no fused attention kernel on CUDA takes head dim 18 in float32"),
+    (["--kv-channels", "18", "--context-parallel-size", "2"],
+     "ring attention on CUDA needs fp32/fp16/bf16 activations and a head dim divisible by 4"),
+    (["--kv-channels", "12", "--bf16"], "takes head dim 12 in bfloat16"),
+])
+def test_a_head_dim_no_fused_kernel_takes_is_refused_before_building(flags, expected):
+    from megatron_ul.training.attention_check import refuse_unrunnable_attention
+    cfg = configure(OK + flags, world_size=2)
+    with pytest.raises(ConfigError, match="--kv-channels") as err:
+        refuse_unrunnable_attention(cfg, torch.device("cuda"))
+    assert expected in str(err.value)
+    refuse_unrunnable_attention(cfg, torch.device("cpu"))   # the CPU flash kernel takes it
+    refuse_unrunnable_attention(configure(OK, world_size=2), torch.device("cuda"))
+
+
+def test_documents_with_a_window_always_reach_a_kernel_that_does_both():
+    """No path drops one of the two: flash-attn's varlen kernel takes window_size, the tiles,
+    the per-document blocks and the ring's masked units take both."""
+    import itertools
+
+    from megatron_ul.model.attention_dispatch import AttentionCall, attention_kernel
+    from megatron_ul.model.lse_kernels import kernel_named
+    both = {"flash-attn varlen", "document tiles", "document blocks"}
+    for device, dtype, ring, flash, dropout in itertools.product(
+            ("cpu", "cuda"), (torch.float32, torch.bfloat16), (False, True), (False, True),
+            (False, True)):
+        call = AttentionCall(torch.device(device), dtype, 64, 8, 2, True, 64, ring, flash,
+                             dropout=dropout)
+        kernel = attention_kernel(call)
+        if ring:   # the units the window or documents cut run a kernel that takes a bias
+            masked = kernel.removeprefix("ring: ").split(" / ")[1]
+            assert kernel_named(masked).takes_bias, (call, kernel)
+        else:
+            assert kernel in both, (call, kernel)

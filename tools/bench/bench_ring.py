@@ -160,11 +160,21 @@ def _peak_bytes(fn) -> int:
     return peak
 
 
-def attention_peak(rank, world, local, heads, head_dim, u, r):
-    """Peak bytes of one attention forward + backward on this rank (inputs excluded)."""
+def attention_peaks(rank, world, locals_, heads, head_dim, u, r) -> list[int]:
+    """Peak bytes of one attention forward + backward on this rank (inputs excluded), per
+    local sequence length in `locals_` (one process group for all: spawning is slow)."""
     dims = ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
     model_parallel_seed(1, dims, "cpu")
     core = DistributedAttention(u, "sdpa", dims.sp_group, ring=Ring.from_dims(dims))
+    peaks = []
+    for local in locals_:
+        peaks.append(_call_peak(core, rank, local, heads, head_dim))
+        if rank == 0:
+            print(f"U{u}xR{r} L={local}: {peaks[-1] / MIB:.1f} MiB", flush=True)
+    return peaks
+
+
+def _call_peak(core, rank: int, local: int, heads: int, head_dim: int) -> int:
     g = torch.Generator().manual_seed(rank)
     q, k, v = (torch.randn(local, 1, heads, head_dim, generator=g).requires_grad_()
                for _ in range(3))
@@ -173,11 +183,18 @@ def attention_peak(rank, world, local, heads, head_dim, u, r):
     return _peak_bytes(lambda: core(q, k, v, dropout_p=0.0).backward(dout))
 
 
+def memory_rows(chunks: list[int], heads: int, head_dim: int) -> list[tuple[int, int, int]]:
+    """(C, ring peak bytes, Ulysses peak bytes at the same local tokens), max over ranks."""
+    locals_ = [2 * c for c in chunks]
+    ring = [max(p) for p in zip(*run_ranks(attention_peaks, 2, locals_, heads, head_dim, 1, 2))]
+    ulysses = [max(p) for p in zip(*run_ranks(attention_peaks, 2, locals_, heads, head_dim, 2,
+                                              1))]
+    return list(zip(chunks, ring, ulysses))
+
+
 def table_memory(chunks: list[int], heads: int, head_dim: int) -> str:
     rows, previous = [], None
-    for c in chunks:
-        ring = max(run_ranks(attention_peak, 2, 2 * c, heads, head_dim, 1, 2))
-        ulysses = max(run_ranks(attention_peak, 2, 2 * c, heads, head_dim, 2, 1))
+    for c, ring, ulysses in memory_rows(chunks, heads, head_dim):
         rows.append([c, 2 * c, 4 * c, f"{ring / MIB:.1f}",
                      f"{ring / previous:.2f}" if previous else "-", f"{ulysses / MIB:.1f}",
                      f"{ring / ulysses:.2f}"])
