@@ -114,8 +114,9 @@ class Kernels:
     ring: "scores" (today's ring unit: fp32 C×C scores, probabilities and their gradients per
     unit of C = N/(2·CP) tokens) or "fused" (a fused unit kernel returning the log-sum-exp: one
     unit's output and log-sum-exp, O(C·d)). documents: --reset-attention-mask; document_kernel
-    "accumulate" (today's SDPA path: each document's dq, dk, dv next to the full-size
-    accumulators) or "in-place" (gradients written into the accumulators). optimizer_offload:
+    "accumulate" (each document's dq, dk, dv next to the full-size accumulators: the CPU loop
+    in half precision) or "in-place" (added into the accumulators tile by tile: the CPU loop in
+    fp32/fp64, model/document_attention.py). optimizer_offload:
     --optimizer-offload-fraction (0 = off). host_is_device: offloaded bytes live in the same
     memory (a CPU run), so they count in the peak."""
     ring: str = "scores"
@@ -312,11 +313,16 @@ def ring_working_bytes(m: ModelConfig, layout: Layout, kernels: Kernels) -> floa
 
 def document_working_bytes(m: ModelConfig, layout: Layout, precision: Precision,
                            kernels: Kernels) -> float:
-    """Document attention's backward beyond dq/dk/dv: each document's gradients next to the
-    full-size accumulators (all documents' at once in the worst case)."""
-    if not kernels.documents or layout.cp > 1 or kernels.document_kernel == "in-place":
+    """Document attention's backward beyond dq/dk/dv. "accumulate": each document's
+    gradients next to the full-size accumulators (one document as long as the sequence in the
+    worst case). "in-place" (gradients added tile by tile): the longest document's recomputed
+    output."""
+    if not kernels.documents or layout.cp > 1:
         return 0.0
-    return _sizes(m, layout).qkv * precision.act
+    z = _sizes(m, layout)
+    if kernels.document_kernel == "in-place":
+        return z.attn * precision.act
+    return z.qkv * precision.act
 
 
 def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
