@@ -2,10 +2,12 @@
 that fits a given GPU memory.
 
 Parameters, gradients and Adam state follow what megatron_ul allocates: fp32 parameters,
-fp32 gradients and two fp32 Adam moments (16 bytes per parameter); --bf16 and --fp16 run under
-autocast, which also keeps a 2-byte copy of every matmul weight alive from forward to backward
-(Precision.bf16). Precision.half_model is Megatron's meaning of the flags: 2-byte parameters
-and activations, fp32 main parameters and gradients next to Adam (18 bytes per parameter).
+fp32 gradients and two fp32 Adam moments (16 bytes per parameter). --bf16 and --fp16 build a
+half-precision model (Precision.half_model, Megatron's meaning): 2-byte parameters and
+activations, fp32 main parameters and gradients next to Adam (18 bytes per parameter).
+Precision.bf16 is autocast over an fp32 model (the flags' earlier meaning, the benchmarks'
+baseline), which also keeps a 2-byte copy of every matmul weight alive from forward to
+backward.
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
 parameters, over the data × sequence parallel group (Ulysses ranks hold replicated weights, as
 in DeepSpeed).
@@ -78,7 +80,7 @@ class Layout:
 class Precision:
     """Bytes per element of each kind of tensor.
 
-    bf16: --bf16/--fp16 as autocast over an fp32 model (today's flags): 2-byte matmul inputs and
+    bf16: autocast over an fp32 model (the flags' earlier meaning): 2-byte matmul inputs and
     outputs, fp32 parameters, gradients and residual stream, plus a 2-byte copy of every matmul
     weight alive from forward to backward.
     half_model: Megatron-LM's --bf16/--fp16: the model (parameters, activations, residual
