@@ -27,7 +27,7 @@ def estimated(hidden, seq_length, precision, sp=1, cp=1, extra=()):
     kernel = "in-place" if precision == "fp32" else "accumulate"
     return me.estimate(cfg.model, me.layout_from_config(cfg), recompute="full",
                        precision=PRECISIONS[precision],
-                       kernels=me.Kernels(documents=True, document_kernel=kernel,
+                       kernels=me.Kernels(ring="fused", documents=True, document_kernel=kernel,
                                           host_is_device=True))
 
 
