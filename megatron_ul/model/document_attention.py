@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .lse_kernels import CPU_FLASH
 from .tiled_document_attention import tiled_document_attention
 from ..mpu.random import _device_rng_get, _device_rng_set, get_rng_tracker
 from .attention import _flash_attn_module, expand_kv_for_sdpa, require_one_dtype
@@ -35,6 +36,8 @@ from .attention_dispatch import AttentionCall, decide
 
 # queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
 WINDOW_QUERY_BLOCK = 512
+# tokens per tile of a document's in-place backward (its gradients: three tiles at a time)
+DOCUMENT_GRAD_TILE = 1024
 
 
 @dataclass
@@ -139,6 +142,9 @@ class _BlockwiseAttention(torch.autograd.Function):
             _device_rng_set(ctx.rng, device_type)
         try:
             for block in ctx.blocks:
+                if _writes_in_place(q, k, block, ctx.dropout_p):
+                    _document_backward_in_place(dq, dk, dv, q, k, v, grad_out, block, ctx.scale)
+                    continue
                 b, q0, q1, k0, k1, _ = block
                 pieces = [t.detach().requires_grad_() for t in
                           (q[q0:q1, b], k[k0:k1, b], v[k0:k1, b])]
@@ -151,6 +157,41 @@ class _BlockwiseAttention(torch.autograd.Function):
         finally:
             _device_rng_set(current, device_type)
         return dq, dk, dv, None, None, None, None
+
+
+def _writes_in_place(q, k, block, dropout_p: float) -> bool:
+    """Whether a block's backward can add tile by tile into dq/dk/dv: torch's CPU flash
+    kernel (it returns the log-sum-exp the tiles need), a whole causal document (no window
+    mask), no dropout (tiles would redraw the masks), as many kv heads as query heads, and
+    fp32/fp64 accumulators (a half-precision one would round once per tile)."""
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+            and dropout_p == 0 and not block[5] and k.shape[2] == q.shape[2])
+
+
+def _document_backward_in_place(dq, dk, dv, q, k, v, grad_out, block, scale) -> None:
+    """One document's gradients added into dq/dk/dv tile pair by tile pair: the document's
+    output and log-sum-exp are recomputed once, then each (query tile, key tile) pair at or
+    below the diagonal runs the flash backward with the document's own output and log-sum-exp,
+    which makes its contributions exact partial sums. Only tile-sized gradients exist besides
+    the accumulators, never a whole document's dq, dk and dv next to them."""
+    b, q0, q1 = block[:3]
+
+    def heads_first(t, lo, hi):                                 # [1, h, L, d] views
+        return t[q0 + lo:q0 + hi, b].transpose(0, 1).unsqueeze(0)
+    length = q1 - q0
+    out, lse = CPU_FLASH.forward(heads_first(q, 0, length), heads_first(k, 0, length),
+                                 heads_first(v, 0, length), True, None, scale)
+    for i in range(0, length, DOCUMENT_GRAD_TILE):
+        rows = (i, min(i + DOCUMENT_GRAD_TILE, length))
+        for j in range(0, i + 1, DOCUMENT_GRAD_TILE):
+            keys = (j, min(j + DOCUMENT_GRAD_TILE, length))
+            grads = CPU_FLASH.backward(
+                heads_first(grad_out, *rows), heads_first(q, *rows), heads_first(k, *keys),
+                heads_first(v, *keys), out[:, :, rows[0]:rows[1]], lse[:, :, rows[0]:rows[1]],
+                i == j, None, scale)
+            for target, at, grad in zip((dq, dk, dv), (rows, keys, keys), grads):
+                heads_first(target, *at).add_(grad)
+            del grads, grad   # not alive while the next pair's are made
 
 
 def tiled_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float) -> Optional[str]:

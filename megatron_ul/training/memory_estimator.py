@@ -2,10 +2,12 @@
 that fits a given GPU memory.
 
 Parameters, gradients and Adam state follow what megatron_ul allocates: fp32 parameters,
-fp32 gradients and two fp32 Adam moments (16 bytes per parameter); --bf16 and --fp16 run under
-autocast, which also keeps a 2-byte copy of every matmul weight alive from forward to backward
-(Precision.bf16). Precision.half_model is Megatron's meaning of the flags: 2-byte parameters
-and activations, fp32 main parameters and gradients next to Adam (18 bytes per parameter).
+fp32 gradients and two fp32 Adam moments (16 bytes per parameter). --bf16 and --fp16 build a
+half-precision model (Precision.half_model, Megatron's meaning): 2-byte parameters and
+activations, fp32 main parameters and gradients next to Adam (18 bytes per parameter).
+Precision.bf16 is autocast over an fp32 model (the flags' earlier meaning, the benchmarks'
+baseline), which also keeps a 2-byte copy of every matmul weight alive from forward to
+backward.
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
 parameters, over the data × sequence parallel group (Ulysses ranks hold replicated weights, as
 in DeepSpeed).
@@ -78,7 +80,7 @@ class Layout:
 class Precision:
     """Bytes per element of each kind of tensor.
 
-    bf16: --bf16/--fp16 as autocast over an fp32 model (today's flags): 2-byte matmul inputs and
+    bf16: autocast over an fp32 model (the flags' earlier meaning): 2-byte matmul inputs and
     outputs, fp32 parameters, gradients and residual stream, plus a 2-byte copy of every matmul
     weight alive from forward to backward.
     half_model: Megatron-LM's --bf16/--fp16: the model (parameters, activations, residual
@@ -114,8 +116,9 @@ class Kernels:
     ring: "scores" (today's ring unit: fp32 C×C scores, probabilities and their gradients per
     unit of C = N/(2·CP) tokens) or "fused" (a fused unit kernel returning the log-sum-exp: one
     unit's output and log-sum-exp, O(C·d)). documents: --reset-attention-mask; document_kernel
-    "accumulate" (today's SDPA path: each document's dq, dk, dv next to the full-size
-    accumulators) or "in-place" (gradients written into the accumulators). optimizer_offload:
+    "accumulate" (each document's dq, dk, dv next to the full-size accumulators: the CPU loop
+    in half precision) or "in-place" (added into the accumulators tile by tile: the CPU loop in
+    fp32/fp64, model/document_attention.py). optimizer_offload:
     --optimizer-offload-fraction (0 = off). host_is_device: offloaded bytes live in the same
     memory (a CPU run), so they count in the peak."""
     ring: str = "scores"
@@ -312,11 +315,16 @@ def ring_working_bytes(m: ModelConfig, layout: Layout, kernels: Kernels) -> floa
 
 def document_working_bytes(m: ModelConfig, layout: Layout, precision: Precision,
                            kernels: Kernels) -> float:
-    """Document attention's backward beyond dq/dk/dv: each document's gradients next to the
-    full-size accumulators (all documents' at once in the worst case)."""
-    if not kernels.documents or layout.cp > 1 or kernels.document_kernel == "in-place":
+    """Document attention's backward beyond dq/dk/dv. "accumulate": each document's
+    gradients next to the full-size accumulators (one document as long as the sequence in the
+    worst case). "in-place" (gradients added tile by tile): the longest document's recomputed
+    output."""
+    if not kernels.documents or layout.cp > 1:
         return 0.0
-    return _sizes(m, layout).qkv * precision.act
+    z = _sizes(m, layout)
+    if kernels.document_kernel == "in-place":
+        return z.attn * precision.act
+    return z.qkv * precision.act
 
 
 def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:

@@ -170,40 +170,10 @@ PEAK_MODEL = ["--num-layers", "1", "--num-attention-heads", "8", "--vocab-size",
 LONG_CONTEXT = ["--tiled-loss-chunk-size", "1024", "--tiled-mlp-chunk-size", "4096",
                 "--activation-checkpoint-cpu-offload", "--tokenizer-type", "NullTokenizer",
                 "--reset-attention-mask", "--reset-position-ids"]
-PRECISIONS = ("fp32", "autocast-bf16", "bf16-model")
-
-
-class MainParamsAdamW:
-    """Megatron's half-precision optimizer, for the bench: the model is bf16; each gradient is
-    added into an fp32 main gradient as soon as backward makes it (then dropped), and AdamW
-    steps fp32 main parameters that are copied back into the model."""
-
-    def __init__(self, model, lr: float, dims):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.main = [p.detach().float().requires_grad_() for p in self.params]
-        for main in self.main:
-            main.grad = torch.zeros_like(main)
-        self.optimizer = torch.optim.AdamW(self.main, lr=lr, foreach=True)
-        self.dims = dims
-        for p, main in zip(self.params, self.main):
-            p.register_post_accumulate_grad_hook(
-                lambda p, main=main: (main.grad.add_(p.grad), setattr(p, "grad", None)))
-
-    def reduce_and_clip_gradients(self, clip: float) -> float:
-        if self.dims.dp_sp_size > 1:
-            for main in self.main:
-                dist.all_reduce(main.grad, group=self.dims.dp_sp_group)
-        return 1.0
-
-    def step(self):
-        self.optimizer.step()
-        with torch.no_grad():
-            for p, main in zip(self.params, self.main):
-                p.copy_(main)
-
-    def zero_grad(self, set_to_none: bool = True):
-        for main in self.main:
-            main.grad.zero_()
+# fp32; bf16: --bf16 as Megatron means it (a bf16 model, fp32 main parameters and gradients,
+# optim/mixed_precision.py); autocast-bf16: the earlier meaning of --bf16, an fp32 model run
+# under torch.autocast (train_step's autocast_dtype), kept here as the baseline.
+PRECISIONS = ("fp32", "bf16", "autocast-bf16")
 
 
 def peak_worker(rank, world, argv, precision: str):
@@ -213,20 +183,22 @@ def peak_worker(rank, world, argv, precision: str):
     from megatron_ul.training import step as step_module
     from megatron_ul.training.pretrain import configure, setup
     from tools.bench.live_tensors import LiveTensorTracker, peak_rss_bytes
-    cfg = configure(argv + (["--bf16"] if precision == "autocast-bf16" else []), world)
+    cfg = configure(argv + (["--bf16"] if precision == "bf16" else []), world)
     rss_start = peak_rss_bytes()
     trainer = setup(cfg)
     model, optimizer = trainer.model, trainer.optimizer
-    if precision == "bf16-model":
-        model.to(torch.bfloat16)
-        optimizer = MainParamsAdamW(model, cfg.train.lr, model.dims)
     batches = [next(trainer.train_batches) for _ in range(cfg.train.train_iters)]
     params = list(model.parameters())
-    main = getattr(optimizer, "main", [])
+    # The half-precision model's fp32 main copies and main gradients exist before the tracker.
+    main = [getattr(p, "main_param", None) for p in params]
+    main_grads = [getattr(p, "main_grad", None) for p in params]
+    main = [t for t in main if t is not None]
+    main_grads = [t for t in main_grads if t is not None]
 
     def gradients():
-        return {"gradients": [p.grad for p in params + main if p.grad is not None]}
-    tracker = LiveTensorTracker(model, preexisting=params + main, classify=gradients)
+        return {"gradients": main_grads + [p.grad for p in params + main if p.grad is not None]}
+    tracker = LiveTensorTracker(model, preexisting=params + main + main_grads,
+                                classify=gradients)
     _phase_wrap(step_module, "clip_gradients", tracker, "clip")
     _phase_wrap(optimizer, "step", tracker, "optimizer")
     _mark_backward_stages(model, tracker)
