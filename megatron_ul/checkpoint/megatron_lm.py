@@ -105,7 +105,9 @@ def model_config_from_args(args, true_vocab_size: int | None = None,
                    ((get("rotary_percent", 1.0) or 1.0) != 1.0, "--rotary-percent < 1"),
                    (get("add_qkv_bias") and not get("add_bias_linear", True), "--add-qkv-bias"),
                    (not core and get("transformer_impl", "local") not in ("local", None)
-                    and not get("use_legacy_models", True), "a Megatron-core model")]
+                    and not get("use_legacy_models", True),
+                    "a megatron-core GPTModel (import it with python -m "
+                    "tools.checkpoint.megatron_core import)")]
     if core:
         unsupported += _core_unsupported(get)
     refused = [what for flag, what in unsupported if flag]
@@ -182,8 +184,8 @@ def _stage_tensors(model: dict, args, pp_rank: int, chunk: int, path: str) -> di
     lm = model.get("language_model")
     if lm is None:
         raise CheckpointError(f"{path}: no 'language_model' in the model state; not a legacy "
-                              f"Megatron-LM GPT checkpoint (Megatron-core checkpoints are not "
-                              f"read)")
+                              f"Megatron-LM GPT checkpoint (a megatron-core GPTModel's? python -m "
+                              f"tools.checkpoint.megatron_core import reads those)")
     out = {}
     embedding = lm.get("embedding") or {}
     for key in ("word_embeddings", "position_embeddings"):

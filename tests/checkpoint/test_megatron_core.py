@@ -20,6 +20,7 @@ from megatron_ul.checkpoint.megatron_core import export_core, import_core
 from megatron_ul.inference.generate import load_for_generation
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import NO_DROPOUT, TINY
+from tools.checkpoint import megatron_core as tool
 
 LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--swiglu",
          "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
@@ -144,15 +145,19 @@ def test_megatron_core_checkpoint_imports_with_the_same_logits(variant, fmt, tmp
     assert diff <= 1e-5
 
 
-@pytest.mark.parametrize("spec", ["local", "transformer_engine"])
-@pytest.mark.parametrize("variant", ["gpt2", "llama"])
-def test_torch_format_tp2_pp2_round_trip_is_exact(variant, spec, tmp_path, single_rank):
+@pytest.mark.parametrize("variant,spec", [("gpt2", "transformer_engine"), ("llama", "local")])
+def test_torch_format_tp2_pp2_round_trip_is_exact(variant, spec, tmp_path, single_rank, capsys):
     """Stage files for TP2·PP2 with megatron-core names (local layer numbers, the last stage's
     output_layer, the spec's norm names) import back to the same parameters bit for bit."""
     src, tp2pp2, core, back = (str(tmp_path / n) for n in ("src", "tp2pp2", "core", "back"))
     _train(variant, src)
     reshard.convert(src, tp2pp2, tp=2, pp=2)
-    iter_dir, _ = export_core(tp2pp2, core, "torch", spec)
+    assert tool.main(["export", "--load-dir", tp2pp2, "--save-dir", core, "--ckpt-format",
+                      "torch", "--transformer-impl", spec]) == 0
+    printed = capsys.readouterr().out
+    assert "only the model weights are converted" in printed
+    assert f"--ckpt-format torch --transformer-impl {spec}" in printed
+    iter_dir = os.path.join(core, "iter_0000001")
     assert sorted(os.listdir(iter_dir)) == ["mp_rank_00_000", "mp_rank_00_001",
                                             "mp_rank_01_000", "mp_rank_01_001"]
     first = torch.load(files.model_file(iter_dir, 0, 0, 2), weights_only=False)["model"]
@@ -164,7 +169,7 @@ def test_torch_format_tp2_pp2_round_trip_is_exact(variant, spec, tmp_path, singl
     assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
     assert last["output_layer.weight"].shape[0] == 224 // 2     # tied copy or untied head
     assert "decoder.final_layernorm.weight" in last
-    import_core(core, back)
+    assert tool.main(["import", "--load-dir", core, "--save-dir", back]) == 0
     a, b = (reshard.read_full(os.path.join(d, "iter_0000001"), False) for d in (src, back))
     assert a.params.keys() == b.params.keys()
     assert all(torch.equal(a.params[n], b.params[n]) for n in a.params)
