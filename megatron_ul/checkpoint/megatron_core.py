@@ -346,7 +346,8 @@ def core_modules():
     except ImportError as e:
         raise CheckpointError(
             f"writing --ckpt-format torch_dist needs megatron-core (pip install --no-deps "
-            f"megatron-core; {e}); --ckpt-format torch needs nothing extra") from e
+            f"megatron-core psutil; releases from 0.17 also import triton; {e}); "
+            f"--ckpt-format torch needs nothing extra") from e
     return argparse.Namespace(dist_checkpointing=dist_checkpointing,
                               parallel_state=parallel_state, GPTModel=GPTModel,
                               local_spec=get_gpt_layer_local_spec,

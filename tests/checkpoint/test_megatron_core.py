@@ -28,6 +28,9 @@ LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--swig
          "--disable-bias-linear"]
 VARIANTS = {"gpt2": [], "llama": LLAMA}
 VOCAB, SEQ = 200, 16
+# Llama-style covers GQA, RoPE, SwiGLU, RMSNorm and the untied head; GPT-2 (tied, learned
+# positions, LayerNorm with biases, GELU) runs with --run-slow
+CORE_VARIANTS = [pytest.param("gpt2", marks=pytest.mark.slow), "llama"]
 
 
 def _train(variant: str, save: str, layers: int = 4) -> None:
@@ -80,7 +83,7 @@ def core_parallel(single_rank, monkeypatch):
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+@pytest.mark.parametrize("variant", CORE_VARIANTS)
 def test_export_loads_into_megatron_core_with_the_same_logits(variant, fmt, tmp_path,
                                                               core_parallel):
     from megatron.core import dist_checkpointing
@@ -129,7 +132,7 @@ def _save_core(model, m: dict, fmt: str, save_dir: str, iteration: int = 3) -> N
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+@pytest.mark.parametrize("variant", CORE_VARIANTS)
 def test_megatron_core_checkpoint_imports_with_the_same_logits(variant, fmt, tmp_path,
                                                                core_parallel):
     shape_of, core_dir, ours = str(tmp_path / "shape"), str(tmp_path / "core"), str(
