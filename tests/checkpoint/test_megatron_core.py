@@ -104,9 +104,9 @@ def test_export_loads_into_megatron_core_with_the_same_logits(variant, fmt, tmp_
     assert diff <= 1e-5
 
 
-def _perturbed_core_model(m: dict):
-    model = megatron_core.core_model(m)
-    g = torch.Generator().manual_seed(11)
+def _perturbed_core_model(m: dict, tp: int = 1, seed: int = 11):
+    model = megatron_core.core_model(m, tp=tp)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
@@ -202,3 +202,63 @@ def test_torch_dist_export_without_megatron_core_says_so(tmp_path, monkeypatch, 
     with pytest.raises(CheckpointError, match="needs megatron-core"):
         export_core(saved, str(tmp_path / "core"), "torch_dist")
     assert not os.path.exists(tmp_path / "core")
+
+
+def core_tp_logits(rank: int, world: int, model: dict, iter_dir: str,
+                   save: bool) -> torch.Tensor:
+    """On each of `world` ranks: megatron-core's GPTModel at TP `world` either loads its stage
+    file of `iter_dir` strictly or (`save`) is perturbed and saves its state_dict() there, as
+    Megatron-LM lays the files out; returns its vocabulary-parallel logits
+    [b, s, padded_vocab / TP]."""
+    import contextlib as ctx
+
+    from megatron.core import parallel_state, tensor_parallel
+    torch.cuda.current_device = lambda: "cpu"            # as in core_parallel above
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: ctx.nullcontext()
+    parallel_state.initialize_model_parallel(world, 1)
+    # replicated parameters (learned positions) come from torch's default generator: the same
+    # seed on every rank, as Megatron-LM's training sets it, so the ranks hold one model
+    torch.manual_seed(5)
+    try:
+        path = files.model_file(iter_dir, rank, 0, 1)
+        if save:
+            core = _perturbed_core_model(model, tp=world)   # same noise: replicas agree
+            args = megatron_lm.megatron_args(model, world, 1, 3, {}, core=("torch", "local"))
+            os.makedirs(os.path.dirname(path))
+            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 3,
+                        "model": core.state_dict()}, path)
+        else:
+            core = megatron_core.core_model(model, tp=world)
+            core.load_state_dict(torch.load(path, weights_only=False)["model"], strict=True)
+        causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+        core.eval()
+        with torch.no_grad():
+            return core(input_ids=_tokens(), position_ids=torch.arange(SEQ).expand(2, SEQ),
+                        attention_mask=causal).float()
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["gpt2", "llama"])
+def test_tp2_checkpoints_match_megatron_core_at_tp2(variant, tmp_path, single_rank):
+    """megatron-core's own TP2 GPTModel on two gloo ranks (Llama: GQA 8/2, one query group per
+    rank, SwiGLU [gate_r; up_r]; GPT-2: MHA, tied) loads our TP2 export, and its perturbed TP2
+    state_dict() files import, with the same logits."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    from tests.distributed import run_distributed
+    src, out, saved, ours = (str(tmp_path / n) for n in ("src", "core", "saved", "ours"))
+    _train(variant, src)
+    iter_dir, _ = export_core(src, out, "torch", "local", tp=2, pp=1)
+    m = _model_of(src)
+    theirs = torch.cat(run_distributed(core_tp_logits, 2, m, iter_dir, False), dim=-1)
+    diff = float((_our_logits(src) - theirs[..., :VOCAB]).abs().max())
+    print(f"{variant} TP2 export: max |logit diff| ours vs megatron-core TP2: {diff:.2e}")
+    assert diff <= 1e-5
+    saved_iter = os.path.join(saved, files.iteration_dir_name(3))
+    theirs = torch.cat(run_distributed(core_tp_logits, 2, m, saved_iter, True), dim=-1)
+    files.write_tracker(saved, 3)
+    import_core(saved, ours)
+    diff = float((_our_logits(ours) - theirs[..., :VOCAB]).abs().max())
+    print(f"{variant} TP2 import: max |logit diff| ours vs megatron-core TP2: {diff:.2e}")
+    assert diff <= 1e-5
