@@ -76,7 +76,7 @@ def _load(path: str, trust_pickle: bool) -> dict:
     return megatron_pickle.load(path, trust_pickle)
 
 
-def _iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
+def megatron_iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
     if iteration is None:
         tracker = os.path.join(load_dir, files.TRACKER)
         if not os.path.isfile(tracker):
@@ -93,9 +93,10 @@ def _iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, int]:
     return os.path.join(load_dir, files.iteration_dir_name(iteration)), iteration
 
 
-def model_config_from_args(args, true_vocab_size: int | None = None) -> dict:
-    """Our ModelConfig fields for a legacy Megatron-LM GPT's args; refuses what we do not
-    compute the same way."""
+def model_config_from_args(args, true_vocab_size: int | None = None,
+                           core: bool = False) -> dict:
+    """Our ModelConfig fields for the args of a legacy Megatron-LM GPT (of a megatron-core
+    GPTModel with `core`); refuses what we do not compute the same way."""
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
     unsupported = [(get("num_experts"), "mixture of experts"),
                    (get("apply_residual_connection_post_layernorm"),
@@ -103,8 +104,12 @@ def model_config_from_args(args, true_vocab_size: int | None = None) -> dict:
                    (get("squared_relu"), "--squared-relu"),
                    ((get("rotary_percent", 1.0) or 1.0) != 1.0, "--rotary-percent < 1"),
                    (get("add_qkv_bias") and not get("add_bias_linear", True), "--add-qkv-bias"),
-                   (get("transformer_impl", "local") not in ("local", None)
-                    and not get("use_legacy_models", True), "a Megatron-core model")]
+                   (not core and get("transformer_impl", "local") not in ("local", None)
+                    and not get("use_legacy_models", True),
+                    "a megatron-core GPTModel (import it with python -m "
+                    "tools.checkpoint.megatron_core import)")]
+    if core:
+        unsupported += _core_unsupported(get)
     refused = [what for flag, what in unsupported if flag]
     if refused:
         raise CheckpointError(f"the Megatron-LM checkpoint uses {', '.join(refused)}, which "
@@ -126,13 +131,27 @@ def model_config_from_args(args, true_vocab_size: int | None = None) -> dict:
             "vocab_size": vocab,
             "make_vocab_size_divisible_by": get("make_vocab_size_divisible_by", 128),
             "position_embedding_type": "rope" if rope else "learned_absolute",
-            "rotary_base": float(_legacy_rotary_base(args) if rope else 10000),
+            "rotary_base": float((get("rotary_base", 10000) if core else
+                                  _legacy_rotary_base(args)) if rope else 10000),
             "normalization": get("normalization", "LayerNorm"),
             "norm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
             "swiglu": swiglu, "add_bias_linear": bias,
             "untie_embeddings_and_output_weights": bool(
                 get("untie_embeddings_and_output_weights")),
             "gelu_approximate": "tanh" if tanh else "none"}
+
+
+def _core_unsupported(get) -> list[tuple]:
+    """megatron-core GPTModel features this model does not compute."""
+    return [(get("qk_layernorm"), "--qk-layernorm"),
+            (get("rotary_interleaved"), "--rotary-interleaved"),
+            (get("use_rope_scaling"), "--use-rope-scaling"),
+            (get("multi_latent_attention"), "multi-latent attention"),
+            (get("apply_layernorm_1p"), "--apply-layernorm-1p"),
+            (get("mtp_num_layers"), "multi-token prediction"),
+            (get("position_embedding_type", "learned_absolute")
+             not in ("rope", "learned_absolute"),
+             f"--position-embedding-type {get('position_embedding_type')}")]
 
 
 def megatron_vocab_size(args) -> int:
@@ -160,21 +179,20 @@ def _our_name(legacy: str) -> str | None:
     return None
 
 
-def _stage_tensors(model: dict, num_layers: int, pp: int, chunks: int, pp_rank: int,
-                   chunk: int, path: str) -> dict:
+def _stage_tensors(model: dict, args, pp_rank: int, chunk: int, path: str) -> dict:
     """{our global name: tensor} of one model chunk of a legacy stage file."""
     lm = model.get("language_model")
     if lm is None:
         raise CheckpointError(f"{path}: no 'language_model' in the model state; not a legacy "
-                              f"Megatron-LM GPT checkpoint (Megatron-core checkpoints are not "
-                              f"read)")
+                              f"Megatron-LM GPT checkpoint (a megatron-core GPTModel's? python -m "
+                              f"tools.checkpoint.megatron_core import reads those)")
     out = {}
     embedding = lm.get("embedding") or {}
     for key in ("word_embeddings", "position_embeddings"):
         if key in embedding:
             out[f"{key}.weight"] = embedding[key]["weight"]
     encoder = lm.get("encoder", lm.get("transformer")) or {}
-    numbers = chunk_layer_numbers(num_layers, pp, chunks, pp_rank, chunk)
+    numbers = stage_layer_numbers(args, pp_rank, chunk)
     for key, tensor in encoder.items():
         if tensor is None or key.endswith("_extra_state"):
             continue
@@ -196,11 +214,30 @@ def _stage_tensors(model: dict, num_layers: int, pp: int, chunks: int, pp_rank: 
     return out
 
 
+def stage_layer_numbers(args, pp_rank: int, chunk: int) -> list[int]:
+    """1-based global numbers of the layers of model chunk `chunk` of pipeline rank `pp_rank`
+    in a Megatron-LM run with `args` (Megatron's even split, interleaved by chunk)."""
+    chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
+    return chunk_layer_numbers(args.num_layers, args.pipeline_model_parallel_size, chunks,
+                               pp_rank, chunk)
+
+
 def read_megatron(load_dir: str, iteration: int | None = None,
                   true_vocab_size: int | None = None,
                   trust_pickle: bool = False) -> reshard.FullCheckpoint:
     """A legacy Megatron-LM checkpoint merged to TP1/PP1 in our names (weights only)."""
-    iter_dir, iteration = _iteration_dir(load_dir, iteration)
+    return read_stage_files(load_dir, iteration, trust_pickle,
+                            lambda args: model_config_from_args(args, true_vocab_size),
+                            _stage_tensors, "megatron-lm legacy checkpoint")
+
+
+def read_stage_files(load_dir: str, iteration: int | None, trust_pickle: bool, config_from_args,
+                     stage_tensors, source: str) -> reshard.FullCheckpoint:
+    """A Megatron-LM torch-format checkpoint (iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt)
+    merged to TP1/PP1: `config_from_args(args)` gives our ModelConfig fields, and
+    `stage_tensors(model_state, args, pp_rank, chunk, path)` one model chunk's
+    {our global name: TP shard}."""
+    iter_dir, iteration = megatron_iteration_dir(load_dir, iteration)
     first = _load(files.model_file(iter_dir, 0, 0, 1), trust_pickle) if os.path.isfile(
         files.model_file(iter_dir, 0, 0, 1)) else None
     if first is None:     # PP > 1 names even stage 0 with its pipeline rank
@@ -211,11 +248,9 @@ def read_megatron(load_dir: str, iteration: int | None = None,
                               f"model and layout")
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    fields = model_config_from_args(args, true_vocab_size)
-    model_cfg = asdict(ModelConfig(**fields))
-    meta = {"model": model_cfg}
-    table = reshard.layout_table(meta, tp, pp, args.num_layers // (pp * chunks)
-                                 if chunks > 1 else None)
+    model_cfg = asdict(ModelConfig(**config_from_args(args)))
+    table = reshard.layout_table({"model": model_cfg}, tp, pp,
+                                 args.num_layers // (pp * chunks) if chunks > 1 else None)
     shards: dict[str, list] = {}
     for s in range(pp):
         for t in range(tp):
@@ -225,29 +260,41 @@ def read_megatron(load_dir: str, iteration: int | None = None,
             for c, key in enumerate(keys):
                 if key not in state:
                     raise CheckpointError(f"{path}: no {key!r} entry")
-                for name, tensor in _stage_tensors(state[key], args.num_layers, pp, chunks, s,
-                                                   c, path).items():
+                for name, tensor in stage_tensors(state[key], args, s, c, path).items():
                     shards.setdefault(name, []).append(tensor)
             del state
+    params = merge_shards(shards, table, model_cfg["vocab_size"], iter_dir)
+    return full_checkpoint(params, model_cfg, args, iteration, f"{source} {iter_dir}")
+
+
+def merge_shards(shards: dict[str, list], table: dict, vocab: int, where: str) -> dict:
+    """{our name: full TP1 tensor} from each parameter's TP shards (replicas checked, dropped);
+    CheckpointError when the names do not fit the model's table."""
     missing = sorted(set(table) - set(shards))
     unexpected = sorted(set(shards) - set(table))
     if missing or unexpected:
-        raise CheckpointError(f"{iter_dir}: the tensors do not fit the model its args describe:"
+        raise CheckpointError(f"{where}: the tensors do not fit the model its args describe:"
                               f" missing {missing[:4]}, unexpected {unexpected[:4]}")
-    params, vocab = {}, model_cfg["vocab_size"]
+    params: dict = {}
     for name, info in table.items():
         merged = reshard._merge_one(shards[name], info, vocab)
         if info["replica_of"]:
             if not torch.equal(merged, params.get(info["replica_of"], merged)):
-                log.warning("%s: word_embeddings_for_head differs from the first stage's "
-                            "table; keeping the first stage's", iter_dir)
+                log.warning("%s: the last stage's tied output weight differs from the first "
+                            "stage's table; keeping the first stage's", where)
             continue
         params[name] = merged.float().contiguous()
+    return params
+
+
+def full_checkpoint(params: dict, model_cfg: dict, args, iteration: int,
+                    source: str) -> reshard.FullCheckpoint:
+    """Imported weights as a TP1/PP1 FullCheckpoint (no optimizer state, no RNG)."""
     meta = {"format": files.FORMAT, "iteration": iteration, "model": model_cfg,
             "layout": {"tp": 1, "pp": 1, "sp": 1, "dp": 1, "world": 1,
                        "sequence_parallel": False, "vp": None},
-            "params": reshard.layout_table(meta, 1, 1, None), "optimizer": None, "rng": False,
-            "source": f"megatron-lm legacy checkpoint {iter_dir}"}
+            "params": reshard.layout_table({"model": model_cfg}, 1, 1, None),
+            "optimizer": None, "rng": False, "source": source}
     common = {"iteration": iteration, "checkpoint_version": 3.0,
               "opt_param_scheduler": {"num_steps": iteration},
               "consumed_samples": getattr(args, "consumed_train_samples", 0) or 0,
@@ -256,16 +303,22 @@ def read_megatron(load_dir: str, iteration: int | None = None,
     return reshard.FullCheckpoint(meta, common, params, None, None)
 
 
+def write_imported(full: reshard.FullCheckpoint, save_dir: str, tp: int, pp: int,
+                   vp: int | None) -> str:
+    """Write imported weights as a megatron_ul checkpoint in layout TP × PP."""
+    reshard.check_target_layout(full.metadata, tp, pp, 1, 1, vp)
+    target = reshard.target_metadata(full, tp, pp, 1, 1, with_optim=False, vp=vp)
+    return reshard.write_layout(full, target, save_dir, full.common["iteration"], tp, pp,
+                                with_optim=False, vp=vp)
+
+
 def import_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
                     vp: int | None = None, iteration: int | None = None,
                     true_vocab_size: int | None = None, trust_pickle: bool = False) -> str:
     """Write a legacy Megatron-LM checkpoint as a megatron_ul checkpoint (weights only; train
     on with --finetune, or --no-load-optim to keep the iteration) in layout TP × PP."""
     full = read_megatron(load_dir, iteration, true_vocab_size, trust_pickle)
-    reshard.check_target_layout(full.metadata, tp, pp, 1, 1, vp)
-    target = reshard.target_metadata(full, tp, pp, 1, 1, with_optim=False, vp=vp)
-    return reshard.write_layout(full, target, save_dir, full.common["iteration"], tp, pp,
-                                with_optim=False, vp=vp)
+    return write_imported(full, save_dir, tp, pp, vp)
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -290,9 +343,11 @@ def check_exportable(m: dict) -> None:
             f"(python -m tools.checkpoint.megatron_core export)")
 
 
-def megatron_args(m: dict, tp: int, pp: int, iteration: int, common: dict) -> argparse.Namespace:
+def megatron_args(m: dict, tp: int, pp: int, iteration: int, common: dict,
+                  core: tuple[str, str] | None = None) -> argparse.Namespace:
     """The args a legacy Megatron-LM GPT with model `m` runs with (flags must match them; the
-    ones its check_checkpoint_args compares are all present)."""
+    ones its check_checkpoint_args compares are all present). `core` = (checkpoint format,
+    transformer impl) of a megatron-core GPTModel instead."""
     heads = m["num_attention_heads"]
     data = (common.get("args") or {}).get("data") or {}
     return argparse.Namespace(
@@ -307,7 +362,7 @@ def megatron_args(m: dict, tp: int, pp: int, iteration: int, common: dict) -> ar
         make_vocab_size_divisible_by=m["make_vocab_size_divisible_by"],
         position_embedding_type=m["position_embedding_type"],
         add_position_embedding=True,     # Megatron's default (its --no-position-embedding)
-        rotary_base=LEGACY_ROTARY_BASE,
+        rotary_base=int(m["rotary_base"]) if core else LEGACY_ROTARY_BASE,
         rotary_percent=1.0, normalization=m["normalization"], norm_epsilon=m["norm_epsilon"],
         swiglu=m["swiglu"], add_bias_linear=m["add_bias_linear"],
         add_qkv_bias=m["add_bias_linear"],
@@ -319,8 +374,9 @@ def megatron_args(m: dict, tp: int, pp: int, iteration: int, common: dict) -> ar
         data_parallel_random_init=False, iteration=iteration,
         consumed_train_samples=common.get("consumed_samples", 0),
         consumed_valid_samples=common.get("consumed_valid_samples", 0),
-        params_dtype=torch.float32, fp16=False, bf16=False, use_legacy_models=True,
-        ckpt_format="torch", transformer_impl="local", model_type="GPT")
+        params_dtype=torch.float32, fp16=False, bf16=False, use_legacy_models=core is None,
+        ckpt_format=core[0] if core else "torch",
+        transformer_impl=core[1] if core else "local", model_type="GPT")
 
 
 def _legacy_state(tensors: dict, m: dict, pp: int, pp_rank: int) -> dict:
@@ -356,6 +412,17 @@ def export_megatron(load_dir: str, save_dir: str, tp: int | None = None,
     """Write the latest iteration of a megatron_ul checkpoint (any layout) as a legacy
     Megatron-LM checkpoint with TP × PP shards (default: the source's), weights only.
     Returns (the iteration directory, the Megatron-LM flags that load it)."""
+    full, tp, pp, final = read_for_export(load_dir, save_dir, tp, pp)
+    check_exportable(full.metadata["model"])
+    args = megatron_args(full.metadata["model"], tp, pp, full.common["iteration"], full.common)
+    write_stage_files(full, args, final, _legacy_state)
+    return final, megatron_flags(args)
+
+
+def read_for_export(load_dir: str, save_dir: str, tp: int | None,
+                    pp: int | None) -> tuple[reshard.FullCheckpoint, int, int, str]:
+    """(the latest iteration of `load_dir` merged, target TP, target PP, the iteration
+    directory to write in `save_dir`); refuses a bad layout or an existing target first."""
     iteration = files.read_tracker(load_dir)
     if iteration is None:
         raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
@@ -368,9 +435,19 @@ def export_megatron(load_dir: str, save_dir: str, tp: int | None = None,
     if os.path.exists(final):
         raise CheckpointError(f"{final} already exists; choose an empty --save-dir")
     full = reshard.read_full(iter_dir, with_optim=False)
-    m, table = full.metadata["model"], reshard.layout_table(full.metadata, tp, pp, None)
-    check_exportable(m)
-    args = megatron_args(m, tp, pp, iteration, full.common)
+    full.common["iteration"] = iteration
+    return full, tp, pp, final
+
+
+def write_stage_files(full: reshard.FullCheckpoint, args: argparse.Namespace, final: str,
+                      state_of) -> None:
+    """Write `full` cut for args' TP × PP as Megatron-LM's torch-format stage files in
+    `final` (a temporary directory renamed into place, tracker last); `state_of(tensors, m,
+    pp, pp_rank)` is one stage's model state dict from its {our name: TP shard}."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    m, iteration = full.metadata["model"], args.iteration
+    table = reshard.layout_table(full.metadata, tp, pp, None)
+    save_dir = os.path.dirname(final)
     os.makedirs(save_dir, exist_ok=True)
     tmp = f"{final}.tmp-export"
     try:
@@ -379,30 +456,29 @@ def export_megatron(load_dir: str, save_dir: str, tp: int | None = None,
             for t in range(tp):
                 tensors, _ = reshard.shard_for(full, table, names, t, tp)
                 files.save_torch({"args": args, "checkpoint_version": 3.0,
-                                  "iteration": iteration,
-                                  "model": _legacy_state(tensors, m, pp, s)},
+                                  "iteration": iteration, "model": state_of(tensors, m, pp, s)},
                                  files.model_file(tmp, t, s, pp))
     except BaseException:
         files.rmtree_quietly(tmp)
         raise
     os.rename(tmp, final)
     files.write_tracker(save_dir, iteration)
-    return final, megatron_flags(args)
 
 
 def megatron_flags(args: argparse.Namespace) -> list[str]:
     """Megatron-LM flags that build the model of exported `args` and load it (besides the
     layout, data and training flags); each one is an option its argument parser accepts."""
-    flags = ["--use-legacy-models", "--ckpt-format", "torch", "--transformer-impl", "local",
-             "--num-layers", args.num_layers, "--hidden-size", args.hidden_size,
-             "--ffn-hidden-size", args.ffn_hidden_size,
-             "--num-attention-heads", args.num_attention_heads, "--kv-channels", args.kv_channels,
-             "--seq-length", args.seq_length,
-             "--max-position-embeddings", args.max_position_embeddings,
-             "--position-embedding-type", args.position_embedding_type,
-             "--normalization", args.normalization, "--norm-epsilon", args.norm_epsilon,
-             "--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by,
-             "--tokenizer-type", args.tokenizer_type]
+    flags = ["--use-legacy-models"] if args.use_legacy_models else []
+    flags += ["--ckpt-format", args.ckpt_format, "--transformer-impl", args.transformer_impl,
+              "--num-layers", args.num_layers, "--hidden-size", args.hidden_size,
+              "--ffn-hidden-size", args.ffn_hidden_size,
+              "--num-attention-heads", args.num_attention_heads, "--kv-channels", args.kv_channels,
+              "--seq-length", args.seq_length,
+              "--max-position-embeddings", args.max_position_embeddings,
+              "--position-embedding-type", args.position_embedding_type,
+              "--normalization", args.normalization, "--norm-epsilon", args.norm_epsilon,
+              "--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by,
+              "--tokenizer-type", args.tokenizer_type]
     files_flags = [("vocab_file", "--vocab-file"), ("merge_file", "--merge-file"),
                    ("tokenizer_model", "--tokenizer-model")]
     flags += [x for field, flag in files_flags if getattr(args, field, None)
@@ -411,6 +487,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--vocab-size", args.vocab_size]
     if args.group_query_attention:
         flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
+    if not args.use_legacy_models and args.position_embedding_type == "rope":
+        flags += ["--rotary-base", args.rotary_base]
     switches = [(args.swiglu, "--swiglu"), (not args.add_bias_linear, "--disable-bias-linear"),
                 (args.untie_embeddings_and_output_weights,
                  "--untie-embeddings-and-output-weights"),

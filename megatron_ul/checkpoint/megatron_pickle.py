@@ -60,21 +60,28 @@ def load(path: str, trust_pickle: bool = False) -> dict:
     """A Megatron-LM torch file on CPU; only ALLOWED globals unless `trust_pickle`."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing; the Megatron-LM checkpoint is incomplete")
+    with open(path, "rb") as f:
+        return load_stream(f, path, trust_pickle)
+
+
+def load_stream(stream, what: str, trust_pickle: bool = False):
+    """load() of an open binary stream (a file, or bytes stored inside another file) that
+    error messages call `what`."""
     if trust_pickle:
         try:
-            return torch.load(path, map_location="cpu", weights_only=False)
+            return torch.load(stream, map_location="cpu", weights_only=False)
         except ModuleNotFoundError as e:
-            raise CheckpointError(f"{path}: full unpickling needs the module {e.name!r}, which "
+            raise CheckpointError(f"{what}: full unpickling needs the module {e.name!r}, which "
                                   f"is not installed; without --trust-pickle the restricted "
                                   f"loader reads Megatron's own enums without it") from e
     with torch.serialization.safe_globals(ALLOWED):
         try:
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(stream, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - unpickling refused or file damaged
             refused = re.search(r"GLOBAL (\S+)", str(e))
-            what = (f"it pickles {refused.group(1)}, which is not among the tensors, args, "
-                    f"enums and numpy RNG state Megatron-LM writes" if refused else
-                    f"{type(e).__name__}: {str(e)[:200]}")
+            why = (f"it pickles {refused.group(1)}, which is not among the tensors, args, "
+                   f"enums and numpy RNG state Megatron-LM writes" if refused else
+                   f"{type(e).__name__}: {str(e)[:200]}")
             raise CheckpointError(
-                f"{path}: cannot be read safely ({what}). If the file comes from a source you "
+                f"{what}: cannot be read safely ({why}). If the file comes from a source you "
                 f"trust, pass --trust-pickle (full unpickling runs code from the file)") from e

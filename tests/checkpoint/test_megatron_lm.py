@@ -207,3 +207,34 @@ def test_restricted_loader_refuses_any_other_object_naming_the_file(tmp_path):
         megatron_pickle.load(path)
     with pytest.raises(CheckpointError, match="module 'megatron'"):   # full unpickling
         megatron_pickle.load(path, trust_pickle=True)
+
+
+def test_megatron_deepspeed_converted_checkpoint_imports(tmp_path, single_rank):
+    """The layout Megatron-DeepSpeed's tools/convert_checkpoint/deepspeed_to_megatron.py writes
+    from a DeepSpeed-engine checkpoint (constructed here with its key layout, not produced by
+    its code): per-stage `layers.i` with the `*_layernorm` spellings, `final_layernorm` in the
+    last stage's encoder, `word_embeddings_for_head` there, PP2. Imports to our parameters
+    bit for bit."""
+    src, meg, back = (str(tmp_path / n) for n in ("src", "meg", "back"))
+    argv = TINY + NO_DROPOUT + ["--num-layers", "4", "--train-iters", "1", "--lr-warmup-iters", "0",
+                                "--save", src]
+    setup(configure(argv, 1)).train()
+    iter_dir, _ = export_megatron(src, meg, tp=1, pp=2)
+    spellings = {"input_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                 "final_norm": "final_layernorm"}
+    for stage in range(2):
+        path = files.model_file(iter_dir, 0, stage, 2)
+        state = torch.load(path, weights_only=False)
+        encoder = state["model"]["language_model"]["encoder"]
+        renamed = {}
+        for key, tensor in encoder.items():
+            for ours, theirs in spellings.items():
+                key = key.replace(f"{ours}.", f"{theirs}.")
+            renamed[key] = tensor
+        assert any("input_layernorm" in k for k in renamed)
+        state["model"]["language_model"]["encoder"] = renamed
+        torch.save(state, path)
+    import_megatron(meg, back)
+    a, b = (reshard.read_full(os.path.join(d, "iter_0000001"), False) for d in (src, back))
+    assert a.params.keys() == b.params.keys()
+    assert all(torch.equal(a.params[n], b.params[n]) for n in a.params)

@@ -9,8 +9,9 @@
 
 Reads and writes Megatron-LM's legacy GPT checkpoints (iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt,
 language_model.* names, checkpoint_version 3.0), weights only; see docs/checkpointing.md for
-the name mapping. Megatron-core (torch_dist) checkpoints are not read. Import prints the model
-flags to train on with (--finetune); export prints the Megatron-LM flags to load with.
+the name mapping; megatron-core GPTModel checkpoints (torch or torch_dist) are
+tools.checkpoint.megatron_core's. Import prints the model flags to train on with (--finetune);
+export prints the Megatron-LM flags to load with.
 """
 import argparse
 import os
