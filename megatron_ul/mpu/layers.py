@@ -5,9 +5,9 @@ Every layer computes only this TP rank's slice of its weights, on its device, fr
 weight, so initialisation is identical for every layout (the single-process run included), which
 is what lets the layout-equivalence tests compare parameters directly.
 
-Sharded parameters carry `tensor_model_parallel = True` and `partition_dim`; replicated
-parameters that see only a TP-chunk of the sequence under Megatron-SP carry
-`sequence_parallel = True` (their gradients are summed over TP).
+Every parameter's layout is its ParamSpec (mpu/param_spec.py): sharded parameters carry their
+`partition_dim`; replicated parameters that see only a TP-chunk of the sequence under
+Megatron-SP carry `sequence_parallel=True` (their gradients are summed over TP).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .param_spec import ParamSpec
+from .param_spec import set_param_spec
 from .mappings import (_all_gather, _rank, _reduce_scatter, _size,
                        copy_to_tensor_model_parallel_region,
                        gather_from_tensor_model_parallel_region,
@@ -52,14 +52,14 @@ def _sharded(init: Init, shape: tuple, dim: int, device, dtype, stride: int = 1,
     index = [torch.arange(n) for n in shape]
     index[dim] = tp_index(shape[dim], stride, tp, rank)
     param = new_parameter(init, shape, tuple(index), device=device, dtype=dtype)
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
-    param.spec = ParamSpec(dim, stride, vocab_padded, fused)
+    set_param_spec(param, partition_dim=dim, partition_stride=stride, vocab_padded=vocab_padded,
+                   fused=fused)
     return param
 
 
 def _zeros(n: int, device, dtype, sequence_parallel: bool) -> nn.Parameter:
     param = new_parameter(Constant(0.0), (n,), device=device, dtype=dtype)
-    param.sequence_parallel = sequence_parallel
+    set_param_spec(param, sequence_parallel=sequence_parallel)
     return param
 
 

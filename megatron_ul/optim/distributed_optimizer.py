@@ -50,6 +50,7 @@ import torch.distributed as dist
 from ..config import TrainConfig
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
+from ..mpu.param_spec import param_spec
 from .grad_buckets import BucketLauncher, split_into_buckets
 from .grads import _all_reduce_coalesced, _counts_once, grad_of
 from .mixed_precision import HOST, attach_main_grad, host_buffer, offloaded_prefix
@@ -191,7 +192,7 @@ class DistributedOptimizer:
 
     def _launch_grad_reduce(self, b: int) -> None:
         sequence_parallel = [grad_of(p) for p in self.buckets[b]
-                             if getattr(p, "sequence_parallel", False)]
+                             if param_spec(p).sequence_parallel]
         _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if self.size == 1:
             return

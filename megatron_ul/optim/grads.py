@@ -18,6 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
+from ..mpu.param_spec import param_spec
 from .grad_buckets import BucketLauncher, bucket_elements, split_into_buckets
 
 _BUCKET_BYTES = 64 * 2**20
@@ -79,7 +80,7 @@ class DataParallelGradSync:
     def _launch(self, i: int) -> None:
         with_grad = [p for p in self.buckets[i] if grad_of(p) is not None]
         sequence_parallel = [grad_of(p) for p in with_grad
-                             if getattr(p, "sequence_parallel", False)]
+                             if param_spec(p).sequence_parallel]
         _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if dist.get_world_size(self.group) == 1 or not with_grad:
             return
@@ -112,9 +113,10 @@ def reduce_gradients(params: list[torch.nn.Parameter], dims: ParallelDims,
 
 def _counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
     """Is this rank the one that counts p in the global norm (no double counting of copies)?"""
-    if getattr(p, "shared_embedding_replica", False):  # tied output copy on the last PP stage
+    spec = param_spec(p)
+    if spec.tied_replica:   # the tied output copy on the last PP stage
         return False
-    if getattr(p, "tensor_model_parallel", False):
+    if spec.tensor_parallel:
         return True
     return dims.tp_rank == 0
 

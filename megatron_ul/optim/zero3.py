@@ -30,11 +30,8 @@ from torch.distributed.tensor import DTensor
 from ..config import TrainConfig
 from ..mpu.parallel_state import ParallelDims
 from ..model.chunks import model_chunks
+from ..mpu.param_spec import param_spec
 from .grads import _all_reduce_coalesced, _counts_once
-
-# Attributes our parallel layers hang on parameters; FSDP2 makes new Parameter objects.
-_PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
-                     "sequence_parallel", "shared_embedding_replica", "init_spec", "spec")
 
 
 def shard_model(model: torch.nn.Module, dims: ParallelDims,
@@ -48,8 +45,8 @@ def shard_model(model: torch.nn.Module, dims: ParallelDims,
     are reduce-scattered and accumulated in fp32. Inputs are not cast (the model's residual
     dtype decides, see model/gpt.py)."""
     mesh = dims.dp_sp_mesh
-    saved = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
-             for name, p in model.named_parameters()}
+    # FSDP2 makes new Parameter objects: keep what our layers attached (spec, init_spec).
+    saved = {name: dict(vars(p)) for name, p in model.named_parameters()}
     policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                    cast_forward_inputs=False)
               if param_dtype is not None else MixedPrecisionPolicy())
@@ -94,7 +91,7 @@ class Zero3Optimizer:
     def reduce_and_clip_gradients(self, max_norm: float) -> float:
         with_grad = [p for p in self.params if p.grad is not None]
         sequence_parallel = [_local(p.grad) for p in with_grad
-                             if getattr(p, "sequence_parallel", False)]
+                             if param_spec(p).sequence_parallel]
         _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
         for p in with_grad:

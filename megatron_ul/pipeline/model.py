@@ -19,6 +19,7 @@ from ..model.chunks import model_chunks
 from ..model.gpt import GPTModel
 from ..mpu.comm_stats import record
 from ..mpu.parallel_state import ParallelDims
+from ..mpu.param_spec import param_spec, set_param_spec
 from ..timers import NO_TIMERS, Timers
 
 
@@ -88,7 +89,7 @@ def build_stage_chunks(model_cfg, seed: int, sequence_parallel: bool, pp: int, r
                                                            rank, c),
                          device=device, timers=timers, dims=dims)
         if post and not pre and hasattr(chunk, "word_embeddings"):
-            chunk.word_embeddings.weight.shared_embedding_replica = True
+            set_param_spec(chunk.word_embeddings.weight, tied_replica=True)
         out.append(chunk)
     return out
 
@@ -116,7 +117,7 @@ def chunk_named_parameters(model: nn.Module):
             if match:
                 layer = chunk.layers[int(match.group(1))]
                 name = f"layers.{layer.layer_number - 1}." + name[match.end():]
-            if getattr(p, "shared_embedding_replica", False):
+            if param_spec(p).tied_replica:
                 name = REPLICA_PREFIX + name
             yield index, name, p
 

@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_ul.checkpoint.reshard import merge_tp
 from megatron_ul.model.chunks import model_dims
+from megatron_ul.mpu.param_spec import param_spec
 from megatron_ul.pipeline.model import global_named_parameters
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
@@ -44,8 +45,8 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
     # Global names (layer numbers, not per-stage indices), so pipeline stages merge.
     for name, p in global_named_parameters(trainer.model):
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        shards[name] = (full.detach().clone(), getattr(p, "partition_dim", None),
-                        getattr(p, "partition_stride", 1))
+        shards[name] = (full.detach().clone(), param_spec(p).partition_dim,
+                        param_spec(p).partition_stride)
     if dims.dp_sp_rank != 0:   # keep DP, CP and SP coordinate 0
         shards = {}
     return {"losses": losses, "tp_rank": dims.tp_rank, "shards": shards,
