@@ -236,7 +236,7 @@ def read_megatron(load_dir: str, iteration: int | None = None,
                               f" missing {missing[:4]}, unexpected {unexpected[:4]}")
     params, vocab = {}, model_cfg["vocab_size"]
     for name, info in table.items():
-        merged = reshard._merge_one(shards[name], info, vocab)
+        merged = reshard.merge_one(shards[name], info, vocab)
         if info["replica_of"]:
             if not torch.equal(merged, params.get(info["replica_of"], merged)):
                 log.warning("%s: word_embeddings_for_head differs from the first stage's "

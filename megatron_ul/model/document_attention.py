@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from .tiled_document_attention import tiled_document_attention
-from ..mpu.random import _device_rng_get, _device_rng_set, get_rng_tracker
-from .attention import (_announce_once, _flash_attn_module, expand_kv_for_sdpa, flash_attn_refusal,
+from ..mpu.random import device_rng_get, device_rng_set, get_rng_tracker
+from .attention import (announce_once, flash_attn_module, expand_kv_for_sdpa, flash_attn_refusal,
                         require_one_dtype)
 
 # queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
@@ -80,7 +80,7 @@ def document_mask_of(batch: dict) -> Optional[DocumentMask]:
 
 
 # ---- the memory-linear SDPA path -----------------------------------------------------------
-def _blocks(offsets: list[int], seq_length: int, window: Optional[int]):
+def document_blocks(offsets: list[int], seq_length: int, window: Optional[int]):
     """(sample, q0, q1, k0, k1, needs_mask) per block, positions within the sample."""
     blocks = []
     for start, end in zip(offsets, offsets[1:]):
@@ -113,13 +113,13 @@ def _block_attention(q, k, v, block, window, dropout_p, scale):
     return out.squeeze(0).transpose(0, 1)
 
 
-class _BlockwiseAttention(torch.autograd.Function):
+class BlockwiseAttention(torch.autograd.Function):
     """q [N, b, hq, d], k/v [N, b, hk, d] -> [N, b, hq, d]; keeps only q, k, v (and the
     generator state, so that backward redraws the same dropout masks block by block)."""
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, window, dropout_p, scale):
-        ctx.rng = _device_rng_get(q.device.type) if dropout_p > 0 else None
+        ctx.rng = device_rng_get(q.device.type) if dropout_p > 0 else None
         out = q.new_empty(q.shape)
         for block in blocks:
             b, q0, q1, k0, k1, _ = block
@@ -134,9 +134,9 @@ class _BlockwiseAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         device_type = q.device.type
-        current = _device_rng_get(device_type)
+        current = device_rng_get(device_type)
         if ctx.rng is not None:
-            _device_rng_set(ctx.rng, device_type)
+            device_rng_set(ctx.rng, device_type)
         try:
             for block in ctx.blocks:
                 b, q0, q1, k0, k1, _ = block
@@ -149,7 +149,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 dk[k0:k1, b] += gk
                 dv[k0:k1, b] += gv
         finally:
-            _device_rng_set(current, device_type)
+            device_rng_set(current, device_type)
         return dq, dk, dv, None, None, None, None
 
 
@@ -165,7 +165,7 @@ def tiled_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float) -> 
 # ---- flash-attn ----------------------------------------------------------------------------
 def _flash(q, k, v, documents, window, dropout_p, scale):
     n, b = q.shape[:2]
-    flash_attn = _flash_attn_module()
+    flash_attn = flash_attn_module()
     window_size = (window, 0) if window is not None else (-1, -1)
     if documents is None:
         out = flash_attn.flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -198,7 +198,7 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bac
     what = ("documents" if documents is not None else "") + (
         f"{' + ' if documents is not None else ''}window {window}" if window is not None else "")
     tiled = None if use_flash else tiled_kernel(q.device, q.dtype, dropout_p)
-    _announce_once(f"{what}: " + ("flash-attn 2 (varlen / window_size)" if use_flash else
+    announce_once(f"{what}: " + ("flash-attn 2 (varlen / window_size)" if use_flash else
                                   f"document tiles on {tiled}" if tiled else
                                   "memory-linear blockwise SDPA, one call per document"))
     with get_rng_tracker().fork():   # attention dropout: a per-(TP, SP)-rank stream
@@ -208,5 +208,5 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bac
         if tiled is not None:
             return tiled_document_attention(q, k, v, documents, window, softmax_scale, tiled)
         offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
-        return _BlockwiseAttention.apply(q, k, v, _blocks(offsets, n, window), window,
+        return BlockwiseAttention.apply(q, k, v, document_blocks(offsets, n, window), window,
                                          dropout_p, softmax_scale)

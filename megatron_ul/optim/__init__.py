@@ -24,15 +24,15 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
     backward on request). Either reduces over the groups of `dims` (the run's ParallelDims)."""
     stage = parallel.zero_stage if parallel is not None else 0
     overlap = bool(parallel is not None and parallel.overlap_grad_reduce)
-    dp_sp = dist.get_world_size(dims.dp_sp_group)
-    elements = bucket_elements(parallel.ddp_bucket_size if parallel is not None else None, dp_sp)
+    dp_cp_sp = dist.get_world_size(dims.dp_cp_sp_group)
+    elements = bucket_elements(parallel.ddp_bucket_size if parallel is not None else None, dp_cp_sp)
     # Weights tied across pipeline stages are summed over the embedding group first.
     tied = (tied_embedding_weights(model)
             if dims.pp > 1 else [])
     offload = train.optimizer_offload_fraction if train.optimizer_cpu_offload else 0.0
     if stage == 1:
         from .distributed_optimizer import DistributedOptimizer
-        log.info("optimizer: ZeRO-1 distributed AdamW over dp_sp (gradient reduce-scatter %s, "
+        log.info("optimizer: ZeRO-1 distributed AdamW over dp_cp_sp (gradient reduce-scatter %s, "
                  "parameter all-gather %s)", "overlapped" if overlap else "after backward",
                  "overlapped" if parallel.overlap_param_gather else "after the step")
         return DistributedOptimizer(model, train, dims, max_bucket_elements=elements,
@@ -41,7 +41,7 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
                                     deferred_params=tied, offload_fraction=offload)
     if stage == 3:
         from .zero3 import Zero3Optimizer
-        log.info("optimizer: ZeRO-3 (FSDP2 over dp_sp), torch AdamW on the shards")
+        log.info("optimizer: ZeRO-3 (FSDP2 over dp_cp_sp), torch AdamW on the shards")
         return Zero3Optimizer(model, train, dims)
     decay, no_decay = [], []
     for p in model.parameters():
@@ -51,7 +51,7 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
               {"params": no_decay, "weight_decay": 0.0}]
     on_gpu = any(p.is_cuda for p in model.parameters())
     half = any(p.dtype != torch.float32 for p in decay + no_decay)
-    log.info("optimizer: torch AdamW (%s)%s; gradient all-reduce over dp_sp %s",
+    log.info("optimizer: torch AdamW (%s)%s; gradient all-reduce over dp_cp_sp %s",
              "fused CUDA kernel" if on_gpu and not offload else "foreach",
              " on fp32 main copies" if half else "",
              "overlapped with backward" if overlap else "after backward")

@@ -4,7 +4,7 @@ Megatron-LM's Float16OptimizerWithFloat16Params with --accumulate-allreduce-grad
 megatron-core's --optimizer-cpu-offload:
 - A --bf16/--fp16 model holds its parameters in half precision. Each one gets an fp32
   `main_grad`; a post-accumulate-grad hook adds every micro-batch's half-precision gradient into
-  it and drops the half one, so gradients accumulate, are reduced over dp_sp and clipped in
+  it and drops the half one, so gradients accumulate, are reduced over dp_cp_sp and clipped in
   fp32 (optim/grads.py reduces `grad_of(p)`).
 - AdamW steps fp32 main copies (`p.main_param`); the updated main copy is then rounded into the
   model's parameter. Checkpoints read and write the main copies (checkpoint/state.py), so the

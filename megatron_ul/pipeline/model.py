@@ -148,7 +148,7 @@ def tied_embedding_weights(model: nn.Module) -> list[torch.nn.Parameter]:
 def allreduce_embedding_grads(model: nn.Module, dims: ParallelDims) -> None:
     """Megatron's _allreduce_embedding_grads: sum the tied table's gradient over the first and
     last stage so both copies take the same optimizer step. Under ZeRO-3 the gradients are
-    FSDP2 DTensor shards; both copies are sharded alike over their dp_sp groups, so summing the
+    FSDP2 DTensor shards; both copies are sharded alike over their dp_cp_sp groups, so summing the
     local shards is summing the tables."""
     if dims.pp == 1 or dist.get_rank() not in dims.embedding_ranks:
         return

@@ -79,7 +79,7 @@ LAYOUTS = {  # name -> (flags, world)
     "ZeRO-3 PP2-DP2": (["--zero-stage", "3", "--pipeline-model-parallel-size", "2"], 4),
 }
 MODELS = {"gpt2": GPT2_STYLE, "llama": LLAMA_GQA}
-# Default: the tied embedding's last-stage copy and the dp_sp shards under ZeRO-3×PP (strided
+# Default: the tied embedding's last-stage copy and the dp_cp_sp shards under ZeRO-3×PP (strided
 # TP slices: test_a_shard_is_the_slice_of_the_full_tensor). The rest with --run-slow.
 DEFAULT = {("gpt2", "ZeRO-3 PP2-DP2")}
 

@@ -36,7 +36,7 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
     """Train on this rank; return the losses, (from DP0/SP0 ranks) the TP shards of the
     parameters and the bytes of optimizer state this rank holds.
 
-    ZeRO-3 parameters are DTensors sharded over dp_sp: gathering one is a collective, so every
+    ZeRO-3 parameters are DTensors sharded over dp_cp_sp: gathering one is a collective, so every
     rank gathers before the DP0/SP0 ranks keep the result."""
     trainer = setup(configure(argv, world))
     dims = model_dims(trainer.model)
@@ -47,7 +47,7 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
         full = p.full_tensor() if isinstance(p, DTensor) else p
         shards[name] = (full.detach().clone(), param_spec(p).partition_dim,
                         param_spec(p).partition_stride)
-    if dims.dp_sp_rank != 0:   # keep DP, CP and SP coordinate 0
+    if dims.dp_cp_sp_rank != 0:   # keep DP, CP and SP coordinate 0
         shards = {}
     return {"losses": losses, "tp_rank": dims.tp_rank, "shards": shards,
             "optimizer_state": _optimizer_state_bytes(trainer.optimizer)}

@@ -190,9 +190,9 @@ class MainParamsAdamW:
                 lambda p, main=main: (main.grad.add_(p.grad), setattr(p, "grad", None)))
 
     def reduce_and_clip_gradients(self, clip: float) -> float:
-        if self.dims.dp_sp_size > 1:
+        if self.dims.dp_cp_sp_size > 1:
             for main in self.main:
-                dist.all_reduce(main.grad, group=self.dims.dp_sp_group)
+                dist.all_reduce(main.grad, group=self.dims.dp_cp_sp_group)
         return 1.0
 
     def step(self):
