@@ -11,6 +11,11 @@ import os
 import signal
 import sys
 
+try:
+    import megatron_ul  # noqa: F401
+except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
+    sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
+
 from megatron_ul.data.indexed_dataset import (
     IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, data_file_path, index_file_path)
 
