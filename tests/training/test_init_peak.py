@@ -1,6 +1,6 @@
 """The estimator's initialisation peak (what --dry-run prints): only the parameters a rank holds,
 plus the generator's bounded workspace — so the 30B script (ZeRO-3 over 64 ranks) starts on
-80 GB GPUs, where drawing every full weight (the old way) needed ~118 GB per GPU."""
+80 GB GPUs, where drawing every full weight would need ~118 GB per GPU."""
 import os
 import re
 
