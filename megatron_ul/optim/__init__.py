@@ -43,7 +43,8 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
         from .zero3 import Zero3Optimizer
         log.info("optimizer: ZeRO-3 (FSDP2 over dp_cp_sp), torch AdamW on the shards")
         return Zero3Optimizer(model, train, dims)
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.dim() == 1 else decay).append(p)
@@ -55,6 +56,7 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
              "fused CUDA kernel" if on_gpu and not offload else "foreach",
              " on fp32 main copies" if half else "",
              "overlapped with backward" if overlap else "after backward")
+    optimizer: MainParamOptimizer | torch.optim.AdamW
     if half or offload:
         # Before the gradient hooks of the reduction: the fp32 accumulation hooks run first.
         optimizer = MainParamOptimizer(model, train, groups, offload_fraction=offload,
@@ -64,7 +66,7 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
         optimizer = torch.optim.AdamW(groups, lr=train.lr,
                                       betas=(train.adam_beta1, train.adam_beta2),
                                       eps=train.adam_eps, **kwargs)
-    optimizer.grad_sync = DataParallelGradSync(
+    optimizer.grad_sync = DataParallelGradSync(  # type: ignore[union-attr]
         [p for p in model.parameters() if p.requires_grad], elements, dims, overlap=overlap,
         deferred_params=tied)
     return optimizer

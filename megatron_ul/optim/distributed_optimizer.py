@@ -43,6 +43,7 @@ into the per-parameter form plain AdamW checkpoints use, so they load on any lay
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -99,12 +100,12 @@ class DistributedOptimizer:
         self._bind_main_shards()
         self.optimizer = self._build_inner(train)
         self.grad_sync = self
-        self._grads_in_flight: dict[int, object] = {}
+        self._grads_in_flight: dict[int, Any] = {}   # async work handles
         self.launcher = BucketLauncher(
             buckets, self._launch_grad_reduce, overlap=overlap_grad_reduce and self.size > 1,
             deferred=frozenset([len(buckets) - 1]) if tied else frozenset())
         self.buckets = buckets
-        self._params_in_flight: dict[int, object] = {}
+        self._params_in_flight: dict[int, Any] = {}
         self.overlap_param_gather = overlap_param_gather and self.size > 1
         if self.overlap_param_gather:
             self._register_param_wait_hooks(model)
@@ -165,15 +166,18 @@ class DistributedOptimizer:
         parameter as `main_shards` [(first element in the parameter, fp32 piece)]."""
         if not self.separate_main:
             return
-        for p in self.params:
-            p.main_shards = []
+        shards: dict[int, list] = {id(p): [] for p in self.params}
         for _, p, offset, lo, hi in self.pieces:
-            p.main_shards.append((lo - offset, self._main_piece(lo, hi)[0]))
+            shards[id(p)].append((lo - offset, self._main_piece(lo, hi)[0]))
+        for p in self.params:
+            p.main_shards = shards[id(p)]  # type: ignore[attr-defined]
 
     def _build_inner(self, train: TrainConfig) -> torch.optim.AdamW:
-        decay, no_decay = [], []
+        decay: list[torch.Tensor] = []
+        no_decay: list[torch.Tensor] = []
         for _, p, _, lo, hi in self.pieces:
-            piece, piece.grad = self._main_piece(lo, hi)
+            piece, grad = self._main_piece(lo, hi)
+            piece.grad = grad
             (no_decay if p.dim() == 1 else decay).append(piece)
         groups = [{"params": decay, "weight_decay": train.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]

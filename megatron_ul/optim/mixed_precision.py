@@ -32,15 +32,15 @@ def half_dtype(train: TrainConfig):
     return torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else None
 
 
-def _accumulate_into_main_grad(p: nn.Parameter) -> None:
-    p.main_grad.add_(p.grad)     # fp32 += half: the accumulation is in fp32
+def _accumulate_into_main_grad(p: torch.Tensor) -> None:
+    p.main_grad.add_(p.grad)  # type: ignore[attr-defined]  # fp32 += half: accumulates in fp32
     p.grad = None
 
 
 def attach_main_grad(p: nn.Parameter, main_grad: torch.Tensor) -> None:
     """Accumulate p's gradients into the fp32 `main_grad` (registered before any other
     gradient hook, so the reduction hooks of grad_buckets.py see the accumulated sum)."""
-    p.main_grad = main_grad
+    p.main_grad = main_grad  # type: ignore[attr-defined]
     p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
 
 

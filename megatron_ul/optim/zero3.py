@@ -21,10 +21,12 @@ TP rank 0 only). The update is plain torch AdamW on the DTensor shards.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
@@ -51,10 +53,10 @@ def shard_model(model: torch.nn.Module, dims: ParallelDims,
                                    cast_forward_inputs=False)
               if param_dtype is not None else MixedPrecisionPolicy())
     for chunk in model_chunks(model):
-        for layer in chunk.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(chunk, mesh=mesh, mp_policy=policy)
-        for module in [chunk, *chunk.layers]:
+        sharded = [fully_shard(layer, mesh=mesh, mp_policy=policy)
+                   for layer in cast(nn.ModuleList, chunk.layers)]
+        sharded.append(fully_shard(chunk, mesh=mesh, mp_policy=policy))
+        for module in sharded:
             module.set_gradient_divide_factor(1.0)   # SUM over dp_cp_sp, not the mean
             # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.
             module.set_force_sum_reduction_for_comms(True)
@@ -89,14 +91,13 @@ class Zero3Optimizer:
 
     @torch.no_grad()
     def reduce_and_clip_gradients(self, max_norm: float) -> float:
-        with_grad = [p for p in self.params if p.grad is not None]
-        sequence_parallel = [_local(p.grad) for p in with_grad
-                             if param_spec(p).sequence_parallel]
+        with_grad = [(p, _local(p.grad)) for p in self.params if p.grad is not None]
+        sequence_parallel = [g for p, g in with_grad if param_spec(p).sequence_parallel]
         all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-        for p in with_grad:
+        for p, g in with_grad:
             if counts_once(p, self.dims):
-                sq += _local(p.grad).double().pow(2).sum()
+                sq += g.double().pow(2).sum()
         for group in (self.dims.dp_cp_sp_group, self.dims.pp_tp_group):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
@@ -104,8 +105,8 @@ class Zero3Optimizer:
         if max_norm > 0 and math.isfinite(norm):
             coeff = max_norm / (norm + 1e-6)
             if coeff < 1.0:
-                for p in with_grad:
-                    _local(p.grad).mul_(coeff)
+                for _, g in with_grad:
+                    g.mul_(coeff)
         return norm
 
     def step(self) -> None:
