@@ -19,35 +19,34 @@ from __future__ import annotations
 import datetime
 import functools
 from dataclasses import dataclass, fields
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-AXES = ("pp", "dp", "cp", "sp", "tp")   # the grid's axes, slowest first
-
-T = TypeVar("T")
+_AXES = ("pp", "dp", "cp", "sp", "tp")   # the grid's axes, slowest first
 
 
 @dataclass(frozen=True)
-class GridGroups(Generic[T]):
+class GridGroups:
     """One entry per group this rank belongs to (a ProcessGroup, or its list of global ranks),
     named by the grid axes it spans, in grid order."""
-    tp: T
-    sp: T          # Ulysses
-    cp: T          # the ring: k/v blocks travel between its ranks
-    dp: T
-    pp: T
-    cp_sp: T       # all ranks that split one sequence
-    dp_cp_sp: T    # parameters are replicated over these: grads sum here (and ZeRO shards)
-    cp_sp_tp: T    # one model replica's data-parallel-free slice (checks)
-    pp_tp: T       # model-parallel (one copy of the model): clipping norms, consistency checks
-    embedding: T   # first and last pipeline stage of this rank's (dp, cp, sp, tp) column
+    tp: Any
+    sp: Any          # Ulysses
+    cp: Any          # the ring: k/v blocks travel between its ranks
+    dp: Any
+    pp: Any
+    cp_sp: Any       # all ranks that split one sequence
+    dp_cp_sp: Any    # parameters are replicated over these: grads sum here (and ZeRO shards)
+    cp_sp_tp: Any    # one model replica's data-parallel-free slice (checks)
+    pp_tp: Any       # model-parallel (one copy of the model): clipping norms, consistency checks
+    embedding: Any   # first and last pipeline stage of this rank's (dp, cp, sp, tp) column
 
 
-# The axes each group of GridGroups spans (embedding: not a slice, built on its own).
-GROUP_AXES: dict[str, tuple[str, ...]] = {
-    f.name: tuple(f.name.split("_")) for f in fields(GridGroups) if f.name != "embedding"}
+# The axes each GridGroups field (but embedding, built on its own) spans.
+_GROUP_AXES = (("tp", ("tp",)), ("sp", ("sp",)), ("cp", ("cp",)), ("dp", ("dp",)),
+               ("pp", ("pp",)), ("cp_sp", ("cp", "sp")), ("dp_cp_sp", ("dp", "cp", "sp")),
+               ("cp_sp_tp", ("cp", "sp", "tp")), ("pp_tp", ("pp", "tp")))
 
 
 @dataclass(frozen=True)
@@ -58,8 +57,8 @@ class ParallelDims:
     dp: int
     pp: int
     coords: dict[str, int]          # axis -> this rank's coordinate
-    groups: GridGroups[Any]         # ProcessGroup (None: a single-rank grid)
-    group_ranks: GridGroups[list[int]]
+    groups: GridGroups              # ProcessGroup each (None: a single-rank grid)
+    group_ranks: GridGroups         # list of global ranks each
     embedding_ranks: list[int]      # first and last pipeline stage of this rank's column
     cp: int = 1                     # ring-attention degree (--context-parallel-size)
 
@@ -194,8 +193,8 @@ def _grid(world: int, tp: int, sp: int, pp: int, cp: int = 1) -> torch.Tensor:
 
 def _groups_varying(grid: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]]:
     """All rank lists in which exactly `axes` vary and the other coordinates are fixed."""
-    keep = [i for i, a in enumerate(AXES) if a in axes]
-    fixed = [i for i, a in enumerate(AXES) if a not in axes]
+    keep = [i for i, a in enumerate(_AXES) if a in axes]
+    fixed = [i for i, a in enumerate(_AXES) if a not in axes]
     perm = grid.permute(*fixed, *keep)
     n = 1
     for i in keep:
@@ -220,11 +219,11 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     grid = _grid(world, tp, sp, pp, cp)
     dp = grid.shape[1]
     where = (grid == rank).nonzero()[0].tolist()
-    coords = dict(zip(AXES, where))
+    coords = dict(zip(_AXES, where))
 
     groups: dict[str, Any] = {}
     group_ranks: dict[str, list[int]] = {}
-    for name, axes in GROUP_AXES.items():
+    for name, axes in _GROUP_AXES:
         # new_group is collective over the world: every rank creates every group, in order.
         for ranks in _groups_varying(grid, axes):
             group = dist.new_group(ranks, timeout=timeout)
@@ -249,5 +248,5 @@ def single_rank_dims() -> ParallelDims:
     None group is the identity. For models built without communication (generation, the
     parameter table's meta-device build)."""
     names = [f.name for f in fields(GridGroups)]
-    return ParallelDims(1, 1, 1, 1, dict.fromkeys(AXES, 0), GridGroups(**dict.fromkeys(names)),
+    return ParallelDims(1, 1, 1, 1, dict.fromkeys(_AXES, 0), GridGroups(**dict.fromkeys(names)),
                         GridGroups(**{n: [0] for n in names}), [])
