@@ -68,7 +68,8 @@ def run_on_local_ranks(fn, world: int, *args, timeout: float = 300.0,
              for r in range(world)]
     for p in procs:
         p.start()
-    results, errors = {}, []
+    results: dict[int, object] = {}
+    errors: list[str] = []
     deadline = time.monotonic() + timeout
     try:
         while len(results) < world and not errors:

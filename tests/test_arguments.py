@@ -1,9 +1,9 @@
-"""The command line is generated from the config dataclasses and did not change doing so.
+"""The command line is generated from the config dataclasses and keeps every flag's spelling.
 
-tests/fixtures/cli_before_issue16.json was captured from the hand-written parser this generator
-replaced (commit c3ffb87): every flag's spelling, kind, type and choices; the Config that no flags
-give; and the Config that one command line setting every flag to a non-default value gives.
-Flags added since are allowed; none of the captured ones may change.
+tests/fixtures/cli_of_the_hand_written_parser.json pins the public command line: every flag's
+spelling, kind, type and choices; the Config that no flags give; and the Config that one command
+line setting every flag to a non-default value gives. New flags are allowed; none of the pinned
+ones may change.
 """
 import argparse
 import json
@@ -15,7 +15,7 @@ import pytest
 from megatron_ul.arguments import build_parser, flags, parse_args, sections
 from megatron_ul.config import Config
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "cli_before_issue16.json")
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "cli_of_the_hand_written_parser.json")
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,8 @@ def test_no_data_is_an_error():
 
 
 def test_missing_tokenizer_file_names_the_flag(tmp_path):
-    with pytest.raises(Exception, match="--tokenizer-model"):
-        configure(["--data-path", str(tmp_path / "x"), "--tokenizer-type",
-                   "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "none.model")],
-                  world_size=1)
+    missing = tmp_path / "none.model"
+    with pytest.raises(ConfigError) as raised:
+        configure(OK + ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                        str(missing)], world_size=1)
+    assert f"--tokenizer-model {missing}: no such file" in str(raised.value)

@@ -12,7 +12,7 @@ PARALLEL_STATE = os.path.join(ROOT, "megatron_ul", "mpu", "parallel_state.py")
 
 # All of mpu/parallel_state.py's public names: the grid's type, the one function that creates
 # process groups, and the grid of one rank (no groups) for builds without communication.
-API = {"ParallelDims", "initialize_model_parallel", "single_rank_dims"}
+API = {"ParallelDims", "GridGroups", "initialize_model_parallel", "single_rank_dims"}
 
 
 def _public_names(source: str) -> set[str]:

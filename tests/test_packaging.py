@@ -3,6 +3,8 @@ import importlib
 import os
 import pkgutil
 import re
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -51,3 +53,45 @@ def test_pyproject_reads_existing_requirement_lists():
 def test_every_tool_imports_as_a_module(module):
     tool = importlib.import_module(module)
     assert tool.__doc__, f"{module}: say in a docstring what it does and how to run it"
+
+
+def _script_tools() -> list[str]:
+    """Tools a user may run as `python tools/NAME.py`: a main, the package imported at the top,
+    no import of the (uninstalled) tools package."""
+    found = []
+    for path in python_files():
+        rel = os.path.relpath(path, ROOT)
+        text = open(path).read()
+        if (rel.startswith("tools") and "__main__" in text
+                and re.search(r"^(from|import) megatron_ul\b", text, re.M)
+                and not re.search(r"^(from|import) tools\b", text, re.M)):
+            found.append(rel)
+    return sorted(found)
+
+
+def _run(args: list[str], cwd, pythonpath: str | None):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = pythonpath
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_script_tools_without_the_package_say_what_to_run(tmp_path):
+    if _run(["-c", "import megatron_ul"], tmp_path, None).returncode == 0:
+        pytest.skip("megatron_ul is installed in this interpreter")
+    tools = _script_tools()
+    assert "tools/preprocess_data.py" in tools and "tools/checkpoint/convert.py" in tools
+    for rel in tools:
+        result = _run([os.path.join(ROOT, rel), "--help"], tmp_path, None)
+        lines = result.stderr.strip().splitlines()
+        assert result.returncode == 1 and lines == [
+            "megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)"
+        ], (rel, result.stderr)
+
+
+def test_script_tools_run_once_the_package_is_importable(tmp_path):
+    # an editable install puts the checkout on the path, as PYTHONPATH does here
+    for rel in ("tools/merge_datasets.py", "tools/checkpoint/convert.py"):
+        result = _run([os.path.join(ROOT, rel), "--help"], tmp_path, ROOT)
+        assert result.returncode == 0 and "usage:" in result.stdout, (rel, result.stderr)

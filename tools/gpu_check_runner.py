@@ -156,7 +156,7 @@ class Check:
         mode = self.mode
         when = self.started.strftime("%Y-%m-%d %H:%M UTC")
         device = torch.cuda.get_device_name() if mode.device == "cuda" else "CPU (reduced mode)"
-        flash = "installed" if attention._flash_attn_module() is not None else "not installed"
+        flash = "installed" if attention.flash_attn_module() is not None else "not installed"
         state = self.summary() if finished else "**Incomplete: the run stopped or is still " \
                                                 "running after the tables above.**"
         return "\n\n".join([

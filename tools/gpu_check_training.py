@@ -123,7 +123,7 @@ def _max_diff(a: list, b: list) -> float:
 @contextlib.contextmanager
 def _counting_flash_attn_calls(counter: list):
     """Count flash_attn_func calls (wrapping the module's function for the duration)."""
-    module = attention._flash_attn_module()
+    module = attention.flash_attn_module()
     original = module.flash_attn_func
 
     def counted(*args, **kwargs):

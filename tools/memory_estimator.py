@@ -15,6 +15,11 @@ estimate fits. Formulas and what they leave out: megatron_ul/training/memory_est
 import argparse
 import sys
 
+try:
+    import megatron_ul  # noqa: F401
+except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
+    sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
+
 from megatron_ul.arguments import parse_args
 from megatron_ul.config import ConfigError, resolve
 from megatron_ul.config_rules import validate

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Concatenates several MMIDIDX datasets (same token dtype) into one prefix.
 
-    python -m tools.merge_datasets --input a_text_document b_text_document --output-prefix ab_text_document
+    python -m tools.merge_datasets --input a_text_document b_text_document \\
+        --output-prefix ab_text_document
 
 Like preprocess_data.py, output goes to temporary files renamed at the end (the .idx last).
 """
@@ -11,14 +12,22 @@ import os
 import signal
 import sys
 
+try:
+    import megatron_ul  # noqa: F401
+except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
+    sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
+
 from megatron_ul.data.indexed_dataset import (
     IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, data_file_path, index_file_path)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True, help="dataset prefixes (without .bin/.idx)")
-    parser.add_argument("--output-prefix", required=True, help="writes {prefix}.bin and {prefix}.idx")
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="dataset prefixes (without .bin/.idx)")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes {prefix}.bin and {prefix}.idx")
     return parser.parse_args(argv)
 
 
@@ -27,7 +36,8 @@ def merge(prefixes, output_prefix) -> int:
     datasets = [IndexedDataset(prefix) for prefix in prefixes]  # validates every input first
     dtypes = {dataset.dtype for dataset in datasets}
     if len(dtypes) > 1:
-        raise IndexedDatasetError(f"--input datasets have different token dtypes: {sorted(map(str, dtypes))}")
+        raise IndexedDatasetError(f"--input datasets have different token dtypes: "
+                                  f"{sorted(map(str, dtypes))}")
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     suffix = f".tmp-{os.getpid()}"
     bin_path, idx_path = data_file_path(output_prefix), index_file_path(output_prefix)

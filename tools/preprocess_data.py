@@ -21,6 +21,11 @@ import time
 
 import numpy as np
 
+try:
+    import megatron_ul  # noqa: F401
+except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
+    sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
+
 from megatron_ul.data import corpus
 from megatron_ul.data.indexed_dataset import (
     IndexedDatasetBuilder, data_file_path, index_file_path, token_dtype_for_vocab)

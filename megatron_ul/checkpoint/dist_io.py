@@ -104,8 +104,8 @@ def _zero1_pieces(optimizer):
     from ..optim.distributed_optimizer import DistributedOptimizer
     if not isinstance(optimizer, DistributedOptimizer):
         return None
-    from .zero import _inner_params
-    return list(zip(optimizer.pieces, _inner_params(optimizer)))
+    from .zero import inner_params
+    return list(zip(optimizer.pieces, inner_params(optimizer)))
 
 
 def _fresh_state(state: dict, like: torch.Tensor, device) -> dict:
@@ -172,8 +172,8 @@ def optimizer_common(optimizer) -> dict | None:
 def restore_optimizer_common(optimizer, saved: dict, source: str) -> None:
     inner = torch_optimizer(optimizer)
     if len(saved["param_groups"]) != len(inner.param_groups):
-        from .state import _optim_error
-        raise _optim_error(source, "the number of parameter groups differs")
+        from .state import optim_error
+        raise optim_error(source, "the number of parameter groups differs")
     for group, hyper in zip(inner.param_groups, saved["param_groups"]):
         for k in ("lr", "initial_lr", "betas", "eps", "weight_decay"):
             if k in hyper:

@@ -5,7 +5,7 @@ Save protocol (every step survives a kill -9 of any process at any moment):
  1. rank 0 takes the save directory's lock (files.claim_save_dir), draws a save id and
     broadcasts it; every rank writes (and fsyncs) its files into DIR/iter_N.tmp-<id>: the model
     and optimizer from the dp0/sp0 rank of each (tp, pp) (ZeRO state is first gathered over
-    dp_sp into the same name-keyed form: checkpoint/zero.py), and every rank's RNG states;
+    dp_cp_sp into the same name-keyed form: checkpoint/zero.py), and every rank's RNG states;
     with --ckpt-format torch_dist every rank writes its own pieces instead (dist_io.py), in
     the background with --async-save (a PendingSave, completed once every writer finished);
  2. every rank reports its files' sizes and SHA-256 (or its error: then all ranks fail the
@@ -170,8 +170,8 @@ def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, 
     dims = model_dims(model)
     tp_rank, pp_rank, pp = dims.tp_rank, dims.pp_rank, dims.pp
     save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
-    writer = dims.dp_sp_rank == 0   # DP, CP and SP coordinates all 0
-    # Collective over dp_sp under ZeRO (gathers one parameter at a time); None off the writer.
+    writer = dims.dp_cp_sp_rank == 0   # DP, CP and SP coordinates all 0
+    # Collective over dp_cp_sp under ZeRO (gathers one parameter at a time); None off the writer.
     model_sd = checkpoint_model_state(model)
     optim_sd = checkpoint_optimizer_state(model, optimizer) if save_optim else None
     records, error = {}, None
@@ -189,7 +189,7 @@ def _agree(model, iteration: int, records: dict, digests: dict, error: str | Non
     every rank. Each pipeline stage knows its own parameters; rank 0 records them all."""
     dims = model_dims(model)
     mine = local_parameter_table(model, dims.tp, dims.pp_rank) \
-        if dims.dp_sp_rank == 0 and dims.tp_rank == 0 else {}
+        if dims.dp_cp_sp_rank == 0 and dims.tp_rank == 0 else {}
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, records, digests, error))
     errors = [e for _, _, _, e in gathered if e]

@@ -277,7 +277,7 @@ def merge_shards(shards: dict[str, list], table: dict, vocab: int, where: str) -
                               f" missing {missing[:4]}, unexpected {unexpected[:4]}")
     params: dict = {}
     for name, info in table.items():
-        merged = reshard._merge_one(shards[name], info, vocab)
+        merged = reshard.merge_one(shards[name], info, vocab)
         if info["replica_of"]:
             if not torch.equal(merged, params.get(info["replica_of"], merged)):
                 log.warning("%s: the last stage's tied output weight differs from the first "

@@ -109,7 +109,7 @@ class FullCheckpoint:
     optim_groups: list | None     # hyper-parameters and param_names per group
 
 
-def _merge_one(shards: list, info: dict, vocab: int) -> torch.Tensor:
+def merge_one(shards: list, info: dict, vocab: int) -> torch.Tensor:
     dim = info["partition_dim"]
     full = shards[0] if dim is None else merge_tp(shards, dim, info["partition_stride"])
     return set_vocab_rows(full, vocab) if info["vocab_padded"] else full
@@ -133,12 +133,12 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
             raise CheckpointError(f"{meta_path} places {name} on pipeline stage "
                                   f"{info['stage']} but its file in {iter_dir} does not hold "
                                   f"it; the checkpoint is incomplete")
-        merged = _merge_one([sh["model"][name] for sh in shards], info, vocab)
+        merged = merge_one([sh["model"][name] for sh in shards], info, vocab)
         (replicas if info["replica_of"] else params)[name] = merged
         if optim_state is not None and not info["replica_of"]:
             per_rank = [sh["optimizer"]["state"].get(name) for sh in shards]
             if per_rank[0] is not None:
-                optim_state[name] = {k: (_merge_one([r[k] for r in per_rank], info, vocab)
+                optim_state[name] = {k: (merge_one([r[k] for r in per_rank], info, vocab)
                                          if k in ("exp_avg", "exp_avg_sq") else v)
                                      for k, v in per_rank[0].items()}
     _check_replicas(replicas, params, table, iter_dir)

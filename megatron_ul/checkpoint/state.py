@@ -55,28 +55,28 @@ def load_optimizer_state(model, optimizer, saved: dict, source: str) -> None:
         ours = [names[id(p)] for p in group["params"]]
         if sorted(ours) != sorted(saved_group["param_names"]):
             diff = set(ours) ^ set(saved_group["param_names"])
-            raise _optim_error(source, f"parameter groups differ ({sorted(diff)[:4]})")
+            raise optim_error(source, f"parameter groups differ ({sorted(diff)[:4]})")
         hyper = {k: v for k, v in saved_group.items() if k != "param_names"}
         torch_groups.append({**hyper, "params": list(range(position, position + len(ours)))})
         for name in ours:
             index_of[name] = position
             position += 1
     if len(optimizer.param_groups) != len(saved["param_groups"]):
-        raise _optim_error(source, "the number of parameter groups differs")
+        raise optim_error(source, "the number of parameter groups differs")
     params = named_parameters(model)
     state = {}
     for name, s in saved["state"].items():
         if name not in index_of:
-            raise _optim_error(source, f"state for unknown parameter {name}")
+            raise optim_error(source, f"state for unknown parameter {name}")
         for key in ("exp_avg", "exp_avg_sq"):
             if key in s and s[key].shape != params[name].shape:
-                raise _optim_error(source, f"{name}.{key} has shape {tuple(s[key].shape)}, the "
+                raise optim_error(source, f"{name}.{key} has shape {tuple(s[key].shape)}, the "
                                            f"model {tuple(params[name].shape)}")
         state[index_of[name]] = s
     optimizer.load_state_dict({"state": state, "param_groups": torch_groups})
 
 
-def _optim_error(source: str, what: str):
+def optim_error(source: str, what: str):
     from .files import CheckpointError
     return CheckpointError(f"{source}: optimizer state does not fit this model: {what}; "
                            f"pass --no-load-optim to start the optimizer afresh")

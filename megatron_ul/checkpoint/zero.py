@@ -1,7 +1,7 @@
 """ZeRO state in the layout-independent checkpoint form, so ZeRO-1, ZeRO-3 and plain AdamW
 checkpoints are interchangeable and reshard like any other (tools/checkpoint/convert.py).
 
-On save, every dp_sp rank takes part in gathering, ONE parameter at a time, the full fp32
+On save, every dp_cp_sp rank takes part in gathering, ONE parameter at a time, the full fp32
 exp_avg / exp_avg_sq (and step) of each parameter of its (tp, pp) part — the name-keyed form
 state.optimizer_state writes for the plain optimizer — and the dp0/sp0 rank writes it with the
 model. ZeRO-3 (FSDP2) parameters are DTensors: the model is saved as full tensors too. On load,
@@ -26,15 +26,15 @@ def _zero1(optimizer) -> bool:
     return isinstance(optimizer, DistributedOptimizer)
 
 
-def _is_dp_sp_root(model) -> bool:
-    return model_dims(model).dp_sp_rank == 0
+def _is_dp_cp_sp_root(model) -> bool:
+    return model_dims(model).dp_cp_sp_rank == 0
 
 
 # ---- save ----------------------------------------------------------------------------------
 def checkpoint_model_state(model) -> dict[str, torch.Tensor] | None:
-    """{name: full CPU tensor} on the dp_sp root, None elsewhere. Collective over dp_sp when
+    """{name: full CPU tensor} on the dp_cp_sp root, None elsewhere. Collective over dp_cp_sp when
     parameters are DTensors (ZeRO-3): gathered one at a time."""
-    params, root = named_parameters(model), _is_dp_sp_root(model)
+    params, root = named_parameters(model), _is_dp_cp_sp_root(model)
     if not root and not any(isinstance(p, DTensor) or hasattr(p, "main_shards")
                             for p in params.values()):
         return None
@@ -50,26 +50,26 @@ def checkpoint_model_state(model) -> dict[str, torch.Tensor] | None:
 
 
 def _gather_main(model, p) -> torch.Tensor:
-    """p's fp32 main weights from the ZeRO-1 pieces every dp_sp rank holds (`main_shards`):
-    a SUM of disjoint pieces over zeros onto the dp_sp root, exact (collective)."""
+    """p's fp32 main weights from the ZeRO-1 pieces every dp_cp_sp rank holds (`main_shards`):
+    a SUM of disjoint pieces over zeros onto the dp_cp_sp root, exact (collective)."""
     full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
     for start, piece in p.main_shards:
         full[start:start + piece.numel()] = piece
-    group = model_dims(model).dp_sp_group
+    group = model_dims(model).dp_cp_sp_group
     if dist.get_world_size(group) > 1:
         dist.reduce(full, dst=dist.get_global_rank(group, 0), group=group)
     return full.view(p.shape)
 
 
 def checkpoint_optimizer_state(model, optimizer) -> dict | None:
-    """The name-keyed optimizer state of this (tp, pp) part on the dp_sp root, None elsewhere.
-    Collective over dp_sp for ZeRO-1 and ZeRO-3."""
+    """The name-keyed optimizer state of this (tp, pp) part on the dp_cp_sp root, None elsewhere.
+    Collective over dp_cp_sp for ZeRO-1 and ZeRO-3."""
     if _zero1(optimizer):
         return _gather_zero1(model, optimizer)
-    if not _is_dp_sp_root(model) and not any(isinstance(p, DTensor) for p in
+    if not _is_dp_cp_sp_root(model) and not any(isinstance(p, DTensor) for p in
                                         named_parameters(model).values()):
-        return None    # plain AdamW: replicated over dp_sp, the root has it all
-    state, root = optimizer_state(model, optimizer), _is_dp_sp_root(model)
+        return None    # plain AdamW: replicated over dp_cp_sp, the root has it all
+    state, root = optimizer_state(model, optimizer), _is_dp_cp_sp_root(model)
     for per_param in state["state"].values():       # ZeRO-3: DTensor moments, one at a time
         for key, value in per_param.items():
             if isinstance(value, DTensor):
@@ -80,15 +80,15 @@ def checkpoint_optimizer_state(model, optimizer) -> dict | None:
 
 def _gather_zero1(model, optimizer) -> dict | None:
     """Reduce (SUM of disjoint pieces, zeros elsewhere: exact) each parameter's two moments onto
-    the dp_sp root; all ranks loop over the parameters in the same (buffer) order."""
+    the dp_cp_sp root; all ranks loop over the parameters in the same (buffer) order."""
     group = optimizer.group
     root = dist.get_global_rank(group, 0)
     names = {id(p): n for n, p in named_parameters(model).items()}
     inner = optimizer.optimizer
     piece_state = {(name, lo): inner.state.get(piece, {}) for (name, _, _, lo, _), piece in
-                   zip(optimizer.pieces, _inner_params(optimizer))}
+                   zip(optimizer.pieces, inner_params(optimizer))}
     step = next((s["step"] for s in piece_state.values() if "step" in s), None)
-    is_root = _is_dp_sp_root(model)
+    is_root = _is_dp_cp_sp_root(model)
     pieces_of = {}
     for name, p, offset, lo, hi in optimizer.pieces:
         pieces_of.setdefault(id(p), []).append((offset, lo, hi, piece_state[(name, lo)]))
@@ -109,12 +109,12 @@ def _gather_zero1(model, optimizer) -> dict | None:
             gathered[names[id(p)]] = {"step": step.clone() if torch.is_tensor(step) else step,
                                       **{k: both[i].view_as(p).cpu().clone()
                                          for i, k in enumerate(MOMENTS)}}
-    if not _is_dp_sp_root(model):
+    if not _is_dp_cp_sp_root(model):
         return None
     return {"state": gathered, "param_groups": _zero1_groups(model, optimizer)}
 
 
-def _inner_params(optimizer) -> list[torch.Tensor]:
+def inner_params(optimizer) -> list[torch.Tensor]:
     """The inner AdamW's piece tensors in optimizer.pieces order (decay group, then no-decay:
     see DistributedOptimizer._build_inner)."""
     decay, no_decay = optimizer.optimizer.param_groups
@@ -185,7 +185,7 @@ def _load_zero1(model, optimizer, saved: dict, source: str) -> None:
     state, index = {}, {}
     for position, p in enumerate(q for g in inner.param_groups for q in g["params"]):
         index[id(p)] = position
-    for (_, p, offset, lo, hi), piece in zip(optimizer.pieces, _inner_params(optimizer)):
+    for (_, p, offset, lo, hi), piece in zip(optimizer.pieces, inner_params(optimizer)):
         s = saved["state"].get(names[id(p)])
         if s is None:
             continue
@@ -200,19 +200,19 @@ def _load_zero1(model, optimizer, saved: dict, source: str) -> None:
 
 
 def _check_zero1(model, optimizer, saved: dict, source: str) -> None:
-    from .state import _optim_error
+    from .state import optim_error
     ours = _zero1_groups(model, optimizer)
     if len(ours) != len(saved["param_groups"]):
-        raise _optim_error(source, "the number of parameter groups differs")
+        raise optim_error(source, "the number of parameter groups differs")
     for group, saved_group in zip(ours, saved["param_groups"]):
         if sorted(group["param_names"]) != sorted(saved_group["param_names"]):
             diff = set(group["param_names"]) ^ set(saved_group["param_names"])
-            raise _optim_error(source, f"parameter groups differ ({sorted(diff)[:4]})")
+            raise optim_error(source, f"parameter groups differ ({sorted(diff)[:4]})")
     params = named_parameters(model)
     for name, s in saved["state"].items():
         if name not in params:
-            raise _optim_error(source, f"state for unknown parameter {name}")
+            raise optim_error(source, f"state for unknown parameter {name}")
         for key in MOMENTS:
             if key in s and s[key].shape != params[name].shape:
-                raise _optim_error(source, f"{name}.{key} has shape {tuple(s[key].shape)}, the "
+                raise optim_error(source, f"{name}.{key} has shape {tuple(s[key].shape)}, the "
                                            f"model {tuple(params[name].shape)}")

@@ -36,13 +36,13 @@ FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _announced: set = set()
 
 
-def _announce_once(message: str) -> None:
+def announce_once(message: str) -> None:
     if message not in _announced:
         log.info("attention: %s", message)
         _announced.add(message)
 
 
-def _flash_attn_module():
+def flash_attn_module():
     """The `flash_attn` package, or None. Looked up on every use (a dict lookup once it is
     imported), so tests can put the stand-in on sys.path after this module was imported."""
     try:
@@ -60,14 +60,14 @@ def flash_attn_refusal(device: torch.device, dtype: Optional[torch.dtype] = None
                        has_mask: bool = False) -> Optional[str]:
     """Why FlashAttention-2 cannot run here (for the log), or None when it can.
     dtype None: not known yet (checked again per call)."""
-    if _flash_attn_module() is None:
+    if flash_attn_module() is None:
         return "flash-attn is not installed"
     if not _device_runs_flash(device):
         return f"tensors on {device.type}, FlashAttention-2 needs a CUDA device"
-    return _input_refusal(dtype, has_mask)
+    return input_refusal(dtype, has_mask)
 
 
-def _input_refusal(dtype: Optional[torch.dtype], has_mask: bool) -> Optional[str]:
+def input_refusal(dtype: Optional[torch.dtype], has_mask: bool) -> Optional[str]:
     """The part of the rule that the configuration alone decides (also used by --dry-run)."""
     if dtype is not None and dtype not in FLASH_DTYPES:
         return (f"{str(dtype).replace('torch.', '')} activations, FlashAttention-2 takes only "
@@ -84,7 +84,7 @@ def select_backend(use_flash_attn: bool, device: torch.device) -> str:
         return "sdpa"
     why_not = flash_attn_refusal(device)
     if why_not is not None:
-        _announce_once(f"torch SDPA (--use-flash-attn given, but {why_not})")
+        announce_once(f"torch SDPA (--use-flash-attn given, but {why_not})")
         return "sdpa"
     return "flash"
 
@@ -142,7 +142,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backen
     with get_rng_tracker().fork():
         if use_flash:
             # [N, b, h, d] -> [b, N, h, d]: a view whose last dimension stays contiguous.
-            out = _flash_attn_module().flash_attn_func(
+            out = flash_attn_module().flash_attn_func(
                 q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
                 softmax_scale=softmax_scale, causal=True)
             return out.transpose(0, 1)

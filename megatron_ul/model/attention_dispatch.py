@@ -38,7 +38,7 @@ from typing import Optional
 
 import torch
 
-from .attention import FLASH_DTYPES, _announce_once, _input_refusal, flash_attn_refusal
+from .attention import FLASH_DTYPES, announce_once, input_refusal, flash_attn_refusal
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_FLAGS = "--kv-channels (or --hidden-size / --num-attention-heads)"
@@ -171,7 +171,7 @@ def decide(call: AttentionCall) -> str:
         why = (flash_attn_refusal(call.device, call.dtype, call.dense_mask)
                or "flash-attn refuses this head dim")
         where += f"; --use-flash-attn given, but {why}"
-    _announce_once(f"{attention_path(call)} = {kernel.removeprefix('ring: ')} ({where})")
+    announce_once(f"{attention_path(call)} = {kernel.removeprefix('ring: ')} ({where})")
     return kernel
 
 
@@ -185,7 +185,7 @@ def planned_kernel(use_flash_attn: bool, dtype: torch.dtype, head_dim: int, q_he
     if not use_flash_attn:
         return kernel_without
     if dtype not in FLASH_DTYPES:
-        return f"{kernel_without} (--use-flash-attn given, but {_input_refusal(dtype, False)})"
+        return f"{kernel_without} (--use-flash-attn given, but {input_refusal(dtype, False)})"
     with_flash = _kernel_if_flash_attn_installed(without)
     if with_flash == kernel_without:
         return kernel_without

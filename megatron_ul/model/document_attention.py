@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from .lse_kernels import CPU_FLASH
 from .tiled_document_attention import tiled_document_attention
-from ..mpu.random import _device_rng_get, _device_rng_set, get_rng_tracker
-from .attention import _flash_attn_module, expand_kv_for_sdpa, require_one_dtype
+from ..mpu.random import device_rng_get, device_rng_set, get_rng_tracker
+from .attention import flash_attn_module, expand_kv_for_sdpa, require_one_dtype
 from .attention_dispatch import AttentionCall, decide
 
 # queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
@@ -83,7 +83,7 @@ def document_mask_of(batch: dict) -> Optional[DocumentMask]:
 
 
 # ---- the memory-linear SDPA path -----------------------------------------------------------
-def _blocks(offsets: list[int], seq_length: int, window: Optional[int]):
+def document_blocks(offsets: list[int], seq_length: int, window: Optional[int]):
     """(sample, q0, q1, k0, k1, needs_mask) per block, positions within the sample."""
     blocks = []
     for start, end in zip(offsets, offsets[1:]):
@@ -116,13 +116,13 @@ def _block_attention(q, k, v, block, window, dropout_p, scale):
     return out.squeeze(0).transpose(0, 1)
 
 
-class _BlockwiseAttention(torch.autograd.Function):
+class BlockwiseAttention(torch.autograd.Function):
     """q [N, b, hq, d], k/v [N, b, hk, d] -> [N, b, hq, d]; keeps only q, k, v (and the
     generator state, so that backward redraws the same dropout masks block by block)."""
 
     @staticmethod
     def forward(ctx, q, k, v, blocks, window, dropout_p, scale):
-        ctx.rng = _device_rng_get(q.device.type) if dropout_p > 0 else None
+        ctx.rng = device_rng_get(q.device.type) if dropout_p > 0 else None
         out = q.new_empty(q.shape)
         for block in blocks:
             b, q0, q1, k0, k1, _ = block
@@ -137,9 +137,9 @@ class _BlockwiseAttention(torch.autograd.Function):
         q, k, v = ctx.saved_tensors
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         device_type = q.device.type
-        current = _device_rng_get(device_type)
+        current = device_rng_get(device_type)
         if ctx.rng is not None:
-            _device_rng_set(ctx.rng, device_type)
+            device_rng_set(ctx.rng, device_type)
         try:
             for block in ctx.blocks:
                 if _writes_in_place(q, k, block, ctx.dropout_p):
@@ -155,7 +155,7 @@ class _BlockwiseAttention(torch.autograd.Function):
                 dk[k0:k1, b] += gk
                 dv[k0:k1, b] += gv
         finally:
-            _device_rng_set(current, device_type)
+            device_rng_set(current, device_type)
         return dq, dk, dv, None, None, None, None
 
 
@@ -206,7 +206,7 @@ def tiled_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float) -> 
 # ---- flash-attn ----------------------------------------------------------------------------
 def _flash(q, k, v, documents, window, dropout_p, scale):
     n, b = q.shape[:2]
-    flash_attn = _flash_attn_module()
+    flash_attn = flash_attn_module()
     window_size = (window, 0) if window is not None else (-1, -1)
     if documents is None:
         out = flash_attn.flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
@@ -246,5 +246,5 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bac
             assert tiled is not None
             return tiled_document_attention(q, k, v, documents, window, softmax_scale, tiled)
         offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
-        return _BlockwiseAttention.apply(q, k, v, _blocks(offsets, n, window), window,
+        return BlockwiseAttention.apply(q, k, v, document_blocks(offsets, n, window), window,
                                          dropout_p, softmax_scale)

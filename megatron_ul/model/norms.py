@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..mpu.param_init import Constant, new_parameter
+from ..mpu.param_spec import set_param_spec
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class Norm(nn.Module):
         for p in self.parameters():
             # Under Megatron-SP each TP rank normalises a different sequence chunk: the
             # gradients of these replicated weights must be summed over TP.
-            p.sequence_parallel = sequence_parallel
+            set_param_spec(p, sequence_parallel=sequence_parallel)
         self.use_apex = HAVE_APEX and device is not None and str(device).startswith("cuda")
         _announce(self.use_apex)
 

@@ -206,7 +206,7 @@ def _units(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], chunk: int,
 
 
 @dataclass(frozen=True)
-class _Plan:
+class RingPlan:
     """What one rank computes: the global chunks of each ring rank, C, window, documents and
     the unit kernels (`dense` for unmasked units, `masked` for those that take a bias)."""
     rank: int
@@ -262,7 +262,7 @@ def _merge(out, lse, unit_out, unit_lse):
     lse.copy_(new_lse)
 
 
-def _calls(plan: _Plan, unit: _Unit, dtype, device):
+def _calls(plan: RingPlan, unit: _Unit, dtype, device):
     """(kernel, rows, causal, bias) per kernel call of `unit`."""
     kernel = plan.masked if unit.masked else plan.dense
     for rows in plan.tiles(unit):
@@ -271,7 +271,7 @@ def _calls(plan: _Plan, unit: _Unit, dtype, device):
 
 
 # ---- one step's compute (no communication; also what bench_ring times per rank) ----------------
-def forward_step(qg, out, lse, kv, work, scale, plan: _Plan) -> None:
+def forward_step(qg, out, lse, kv, work, scale, plan: RingPlan) -> None:
     """Attend the chunked queries qg [2, b, hq, C, d] to the block kv [2 (k, v), L, b, hk, d]
     over the units `work`, merging into out / lse [2, b, hq, C(, d)] (fp32 or wider, views
     of the [L, ...] results) in place."""
@@ -286,7 +286,7 @@ def forward_step(qg, out, lse, kv, work, scale, plan: _Plan) -> None:
         _times["forward_blocks"] += len(work)
 
 
-def backward_step(qg, dog, outg, lse, kv, dq, dkv, work, scale, plan: _Plan) -> None:
+def backward_step(qg, dog, outg, lse, kv, dq, dkv, work, scale, plan: RingPlan) -> None:
     """Add this block's share of dq into dq [2, b, hq, C, d] and of its dk/dv into the
     travelling accumulator dkv [2 (k, v), L, b, hk, d] (fp32 or wider), in place; outg and
     lse are the final (merged) output and log-sum-exp."""
@@ -318,7 +318,7 @@ def packed_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, scale: float, plan: _Plan):
+    def forward(ctx, q, k, v, ring: Ring, scale: float, plan: RingPlan):
         # q [L, b, hq, d]; k, v [L, b, hk, d]
         qg = chunked(q)
         kv = packed_kv(k, v)
@@ -370,12 +370,12 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_plan(ring: Ring, length: int, device: torch.device, dtype: torch.dtype,
               head_dim: int, *, backend: str = "sdpa", window: Optional[int] = None,
-              documents: Optional[DocumentMask] = None) -> _Plan:
+              documents: Optional[DocumentMask] = None) -> RingPlan:
     """This rank's plan: its units and the unit kernels `ring_unit_kernels` chooses."""
     if length % 2:
         raise ValueError(f"ring attention needs an even local sequence (two chunks), got {length}")
     dense, masked = ring_unit_kernels(device, dtype, head_dim, backend == "flash")
-    return _Plan(ring.rank, tuple(ring_chunks(r, ring.size) for r in range(ring.size)),
+    return RingPlan(ring.rank, tuple(ring_chunks(r, ring.size) for r in range(ring.size)),
                  length // 2, window, None if documents is None else _Documents.of(documents),
                  lse_kernels.kernel_named(dense), lse_kernels.kernel_named(masked))
 

@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 from .layers import vocab_range
-from .mappings import _all_reduce, _size
+from .mappings import all_reduce, group_size
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, vocab_size, group):
-        tp = _size(group)
+        tp = group_size(group)
         local_vocab = logits.shape[-1]
         padded = local_vocab * tp
         start, end = vocab_range(padded, group)
@@ -35,10 +35,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (target < start) | (target >= end)
         local_target = (target - start).masked_fill(outside, 0)
         picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        picked = _all_reduce(picked.masked_fill(outside, 0.0), group)
+        picked = all_reduce(picked.masked_fill(outside, 0.0), group)
 
         exp = shifted.exp_()  # `shifted` is not needed any more: no second vocab-sized buffer
-        sum_exp = _all_reduce(exp.sum(dim=-1), group)
+        sum_exp = all_reduce(exp.sum(dim=-1), group)
         loss = sum_exp.log() - picked
 
         softmax = exp.div_(sum_exp.unsqueeze(-1))

@@ -5,9 +5,9 @@ Every layer computes only this TP rank's slice of its weights, on its device, fr
 weight, so initialisation is identical for every layout (the single-process run included), which
 is what lets the layout-equivalence tests compare parameters directly.
 
-Sharded parameters carry `tensor_model_parallel = True` and `partition_dim`; replicated
-parameters that see only a TP-chunk of the sequence under Megatron-SP carry
-`sequence_parallel = True` (their gradients are summed over TP).
+Every parameter's layout is its ParamSpec (mpu/param_spec.py): sharded parameters carry their
+`partition_dim`; replicated parameters that see only a TP-chunk of the sequence under
+Megatron-SP carry `sequence_parallel=True` (their gradients are summed over TP).
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .param_spec import ParamSpec
-from .mappings import (_all_gather, _rank, _reduce_scatter, _size,
+from .param_spec import set_param_spec
+from .mappings import (all_gather, group_rank, reduce_scatter, group_size,
                        copy_to_tensor_model_parallel_region,
                        gather_from_tensor_model_parallel_region,
                        reduce_from_tensor_model_parallel_region,
@@ -45,21 +45,21 @@ def _sharded(init: Init, shape: tuple, dim: int, device, dtype, stride: int = 1,
              vocab_padded: bool = False, fused: str | None = None, *, group) -> nn.Parameter:
     """This rank's slice (see tp_slice) over the TP `group` of a `shape` parameter, tagged with
     its partitioning (the ParamSpec that checkpoints and conversions read back)."""
-    tp, rank = _size(group), _rank(group)
+    tp, rank = group_size(group), group_rank(group)
     if shape[dim] % (tp * stride) != 0:
         raise ValueError(f"dimension {dim} of size {shape[dim]} is not divisible by "
                          f"TP×stride = {tp}×{stride}")
     index = [torch.arange(n) for n in shape]
     index[dim] = tp_index(shape[dim], stride, tp, rank)
     param = new_parameter(init, shape, tuple(index), device=device, dtype=dtype)
-    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, dim, stride
-    param.spec = ParamSpec(dim, stride, vocab_padded, fused)
+    set_param_spec(param, partition_dim=dim, partition_stride=stride, vocab_padded=vocab_padded,
+                   fused=fused)
     return param
 
 
 def _zeros(n: int, device, dtype, sequence_parallel: bool) -> nn.Parameter:
     param = new_parameter(Constant(0.0), (n,), device=device, dtype=dtype)
-    param.sequence_parallel = sequence_parallel
+    set_param_spec(param, sequence_parallel=sequence_parallel)
     return param
 
 
@@ -80,18 +80,18 @@ class _SequenceParallelLinear(torch.autograd.Function):
             x = x.to(torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return F.linear(_all_gather(x, 0, group), weight, bias)
+        return F.linear(all_gather(x, 0, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         group = ctx.group
-        total = _all_gather(x, 0, group).to(grad.dtype)
+        total = all_gather(x, 0, group).to(grad.dtype)
         grad_input = grad.matmul(weight.to(grad.dtype)).to(ctx.input_dtype)
         grad_2d = grad.reshape(-1, grad.shape[-1])
         grad_weight = grad_2d.t().mm(total.reshape(-1, total.shape[-1])).to(weight.dtype)
         grad_bias = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias else None
-        return _reduce_scatter(grad_input, 0, group), grad_weight, grad_bias, None
+        return reduce_scatter(grad_input, 0, group), grad_weight, grad_bias, None
 
 
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -117,7 +117,7 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group = tp_group
         self.weight = _sharded(init_method, (output_size, input_size), 0, device, dtype, stride,
                                vocab_padded, fused, group=tp_group)
-        tp = _size(tp_group)
+        tp = group_size(tp_group)
         if bias:
             self.bias = _sharded(Constant(0.0), (output_size,), 0, device, dtype, stride,
                                  vocab_padded, fused, group=tp_group)
@@ -167,7 +167,7 @@ class RowParallelLinear(nn.Module):
 def vocab_range(padded_vocab_size: int, group) -> tuple[int, int]:
     """[start, end) of the vocabulary rows held by this rank of the TP `group` (None: one
     rank holds them all)."""
-    tp, rank = _size(group), _rank(group)
+    tp, rank = group_size(group), group_rank(group)
     per = padded_vocab_size // tp
     start = per * rank
     return start, start + per
@@ -186,7 +186,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.vocab_end = vocab_range(padded_vocab_size, tp_group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if _size(self.tp_group) == 1:
+        if group_size(self.tp_group) == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local = (ids - self.vocab_start).masked_fill(outside, 0)

@@ -13,16 +13,16 @@ from ..timers import NO_TIMERS, Timers
 from .comm_stats import record
 
 
-def _size(group) -> int:
+def group_size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
-def _rank(group) -> int:
+def group_rank(group) -> int:
     return dist.get_rank(group) if group is not None else 0
 
 
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if _size(group) == 1:
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    if group_size(group) == 1:
         return x
     x = x.contiguous()
     record("all_reduce", x, group)
@@ -31,7 +31,7 @@ def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     if x.shape[dim] % world != 0:
@@ -42,8 +42,8 @@ def _split(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(world, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
-def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    world = _size(group)
+def all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = group_size(group)
     if world == 1:
         return x
     x = x.movedim(dim, 0).contiguous()
@@ -53,8 +53,8 @@ def _all_gather(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
-    world = _size(group)
+def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    world = group_size(group)
     if world == 1:
         return x
     x = x.movedim(dim, 0).contiguous()
@@ -71,7 +71,7 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group,
     """Split `x` into world chunks along scatter_dim, send chunk j to rank j, and concatenate
     the chunks received along gather_dim (in rank order). Not autograd-aware; see
     `ulysses_all_to_all`. The exchange counts as the "all-to-all" phase of `timers`."""
-    world = _size(group)
+    world = group_size(group)
     if world == 1:
         return x
     if x.shape[scatter_dim] % world != 0:
@@ -99,13 +99,13 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_reduce(g, ctx.group), None
+        return all_reduce(g, ctx.group), None
 
 
 class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        return _all_reduce(x.clone(), group)
+        return all_reduce(x.clone(), group)
 
     @staticmethod
     def backward(ctx, g):
@@ -120,14 +120,14 @@ class _ScatterToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, g.dim() - 1, ctx.group), None
+        return all_gather(g, g.dim() - 1, ctx.group), None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, x.dim() - 1, group)
+        return all_gather(x, x.dim() - 1, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -142,21 +142,21 @@ class _ScatterToSequenceParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, 0, ctx.group), None
+        return all_gather(g, 0, ctx.group), None
 
 
 class _GatherFromSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tensor_parallel_output_grad, group):
         ctx.tensor_parallel_output_grad, ctx.group = tensor_parallel_output_grad, group
-        return _all_gather(x, 0, group)
+        return all_gather(x, 0, group)
 
     @staticmethod
     def backward(ctx, g):
         # If the consumer is tensor-parallel each rank holds a partial gradient: reduce-scatter.
         # Otherwise every rank holds the full gradient: just keep our slice.
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter(g, 0, ctx.group), None, None
+            return reduce_scatter(g, 0, ctx.group), None, None
         return _split(g, 0, ctx.group), None, None
 
 
@@ -164,11 +164,11 @@ class _ReduceScatterToSequenceParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _reduce_scatter(x, 0, group)
+        return reduce_scatter(x, 0, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g, 0, ctx.group), None
+        return all_gather(g, 0, ctx.group), None
 
 
 class _UlyssesAllToAll(torch.autograd.Function):
@@ -226,6 +226,6 @@ def ulysses_all_to_all(x, scatter_dim: int, gather_dim: int, group,
     Sequence-sharded -> head-sharded: scatter_dim = heads, gather_dim = sequence.
     Head-sharded -> sequence-sharded: the reverse. Both directions are timed as "all-to-all".
     """
-    if _size(group) == 1:
+    if group_size(group) == 1:
         return x
     return _UlyssesAllToAll.apply(x, scatter_dim, gather_dim, group, timers)

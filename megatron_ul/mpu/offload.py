@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .random import _device_rng_get, _device_rng_set, get_rng_tracker
+from .random import device_rng_get, device_rng_set, get_rng_tracker
 
 
 class HostOffloader:
@@ -94,7 +94,7 @@ class OffloadedTensor:
 
 def _rng_states(device_type: str) -> tuple:
     """(CPU generator, tracker streams, CUDA generator or None)."""
-    cuda = _device_rng_get("cuda") if device_type == "cuda" else None
+    cuda = device_rng_get("cuda") if device_type == "cuda" else None
     return torch.get_rng_state(), get_rng_tracker().get_states(), cuda
 
 
@@ -102,7 +102,7 @@ def _set_rng_states(states: tuple, device_type: str) -> None:
     torch.set_rng_state(states[0])
     get_rng_tracker().set_states(states[1])
     if states[2] is not None:
-        _device_rng_set(states[2], "cuda")
+        device_rng_set(states[2], "cuda")
 
 
 class _OffloadedCheckpoint(torch.autograd.Function):

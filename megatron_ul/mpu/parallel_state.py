@@ -18,12 +18,35 @@ from __future__ import annotations
 
 import datetime
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-_AXES = ("pp", "dp", "cp", "sp", "tp")
+_AXES = ("pp", "dp", "cp", "sp", "tp")   # the grid's axes, slowest first
+
+
+@dataclass(frozen=True)
+class GridGroups:
+    """One entry per group this rank belongs to (a ProcessGroup, or its list of global ranks),
+    named by the grid axes it spans, in grid order."""
+    tp: Any
+    sp: Any          # Ulysses
+    cp: Any          # the ring: k/v blocks travel between its ranks
+    dp: Any
+    pp: Any
+    cp_sp: Any       # all ranks that split one sequence
+    dp_cp_sp: Any    # parameters are replicated over these: grads sum here (and ZeRO shards)
+    cp_sp_tp: Any    # one model replica's data-parallel-free slice (checks)
+    pp_tp: Any       # model-parallel (one copy of the model): clipping norms, consistency checks
+    embedding: Any   # first and last pipeline stage of this rank's (dp, cp, sp, tp) column
+
+
+# The axes each GridGroups field (but embedding, built on its own) spans.
+_GROUP_AXES = (("tp", ("tp",)), ("sp", ("sp",)), ("cp", ("cp",)), ("dp", ("dp",)),
+               ("pp", ("pp",)), ("cp_sp", ("cp", "sp")), ("dp_cp_sp", ("dp", "cp", "sp")),
+               ("cp_sp_tp", ("cp", "sp", "tp")), ("pp_tp", ("pp", "tp")))
 
 
 @dataclass(frozen=True)
@@ -33,12 +56,11 @@ class ParallelDims:
     sp: int
     dp: int
     pp: int
-    coords: dict            # axis -> this rank's coordinate
-    groups: dict            # name -> ProcessGroup: tp, sp, cp, dp, pp, dp_sp, sp_cp, tp_sp,
-    #                         mp, embedding
-    group_ranks: dict       # name -> list of global ranks in this rank's group
-    embedding_ranks: list   # first and last pipeline stage of this rank's (dp, cp, sp, tp) column
-    cp: int = 1             # ring-attention degree (--context-parallel-size)
+    coords: dict[str, int]          # axis -> this rank's coordinate
+    groups: GridGroups              # ProcessGroup each (None: a single-rank grid)
+    group_ranks: GridGroups         # list of global ranks each
+    embedding_ranks: list[int]      # first and last pipeline stage of this rank's column
+    cp: int = 1                     # ring-attention degree (--context-parallel-size)
 
     @property
     def world_size(self) -> int:
@@ -65,12 +87,12 @@ class ParallelDims:
         return self.coords["pp"]
 
     @property
-    def dp_sp_size(self) -> int:
-        """Ranks that replicate the parameters: DP x CP x SP (the name predates the ring)."""
+    def dp_cp_sp_size(self) -> int:
+        """Ranks that replicate the parameters: DP x CP x SP."""
         return self.dp * self.cp * self.sp
 
     @property
-    def dp_sp_rank(self) -> int:
+    def dp_cp_sp_rank(self) -> int:
         return self.coords["sp"] + self.sp * (self.coords["cp"] + self.cp * self.coords["dp"])
 
     @property
@@ -81,64 +103,61 @@ class ParallelDims:
 
     @property
     def tp_group(self):
-        return self.groups["tp"]
+        return self.groups.tp
 
     @property
     def sp_group(self):
         """The Ulysses (DeepSpeed sequence-parallel) group."""
-        return self.groups["sp"]
+        return self.groups.sp
 
     @property
     def cp_group(self):
         """The ring: ranks with the same Ulysses coordinate and different chunk pairs of one
         sequence; k/v blocks travel between them."""
-        return self.groups["cp"]
+        return self.groups.cp
 
     @property
     def cp_next_rank(self) -> int:
         """Global rank of the next ring neighbour (k/v blocks go there)."""
-        ranks = self.group_ranks["cp"]
+        ranks = self.group_ranks.cp
         return ranks[(self.cp_rank + 1) % len(ranks)]
 
     @property
     def cp_prev_rank(self) -> int:
-        ranks = self.group_ranks["cp"]
+        ranks = self.group_ranks.cp
         return ranks[(self.cp_rank - 1) % len(ranks)]
 
     @property
     def dp_group(self):
-        return self.groups["dp"]
+        return self.groups.dp
 
     @property
     def pp_group(self):
-        return self.groups["pp"]
+        return self.groups.pp
 
     @property
-    def dp_sp_group(self):
+    def dp_cp_sp_group(self):
         """DP x CP x SP: gradient reduction and ZeRO sharding (parameters are replicated over
         all three)."""
-        return self.groups["dp_sp"]
+        return self.groups.dp_cp_sp
 
     @property
-    def mp_group(self):
-        """TP x PP: ranks that together hold one copy of the model."""
-        return self.groups["mp"]
-
-    @property
-    def tp_sp_group(self):
-        return self.groups["tp_sp"]
+    def pp_tp_group(self):
+        """PP x TP (model-parallel): ranks that together hold one copy of the model."""
+        return self.groups.pp_tp
 
     @property
     def embedding_group(self):
-        return self.groups.get("embedding")
+        return self.groups.embedding
 
     @functools.cached_property
-    def dp_sp_mesh(self):
-        """1-D DeviceMesh over this rank's dp_sp group, for FSDP2 (ZeRO-3). Built on first use
-        from the existing group, so it creates no new communicator."""
+    def dp_cp_sp_mesh(self):
+        """1-D DeviceMesh over this rank's dp_cp_sp group, for FSDP2 (ZeRO-3). Built on first
+        use from the existing group, so it creates no new communicator."""
         from torch.distributed.device_mesh import DeviceMesh
-        device_type = "cuda" if dist.get_backend(self.dp_sp_group) == "nccl" else "cpu"
-        return DeviceMesh.from_group(self.dp_sp_group, device_type, mesh_dim_names=("dp_sp",))
+        device_type = "cuda" if dist.get_backend(self.dp_cp_sp_group) == "nccl" else "cpu"
+        return DeviceMesh.from_group(self.dp_cp_sp_group, device_type,
+                                     mesh_dim_names=("dp_cp_sp",))
 
     @functools.cached_property
     def checkpoint_group(self):
@@ -158,12 +177,12 @@ class ParallelDims:
 
     @property
     def next_stage_rank(self) -> int:
-        ranks = self.group_ranks["pp"]
+        ranks = self.group_ranks.pp
         return ranks[(self.pp_rank + 1) % len(ranks)]
 
     @property
     def prev_stage_rank(self) -> int:
-        ranks = self.group_ranks["pp"]
+        ranks = self.group_ranks.pp
         return ranks[(self.pp_rank - 1) % len(ranks)]
 
 
@@ -202,17 +221,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     where = (grid == rank).nonzero()[0].tolist()
     coords = dict(zip(_AXES, where))
 
-    layouts = {
-        "tp": ("tp",), "sp": ("sp",), "dp": ("dp",), "pp": ("pp",),
-        "cp": ("cp",),              # the ring: k/v blocks travel between its ranks
-        "sp_cp": ("cp", "sp"),      # all ranks that split one sequence
-        # parameters are replicated over DP, CP and SP: grads reduce here (and ZeRO shards)
-        "dp_sp": ("dp", "cp", "sp"),
-        "tp_sp": ("cp", "sp", "tp"),  # one model replica's data-parallel-free slice (checks)
-        "mp": ("pp", "tp"),         # model-parallel: clipping norms, consistency checks
-    }
-    groups, group_ranks = {}, {}
-    for name, axes in layouts.items():
+    groups: dict[str, Any] = {}
+    group_ranks: dict[str, list[int]] = {}
+    for name, axes in _GROUP_AXES:
         # new_group is collective over the world: every rank creates every group, in order.
         for ranks in _groups_varying(grid, axes):
             group = dist.new_group(ranks, timeout=timeout)
@@ -228,14 +239,14 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         if rank in ranks:
             groups["embedding"], embedding_ranks = group, ranks
     group_ranks["embedding"] = embedding_ranks or []
-    return ParallelDims(tp, sp, dp, pp, coords, groups, group_ranks, embedding_ranks or [],
-                        cp=cp)
+    return ParallelDims(tp, sp, dp, pp, coords, GridGroups(**groups), GridGroups(**group_ranks),
+                        embedding_ranks or [], cp=cp)
 
 
 def single_rank_dims() -> ParallelDims:
     """A grid of one rank with no groups (sizes 1, coordinates 0): every mpu collective on a
     None group is the identity. For models built without communication (generation, the
     parameter table's meta-device build)."""
-    names = ("tp", "sp", "cp", "dp", "pp", "sp_cp", "dp_sp", "tp_sp", "mp", "embedding")
-    return ParallelDims(1, 1, 1, 1, dict.fromkeys(_AXES, 0), dict.fromkeys(names),
-                        {n: [0] for n in names}, [])
+    names = [f.name for f in fields(GridGroups)]
+    return ParallelDims(1, 1, 1, 1, dict.fromkeys(_AXES, 0), GridGroups(**dict.fromkeys(names)),
+                        GridGroups(**{n: [0] for n in names}), [])

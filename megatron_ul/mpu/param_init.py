@@ -3,7 +3,7 @@
 Every element's initial value is a function of (seed, parameter key, the element's position in
 the full, unsharded parameter) only, computed by a counter-based generator: a rank computes
 exactly the elements it holds — its TP slice, its pipeline stage's layers and, under ZeRO-3,
-its dp_sp shard — directly on the training device, and the values agree with the single-process
+its dp_cp_sp shard — directly on the training device, and the values agree with the single-process
 model whatever the layout. Nothing is drawn in full and sliced.
 
 Generator. Element i of a parameter keyed k is the (i mod 2)-th output of a Box-Muller pair

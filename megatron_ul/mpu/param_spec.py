@@ -7,7 +7,7 @@ built from a model (pipeline/param_table.py), never from the parameter's name.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -23,14 +23,28 @@ class ParamSpec:
     partition_stride: int = 1             # blocks laid end to end along partition_dim
     vocab_padded: bool = False            # dim 0 is the vocabulary, padded for the TP size
     fused: Optional[str] = None           # FUSED_QKV, FUSED_GATE_UP or None
+    # How training treats the parameter in this run, not how it is stored (so not in to_json):
+    sequence_parallel: bool = False       # TP-replicated, sees a sequence chunk: grads sum over TP
+    tied_replica: bool = False            # the last stage's copy of the tied word embeddings
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.partition_dim is not None
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """The stored layout (the parameter table's columns)."""
+        return {"partition_dim": self.partition_dim, "partition_stride": self.partition_stride,
+                "vocab_padded": self.vocab_padded, "fused": self.fused}
 
 
 def param_spec(p: torch.Tensor) -> ParamSpec:
     """The spec a layer attached to `p` (replicated when none was: norms, position table)."""
     return getattr(p, "spec", None) or ParamSpec()
+
+
+def set_param_spec(p: torch.Tensor, **changes) -> None:
+    """Attach `p`'s spec with `changes` applied (the one way parameters are tagged)."""
+    p.spec = replace(param_spec(p), **changes)  # type: ignore[attr-defined]
 
 
 def full_shape(p: torch.Tensor, tp: int) -> list[int]:

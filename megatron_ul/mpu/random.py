@@ -19,11 +19,11 @@ from .parallel_state import ParallelDims
 MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 
-def _device_rng_get(device_type: str) -> torch.Tensor:
+def device_rng_get(device_type: str) -> torch.Tensor:
     return torch.cuda.get_rng_state() if device_type == "cuda" else torch.get_rng_state()
 
 
-def _device_rng_set(state: torch.Tensor, device_type: str) -> None:
+def device_rng_set(state: torch.Tensor, device_type: str) -> None:
     if device_type == "cuda":
         torch.cuda.set_rng_state(state)
     else:
@@ -43,13 +43,13 @@ class RNGStatesTracker:
     def add(self, name: str, seed: int) -> None:
         if name in self.states:
             raise ValueError(f"RNG state {name!r} already exists")
-        saved = _device_rng_get(self.device_type)
+        saved = device_rng_get(self.device_type)
         if self.device_type == "cuda":
             torch.cuda.manual_seed(seed)
         else:
             torch.manual_seed(seed)
-        self.states[name] = _device_rng_get(self.device_type)
-        _device_rng_set(saved, self.device_type)
+        self.states[name] = device_rng_get(self.device_type)
+        device_rng_set(saved, self.device_type)
 
     def get_states(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.states.items()}
@@ -61,13 +61,13 @@ class RNGStatesTracker:
     def fork(self, name: str = MODEL_PARALLEL_RNG):
         if name not in self.states:
             raise KeyError(f"RNG state {name!r} was never added; call model_parallel_seed() first")
-        saved = _device_rng_get(self.device_type)
-        _device_rng_set(self.states[name], self.device_type)
+        saved = device_rng_get(self.device_type)
+        device_rng_set(self.states[name], self.device_type)
         try:
             yield
         finally:
-            self.states[name] = _device_rng_get(self.device_type)
-            _device_rng_set(saved, self.device_type)
+            self.states[name] = device_rng_get(self.device_type)
+            device_rng_set(saved, self.device_type)
 
 
 _TRACKER = RNGStatesTracker()

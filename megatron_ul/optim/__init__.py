@@ -24,15 +24,15 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
     backward on request). Either reduces over the groups of `dims` (the run's ParallelDims)."""
     stage = parallel.zero_stage if parallel is not None else 0
     overlap = bool(parallel is not None and parallel.overlap_grad_reduce)
-    dp_sp = dist.get_world_size(dims.dp_sp_group)
-    elements = bucket_elements(parallel.ddp_bucket_size if parallel is not None else None, dp_sp)
+    dp_cp_sp = dist.get_world_size(dims.dp_cp_sp_group)
+    elements = bucket_elements(parallel.ddp_bucket_size if parallel is not None else None, dp_cp_sp)
     # Weights tied across pipeline stages are summed over the embedding group first.
     tied = (tied_embedding_weights(model)
             if dims.pp > 1 else [])
     offload = train.optimizer_offload_fraction if train.optimizer_cpu_offload else 0.0
     if stage == 1:
         from .distributed_optimizer import DistributedOptimizer
-        log.info("optimizer: ZeRO-1 distributed AdamW over dp_sp (gradient reduce-scatter %s, "
+        log.info("optimizer: ZeRO-1 distributed AdamW over dp_cp_sp (gradient reduce-scatter %s, "
                  "parameter all-gather %s)", "overlapped" if overlap else "after backward",
                  "overlapped" if parallel.overlap_param_gather else "after the step")
         return DistributedOptimizer(model, train, dims, max_bucket_elements=elements,
@@ -41,9 +41,10 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
                                     deferred_params=tied, offload_fraction=offload)
     if stage == 3:
         from .zero3 import Zero3Optimizer
-        log.info("optimizer: ZeRO-3 (FSDP2 over dp_sp), torch AdamW on the shards")
+        log.info("optimizer: ZeRO-3 (FSDP2 over dp_cp_sp), torch AdamW on the shards")
         return Zero3Optimizer(model, train, dims)
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for p in model.parameters():
         if p.requires_grad:
             (no_decay if p.dim() == 1 else decay).append(p)
@@ -51,10 +52,11 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
               {"params": no_decay, "weight_decay": 0.0}]
     on_gpu = any(p.is_cuda for p in model.parameters())
     half = any(p.dtype != torch.float32 for p in decay + no_decay)
-    log.info("optimizer: torch AdamW (%s)%s; gradient all-reduce over dp_sp %s",
+    log.info("optimizer: torch AdamW (%s)%s; gradient all-reduce over dp_cp_sp %s",
              "fused CUDA kernel" if on_gpu and not offload else "foreach",
              " on fp32 main copies" if half else "",
              "overlapped with backward" if overlap else "after backward")
+    optimizer: MainParamOptimizer | torch.optim.AdamW
     if half or offload:
         # Before the gradient hooks of the reduction: the fp32 accumulation hooks run first.
         optimizer = MainParamOptimizer(model, train, groups, offload_fraction=offload,
@@ -64,7 +66,7 @@ def build_optimizer(model: torch.nn.Module, train: TrainConfig, parallel,
         optimizer = torch.optim.AdamW(groups, lr=train.lr,
                                       betas=(train.adam_beta1, train.adam_beta2),
                                       eps=train.adam_eps, **kwargs)
-    optimizer.grad_sync = DataParallelGradSync(
+    optimizer.grad_sync = DataParallelGradSync(  # type: ignore[union-attr]
         [p for p in model.parameters() if p.requires_grad], elements, dims, overlap=overlap,
         deferred_params=tied)
     return optimizer

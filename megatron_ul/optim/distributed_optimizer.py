@@ -1,10 +1,10 @@
 """ZeRO-1 over the DP×SP group (--use-distributed-optimizer): Adam state and the fp32 master
-weights are sharded over dp_sp; every rank keeps full parameters and full gradients.
+weights are sharded over dp_cp_sp; every rank keeps full parameters and full gradients.
 
 Layout. All trainable parameters are packed into one contiguous fp32 buffer, bucket after
 bucket (grad_buckets.py: runs of about --ddp-bucket-size elements in model.parameters() order;
 a weight tied across pipeline stages in a bucket of its own, last); the model's parameters
-become views of it. Each bucket is padded to a multiple of N = dp_sp size and rank r owns the
+become views of it. Each bucket is padded to a multiple of N = dp_cp_sp size and rank r owns the
 r-th N-th of every bucket, as in Megatron's distributed optimizer, so each bucket is one
 reduce-scatter and one all-gather. The buffer has the model's dtype. An fp32 model that does not
 offload steps the owned slices of this buffer in place: they *are* the fp32 main copy of the
@@ -16,12 +16,12 @@ model's .grad are views of it (autograd accumulates straight into it); a half-pr
 model's fp32 `main_grad` are (mixed_precision.attach_main_grad adds each micro-batch in).
 
 Step. (1) Megatron-SP replicated weights: all-reduce over TP, as in grads.py. (2) Reduce-
-scatter each bucket of the gradient buffer over dp_sp with SUM (the loss is already divided by
+scatter each bucket of the gradient buffer over dp_cp_sp with SUM (the loss is already divided by
 the global token count, see training/step.py), in place: the owned slices receive the sum, the
 rest of the buffer is stale until zero_grad. With --overlap-grad-reduce, (1) and (2) run per
 bucket from gradient hooks while backward still runs (same collectives, same bits). (3) Global
-norm from the owned slices: sum of squares, all-reduced over dp_sp, then over the
-model-parallel group; TP-replicated parameters count only on TP rank 0 (grads._counts_once).
+norm from the owned slices: sum of squares, all-reduced over dp_cp_sp, then over the
+model-parallel group; TP-replicated parameters count only on TP rank 0 (grads.counts_once).
 (4) Clip the shard. (5) torch AdamW steps views of the owned slices, one view per (parameter ∩
 owned slice), in Megatron's weight-decay groups (no decay for 1-D parameters) — element for
 element the same arithmetic as the unsharded optimizer. (6) All-gather each bucket of the
@@ -30,7 +30,7 @@ for its parameters' buckets just before its next forward (or `finish_param_sync`
 
 Per-rank state format (state_dict(); load on the same layout and bucket size):
     {"format": "megatron_ul.zero1.v2",
-     "dp_sp_rank": r, "dp_sp_size": N, "numel": total elements, "padded_numel": buffer size,
+     "dp_cp_sp_rank": r, "dp_cp_sp_size": N, "numel": total elements, "padded_numel": buffer size,
      "shard": [(start, end) per bucket] — this rank's elements of the flat buffer,
      "pieces": [(param name, param offset in buffer, piece start, piece end)] in the inner
                optimizer's parameter order (start/end are flat-buffer indices),
@@ -43,6 +43,7 @@ into the per-parameter form plain AdamW checkpoints use, so they load on any lay
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,8 +51,9 @@ import torch.distributed as dist
 from ..config import TrainConfig
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
+from ..mpu.param_spec import param_spec
 from .grad_buckets import BucketLauncher, split_into_buckets
-from .grads import _all_reduce_coalesced, _counts_once, grad_of
+from .grads import all_reduce_coalesced, counts_once, grad_of
 from .mixed_precision import HOST, attach_main_grad, host_buffer, offloaded_prefix
 
 FORMAT = "megatron_ul.zero1.v2"
@@ -69,7 +71,7 @@ class DistributedOptimizer:
         if len({p.dtype for _, p in named}) != 1:
             raise ValueError("the distributed optimizer expects one parameter dtype")
         self.half = named[0][1].dtype != torch.float32
-        self.group = self.dims.dp_sp_group
+        self.group = self.dims.dp_cp_sp_group
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         deferred_ids = {id(p) for p in deferred_params}
         regular = [(n, p) for n, p in named if id(p) not in deferred_ids]
@@ -98,12 +100,12 @@ class DistributedOptimizer:
         self._bind_main_shards()
         self.optimizer = self._build_inner(train)
         self.grad_sync = self
-        self._grads_in_flight: dict[int, object] = {}
+        self._grads_in_flight: dict[int, Any] = {}   # async work handles
         self.launcher = BucketLauncher(
             buckets, self._launch_grad_reduce, overlap=overlap_grad_reduce and self.size > 1,
             deferred=frozenset([len(buckets) - 1]) if tied else frozenset())
         self.buckets = buckets
-        self._params_in_flight: dict[int, object] = {}
+        self._params_in_flight: dict[int, Any] = {}
         self.overlap_param_gather = overlap_param_gather and self.size > 1
         if self.overlap_param_gather:
             self._register_param_wait_hooks(model)
@@ -164,15 +166,18 @@ class DistributedOptimizer:
         parameter as `main_shards` [(first element in the parameter, fp32 piece)]."""
         if not self.separate_main:
             return
-        for p in self.params:
-            p.main_shards = []
+        shards: dict[int, list] = {id(p): [] for p in self.params}
         for _, p, offset, lo, hi in self.pieces:
-            p.main_shards.append((lo - offset, self._main_piece(lo, hi)[0]))
+            shards[id(p)].append((lo - offset, self._main_piece(lo, hi)[0]))
+        for p in self.params:
+            p.main_shards = shards[id(p)]  # type: ignore[attr-defined]
 
     def _build_inner(self, train: TrainConfig) -> torch.optim.AdamW:
-        decay, no_decay = [], []
+        decay: list[torch.Tensor] = []
+        no_decay: list[torch.Tensor] = []
         for _, p, _, lo, hi in self.pieces:
-            piece, piece.grad = self._main_piece(lo, hi)
+            piece, grad = self._main_piece(lo, hi)
+            piece.grad = grad
             (no_decay if p.dim() == 1 else decay).append(piece)
         groups = [{"params": decay, "weight_decay": train.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
@@ -191,8 +196,8 @@ class DistributedOptimizer:
 
     def _launch_grad_reduce(self, b: int) -> None:
         sequence_parallel = [grad_of(p) for p in self.buckets[b]
-                             if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
+                             if param_spec(p).sequence_parallel]
+        all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if self.size == 1:
             return
         (lo, hi), (own_lo, own_hi) = self.bucket_ranges[b], self.shard_ranges[b]
@@ -222,9 +227,9 @@ class DistributedOptimizer:
     def _global_norm(self) -> float:
         sq = torch.zeros((), dtype=torch.float64, device=self.grad_buffer.device)
         for _, p, _, lo, hi in self.pieces:
-            if _counts_once(p, self.dims):
+            if counts_once(p, self.dims):
                 sq += self.grad_buffer[lo:hi].double().pow(2).sum()
-        for group in (self.group, self.dims.mp_group):
+        for group in (self.group, self.dims.pp_tp_group):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
         return math.sqrt(sq.item())
@@ -293,7 +298,7 @@ class DistributedOptimizer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"format": FORMAT, "dp_sp_rank": self.rank, "dp_sp_size": self.size,
+        return {"format": FORMAT, "dp_cp_sp_rank": self.rank, "dp_cp_sp_size": self.size,
                 "numel": self.numel, "padded_numel": self.param_buffer.numel(),
                 "shard": [tuple(r) for r in self.shard_ranges],
                 "pieces": [(name, offset, lo, hi) for name, _, offset, lo, hi in self.pieces],
@@ -301,7 +306,7 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
-        for key in ("format", "dp_sp_rank", "dp_sp_size", "numel", "shard", "pieces"):
+        for key in ("format", "dp_cp_sp_rank", "dp_cp_sp_size", "numel", "shard", "pieces"):
             if _as_lists(state.get(key)) != _as_lists(mine[key]):
                 raise ValueError(f"distributed-optimizer checkpoint does not match this run "
                                  f"({key}: saved {state.get(key)!r}, now {mine[key]!r}); load it "

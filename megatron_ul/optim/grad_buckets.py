@@ -27,11 +27,11 @@ import torch
 DEFAULT_BUCKET_ELEMENTS = 40_000_000   # Megatron's default with --overlap-grad-reduce
 
 
-def bucket_elements(ddp_bucket_size: Optional[int], dp_sp_size: int) -> int:
+def bucket_elements(ddp_bucket_size: Optional[int], dp_cp_sp_size: int) -> int:
     """--ddp-bucket-size, or Megatron's default max(40M, 1M · data-parallel size)."""
     if ddp_bucket_size is not None:
         return ddp_bucket_size
-    return max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp_sp_size)
+    return max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp_cp_sp_size)
 
 
 def split_into_buckets(params: list[torch.nn.Parameter], max_elements: int

@@ -1,7 +1,7 @@
 """Gradient reduction over DP×SP and clipping on one global norm.
 
 Parameters are replicated over data- and sequence-parallel ranks, so their gradients are
-*summed* over the dp_sp group: the loss each rank backpropagates is already divided by the
+*summed* over the dp_cp_sp group: the loss each rank backpropagates is already divided by the
 number of tokens in the whole global batch (see training/step.py), so the sum is the gradient
 of the global token-mean loss, whatever the layout.
 
@@ -18,6 +18,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
+from ..mpu.param_spec import param_spec
 from .grad_buckets import BucketLauncher, bucket_elements, split_into_buckets
 
 _BUCKET_BYTES = 64 * 2**20
@@ -30,7 +31,7 @@ def grad_of(p: torch.nn.Parameter):
     return main if main is not None else p.grad
 
 
-def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
+def all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
     """Sum `grads` over `group` in a few large flat buffers (one per dtype and bucket)."""
     if dist.get_world_size(group) == 1 or not grads:
         return
@@ -50,7 +51,7 @@ def _all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
 
 
 class DataParallelGradSync:
-    """Sums the gradients of `params` over dp_sp in buckets (and Megatron-SP replicated
+    """Sums the gradients of `params` over dp_cp_sp in buckets (and Megatron-SP replicated
     weights' over TP first), after backward or overlapped with it.
 
     Buckets follow the reverse parameter order, roughly the order backward produces them;
@@ -66,7 +67,7 @@ class DataParallelGradSync:
                                      max_bucket_elements)
         deferred = [p for p in ordered if id(p) in deferred_ids]
         self.buckets = buckets + ([deferred] if deferred else [])
-        self.group = self.dims.dp_sp_group
+        self.group = self.dims.dp_cp_sp_group
         self.in_flight: dict[int, tuple] = {}
         self.launcher = BucketLauncher(
             self.buckets, self._launch,
@@ -79,8 +80,8 @@ class DataParallelGradSync:
     def _launch(self, i: int) -> None:
         with_grad = [p for p in self.buckets[i] if grad_of(p) is not None]
         sequence_parallel = [grad_of(p) for p in with_grad
-                             if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
+                             if param_spec(p).sequence_parallel]
+        all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if dist.get_world_size(self.group) == 1 or not with_grad:
             return
         grads = [grad_of(p) for p in with_grad]
@@ -103,18 +104,19 @@ class DataParallelGradSync:
 def reduce_gradients(params: list[torch.nn.Parameter], dims: ParallelDims,
                      max_bucket_elements: int | None = None) -> None:
     """Finish the backward pass without overlap: Megatron-SP replicated weights over TP,
-    everything over dp_sp (the groups of `dims`), in the buckets an
+    everything over dp_cp_sp (the groups of `dims`), in the buckets an
     overlapped run would use."""
     if max_bucket_elements is None:
-        max_bucket_elements = bucket_elements(None, dims.dp_sp_size)
+        max_bucket_elements = bucket_elements(None, dims.dp_cp_sp_size)
     DataParallelGradSync(params, max_bucket_elements, dims).finish()
 
 
-def _counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
+def counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
     """Is this rank the one that counts p in the global norm (no double counting of copies)?"""
-    if getattr(p, "shared_embedding_replica", False):  # tied output copy on the last PP stage
+    spec = param_spec(p)
+    if spec.tied_replica:   # the tied output copy on the last PP stage
         return False
-    if getattr(p, "tensor_model_parallel", False):
+    if spec.tensor_parallel:
         return True
     return dims.tp_rank == 0
 
@@ -122,12 +124,12 @@ def _counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
 def global_grad_norm(params: list[torch.nn.Parameter],
                      dims: ParallelDims) -> float:
     """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
-    grads = [grad_of(p) for p in params if grad_of(p) is not None and _counts_once(p, dims)]
+    grads = [grad_of(p) for p in params if grad_of(p) is not None and counts_once(p, dims)]
     # the parameters' device even when this rank counts no gradient (the reduction needs it)
     sq = torch.zeros((), dtype=torch.float64, device=params[0].device)
     for g in grads:
         sq += g.detach().double().pow(2).sum()
-    group = dims.mp_group
+    group = dims.pp_tp_group
     if dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)
     return math.sqrt(sq.item())

@@ -4,7 +4,7 @@ Megatron-LM's Float16OptimizerWithFloat16Params with --accumulate-allreduce-grad
 megatron-core's --optimizer-cpu-offload:
 - A --bf16/--fp16 model holds its parameters in half precision. Each one gets an fp32
   `main_grad`; a post-accumulate-grad hook adds every micro-batch's half-precision gradient into
-  it and drops the half one, so gradients accumulate, are reduced over dp_sp and clipped in
+  it and drops the half one, so gradients accumulate, are reduced over dp_cp_sp and clipped in
   fp32 (optim/grads.py reduces `grad_of(p)`).
 - AdamW steps fp32 main copies (`p.main_param`); the updated main copy is then rounded into the
   model's parameter. Checkpoints read and write the main copies (checkpoint/state.py), so the
@@ -32,15 +32,15 @@ def half_dtype(train: TrainConfig):
     return torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else None
 
 
-def _accumulate_into_main_grad(p: nn.Parameter) -> None:
-    p.main_grad.add_(p.grad)     # fp32 += half: the accumulation is in fp32
+def _accumulate_into_main_grad(p: torch.Tensor) -> None:
+    p.main_grad.add_(p.grad)  # type: ignore[attr-defined]  # fp32 += half: accumulates in fp32
     p.grad = None
 
 
 def attach_main_grad(p: nn.Parameter, main_grad: torch.Tensor) -> None:
     """Accumulate p's gradients into the fp32 `main_grad` (registered before any other
     gradient hook, so the reduction hooks of grad_buckets.py see the accumulated sum)."""
-    p.main_grad = main_grad
+    p.main_grad = main_grad  # type: ignore[attr-defined]
     p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
 
 

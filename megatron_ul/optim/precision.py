@@ -54,7 +54,7 @@ class GradScaler:
             self.scale *= 2.0
 
     @torch.no_grad()
-    def unscale_and_check(self, params: list[torch.Tensor], iteration: int = 0) -> bool:
+    def unscale_and_check(self, params: list[torch.nn.Parameter], iteration: int = 0) -> bool:
         """Multiply this rank's gradients by 1/scale; True if every rank's are finite.
         Updates the scale and logs a skipped step."""
         grads = [g.to_local() if isinstance(g, DTensor) else g

@@ -1,45 +1,44 @@
 """ZeRO-3 over the DP×SP group (--zero-stage 3) with PyTorch FSDP2, composed with our TP.
 
 `shard_model` applies `fully_shard` to every transformer layer and then to the root (the
-embeddings, final norm and head) on a 1-D DeviceMesh over the dp_sp ranks. Under pipelining
+embeddings, final norm and head) on a 1-D DeviceMesh over the dp_cp_sp ranks. Under pipelining
 every model chunk (GPTModel) of the PipelineStageModel is its own FSDP root: the schedule runs
 one chunk's forward or backward at a time (several forwards before their backwards, which
 FSDP2 supports), and each backward reduce-scatters into the accumulated gradient shards. The
-tied embedding copies on the first and last stage are sharded identically (same dp_sp
+tied embedding copies on the first and last stage are sharded identically (same dp_cp_sp
 coordinates), so pipeline/model.py sums their local shards over the embedding group. Parameters
-become DTensors sharded on dim 0 over dp_sp; a TP-sharded parameter is, to FSDP2, just a smaller
+become DTensors sharded on dim 0 over dp_cp_sp; a TP-sharded parameter is, to FSDP2, just a smaller
 local tensor, so TP needs nothing from it. FSDP2 all-gathers a layer's parameters for its
 forward and backward and reduce-scatters its gradients; we set the divide factor to 1 and
-force plain SUM collectives (gloo has no PREMUL_SUM), so the reduction is a SUM over dp_sp,
+force plain SUM collectives (gloo has no PREMUL_SUM), so the reduction is a SUM over dp_cp_sp,
 the project's convention (training/step.py).
 
 What FSDP2 does not know, `Zero3Optimizer` adds: Megatron-SP replicated weights' gradient
 shards are all-reduced over TP, and the clipping norm is computed from the local gradient
-shards (dp_sp all-reduce, then the model-parallel group; TP-replicated parameters counted on
+shards (dp_cp_sp all-reduce, then the model-parallel group; TP-replicated parameters counted on
 TP rank 0 only). The update is plain torch AdamW on the DTensor shards.
 """
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
 from ..mpu.parallel_state import ParallelDims
 from ..model.chunks import model_chunks
-from .grads import _all_reduce_coalesced, _counts_once
-
-# Attributes our parallel layers hang on parameters; FSDP2 makes new Parameter objects.
-_PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
-                     "sequence_parallel", "shared_embedding_replica", "init_spec", "spec")
+from ..mpu.param_spec import param_spec
+from .grads import all_reduce_coalesced, counts_once
 
 
 def shard_model(model: torch.nn.Module, dims: ParallelDims,
                 param_dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """fully_shard each transformer layer, then each model chunk as a root, over the dp_sp
+    """fully_shard each transformer layer, then each model chunk as a root, over the dp_cp_sp
     mesh of `dims`, in place; a PipelineStageModel stays a plain container.
 
     param_dtype (--bf16/--fp16): FSDP2's MixedPrecisionPolicy. The sharded parameters stay
@@ -47,18 +46,18 @@ def shard_model(model: torch.nn.Module, dims: ParallelDims,
     forward and backward run in half precision and the gathers move half the bytes; gradients
     are reduce-scattered and accumulated in fp32. Inputs are not cast (the model's residual
     dtype decides, see model/gpt.py)."""
-    mesh = dims.dp_sp_mesh
-    saved = {name: {a: getattr(p, a) for a in _PARAM_ATTRIBUTES if hasattr(p, a)}
-             for name, p in model.named_parameters()}
+    mesh = dims.dp_cp_sp_mesh
+    # FSDP2 makes new Parameter objects: keep what our layers attached (spec, init_spec).
+    saved = {name: dict(vars(p)) for name, p in model.named_parameters()}
     policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                    cast_forward_inputs=False)
               if param_dtype is not None else MixedPrecisionPolicy())
     for chunk in model_chunks(model):
-        for layer in chunk.layers:
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-        fully_shard(chunk, mesh=mesh, mp_policy=policy)
-        for module in [chunk, *chunk.layers]:
-            module.set_gradient_divide_factor(1.0)   # SUM over dp_sp, not the mean
+        sharded = [fully_shard(layer, mesh=mesh, mp_policy=policy)
+                   for layer in cast(nn.ModuleList, chunk.layers)]
+        sharded.append(fully_shard(chunk, mesh=mesh, mp_policy=policy))
+        for module in sharded:
+            module.set_gradient_divide_factor(1.0)   # SUM over dp_cp_sp, not the mean
             # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.
             module.set_force_sum_reduction_for_comms(True)
     for name, p in model.named_parameters():
@@ -92,23 +91,22 @@ class Zero3Optimizer:
 
     @torch.no_grad()
     def reduce_and_clip_gradients(self, max_norm: float) -> float:
-        with_grad = [p for p in self.params if p.grad is not None]
-        sequence_parallel = [_local(p.grad) for p in with_grad
-                             if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
+        with_grad = [(p, _local(p.grad)) for p in self.params if p.grad is not None]
+        sequence_parallel = [g for p, g in with_grad if param_spec(p).sequence_parallel]
+        all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-        for p in with_grad:
-            if _counts_once(p, self.dims):
-                sq += _local(p.grad).double().pow(2).sum()
-        for group in (self.dims.dp_sp_group, self.dims.mp_group):
+        for p, g in with_grad:
+            if counts_once(p, self.dims):
+                sq += g.double().pow(2).sum()
+        for group in (self.dims.dp_cp_sp_group, self.dims.pp_tp_group):
             if dist.get_world_size(group) > 1:
                 dist.all_reduce(sq, group=group)
         norm = math.sqrt(sq.item())
         if max_norm > 0 and math.isfinite(norm):
             coeff = max_norm / (norm + 1e-6)
             if coeff < 1.0:
-                for p in with_grad:
-                    _local(p.grad).mul_(coeff)
+                for _, g in with_grad:
+                    g.mul_(coeff)
         return norm
 
     def step(self) -> None:

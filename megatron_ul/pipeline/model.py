@@ -19,6 +19,7 @@ from ..model.chunks import model_chunks
 from ..model.gpt import GPTModel
 from ..mpu.comm_stats import record
 from ..mpu.parallel_state import ParallelDims
+from ..mpu.param_spec import param_spec, set_param_spec
 from ..timers import NO_TIMERS, Timers
 
 
@@ -88,7 +89,7 @@ def build_stage_chunks(model_cfg, seed: int, sequence_parallel: bool, pp: int, r
                                                            rank, c),
                          device=device, timers=timers, dims=dims)
         if post and not pre and hasattr(chunk, "word_embeddings"):
-            chunk.word_embeddings.weight.shared_embedding_replica = True
+            set_param_spec(chunk.word_embeddings.weight, tied_replica=True)
         out.append(chunk)
     return out
 
@@ -116,7 +117,7 @@ def chunk_named_parameters(model: nn.Module):
             if match:
                 layer = chunk.layers[int(match.group(1))]
                 name = f"layers.{layer.layer_number - 1}." + name[match.end():]
-            if getattr(p, "shared_embedding_replica", False):
+            if param_spec(p).tied_replica:
                 name = REPLICA_PREFIX + name
             yield index, name, p
 
@@ -147,7 +148,7 @@ def tied_embedding_weights(model: nn.Module) -> list[torch.nn.Parameter]:
 def allreduce_embedding_grads(model: nn.Module, dims: ParallelDims) -> None:
     """Megatron's _allreduce_embedding_grads: sum the tied table's gradient over the first and
     last stage so both copies take the same optimizer step. Under ZeRO-3 the gradients are
-    FSDP2 DTensor shards; both copies are sharded alike over their dp_sp groups, so summing the
+    FSDP2 DTensor shards; both copies are sharded alike over their dp_cp_sp groups, so summing the
     local shards is summing the tables."""
     if dims.pp == 1 or dist.get_rank() not in dims.embedding_ranks:
         return

@@ -1,7 +1,7 @@
 """Forward-backward schedules over the micro-batches of one global batch.
 
 The loss each rank backpropagates is sum(token losses · mask) / (tokens in the whole global
-batch, over all DP and SP ranks), so gradients summed over dp_sp give exactly the gradient of
+batch, over all DP and SP ranks), so gradients summed over dp_cp_sp give exactly the gradient of
 the global token-mean loss, for every layout and every loss mask. Under pipelining the loss
 exists only on the last stage; the other stages return a zero loss sum (step.py broadcasts the
 last stage's value over the pp group).

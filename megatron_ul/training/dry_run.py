@@ -38,7 +38,7 @@ def describe(cfg: Config) -> str:
                       p.pipeline_model_parallel_size, p.data_parallel_size)
     cp = p.context_parallel_size
     est = estimate_config(cfg)
-    zero = getattr(p, "zero_stage", 0)
+    zero = p.zero_stage
     precision, activation_dtype = precision_of(cfg)
     activation_bytes = torch.empty((), dtype=activation_dtype).element_size()
     lines = [

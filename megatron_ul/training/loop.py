@@ -78,4 +78,4 @@ def run_evaluation(cfg: Config, model, valid_batches, iteration: int, dtype) -> 
 
 def is_reporting_rank(dims: ParallelDims) -> bool:
     """Megatron reports from the last pipeline stage's first TP/SP/DP rank."""
-    return dims.is_last_stage and dims.tp_rank == 0 and dims.dp_sp_rank == 0
+    return dims.is_last_stage and dims.tp_rank == 0 and dims.dp_cp_sp_rank == 0

@@ -523,14 +523,13 @@ def layout_from_config(cfg: Config) -> Layout:
                   pp=p.pipeline_model_parallel_size, dp=max(p.data_parallel_size, 1),
                   sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size,
                   num_micro_batches=max(cfg.num_micro_batches, 1),
-                  cp=getattr(p, "context_parallel_size", 1))
+                  cp=p.context_parallel_size)
 
 
 def estimate_config(cfg: Config) -> MemoryEstimate:
-    """The estimate for a validated Config (reads ZeRO and recompute settings when present)."""
-    zero = getattr(cfg.parallel, "zero_stage", 0) or (
-        1 if getattr(cfg.parallel, "use_distributed_optimizer", False) else 0)
-    return estimate(cfg.model, layout_from_config(cfg), zero_stage=zero,
+    """The estimate for a resolved, validated Config (resolve() makes --use-distributed-optimizer
+    ZeRO stage 1)."""
+    return estimate(cfg.model, layout_from_config(cfg), zero_stage=cfg.parallel.zero_stage,
                     recompute=recompute_of(cfg), precision=precision_of(cfg),
                     kernels=kernels_of(cfg))
 

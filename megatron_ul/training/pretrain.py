@@ -37,7 +37,7 @@ log = logging.getLogger("megatron_ul")
 def build_model(cfg: Config, device, dims: ParallelDims,
                 timers: Timers = NO_TIMERS) -> GPTModel:
     """This rank's model (chunks under pipelining) on the rank grid `dims`. Each rank computes
-    only the parameters it holds: its TP slice and pipeline stage and, under ZeRO-3, its dp_sp
+    only the parameters it holds: its TP slice and pipeline stage and, under ZeRO-3, its dp_cp_sp
     shard (built on the meta device, sharded by FSDP2, then materialised)."""
     half = half_dtype(cfg.train)
     if cfg.parallel.zero_stage == 3:

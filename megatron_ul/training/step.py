@@ -21,7 +21,7 @@ def count_tokens(micro_batches: list[dict], device, dims: ParallelDims) -> torch
     # Summed on the device (no host sync per micro-batch) and all-reduced in fp64.
     local = torch.stack([mb["loss_mask"].sum(dtype=torch.float64) for mb in micro_batches]).sum()
     total = local.to(device=device, dtype=torch.float64)
-    group = dims.dp_sp_group
+    group = dims.dp_cp_sp_group
     if dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return total.clamp_min(1.0)
@@ -29,14 +29,14 @@ def count_tokens(micro_batches: list[dict], device, dims: ParallelDims) -> torch
 
 def global_mean_loss(local_loss_sum: torch.Tensor, num_tokens: torch.Tensor,
                      dims: ParallelDims) -> float:
-    group = dims.dp_sp_group
+    group = dims.dp_cp_sp_group
     if dist.get_world_size(group) > 1:
         local_loss_sum = local_loss_sum.clone()
         dist.all_reduce(local_loss_sum, group=group)
     if dims.pp > 1:
         # Only the last stage has the loss: every rank reports the same value.
         local_loss_sum = local_loss_sum.clone()
-        dist.broadcast(local_loss_sum, dims.group_ranks["pp"][-1], group=dims.pp_group)
+        dist.broadcast(local_loss_sum, dims.group_ranks.pp[-1], group=dims.pp_group)
     return float(local_loss_sum / num_tokens)
 
 
@@ -83,9 +83,9 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
                 grad_sync.finish()
             else:
                 reduce_gradients(params, dims)
-            # After the dp_sp reduction, so both copies end bitwise equal (a + b == b + a):
+            # After the dp_cp_sp reduction, so both copies end bitwise equal (a + b == b + a):
             # before it, each stage's copy would be reduced inside differently laid-out
-            # buckets, and with 3+ dp_sp ranks the summation orders (and roundings) differ.
+            # buckets, and with 3+ dp_cp_sp ranks the summation orders (and roundings) differ.
             allreduce_embedding_grads(model, dims)
         with timers("grad-clip", level=2):
             grad_norm = clip_gradients(params, clip_grad, dims)

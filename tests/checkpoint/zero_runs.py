@@ -14,9 +14,9 @@ TP2_SP2 = ["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "
 
 
 def zero_across_layouts(rank: int, world: int, argv: list[str], tmp: str) -> dict:
-    """World 4, dropout off. Train ZeRO-1 on SP2·DP2 (dp_sp 4) for 6 iterations, saving at 2 and
+    """World 4, dropout off. Train ZeRO-1 on SP2·DP2 (dp_cp_sp 4) for 6 iterations, saving at 2 and
     4, then continue from its checkpoints on other layouts and optimizers:
-      zero1_tp2_sp2_convert: convert.py to TP2, resume with ZeRO-1 on TP2·SP2 (dp_sp 2);
+      zero1_tp2_sp2_convert: convert.py to TP2, resume with ZeRO-1 on TP2·SP2 (dp_cp_sp 2);
       zero3_tp2_sp2_on_load: ZeRO-3 on TP2·SP2, resharded on load;
       plain_sp2_dp2: plain AdamW from iteration 2, saving at 4 — then
       zero1_from_plain_tp2_sp2: ZeRO-1 on TP2·SP2 from that plain checkpoint's iteration 4.

@@ -78,9 +78,9 @@ def test_dropout_masks_replayed_in_backward(monkeypatch):
     q, k, v = (torch.randn(N, B, 4, D, generator=g, dtype=torch.float64, requires_grad=True)
                for _ in range(3))
     docs, window = DocumentMask(DOCUMENTS, B), 6
-    blocks = da._blocks(docs.offsets, N, window)
+    blocks = da.document_blocks(docs.offsets, N, window)
     state = torch.get_rng_state()
-    out = da._BlockwiseAttention.apply(q, k, v, blocks, window, 0.3, None)
+    out = da.BlockwiseAttention.apply(q, k, v, blocks, window, 0.3, None)
     w = torch.randn(out.shape, generator=g, dtype=torch.float64)
     grads = torch.autograd.grad((out * w).sum(), (q, k, v))
     torch.set_rng_state(state)

@@ -146,7 +146,7 @@ def test_local_attention_uses_flash_only_where_it_can_run(flash_attn_stand_in, c
 
 def test_without_flash_attn_installed_sdpa_is_selected_and_says_why(monkeypatch, caplog):
     monkeypatch.setattr(attention, "_announced", set())
-    monkeypatch.setattr(attention, "_flash_attn_module", lambda: None)
+    monkeypatch.setattr(attention, "flash_attn_module", lambda: None)
     with caplog.at_level(logging.INFO, logger=attention.__name__):
         assert attention.select_backend(True, torch.device("cuda")) == "sdpa"
         assert attention.select_backend(False, torch.device("cpu")) == "sdpa"

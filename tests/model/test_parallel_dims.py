@@ -21,10 +21,10 @@ def _build_with_own_groups(rank, world):
     # The same ranks as fresh group objects: a model handed these must use them everywhere.
     # (new_group is collective over the world: every rank creates every group, in order.)
     fresh = {tuple(ranks): dist.new_group(ranks) for ranks in ([0, 1], [2, 3], [0, 2], [1, 3])}
-    tp_group = fresh[tuple(run_dims.group_ranks["tp"])]   # rank = tp + 2·sp
-    sp_group = fresh[tuple(run_dims.group_ranks["sp"])]
-    own = dataclasses.replace(run_dims, groups={**run_dims.groups, "tp": tp_group,
-                                                "sp": sp_group})
+    tp_group = fresh[tuple(run_dims.group_ranks.tp)]   # rank = tp + 2·sp
+    sp_group = fresh[tuple(run_dims.group_ranks.sp)]
+    own = dataclasses.replace(run_dims, groups=dataclasses.replace(run_dims.groups, tp=tp_group,
+                                                                   sp=sp_group))
     model = GPTModel(CFG, seed=3, dims=own)
     reference = GPTModel(CFG, seed=3, dims=run_dims)    # the run's groups
     groups = {m.tp_group for m in model.modules() if hasattr(m, "tp_group")}

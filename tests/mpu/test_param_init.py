@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor
 from megatron_ul.mpu import param_init
 from megatron_ul.mpu.layers import tp_index, tp_slice
 from megatron_ul.mpu.param_init import Normal, full_index, standard_normal_at, stream_key
+from megatron_ul.mpu.param_spec import param_spec
 from megatron_ul.pipeline.model import global_named_parameters
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
@@ -78,7 +79,7 @@ LAYOUTS = {  # name -> (flags, world)
     "ZeRO-3 PP2-DP2": (["--zero-stage", "3", "--pipeline-model-parallel-size", "2"], 4),
 }
 MODELS = {"gpt2": GPT2_STYLE, "llama": LLAMA_GQA}
-# Default: the tied embedding's last-stage copy and the dp_sp shards under ZeRO-3×PP (strided
+# Default: the tied embedding's last-stage copy and the dp_cp_sp shards under ZeRO-3×PP (strided
 # TP slices: test_a_shard_is_the_slice_of_the_full_tensor). The rest with --run-slow.
 DEFAULT = {("gpt2", "ZeRO-3 PP2-DP2")}
 
@@ -102,8 +103,8 @@ def _init_on_rank(rank, world, argv):
         if isinstance(p.init_spec.init, Normal):
             held += local.numel()
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        params[name] = (full.detach().clone(), getattr(p, "partition_dim", None),
-                        getattr(p, "partition_stride", 1))
+        params[name] = (full.detach().clone(), param_spec(p).partition_dim,
+                        param_spec(p).partition_stride)
     return {"params": params, "computed": sum(computed), "held": held}
 
 

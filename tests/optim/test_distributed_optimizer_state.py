@@ -21,8 +21,8 @@ def round_trip(rank, world, argv):
     restored = fresh.state_dict()["optimizer"]["state"]
     same = all(torch.equal(saved["optimizer"]["state"][i][k], restored[i][k])
                for i in saved["optimizer"]["state"] for k in ("exp_avg", "exp_avg_sq"))
-    bad = dict(saved, dp_sp_size=saved["dp_sp_size"] + 1)
-    with pytest.raises(ValueError, match="dp_sp_size"):
+    bad = dict(saved, dp_cp_sp_size=saved["dp_cp_sp_size"] + 1)
+    with pytest.raises(ValueError, match="dp_cp_sp_size"):
         fresh.load_state_dict(bad)
     return {"same": same, "pieces": len(saved["pieces"]), "shard": saved["shard"],
             "format": saved["format"]}

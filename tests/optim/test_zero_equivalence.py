@@ -1,6 +1,6 @@
-"""ZeRO-1 (--use-distributed-optimizer) and ZeRO-3 (--zero-stage 3, FSDP2) over dp_sp reproduce
+"""ZeRO-1 (--use-distributed-optimizer) and ZeRO-3 (--zero-stage 3, FSDP2) over dp_cp_sp reproduce
 the single-process run: per-step loss within 1e-5, final parameters within 1e-5 relative
-(fp32, dropout off) — and the Adam state really is split over the dp_sp ranks."""
+(fp32, dropout off) — and the Adam state really is split over the dp_cp_sp ranks."""
 import functools
 
 import pytest
@@ -11,7 +11,7 @@ from tests.training.equivalence import (BASE, GPT2_STYLE, LLAMA_GQA, compare, ru
                                        run_zero_layout)
 
 MODELS = {"gpt2-mha-learned": (GPT2_STYLE, 4, 4), "llama-gqa-rope": (LLAMA_GQA, 8, 2)}
-LAYOUTS = {  # name -> (flags, world, dp_sp size)
+LAYOUTS = {  # name -> (flags, world, dp_cp_sp size)
     "SP2-DP2": (["--ds-sequence-parallel-size", "2"], 4, 4),
     "TP2-SP2": (["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2"], 4, 2),
     "TP2-SP2-megatron-sp": (["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size",
@@ -30,7 +30,7 @@ def reference(model: str):
     pytest.param(m, lay, st, marks=() if (m, lay, st) in DEFAULT else pytest.mark.slow)
     for m in MODELS for lay in LAYOUTS for st in STAGES])
 def test_zero_matches_single_process(model, layout, stage):
-    flags, world, dp_sp = LAYOUTS[layout]
+    flags, world, dp_cp_sp = LAYOUTS[layout]
     model_flags, heads, groups = MODELS[model]
     losses, params, optimizer_bytes = run_zero_layout(BASE + model_flags + flags + STAGES[stage],
                                                       world)
@@ -39,10 +39,10 @@ def test_zero_matches_single_process(model, layout, stage):
           f"max param rel diff {param_diff:.2e}")
     assert loss_diff < 1e-5
     assert param_diff < 1e-5
-    if layout == "SP2-DP2":  # no TP: each rank's Adam state is ~1/dp_sp of the whole
+    if layout == "SP2-DP2":  # no TP: each rank's Adam state is ~1/dp_cp_sp of the whole
         full = 2 * 4 * sum(p.numel() for p in params.values())  # fp32 exp_avg + exp_avg_sq
         for held in optimizer_bytes:
-            assert held <= full / dp_sp * 1.05 + 4096, (held, full)
+            assert held <= full / dp_cp_sp * 1.05 + 4096, (held, full)
 
 
 PIPELINES = {  # GPT-2 style (tied embeddings: the last stage's copy is in the optimizer too)
@@ -56,7 +56,7 @@ PIPELINES = {  # GPT-2 style (tied embeddings: the last stage's copy is in the o
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(PIPELINES))
 def test_zero1_with_pipeline_matches_single_process(layout):
-    """ZeRO-1 shards each pipeline stage's parameters over that stage's dp_sp group."""
+    """ZeRO-1 shards each pipeline stage's parameters over that stage's dp_cp_sp group."""
     flags = PIPELINES[layout]
     layers = flags[flags.index("--num-layers"):][:2] if "--num-layers" in flags else []
     ref = run_layout(BASE + GPT2_STYLE + layers, 1)
@@ -108,7 +108,7 @@ ZERO3_PIPELINES = {  # name -> (model, flags): the layouts ZeRO-3 (FSDP2) compos
     pytest.param(name, marks=() if name == "gpt2-PP2-DP2" else pytest.mark.slow)
     for name in ZERO3_PIPELINES])
 def test_zero3_with_pipeline_matches_single_process(layout):
-    """Each model chunk is its own FSDP2 root over its stage's dp_sp group; the schedule's
+    """Each model chunk is its own FSDP2 root over its stage's dp_cp_sp group; the schedule's
     several forwards before backwards and the tied embedding's shard all-reduce change
     nothing."""
     model, flags = ZERO3_PIPELINES[layout]

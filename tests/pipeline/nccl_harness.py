@@ -41,8 +41,9 @@ def micro_batches(count: int) -> list[dict]:
 def stage_dims(pp: int, rank: int, group: Group):
     base = single_rank_dims()
     return dataclasses.replace(
-        base, pp=pp, coords={**base.coords, "pp": rank}, groups={**base.groups, "pp": group},
-        group_ranks={**base.group_ranks, "pp": list(group.ranks)},
+        base, pp=pp, coords={**base.coords, "pp": rank},
+        groups=dataclasses.replace(base.groups, pp=group),
+        group_ranks=dataclasses.replace(base.group_ranks, pp=list(group.ranks)),
         embedding_ranks=sorted({0, pp - 1}))
 
 

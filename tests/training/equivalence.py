@@ -8,6 +8,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_ul.checkpoint.reshard import merge_tp
 from megatron_ul.model.chunks import model_dims
+from megatron_ul.mpu.param_spec import param_spec
 from megatron_ul.pipeline.model import global_named_parameters
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
@@ -35,7 +36,7 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
     """Train on this rank; return the losses, (from DP0/SP0 ranks) the TP shards of the
     parameters and the bytes of optimizer state this rank holds.
 
-    ZeRO-3 parameters are DTensors sharded over dp_sp: gathering one is a collective, so every
+    ZeRO-3 parameters are DTensors sharded over dp_cp_sp: gathering one is a collective, so every
     rank gathers before the DP0/SP0 ranks keep the result."""
     trainer = setup(configure(argv, world))
     dims = model_dims(trainer.model)
@@ -44,9 +45,9 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
     # Global names (layer numbers, not per-stage indices), so pipeline stages merge.
     for name, p in global_named_parameters(trainer.model):
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        shards[name] = (full.detach().clone(), getattr(p, "partition_dim", None),
-                        getattr(p, "partition_stride", 1))
-    if dims.dp_sp_rank != 0:   # keep DP, CP and SP coordinate 0
+        shards[name] = (full.detach().clone(), param_spec(p).partition_dim,
+                        param_spec(p).partition_stride)
+    if dims.dp_cp_sp_rank != 0:   # keep DP, CP and SP coordinate 0
         shards = {}
     return {"losses": losses, "tp_rank": dims.tp_rank, "shards": shards,
             "optimizer_state": _optimizer_state_bytes(trainer.optimizer)}

@@ -61,7 +61,7 @@ def test_exit_flags_are_reduced_on_the_parameters_device(handed):
 
 
 def test_grad_norm_is_reduced_on_the_parameters_device_even_without_gradients(handed):
-    dims = SimpleNamespace(mp_group=None, tp_rank=0)      # the model-parallel group
+    dims = SimpleNamespace(pp_tp_group=None, tp_rank=0)      # the model-parallel group
     p = torch.nn.Parameter(torch.zeros(4, device=META))   # no .grad on this rank
     with pytest.raises(Handed):
         grads_module.global_grad_norm([p], dims)
@@ -71,7 +71,7 @@ def test_grad_norm_is_reduced_on_the_parameters_device_even_without_gradients(ha
 def test_token_count_is_reduced_in_fp64_on_the_training_device(handed, monkeypatch):
     batches = [{"loss_mask": torch.ones(2, 8)}]
     with pytest.raises(Handed):
-        step_module.count_tokens(batches, META, SimpleNamespace(dp_sp_group=None))
+        step_module.count_tokens(batches, META, SimpleNamespace(dp_cp_sp_group=None))
     assert handed == [(META, torch.float64)]
 
 
@@ -80,7 +80,7 @@ def test_token_count_is_exact_past_fp32s_integers(monkeypatch):
     n = 2**24 + 1   # the first integer fp32 cannot hold
     batches = [{"loss_mask": torch.ones(1, 2**23)}, {"loss_mask": torch.ones(1, 2**23 + 1)}]
     assert int(step_module.count_tokens(batches, torch.device("cpu"),
-                                         SimpleNamespace(dp_sp_group=None)).item()) == n
+                                         SimpleNamespace(dp_cp_sp_group=None)).item()) == n
 
 
 def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):

@@ -1,6 +1,6 @@
-"""Configuration gaps that used to pass validation and fail later (or silently differ from
-Megatron-LM): the FFN width over TP, SwiGLU's default width, EOD flags with --mock-data, the
-precision --dry-run reports, the normalization announcement."""
+"""Configuration rules that catch a problem at validation instead of later (or keep behaviour
+equal to Megatron-LM): the FFN width over TP, SwiGLU's default width, EOD flags with
+--mock-data, the precision --dry-run reports, the normalization announcement."""
 import logging
 
 import pytest

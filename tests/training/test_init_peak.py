@@ -1,6 +1,6 @@
 """The estimator's initialisation peak (what --dry-run prints): only the parameters a rank holds,
 plus the generator's bounded workspace — so the 30B script (ZeRO-3 over 64 ranks) starts on
-80 GB GPUs, where drawing every full weight (the old way) needed ~118 GB per GPU."""
+80 GB GPUs, where drawing every full weight would need ~118 GB per GPU."""
 import os
 import re
 
@@ -17,7 +17,7 @@ MODEL_30B = ModelConfig(num_layers=36, hidden_size=8192, num_attention_heads=64,
 
 
 def test_init_peak_is_the_held_shard_plus_the_workspace():
-    layout = Layout(sp=64)                     # the 30B script: SP 64, ZeRO-3 over dp_sp = 64
+    layout = Layout(sp=64)                     # the 30B script: SP 64, ZeRO-3 over dp_cp_sp = 64
     params = stage_parameters(MODEL_30B, 1, 1)
     assert 29e9 < params < 30e9
     peak = init_peak_bytes(MODEL_30B, layout, zero_stage=3)

@@ -16,7 +16,7 @@ import torch
 
 from tools.bench.common import markdown_table, report
 
-from megatron_ul.model.document_attention import DocumentMask, _blocks, _BlockwiseAttention
+from megatron_ul.model.document_attention import DocumentMask, document_blocks, BlockwiseAttention
 from megatron_ul.model.tiled_document_attention import tiled_document_attention
 
 
@@ -33,8 +33,8 @@ def table(cases, heads, head_dim) -> str:
     rows = []
     for docs, n in cases:
         documents = DocumentMask(torch.arange(0, n + 1, n // docs, dtype=torch.int32), 1)
-        blocks = _blocks(documents.offsets, n, None)
-        loop = _seconds(lambda q, k, v, b=blocks: _BlockwiseAttention.apply(
+        blocks = document_blocks(documents.offsets, n, None)
+        loop = _seconds(lambda q, k, v, b=blocks: BlockwiseAttention.apply(
             q, k, v, b, None, 0.0, None), n, heads, head_dim)
         tiles = _seconds(lambda q, k, v, d=documents: tiled_document_attention(
             q, k, v, d, None, None, "cpu-flash"), n, heads, head_dim)

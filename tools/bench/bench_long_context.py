@@ -3,7 +3,7 @@ next to the memory estimator's figure.
 
     flock /tmp/heavy.lock python -m tools.bench.bench_long_context [--write-docs]
 
-Model (issue 11): 1 layer, hidden 64, 4 heads, vocabulary 32000, fp32, full recompute, dropout
+Model: 1 layer, hidden 64, 4 heads, vocabulary 32000, fp32, full recompute, dropout
 off, micro-batch 1. Each cell is one training iteration in freshly spawned gloo ranks; "peak RSS"
 is the largest ru_maxrss over the ranks; "above start" subtracts each rank's RSS after
 `import torch` and process-group start (the interpreter, torch and gloo), which is what the

@@ -106,15 +106,15 @@ def attention_time(rank, world, seq, heads, head_dim, u, r, warmup, iters):
             min(kernel[warmup:]))
 
 
-def _plan(rank: int, ring_size: int, length: int, balanced: bool) -> ring_attention._Plan:
+def _plan(rank: int, ring_size: int, length: int, balanced: bool) -> ring_attention.RingPlan:
     """The module's own plan for a ring rank; for the contiguous split that it is compared
     against, rank r holds chunks 2r and 2r+1 (one contiguous N/R slice)."""
     chunks = tuple(ring_chunks(r, ring_size) if balanced else (2 * r, 2 * r + 1)
                    for r in range(ring_size))
-    return ring_attention._Plan(rank, chunks, length // 2, None, None)
+    return ring_attention.RingPlan(rank, chunks, length // 2, None, None)
 
 
-def rank_step_seconds(plan: ring_attention._Plan, ring_size: int, heads: int, head_dim: int,
+def rank_step_seconds(plan: ring_attention.RingPlan, ring_size: int, heads: int, head_dim: int,
                       length: int, shift: int = 0) -> list[float]:
     """CPU seconds of each step of one rank's ring compute (R forward steps, then R backward
     steps), run alone on one thread: the module's own step functions (unit kernels, merges,

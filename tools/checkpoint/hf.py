@@ -14,6 +14,11 @@ import argparse
 import os
 import sys
 
+try:
+    import megatron_ul  # noqa: F401
+except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
+    sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
+
 from megatron_ul.checkpoint.files import CheckpointError
 from megatron_ul.checkpoint.hf import export_checkpoint, import_checkpoint, model_flags  # noqa
 
