@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 pretrain_gpt.py --ds-sequence-parallel-size 2 \
         --tensor-model-parallel-size 2 --mock-data --vocab-size 1024 ...
 """
+
 import sys
 
 from megatron_ul.exit_signals import catch_exit_signals
@@ -13,4 +14,5 @@ if __name__ == "__main__":
     # the rank (megatron_ul/exit_signals.py).
     catch_exit_signals()
     from megatron_ul.training.pretrain import main
+
     sys.exit(main())

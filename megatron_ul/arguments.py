@@ -4,6 +4,7 @@ Each config field is one flag: Megatron-LM's spelling (and Megatron-DeepSpeed's
 --ds-sequence-parallel-size for the Ulysses degree), its type, choices, default and help all come
 from the field. The only place flags are parsed; nothing here is written per flag.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,13 +19,14 @@ from .config import Config, flag_names
 @dataclass(frozen=True)
 class Flag:
     """One command-line flag and the config field it sets."""
-    section: str                     # attribute of Config, e.g. "model"
-    field: str                       # attribute of the section, e.g. "num_layers"
-    names: tuple[str, ...]           # spellings, e.g. ("--num-layers",)
-    kind: type                       # int, float, str or bool (a switch)
+
+    section: str  # attribute of Config, e.g. "model"
+    field: str  # attribute of the section, e.g. "num_layers"
+    names: tuple[str, ...]  # spellings, e.g. ("--num-layers",)
+    kind: type  # int, float, str or bool (a switch)
     default: Any
     choices: Optional[tuple] = None
-    many: bool = False               # a list: nargs="*"
+    many: bool = False  # a list: nargs="*"
     help: str = ""
     enabled_by: Optional[str] = None
 
@@ -50,10 +52,21 @@ def _flag(section: str, f: Field, annotation: Any) -> Flag:
     default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore
     names = flag_names(f)
     if kind is bool and default is True and not meta.get("names"):
-        raise TypeError(f"{section}.{f.name}: a bool defaulting to True needs flag(names=...) "
-                        f"for the switch that turns it off")
-    return Flag(section, f.name, tuple(names), kind, default, choices, many,
-                meta.get("help", ""), meta.get("enabled_by"))
+        raise TypeError(
+            f"{section}.{f.name}: a bool defaulting to True needs flag(names=...) "
+            f"for the switch that turns it off"
+        )
+    return Flag(
+        section,
+        f.name,
+        tuple(names),
+        kind,
+        default,
+        choices,
+        many,
+        meta.get("help", ""),
+        meta.get("enabled_by"),
+    )
 
 
 def _kind(annotation: Any) -> tuple[type, Optional[tuple], bool]:
@@ -75,15 +88,22 @@ def build_parser() -> argparse.ArgumentParser:
     config's own defaults apply, so each default is written once, in config.py."""
     p = argparse.ArgumentParser(
         description="Pretrain a GPT with tensor, sequence (Ulysses), pipeline and data "
-                    "parallelism.", allow_abbrev=False, argument_default=argparse.SUPPRESS)
+        "parallelism.",
+        allow_abbrev=False,
+        argument_default=argparse.SUPPRESS,
+    )
     groups = {name: p.add_argument_group(title) for name, _, title in sections()}
     switches = set()
     for fl in flags():
         g = groups[fl.section]
         if fl.enabled_by and fl.enabled_by not in switches:
             switches.add(fl.enabled_by)
-            g.add_argument(fl.enabled_by, action="store_true", dest=_dest_of(fl.enabled_by),
-                           help=f"needed for {fl.names[0]} to take effect")
+            g.add_argument(
+                fl.enabled_by,
+                action="store_true",
+                dest=_dest_of(fl.enabled_by),
+                help=f"needed for {fl.names[0]} to take effect",
+            )
         dest = f"{fl.section}.{fl.field}"
         shown = fl.default is not None and not isinstance(fl.default, (bool, list))
         default_text = f" (default {fl.default})" if shown else ""
@@ -91,9 +111,15 @@ def build_parser() -> argparse.ArgumentParser:
             action = "store_false" if fl.default else "store_true"
             g.add_argument(*fl.names, dest=dest, action=action, help=fl.help)
         else:
-            g.add_argument(*fl.names, dest=dest, type=fl.kind, choices=fl.choices,
-                           nargs="*" if fl.many else None, help=fl.help + default_text,
-                           metavar=None if fl.choices else fl.field.upper())
+            g.add_argument(
+                *fl.names,
+                dest=dest,
+                type=fl.kind,
+                choices=fl.choices,
+                nargs="*" if fl.many else None,
+                help=fl.help + default_text,
+                metavar=None if fl.choices else fl.field.upper(),
+            )
     return p
 
 
@@ -122,6 +148,7 @@ def parse_args(argv=None, world_size: int | None = None) -> Config:
         if not values["train"].get("dry_run"):
             parser.error("--world-size is only for --dry-run (launchers set the world)")
     else:
-        values["parallel"]["world_size"] = (world_size if world_size is not None
-                                            else int(os.environ.get("WORLD_SIZE", "1")))
+        values["parallel"]["world_size"] = (
+            world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
+        )
     return Config(**{name: cls(**values[name]) for name, cls, _ in sections()})

@@ -13,6 +13,7 @@ between fields; ``config_files.path_problems()`` checks the paths the flags name
 (training/configure.py) gathers all three, and the data files' checks, into one ConfigError
 naming every bad flag and a fix, before any model is built.
 """
+
 from __future__ import annotations
 
 import copy
@@ -25,8 +26,14 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message names the flags and a fix."""
 
 
-def flag(default: Any = MISSING, *, help: str, names: tuple[str, ...] = (),
-         default_factory: Any = MISSING, enabled_by: Optional[str] = None) -> Any:
+def flag(
+    default: Any = MISSING,
+    *,
+    help: str,
+    names: tuple[str, ...] = (),
+    default_factory: Any = MISSING,
+    enabled_by: Optional[str] = None,
+) -> Any:
     """A config field that is also a command-line flag.
 
     names: the flag's spellings when they are not ``--field-name`` (Megatron's own names win).
@@ -52,64 +59,91 @@ class ModelConfig:
     hidden_size: int = flag(64, help="model width h")
     num_attention_heads: int = flag(4, help="query heads")
     ffn_hidden_size: Optional[int] = flag(
-        None, help="MLP width; default 4h (8h/3 rounded down to a multiple of 64 with --swiglu, "
-                   "as Megatron-LM); must be divisible by TP")
+        None,
+        help="MLP width; default 4h (8h/3 rounded down to a multiple of 64 with --swiglu, "
+        "as Megatron-LM); must be divisible by TP",
+    )
     num_query_groups: Optional[int] = flag(
-        None, enabled_by="--group-query-attention",
-        help="kv heads for grouped-query attention; default: one per query head (MHA)")
+        None,
+        enabled_by="--group-query-attention",
+        help="kv heads for grouped-query attention; default: one per query head (MHA)",
+    )
     kv_channels: Optional[int] = flag(None, help="per-head dimension; default hidden / heads")
     seq_length: int = flag(128, help="tokens per sequence")
     max_position_embeddings: Optional[int] = flag(
-        None, help="learned position table size; default --seq-length")
-    vocab_size: int = flag(0, help="vocabulary size for --mock-data / NullTokenizer; otherwise "
-                                   "the tokenizer's (0 = not given)")
+        None, help="learned position table size; default --seq-length"
+    )
+    vocab_size: int = flag(
+        0,
+        help="vocabulary size for --mock-data / NullTokenizer; otherwise "
+        "the tokenizer's (0 = not given)",
+    )
     make_vocab_size_divisible_by: int = flag(
-        128, help="pad the vocabulary to a multiple of this × TP (padding rows never score)")
+        128, help="pad the vocabulary to a multiple of this × TP (padding rows never score)"
+    )
     position_embedding_type: Literal["learned_absolute", "rope"] = flag(
-        "learned_absolute", help="learned absolute positions (GPT-2) or rotary (Llama)")
+        "learned_absolute", help="learned absolute positions (GPT-2) or rotary (Llama)"
+    )
     rotary_base: float = flag(10000.0, help="RoPE base θ")
     normalization: Literal["LayerNorm", "RMSNorm"] = flag("LayerNorm", help="norm layer type")
     norm_epsilon: float = flag(1e-5, help="epsilon of every norm")
     swiglu: bool = flag(False, help="SwiGLU MLP (Llama) instead of GELU")
-    add_bias_linear: bool = flag(True, names=("--disable-bias-linear",),
-                                 help="no biases in the linear layers (Llama)")
+    add_bias_linear: bool = flag(
+        True, names=("--disable-bias-linear",), help="no biases in the linear layers (Llama)"
+    )
     untie_embeddings_and_output_weights: bool = flag(
-        False, help="separate output head instead of the transposed input embedding")
+        False, help="separate output head instead of the transposed input embedding"
+    )
     attention_dropout: float = flag(0.1, help="dropout on attention probabilities")
     hidden_dropout: float = flag(0.1, help="dropout after attention and MLP")
     init_method_std: float = flag(0.02, help="std of the normal weight initialisation")
-    use_flash_attn: bool = flag(False,
-                                help="FlashAttention-2 where it can run (CUDA, --bf16/--fp16, "
-                                     "flash-attn installed; documents via its varlen kernel), "
-                                     "else torch SDPA; the log and --dry-run say which runs")
+    use_flash_attn: bool = flag(
+        False,
+        help="FlashAttention-2 where it can run (CUDA, --bf16/--fp16, "
+        "flash-attn installed; documents via its varlen kernel), "
+        "else torch SDPA; the log and --dry-run say which runs",
+    )
     gelu_approximate: Literal["none", "tanh"] = flag(
-        "none", help="tanh = GPT-2's gelu_new (for Hugging Face GPT-2 weights)")
+        "none", help="tanh = GPT-2's gelu_new (for Hugging Face GPT-2 weights)"
+    )
     recompute_granularity: Optional[Literal["full", "selective"]] = flag(
-        None, help="full: recompute whole layers in backward; selective: core attention")
+        None, help="full: recompute whole layers in backward; selective: core attention"
+    )
     recompute_method: Optional[Literal["uniform", "block"]] = flag(
-        None, help="uniform: checkpoint chunks of --recompute-num-layers layers; block: "
-                   "checkpoint the first --recompute-num-layers layers of each stage")
-    recompute_num_layers: int = flag(1, help="layers per recomputed chunk (see "
-                                             "--recompute-method)")
+        None,
+        help="uniform: checkpoint chunks of --recompute-num-layers layers; block: "
+        "checkpoint the first --recompute-num-layers layers of each stage",
+    )
+    recompute_num_layers: int = flag(1, help="layers per recomputed chunk (see --recompute-method)")
     fused_layers: bool = flag(
-        False, help="torch.compile each transformer layer (fuses the elementwise work around "
-                    "the matmuls); off by default: it costs compile time at every start-up")
+        False,
+        help="torch.compile each transformer layer (fuses the elementwise work around "
+        "the matmuls); off by default: it costs compile time at every start-up",
+    )
     fused_layers_backend: Literal["inductor", "aot_eager"] = flag(
-        "inductor", help="torch.compile backend for --fused-layers (aot_eager: traced, not "
-                         "fused)")
+        "inductor", help="torch.compile backend for --fused-layers (aot_eager: traced, not fused)"
+    )
     # Long sequences (docs/long_context.md); chunk sizes count tokens of this rank's sequence.
     tiled_loss_chunk_size: Optional[int] = flag(
-        None, help="compute the output layer and loss over chunks of this many tokens, never "
-                   "holding the full logits; backward recomputes one chunk at a time")
+        None,
+        help="compute the output layer and loss over chunks of this many tokens, never "
+        "holding the full logits; backward recomputes one chunk at a time",
+    )
     tiled_mlp_chunk_size: Optional[int] = flag(
-        None, help="run the MLP over chunks of this many tokens, each recomputed in backward "
-                   "(ALST's tiled MLP)")
+        None,
+        help="run the MLP over chunks of this many tokens, each recomputed in backward "
+        "(ALST's tiled MLP)",
+    )
     activation_checkpoint_cpu_offload: bool = flag(
-        False, help="with --recompute-granularity full: keep each checkpointed layer input in "
-                    "host memory until backward (ALST's name)")
+        False,
+        help="with --recompute-granularity full: keep each checkpointed layer input in "
+        "host memory until backward (ALST's name)",
+    )
     window_size: Optional[list[int]] = flag(
-        None, help="sliding-window attention LEFT RIGHT: token i sees tokens i-LEFT..i of its "
-                   "document (RIGHT must be 0; -1 = unlimited; Megatron-core's window_size)")
+        None,
+        help="sliding-window attention LEFT RIGHT: token i sees tokens i-LEFT..i of its "
+        "document (RIGHT must be 0; -1 = unlimited; Megatron-core's window_size)",
+    )
 
     @property
     def head_dim(self) -> int:
@@ -144,37 +178,56 @@ class ModelConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = flag(1, help="tensor-parallel degree TP")
     ds_sequence_parallel_size: int = flag(
-        1, help="DeepSpeed-Ulysses sequence-parallel degree SP (Megatron-DeepSpeed's name)")
+        1, help="DeepSpeed-Ulysses sequence-parallel degree SP (Megatron-DeepSpeed's name)"
+    )
     context_parallel_size: int = flag(
-        1, help="ring-attention degree CP across Ulysses groups (Megatron-LM's name): the "
-                "sequence is split over SP × CP ranks")
+        1,
+        help="ring-attention degree CP across Ulysses groups (Megatron-LM's name): the "
+        "sequence is split over SP × CP ranks",
+    )
     pipeline_model_parallel_size: int = flag(1, help="pipeline stages PP")
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
-        None, help="layers per virtual stage: interleaved 1F1B with several chunks per rank")
+        None, help="layers per virtual stage: interleaved 1F1B with several chunks per rank"
+    )
     sequence_parallel: bool = flag(
-        False, help="Megatron-LM sequence parallelism over the TP group (norms, dropout)")
+        False, help="Megatron-LM sequence parallelism over the TP group (norms, dropout)"
+    )
     distributed_backend: Optional[Literal["nccl", "gloo"]] = flag(
-        None, help="default: nccl on GPU, gloo on CPU")
+        None, help="default: nccl on GPU, gloo on CPU"
+    )
     distributed_timeout_minutes: float = flag(
-        10.0, help="every collective fails after this long instead of hanging")
+        10.0, help="every collective fails after this long instead of hanging"
+    )
     use_distributed_optimizer: bool = flag(
-        False, help="ZeRO-1: shard the optimizer state over DP×SP (same as --zero-stage 1)")
+        False, help="ZeRO-1: shard the optimizer state over DP×SP (same as --zero-stage 1)"
+    )
     zero_stage: int = flag(0, help="1: ZeRO-1 (distributed optimizer); 3: ZeRO-3 via FSDP2")
     overlap_grad_reduce: bool = flag(
-        False, help="reduce gradients over DP×SP in buckets while backward runs (plain data "
-                    "parallelism and ZeRO-1; ZeRO-3/FSDP2 always overlaps)")
+        False,
+        help="reduce gradients over DP×SP in buckets while backward runs (plain data "
+        "parallelism and ZeRO-1; ZeRO-3/FSDP2 always overlaps)",
+    )
     overlap_param_gather: bool = flag(
-        False, help="ZeRO-1: all-gather the updated parameters while the next forward runs")
+        False, help="ZeRO-1: all-gather the updated parameters while the next forward runs"
+    )
     ddp_bucket_size: Optional[int] = flag(
-        None, help="elements per gradient-reduction bucket (default max(40M, 1M·DP×SP))")
-    world_size: int = flag(1, help="planned number of processes, for --dry-run outside a "
-                                   "launcher (otherwise the launcher's WORLD_SIZE)")
+        None, help="elements per gradient-reduction bucket (default max(40M, 1M·DP×SP))"
+    )
+    world_size: int = flag(
+        1,
+        help="planned number of processes, for --dry-run outside a "
+        "launcher (otherwise the launcher's WORLD_SIZE)",
+    )
 
     @property
     def model_parallel_size(self) -> int:
         """Ranks one model replica spans: TP × SP × CP × PP."""
-        return (self.tensor_model_parallel_size * self.ds_sequence_parallel_size
-                * self.context_parallel_size * self.pipeline_model_parallel_size)
+        return (
+            self.tensor_model_parallel_size
+            * self.ds_sequence_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
+        )
 
     @property
     def data_parallel_size(self) -> int:
@@ -185,66 +238,96 @@ class ParallelConfig:
 class TrainConfig:
     micro_batch_size: int = flag(1, help="sequences per micro-batch per DP rank")
     global_batch_size: Optional[int] = flag(
-        None, help="sequences per iteration over all DP ranks; default micro × DP")
+        None, help="sequences per iteration over all DP ranks; default micro × DP"
+    )
     train_iters: int = flag(10, help="iterations to train")
     lr: float = flag(1e-3, help="peak learning rate")
     min_lr: float = flag(0.0, help="learning rate at the end of the decay")
     lr_decay_style: Literal["constant", "linear", "cosine"] = flag(
-        "cosine", help="shape of the decay after warm-up")
+        "cosine", help="shape of the decay after warm-up"
+    )
     lr_warmup_iters: int = flag(0, help="linear warm-up iterations")
-    lr_decay_iters: Optional[int] = flag(None, help="iterations to decay over; default "
-                                                    "--train-iters")
+    lr_decay_iters: Optional[int] = flag(
+        None, help="iterations to decay over; default --train-iters"
+    )
     weight_decay: float = flag(0.01, help="AdamW weight decay (not on biases and norms)")
     adam_beta1: float = flag(0.9, help="AdamW β1")
     adam_beta2: float = flag(0.999, help="AdamW β2")
     adam_eps: float = flag(1e-8, help="AdamW ε")
     clip_grad: float = flag(1.0, help="clip the global gradient norm to this (0: no clipping)")
     seed: int = flag(1234, help="seed of initialisation, data order and dropout")
-    bf16: bool = flag(False, help="bf16 parameters and activations (Megatron's Float16Module); "
-                                  "fp32 main parameters, gradients and Adam state")
-    fp16: bool = flag(False, help="fp16 parameters and activations with fp32 main parameters, "
-                                  "gradients and Adam state, and loss scaling")
+    bf16: bool = flag(
+        False,
+        help="bf16 parameters and activations (Megatron's Float16Module); "
+        "fp32 main parameters, gradients and Adam state",
+    )
+    fp16: bool = flag(
+        False,
+        help="fp16 parameters and activations with fp32 main parameters, "
+        "gradients and Adam state, and loss scaling",
+    )
     fp32_residual_connection: bool = flag(
-        False, help="--bf16/--fp16: keep the residual stream (and pipeline traffic) in fp32")
+        False, help="--bf16/--fp16: keep the residual stream (and pipeline traffic) in fp32"
+    )
     optimizer_cpu_offload: bool = flag(
-        False, help="fp32 main parameters and Adam state in host memory; the step runs there")
+        False, help="fp32 main parameters and Adam state in host memory; the step runs there"
+    )
     optimizer_offload_fraction: float = flag(
-        1.0, help="--optimizer-cpu-offload: share of the parameters (in order) offloaded")
-    loss_scale: Optional[float] = flag(None,
-                                       help="fp16: constant loss scale; default: dynamic scaling")
-    initial_loss_scale: float = flag(2.0 ** 32, help="fp16: first dynamic loss scale")
+        1.0, help="--optimizer-cpu-offload: share of the parameters (in order) offloaded"
+    )
+    loss_scale: Optional[float] = flag(
+        None, help="fp16: constant loss scale; default: dynamic scaling"
+    )
+    initial_loss_scale: float = flag(2.0**32, help="fp16: first dynamic loss scale")
     min_loss_scale: float = flag(1.0, help="fp16: dynamic loss scale floor")
-    loss_scale_window: int = flag(1000, help="fp16: steps without overflow before the scale "
-                                             "doubles")
+    loss_scale_window: int = flag(
+        1000, help="fp16: steps without overflow before the scale doubles"
+    )
     hysteresis: int = flag(2, help="fp16: overflows tolerated before the scale halves")
     eval_interval: int = flag(0, help="evaluate every this many iterations (0: never)")
     eval_iters: int = flag(10, help="validation batches per evaluation")
-    dry_run: bool = flag(False, help="validate, print the resolved layout and a per-GPU memory "
-                                     "estimate, exit (with --world-size N for the planned launch)")
+    dry_run: bool = flag(
+        False,
+        help="validate, print the resolved layout and a per-GPU memory "
+        "estimate, exit (with --world-size N for the planned launch)",
+    )
     gpu_memory_gb: Optional[float] = flag(
-        None, help="--dry-run: GPU memory per device; the plan is refused (exit 1, naming the "
-                   "largest term) when the estimate does not fit")
+        None,
+        help="--dry-run: GPU memory per device; the plan is refused (exit 1, naming the "
+        "largest term) when the estimate does not fit",
+    )
 
 
 @dataclass
 class DataConfig:
-    mock_data: bool = flag(False, help="random documents ending with EOD (id vocab-size - 1); "
-                                       "needs --vocab-size")
-    data_path: list[str] = flag(default_factory=list,
-                                help="dataset prefixes, or 'weight prefix' pairs to blend")
+    mock_data: bool = flag(
+        False, help="random documents ending with EOD (id vocab-size - 1); needs --vocab-size"
+    )
+    data_path: list[str] = flag(
+        default_factory=list, help="dataset prefixes, or 'weight prefix' pairs to blend"
+    )
     split: str = flag("969,30,1", help="train,valid,test weights of each dataset")
     data_cache_path: Optional[str] = flag(
-        None, help="where the sample index files are cached (default: index_cache/ beside the "
-                   "first --data-path)")
+        None,
+        help="where the sample index files are cached (default: index_cache/ beside the "
+        "first --data-path)",
+    )
     # The names of megatron_ul/data/tokenizers.py's TOKENIZER_TYPES (a test keeps them equal).
-    tokenizer_type: Optional[Literal[
-        "GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-        "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer"]] = flag(
-        None, help="tokenizer of the data (docs/data.md)")
+    tokenizer_type: Optional[
+        Literal[
+            "GPT2BPETokenizer",
+            "SentencePieceTokenizer",
+            "GPTSentencePieceTokenizer",
+            "Llama2Tokenizer",
+            "HuggingFaceTokenizer",
+            "NullTokenizer",
+        ]
+    ] = flag(None, help="tokenizer of the data (docs/data.md)")
     vocab_file: Optional[str] = flag(None, help="GPT2BPETokenizer: vocab.json")
     merge_file: Optional[str] = flag(None, help="GPT2BPETokenizer: merges.txt")
     tokenizer_model: Optional[str] = flag(
-        None, help="SentencePiece .model file, or HuggingFaceTokenizer's local tokenizer folder")
+        None, help="SentencePiece .model file, or HuggingFaceTokenizer's local tokenizer folder"
+    )
     reset_position_ids: bool = flag(False, help="restart position ids after each end-of-document")
     reset_attention_mask: bool = flag(False, help="no attention across end-of-document tokens")
     eod_mask_loss: bool = flag(False, help="no loss on end-of-document tokens")
@@ -256,42 +339,58 @@ class CheckpointConfig:
     load: Optional[str] = flag(None, help="directory to resume from (may equal --save)")
     save_interval: Optional[int] = flag(None, help="save every this many iterations")
     ckpt_format: Literal["torch", "torch_dist"] = flag(
-        "torch", help="torch: one file per (TP, PP) rank, ZeRO state gathered into it; "
-                      "torch_dist: torch.distributed.checkpoint, every rank writes and reads "
-                      "only its own pieces (any layout loads either)")
+        "torch",
+        help="torch: one file per (TP, PP) rank, ZeRO state gathered into it; "
+        "torch_dist: torch.distributed.checkpoint, every rank writes and reads "
+        "only its own pieces (any layout loads either)",
+    )
     async_save: bool = flag(
-        False, help="write torch_dist checkpoints in the background while training continues "
-                    "(the tracker moves once every rank has finished)")
+        False,
+        help="write torch_dist checkpoints in the background while training continues "
+        "(the tracker moves once every rank has finished)",
+    )
     no_save_optim: bool = flag(False, help="do not save optimizer state")
     no_load_optim: bool = flag(False, help="do not load optimizer and LR-scheduler state")
     no_load_rng: bool = flag(False, help="do not load RNG states")
     finetune: bool = flag(False, help="load model weights only and start at iteration 0")
     exit_interval: Optional[int] = flag(
-        None, help="exit (saving first with --save) when the iteration is a multiple of this")
+        None, help="exit (saving first with --save) when the iteration is a multiple of this"
+    )
     exit_duration_in_mins: Optional[float] = flag(
-        None, help="exit (saving first with --save) this many minutes after the program started")
+        None, help="exit (saving first with --save) this many minutes after the program started"
+    )
     exit_signal_handler: bool = flag(
-        False, help="on SIGTERM or SIGUSR1 (Slurm's --signal time-limit warning), save at the "
-                    "end of the current iteration and exit 0")
+        False,
+        help="on SIGTERM or SIGUSR1 (Slurm's --signal time-limit warning), save at the "
+        "end of the current iteration and exit 0",
+    )
     keep_last_n_checkpoints: Optional[int] = flag(
-        None, help="after each save, delete all but the newest N complete iterations "
-                   "(default: keep all)")
+        None,
+        help="after each save, delete all but the newest N complete iterations (default: keep all)",
+    )
     remove_unfinished_checkpoints: bool = flag(
-        False, help="after each save, delete what interrupted saves and cleanups left "
-                    "(iter_*.tmp-*, .old-*, .del-*); the job holds the directory's lock")
+        False,
+        help="after each save, delete what interrupted saves and cleanups left "
+        "(iter_*.tmp-*, .old-*, .del-*); the job holds the directory's lock",
+    )
     override_opt_param_scheduler: bool = flag(
-        False, names=("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
+        False,
+        names=("--override-opt_param-scheduler", "--override-opt-param-scheduler"),
         help="on resume, use this run's --lr/--min-lr/warmup/decay flags instead of the "
-             "checkpoint's LR schedule")
+        "checkpoint's LR schedule",
+    )
     use_checkpoint_opt_param_scheduler: bool = flag(
-        False, names=("--use-checkpoint-opt_param-scheduler",
-                      "--use-checkpoint-opt-param-scheduler"),
+        False,
+        names=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"),
         help="on resume, continue the checkpoint's LR schedule whatever this run's "
-             "--lr/--min-lr/warmup/decay flags say")
+        "--lr/--min-lr/warmup/decay flags say",
+    )
     overwrite_checkpoints: bool = flag(
-        False, help="let this run save over complete checkpoints already in --save (one of the "
-                    "same iteration, or any after the iteration it starts from); without it "
-                    "such a run stops at start-up")
+        False,
+        help="let this run save over complete checkpoints already in --save (one of the "
+        "same iteration, or any after the iteration it starts from); without it "
+        "such a run stops at start-up",
+    )
 
 
 @dataclass
@@ -299,16 +398,22 @@ class LoggingConfig:
     log_interval: int = flag(1, help="report every this many iterations")
     tensorboard_dir: Optional[str] = flag(None, help="write TensorBoard scalars here")
     timing_log_level: Literal[0, 1, 2] = flag(
-        0, help="0: iteration time; 1: + forward, backward, all-to-all, gradient reduction, "
-                "optimizer; 2: + per-layer-call all-to-all counts. On a GPU the phases are "
-                "timed with CUDA events, without host syncs")
+        0,
+        help="0: iteration time; 1: + forward, backward, all-to-all, gradient reduction, "
+        "optimizer; 2: + per-layer-call all-to-all counts. On a GPU the phases are "
+        "timed with CUDA events, without host syncs",
+    )
     timing_device_sync: bool = flag(
-        False, help="synchronise the device around every timed phase (wall-clock split that "
-                    "gives each kernel to the phase that issued it; costs two host syncs per "
-                    "timed call, per layer for the all-to-all, and the overlap)")
+        False,
+        help="synchronise the device around every timed phase (wall-clock split that "
+        "gives each kernel to the phase that issued it; costs two host syncs per "
+        "timed call, per layer for the all-to-all, and the overlap)",
+    )
     peak_tflops: Optional[float] = flag(
-        None, help="per-GPU peak TFLOP/s for MFU (default: known GPU names, e.g. A100 312, "
-                   "H100/H200 989 bf16 dense)")
+        None,
+        help="per-GPU peak TFLOP/s for MFU (default: known GPU names, e.g. A100 312, "
+        "H100/H200 989 bf16 dense)",
+    )
 
 
 def _section(cls, title: str):
@@ -318,6 +423,7 @@ def _section(cls, title: str):
 @dataclass
 class Config:
     """The whole run; each section is one group of flags in --help."""
+
     model: ModelConfig = _section(ModelConfig, "model")
     parallel: ParallelConfig = _section(ParallelConfig, "parallelism")
     train: TrainConfig = _section(TrainConfig, "training")
@@ -342,8 +448,11 @@ def resolve(cfg: Config) -> Config:
     if m.max_position_embeddings is None:
         m.max_position_embeddings = m.seq_length
     if t.global_batch_size is None:
-        t.global_batch_size = t.micro_batch_size * max(p.data_parallel_size, 1) \
-            if p.model_parallel_size > 0 else t.micro_batch_size
+        t.global_batch_size = (
+            t.micro_batch_size * max(p.data_parallel_size, 1)
+            if p.model_parallel_size > 0
+            else t.micro_batch_size
+        )
     if t.lr_decay_iters is None:
         t.lr_decay_iters = t.train_iters
     # --use-distributed-optimizer is ZeRO-1 and --zero-stage 1 is the distributed optimizer

@@ -15,6 +15,7 @@ Where Megatron-LM gives an edge value a meaning, the range admits it and the run
 there: --clip-grad 0 turns clipping off, --eval-interval 0 never evaluates, --eval-iters 0 skips
 evaluation, --lr 0 is a constant zero rate.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,14 +23,23 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal, Optional
 
-from .config import (CheckpointConfig, Config, ConfigError, DataConfig, ModelConfig,
-                     ParallelConfig, TrainConfig, flag_names)
+from .config import (
+    CheckpointConfig,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+    flag_names,
+)
 from .data.gpt_dataset import parse_data_path, parse_split
 
 
 @dataclass(frozen=True)
 class Range:
     """The values a number may take: low <= x <= high (strict where open); None: unbounded."""
+
     low: Optional[float] = None
     high: Optional[float] = None
     low_open: bool = False
@@ -44,8 +54,10 @@ class Range:
     def __str__(self) -> str:
         if self.high is None:
             return f"{'>' if self.low_open else '>='} {self.low}"
-        return (f"in {'(' if self.low_open else '['}{self.low}, "
-                f"{self.high}{')' if self.high_open else ']'}")
+        return (
+            f"in {'(' if self.low_open else '['}{self.low}, "
+            f"{self.high}{')' if self.high_open else ']'}"
+        )
 
 
 def at_least(low: float) -> Range:
@@ -63,15 +75,23 @@ def fraction() -> Range:
 
 RANGES: dict[str, Range] = {
     # model
-    "model.num_layers": at_least(1), "model.hidden_size": at_least(1),
-    "model.num_attention_heads": at_least(1), "model.ffn_hidden_size": at_least(1),
-    "model.num_query_groups": at_least(1), "model.kv_channels": at_least(1),
-    "model.seq_length": at_least(1), "model.max_position_embeddings": at_least(1),
-    "model.vocab_size": at_least(0),           # 0: not given (the tokenizer's)
-    "model.make_vocab_size_divisible_by": at_least(1), "model.rotary_base": above(0),
-    "model.norm_epsilon": above(0), "model.attention_dropout": fraction(),
-    "model.hidden_dropout": fraction(), "model.init_method_std": above(0),
-    "model.recompute_num_layers": at_least(1), "model.tiled_loss_chunk_size": at_least(1),
+    "model.num_layers": at_least(1),
+    "model.hidden_size": at_least(1),
+    "model.num_attention_heads": at_least(1),
+    "model.ffn_hidden_size": at_least(1),
+    "model.num_query_groups": at_least(1),
+    "model.kv_channels": at_least(1),
+    "model.seq_length": at_least(1),
+    "model.max_position_embeddings": at_least(1),
+    "model.vocab_size": at_least(0),  # 0: not given (the tokenizer's)
+    "model.make_vocab_size_divisible_by": at_least(1),
+    "model.rotary_base": above(0),
+    "model.norm_epsilon": above(0),
+    "model.attention_dropout": fraction(),
+    "model.hidden_dropout": fraction(),
+    "model.init_method_std": above(0),
+    "model.recompute_num_layers": at_least(1),
+    "model.tiled_loss_chunk_size": at_least(1),
     "model.tiled_mlp_chunk_size": at_least(1),
     # parallel
     "parallel.tensor_model_parallel_size": at_least(1),
@@ -80,36 +100,60 @@ RANGES: dict[str, Range] = {
     "parallel.pipeline_model_parallel_size": at_least(1),
     "parallel.num_layers_per_virtual_pipeline_stage": at_least(1),
     "parallel.distributed_timeout_minutes": above(0),
-    "parallel.ddp_bucket_size": at_least(1), "parallel.world_size": at_least(1),
+    "parallel.ddp_bucket_size": at_least(1),
+    "parallel.world_size": at_least(1),
     # train
-    "train.micro_batch_size": at_least(1), "train.global_batch_size": at_least(1),
-    "train.train_iters": at_least(1), "train.lr": at_least(0), "train.min_lr": at_least(0),
-    "train.lr_warmup_iters": at_least(0), "train.lr_decay_iters": at_least(1),
-    "train.weight_decay": at_least(0), "train.adam_beta1": fraction(),
-    "train.adam_beta2": fraction(), "train.adam_eps": at_least(0),
-    "train.clip_grad": at_least(0),            # 0: no clipping (Megatron-LM)
-    "train.seed": Range(0, 2 ** 32 - 1),        # numpy's RandomState orders the data with it
-    "train.loss_scale": above(0), "train.initial_loss_scale": above(0),
-    "train.min_loss_scale": above(0), "train.loss_scale_window": at_least(1),
-    "train.hysteresis": at_least(1), "train.optimizer_offload_fraction": Range(0, 1),
+    "train.micro_batch_size": at_least(1),
+    "train.global_batch_size": at_least(1),
+    "train.train_iters": at_least(1),
+    "train.lr": at_least(0),
+    "train.min_lr": at_least(0),
+    "train.lr_warmup_iters": at_least(0),
+    "train.lr_decay_iters": at_least(1),
+    "train.weight_decay": at_least(0),
+    "train.adam_beta1": fraction(),
+    "train.adam_beta2": fraction(),
+    "train.adam_eps": at_least(0),
+    "train.clip_grad": at_least(0),  # 0: no clipping (Megatron-LM)
+    "train.seed": Range(0, 2**32 - 1),  # numpy's RandomState orders the data with it
+    "train.loss_scale": above(0),
+    "train.initial_loss_scale": above(0),
+    "train.min_loss_scale": above(0),
+    "train.loss_scale_window": at_least(1),
+    "train.hysteresis": at_least(1),
+    "train.optimizer_offload_fraction": Range(0, 1),
     "train.gpu_memory_gb": above(0),
-    "train.eval_interval": at_least(0),        # 0: never evaluate
-    "train.eval_iters": at_least(0),           # 0: skip evaluation (Megatron-LM)
+    "train.eval_interval": at_least(0),  # 0: never evaluate
+    "train.eval_iters": at_least(0),  # 0: skip evaluation (Megatron-LM)
     # checkpoint
-    "checkpoint.save_interval": at_least(1), "checkpoint.exit_interval": at_least(1),
-    "checkpoint.exit_duration_in_mins": above(0), "checkpoint.keep_last_n_checkpoints": at_least(1),
+    "checkpoint.save_interval": at_least(1),
+    "checkpoint.exit_interval": at_least(1),
+    "checkpoint.exit_duration_in_mins": above(0),
+    "checkpoint.keep_last_n_checkpoints": at_least(1),
     # logging
-    "logging.log_interval": at_least(1), "logging.peak_tflops": above(0),
+    "logging.log_interval": at_least(1),
+    "logging.peak_tflops": above(0),
 }
 # Numeric fields that a rule below judges instead of a range (_long_context_errors, _zero_errors).
 JUDGED_BY_RULES = {"model.window_size", "parallel.zero_stage"}
 # The layout rules divide by these: while one is out of range, those rules would only add noise.
-DIVISORS = {"parallel.tensor_model_parallel_size", "parallel.ds_sequence_parallel_size",
-            "parallel.context_parallel_size", "parallel.pipeline_model_parallel_size",
-            "parallel.num_layers_per_virtual_pipeline_stage", "parallel.world_size",
-            "model.num_layers", "model.hidden_size", "model.num_attention_heads",
-            "model.num_query_groups", "model.kv_channels", "model.ffn_hidden_size",
-            "model.seq_length", "train.micro_batch_size", "train.global_batch_size"}
+DIVISORS = {
+    "parallel.tensor_model_parallel_size",
+    "parallel.ds_sequence_parallel_size",
+    "parallel.context_parallel_size",
+    "parallel.pipeline_model_parallel_size",
+    "parallel.num_layers_per_virtual_pipeline_stage",
+    "parallel.world_size",
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.num_query_groups",
+    "model.kv_channels",
+    "model.ffn_hidden_size",
+    "model.seq_length",
+    "train.micro_batch_size",
+    "train.global_batch_size",
+}
 
 
 def validate(cfg: Config) -> Config:
@@ -155,14 +199,18 @@ def _precision_errors(t: TrainConfig, p: ParallelConfig) -> list[str]:
     if t.bf16 and t.fp16:
         errors.append("--bf16 and --fp16 are mutually exclusive; pick one")
     if t.fp32_residual_connection and not (t.bf16 or t.fp16):
-        errors.append("--fp32-residual-connection needs --bf16 or --fp16 (without them the "
-                      "residual stream is fp32 already)")
+        errors.append(
+            "--fp32-residual-connection needs --bf16 or --fp16 (without them the "
+            "residual stream is fp32 already)"
+        )
     if t.optimizer_offload_fraction != 1.0 and not t.optimizer_cpu_offload:
         errors.append("--optimizer-offload-fraction needs --optimizer-cpu-offload")
     if t.optimizer_cpu_offload and p.zero_stage == 3:
-        errors.append("--optimizer-cpu-offload with --zero-stage 3 is not provided yet (FSDP2's "
-                      "CPUOffloadPolicy is not wired in); use --use-distributed-optimizer "
-                      "(ZeRO-1) or drop --optimizer-cpu-offload")
+        errors.append(
+            "--optimizer-cpu-offload with --zero-stage 3 is not provided yet (FSDP2's "
+            "CPUOffloadPolicy is not wired in); use --use-distributed-optimizer "
+            "(ZeRO-1) or drop --optimizer-cpu-offload"
+        )
     return errors
 
 
@@ -175,8 +223,9 @@ def field_problems(cfg: Config) -> tuple[set[str], list[str]]:
         hints = typing.get_type_hints(type(values))
         for f in fields(values):
             key, value = f"{section.name}.{f.name}", getattr(values, f.name)
-            problem = (_choice_problem(hints[f.name], value)
-                       or _range_problem(RANGES.get(key), value))
+            problem = _choice_problem(hints[f.name], value) or _range_problem(
+                RANGES.get(key), value
+            )
             if problem:
                 keys.add(key)
                 found.append(f"{flag_names(f)[0]} {problem}")
@@ -185,7 +234,7 @@ def field_problems(cfg: Config) -> tuple[set[str], list[str]]:
 
 def _choice_problem(annotation: Any, value: Any) -> Optional[str]:
     args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is typing.Union:   # Optional[Literal[...]]: None = not given
+    if typing.get_origin(annotation) is typing.Union:  # Optional[Literal[...]]: None = not given
         if value is None:
             return None
         annotation = next(a for a in args if a is not type(None))
@@ -209,12 +258,14 @@ def _layout_errors(cfg: Config) -> list[str]:
     tp, sp, cp = p.tensor_model_parallel_size, p.ds_sequence_parallel_size, p.context_parallel_size
     errors = []
     if p.world_size % p.model_parallel_size != 0:
-        errors.append(f"world size {p.world_size} is not divisible by "
-                      f"--tensor-model-parallel-size × --ds-sequence-parallel-size × "
-                      f"--context-parallel-size × --pipeline-model-parallel-size = {tp}×{sp}×"
-                      f"{cp}×{p.pipeline_model_parallel_size} = {p.model_parallel_size}; "
-                      f"launch a multiple of {p.model_parallel_size} processes or change the "
-                      f"parallel sizes")
+        errors.append(
+            f"world size {p.world_size} is not divisible by "
+            f"--tensor-model-parallel-size × --ds-sequence-parallel-size × "
+            f"--context-parallel-size × --pipeline-model-parallel-size = {tp}×{sp}×"
+            f"{cp}×{p.pipeline_model_parallel_size} = {p.model_parallel_size}; "
+            f"launch a multiple of {p.model_parallel_size} processes or change the "
+            f"parallel sizes"
+        )
     dp = max(p.data_parallel_size, 1)
     errors += _attention_errors(m, tp, sp)
     errors += _mlp_errors(m, tp)
@@ -228,30 +279,38 @@ def _layout_errors(cfg: Config) -> list[str]:
 def _schedule_errors(t: TrainConfig) -> list[str]:
     """Megatron-LM's OptimizerParamScheduler asserts these; here they name the flags."""
     errors = []
-    if 0 <= t.lr < t.min_lr:   # a negative --lr is its own problem
-        errors.append(f"--min-lr {t.min_lr} is above --lr {t.lr}: the decay ends at --min-lr; "
-                      f"use a --min-lr of at most {t.lr}")
+    if 0 <= t.lr < t.min_lr:  # a negative --lr is its own problem
+        errors.append(
+            f"--min-lr {t.min_lr} is above --lr {t.lr}: the decay ends at --min-lr; "
+            f"use a --min-lr of at most {t.lr}"
+        )
     decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
     if t.lr_warmup_iters >= decay >= 1:
-        errors.append(f"--lr-warmup-iters {t.lr_warmup_iters} must be below --lr-decay-iters "
-                      f"{decay}{' (default: --train-iters)' if t.lr_decay_iters is None else ''}"
-                      f": warm-up is part of the decay iterations")
+        errors.append(
+            f"--lr-warmup-iters {t.lr_warmup_iters} must be below --lr-decay-iters "
+            f"{decay}{' (default: --train-iters)' if t.lr_decay_iters is None else ''}"
+            f": warm-up is part of the decay iterations"
+        )
     return errors
 
 
 def _data_errors(d: DataConfig, m: ModelConfig) -> list[str]:
     errors = []
     if not d.mock_data and not d.data_path:
-        errors.append("no training data: pass --data-path PREFIX (with --tokenizer-type ...) "
-                      "or --mock-data")
+        errors.append(
+            "no training data: pass --data-path PREFIX (with --tokenizer-type ...) or --mock-data"
+        )
     if d.mock_data and d.data_path:
         errors.append("--mock-data and --data-path are mutually exclusive")
     if d.mock_data and m.vocab_size < 2:
-        errors.append("--mock-data needs --vocab-size N (N >= 2: id N-1 is the "
-                      "end-of-document token)")
+        errors.append(
+            "--mock-data needs --vocab-size N (N >= 2: id N-1 is the end-of-document token)"
+        )
     if d.data_path and d.tokenizer_type is None:
-        errors.append("--data-path needs --tokenizer-type (and its --tokenizer-model or "
-                      "--vocab-file/--merge-file)")
+        errors.append(
+            "--data-path needs --tokenizer-type (and its --tokenizer-model or "
+            "--vocab-file/--merge-file)"
+        )
     if d.data_path:
         try:
             parse_data_path(d.data_path)
@@ -269,19 +328,25 @@ def _checkpoint_errors(c: CheckpointConfig) -> list[str]:
     if c.save_interval is not None and c.save is None:
         errors.append("--save-interval needs --save DIR (where to write checkpoints)")
     if c.override_opt_param_scheduler and c.use_checkpoint_opt_param_scheduler:
-        errors.append("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
-                      "conflict: pass the one that says whose LR schedule wins")
+        errors.append(
+            "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
+            "conflict: pass the one that says whose LR schedule wins"
+        )
     if c.async_save and c.ckpt_format != "torch_dist":
-        errors.append("--async-save needs --ckpt-format torch_dist (the torch format gathers "
-                      "and writes in one step)")
+        errors.append(
+            "--async-save needs --ckpt-format torch_dist (the torch format gathers "
+            "and writes in one step)"
+        )
     return errors
 
 
 def _batch_errors(t: TrainConfig, dp: int) -> list[str]:
     if t.global_batch_size is not None and t.global_batch_size % (t.micro_batch_size * dp) != 0:
-        return [f"--global-batch-size {t.global_batch_size} is not divisible by "
-                f"--micro-batch-size × data-parallel size = {t.micro_batch_size}×{dp}; "
-                f"use a global batch that is a multiple of {t.micro_batch_size * dp}"]
+        return [
+            f"--global-batch-size {t.global_batch_size} is not divisible by "
+            f"--micro-batch-size × data-parallel size = {t.micro_batch_size}×{dp}; "
+            f"use a global batch that is a multiple of {t.micro_batch_size * dp}"
+        ]
     return []
 
 
@@ -291,8 +356,10 @@ def _recompute_errors(m: ModelConfig) -> list[str]:
     if m.recompute_granularity == "full" and m.recompute_method is None:
         errors.append("--recompute-granularity full needs --recompute-method uniform or block")
     if m.recompute_granularity != "full" and m.recompute_method is not None:
-        errors.append("--recompute-method is only used with --recompute-granularity full; "
-                      "drop it or use full granularity")
+        errors.append(
+            "--recompute-method is only used with --recompute-granularity full; "
+            "drop it or use full granularity"
+        )
     return errors
 
 
@@ -300,18 +367,26 @@ def _long_context_errors(cfg: Config) -> list[str]:
     """Activation offload and the sliding window."""
     m, errors = cfg.model, []
     if m.activation_checkpoint_cpu_offload and m.recompute_granularity != "full":
-        errors.append("--activation-checkpoint-cpu-offload moves the inputs that full "
-                      "recompute keeps to host memory: it needs --recompute-granularity full")
+        errors.append(
+            "--activation-checkpoint-cpu-offload moves the inputs that full "
+            "recompute keeps to host memory: it needs --recompute-granularity full"
+        )
     if m.window_size is not None:
         if len(m.window_size) != 2:
-            errors.append(f"--window-size takes two numbers, LEFT RIGHT, e.g. 4096 0 (got "
-                          f"{' '.join(map(str, m.window_size))})")
+            errors.append(
+                f"--window-size takes two numbers, LEFT RIGHT, e.g. 4096 0 (got "
+                f"{' '.join(map(str, m.window_size))})"
+            )
         elif m.window_size[1] != 0:
-            errors.append(f"--window-size {m.window_size[0]} {m.window_size[1]}: a causal GPT "
-                          f"sees no later tokens, RIGHT must be 0")
+            errors.append(
+                f"--window-size {m.window_size[0]} {m.window_size[1]}: a causal GPT "
+                f"sees no later tokens, RIGHT must be 0"
+            )
         elif m.window_size[0] < -1:
-            errors.append(f"--window-size {m.window_size[0]} 0: LEFT must be >= 0, or -1 for "
-                          f"an unlimited window")
+            errors.append(
+                f"--window-size {m.window_size[0]} 0: LEFT must be >= 0, or -1 for "
+                f"an unlimited window"
+            )
     return errors
 
 
@@ -319,21 +394,24 @@ def _overlap_errors(p: ParallelConfig, t: TrainConfig) -> list[str]:
     """Megatron's rules for --overlap-grad-reduce, --overlap-param-gather."""
     errors = []
     if p.overlap_param_gather and not p.use_distributed_optimizer:
-        errors.append("--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1); "
-                      "ZeRO-3 (FSDP2) prefetches its all-gathers by itself")
+        errors.append(
+            "--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1); "
+            "ZeRO-3 (FSDP2) prefetches its all-gathers by itself"
+        )
     if p.overlap_param_gather and not p.overlap_grad_reduce:
         errors.append("--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
     if p.overlap_grad_reduce and t.fp16:
-        errors.append("--overlap-grad-reduce with --fp16 is not supported (the loss scaler "
-                      "unscales gradients before they are reduced); use --bf16 or drop "
-                      "--overlap-grad-reduce")
+        errors.append(
+            "--overlap-grad-reduce with --fp16 is not supported (the loss scaler "
+            "unscales gradients before they are reduced); use --bf16 or drop "
+            "--overlap-grad-reduce"
+        )
     return errors
 
 
 def _loss_scale_errors(t: TrainConfig) -> list[str]:
     if t.loss_scale is not None and not t.fp16:
-        return ["--loss-scale only applies to --fp16; drop it (bf16 and fp32 need no "
-                "loss scaling)"]
+        return ["--loss-scale only applies to --fp16; drop it (bf16 and fp32 need no loss scaling)"]
     return []
 
 
@@ -343,25 +421,36 @@ def _pipeline_errors(cfg: Config, dp: int) -> list[str]:
     pp, per_virtual = p.pipeline_model_parallel_size, p.num_layers_per_virtual_pipeline_stage
     errors = []
     if m.num_layers % pp != 0:
-        errors.append(f"--num-layers {m.num_layers} is not divisible by "
-                      f"--pipeline-model-parallel-size {pp}: every stage needs the same number "
-                      f"of layers; use a multiple of {pp} layers or another pipeline size")
+        errors.append(
+            f"--num-layers {m.num_layers} is not divisible by "
+            f"--pipeline-model-parallel-size {pp}: every stage needs the same number "
+            f"of layers; use a multiple of {pp} layers or another pipeline size"
+        )
     if per_virtual is None:
         return errors
     if pp == 1:
-        errors.append("--num-layers-per-virtual-pipeline-stage needs "
-                      "--pipeline-model-parallel-size > 1; remove it or add pipeline stages")
+        errors.append(
+            "--num-layers-per-virtual-pipeline-stage needs "
+            "--pipeline-model-parallel-size > 1; remove it or add pipeline stages"
+        )
     elif per_virtual < 1 or m.num_layers % (pp * per_virtual) != 0:
-        errors.append(f"--num-layers {m.num_layers} is not divisible by "
-                      f"--pipeline-model-parallel-size × --num-layers-per-virtual-pipeline-stage"
-                      f" = {pp}×{per_virtual}; choose layers per virtual stage so that "
-                      f"{pp}·n divides {m.num_layers}")
-    elif t.global_batch_size is not None and t.micro_batch_size * dp > 0 and (
-            t.global_batch_size // (t.micro_batch_size * dp)) % pp != 0:
-        errors.append(f"the interleaved schedule needs the number of micro-batches "
-                      f"(--global-batch-size / (--micro-batch-size × data-parallel size) = "
-                      f"{t.global_batch_size // (t.micro_batch_size * dp)}) to be a multiple "
-                      f"of --pipeline-model-parallel-size {pp}; change --global-batch-size")
+        errors.append(
+            f"--num-layers {m.num_layers} is not divisible by "
+            f"--pipeline-model-parallel-size × --num-layers-per-virtual-pipeline-stage"
+            f" = {pp}×{per_virtual}; choose layers per virtual stage so that "
+            f"{pp}·n divides {m.num_layers}"
+        )
+    elif (
+        t.global_batch_size is not None
+        and t.micro_batch_size * dp > 0
+        and (t.global_batch_size // (t.micro_batch_size * dp)) % pp != 0
+    ):
+        errors.append(
+            f"the interleaved schedule needs the number of micro-batches "
+            f"(--global-batch-size / (--micro-batch-size × data-parallel size) = "
+            f"{t.global_batch_size // (t.micro_batch_size * dp)}) to be a multiple "
+            f"of --pipeline-model-parallel-size {pp}; change --global-batch-size"
+        )
     return errors
 
 
@@ -370,19 +459,27 @@ def _attention_errors(m: ModelConfig, tp: int, sp: int) -> list[str]:
     errors = []
     heads, groups = m.num_attention_heads, m.query_groups
     if m.num_query_groups is not None and heads % groups != 0:
-        errors.append(f"--num-attention-heads {heads} is not divisible by --num-query-groups "
-                      f"{groups}; choose a number of query groups that divides the heads")
+        errors.append(
+            f"--num-attention-heads {heads} is not divisible by --num-query-groups "
+            f"{groups}; choose a number of query groups that divides the heads"
+        )
     if heads % (tp * sp) != 0:
-        errors.append(f"--num-attention-heads {heads} is not divisible by "
-                      f"--tensor-model-parallel-size × --ds-sequence-parallel-size = {tp}×{sp}: "
-                      f"Ulysses gives each rank whole heads; pick TP·SP that divides {heads}")
+        errors.append(
+            f"--num-attention-heads {heads} is not divisible by "
+            f"--tensor-model-parallel-size × --ds-sequence-parallel-size = {tp}×{sp}: "
+            f"Ulysses gives each rank whole heads; pick TP·SP that divides {heads}"
+        )
     if groups % tp != 0:
-        errors.append(f"--num-query-groups {groups} is not divisible by "
-                      f"--tensor-model-parallel-size {tp}: each TP rank needs whole kv groups; "
-                      f"use a TP size that divides {groups}")
+        errors.append(
+            f"--num-query-groups {groups} is not divisible by "
+            f"--tensor-model-parallel-size {tp}: each TP rank needs whole kv groups; "
+            f"use a TP size that divides {groups}"
+        )
     if m.kv_channels is None and m.hidden_size % heads != 0:
-        errors.append(f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
-                      f"{heads}; change one of them or set --kv-channels")
+        errors.append(
+            f"--hidden-size {m.hidden_size} is not divisible by --num-attention-heads "
+            f"{heads}; change one of them or set --kv-channels"
+        )
     if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
         errors.append(f"rope needs an even head dimension (got {m.head_dim})")
     return errors
@@ -394,14 +491,18 @@ def _mlp_errors(m: ModelConfig, tp: int) -> list[str]:
         flag = f"--ffn-hidden-size {m.ffn_hidden_size}"
         fix = f"use a multiple of {tp}"
     else:
-        flag = (f"the default FFN width {m.ffn_size} (from --hidden-size {m.hidden_size}"
-                f"{' with --swiglu' if m.swiglu else ''})")
+        flag = (
+            f"the default FFN width {m.ffn_size} (from --hidden-size {m.hidden_size}"
+            f"{' with --swiglu' if m.swiglu else ''})"
+        )
         fix = "set --ffn-hidden-size"
     if m.ffn_size < 1:
         return [f"{flag} must be >= 1; {fix}"]
     if m.ffn_size % tp != 0:
-        return [f"{flag} is not divisible by --tensor-model-parallel-size {tp}: each TP rank "
-                f"holds an equal slice of the MLP; {fix}"]
+        return [
+            f"{flag} is not divisible by --tensor-model-parallel-size {tp}: each TP rank "
+            f"holds an equal slice of the MLP; {fix}"
+        ]
     return []
 
 
@@ -410,14 +511,24 @@ def _sequence_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int) -> lis
     errors = []
     seq_divisor = sp * (tp if p.sequence_parallel else 1)
     if m.seq_length % seq_divisor != 0:
-        flags = ("--ds-sequence-parallel-size × --tensor-model-parallel-size (with "
-                 "--sequence-parallel)" if p.sequence_parallel else "--ds-sequence-parallel-size")
-        errors.append(f"--seq-length {m.seq_length} is not divisible by {flags} = {seq_divisor}; "
-                      f"use a sequence length that is a multiple of {seq_divisor}")
-    if (m.position_embedding_type == "learned_absolute" and m.max_position_embeddings is not None
-            and m.max_position_embeddings < m.seq_length):
-        errors.append(f"--max-position-embeddings {m.max_position_embeddings} is smaller than "
-                      f"--seq-length {m.seq_length}")
+        flags = (
+            "--ds-sequence-parallel-size × --tensor-model-parallel-size (with --sequence-parallel)"
+            if p.sequence_parallel
+            else "--ds-sequence-parallel-size"
+        )
+        errors.append(
+            f"--seq-length {m.seq_length} is not divisible by {flags} = {seq_divisor}; "
+            f"use a sequence length that is a multiple of {seq_divisor}"
+        )
+    if (
+        m.position_embedding_type == "learned_absolute"
+        and m.max_position_embeddings is not None
+        and m.max_position_embeddings < m.seq_length
+    ):
+        errors.append(
+            f"--max-position-embeddings {m.max_position_embeddings} is smaller than "
+            f"--seq-length {m.seq_length}"
+        )
     return errors
 
 
@@ -432,13 +543,17 @@ def _ring_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int, cp: int) -
         flags = "2 × --ds-sequence-parallel-size × --context-parallel-size"
         if p.sequence_parallel and tp > 1:
             flags += " (and × --tensor-model-parallel-size with --sequence-parallel)"
-        errors.append(f"--seq-length {m.seq_length} is not divisible by {flags} = {divisor}: "
-                      f"each ring rank holds two equal chunks of 2·{cp} that its {sp} Ulysses "
-                      f"ranks split evenly; use a sequence length that is a multiple of {divisor}")
+        errors.append(
+            f"--seq-length {m.seq_length} is not divisible by {flags} = {divisor}: "
+            f"each ring rank holds two equal chunks of 2·{cp} that its {sp} Ulysses "
+            f"ranks split evenly; use a sequence length that is a multiple of {divisor}"
+        )
     if m.attention_dropout > 0:
-        errors.append(f"--attention-dropout {m.attention_dropout} is not supported with "
-                      f"--context-parallel-size {cp} (ring attention has no dropout); pass "
-                      f"--attention-dropout 0")
+        errors.append(
+            f"--attention-dropout {m.attention_dropout} is not supported with "
+            f"--context-parallel-size {cp} (ring attention has no dropout); pass "
+            f"--attention-dropout 0"
+        )
     return errors
 
 
@@ -446,9 +561,13 @@ def _zero_errors(p: ParallelConfig) -> list[str]:
     """--use-distributed-optimizer is ZeRO-1; --zero-stage picks 1 or 3 (FSDP2)."""
     errors = []
     if p.zero_stage not in (0, 1, 3):
-        errors.append(f"--zero-stage {p.zero_stage} is not available: use 1 (same as "
-                      f"--use-distributed-optimizer) or 3 (FSDP2); stage 2 is not provided")
+        errors.append(
+            f"--zero-stage {p.zero_stage} is not available: use 1 (same as "
+            f"--use-distributed-optimizer) or 3 (FSDP2); stage 2 is not provided"
+        )
     if p.use_distributed_optimizer and p.zero_stage == 3:
-        errors.append("--use-distributed-optimizer (ZeRO-1) and --zero-stage 3 conflict; "
-                      "pass only one of them")
+        errors.append(
+            "--use-distributed-optimizer (ZeRO-1) and --zero-stage 3 conflict; "
+            "pass only one of them"
+        )
     return errors

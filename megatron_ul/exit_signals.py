@@ -8,13 +8,14 @@ only the standard library); with --exit-signal-handler training acts on the sign
 of the current iteration (training/exit.py: save, exit 0, the script requeues), without it the
 signal takes its default effect once the flags say so (``release_unless``).
 """
+
 from __future__ import annotations
 
 import signal
 import sys
 
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-_signal_received: str | None = None   # the name of the first exit signal received
+_signal_received: str | None = None  # the name of the first exit signal received
 
 
 def _remember_signal(signum, frame) -> None:
@@ -48,6 +49,9 @@ def release_unless(exit_signal_handler: bool) -> None:
         if signal.getsignal(sig) is _remember_signal:
             signal.signal(sig, signal.SIG_DFL)
     if _signal_received is not None:
-        print(f"{_signal_received} received during start-up (no --exit-signal-handler): "
-              f"exiting", file=sys.stderr, flush=True)
+        print(
+            f"{_signal_received} received during start-up (no --exit-signal-handler): exiting",
+            file=sys.stderr,
+            flush=True,
+        )
         signal.raise_signal(signal.Signals[_signal_received])

@@ -1,4 +1,5 @@
 """torch.distributed from torchrun or Slurm environment variables, the rank grid, and seeds."""
+
 from __future__ import annotations
 
 import datetime
@@ -60,17 +61,34 @@ def initialize_distributed(cfg: Config) -> tuple[torch.device, ParallelDims]:
             os.environ.setdefault("MASTER_PORT", str(free_port()))
         # device_id binds this rank's GPU to the group, so barriers and object collectives
         # (checkpoint saves) use it instead of guessing; CPU/gloo has nothing to bind.
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend,
+            rank=rank,
+            world_size=world,
+            timeout=timeout,
+            device_id=device if device.type == "cuda" else None,
+        )
     p = cfg.parallel
-    dims = ps.initialize_model_parallel(p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
-                                 p.pipeline_model_parallel_size, timeout=timeout,
-                                 context_parallel_size=p.context_parallel_size)
+    dims = ps.initialize_model_parallel(
+        p.tensor_model_parallel_size,
+        p.ds_sequence_parallel_size,
+        p.pipeline_model_parallel_size,
+        timeout=timeout,
+        context_parallel_size=p.context_parallel_size,
+    )
     model_parallel_seed(cfg.train.seed, dims, device.type)
     if rank == 0:
-        log.info("world %d = PP %d × DP %d × CP %d × SP %d × TP %d on %s (%s)", world,
-                 p.pipeline_model_parallel_size, p.data_parallel_size, p.context_parallel_size,
-                 p.ds_sequence_parallel_size, p.tensor_model_parallel_size, device, backend)
+        log.info(
+            "world %d = PP %d × DP %d × CP %d × SP %d × TP %d on %s (%s)",
+            world,
+            p.pipeline_model_parallel_size,
+            p.data_parallel_size,
+            p.context_parallel_size,
+            p.ds_sequence_parallel_size,
+            p.tensor_model_parallel_size,
+            device,
+            backend,
+        )
     return device, dims
 
 

@@ -4,6 +4,7 @@ Used by the multi-rank tests and the CPU benchmarks. A collective that never com
 through gloo's timeout; a rank that hangs anyway is killed when the whole run exceeds
 `timeout`, and the caller gets a RankFailure with what each rank reported.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -27,16 +28,22 @@ class RankFailure(RuntimeError):
 
 
 def _worker(rank: int, world: int, port: int, fn, args, queue, collective_timeout) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     try:
         # The parent's store is already listening on `port`: every rank joins as a client, so
         # no rank races another process for a port it was told is free.
-        store = dist.TCPStore("127.0.0.1", port, None, is_master=False,
-                              timeout=collective_timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=collective_timeout)
+        store = dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=collective_timeout)
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world, timeout=collective_timeout
+        )
         result = fn(rank, world, *args)
         # Send plain bytes: tensors put on the queue directly travel as shared-memory handles
         # that vanish if this process exits before the parent reads them.
@@ -50,8 +57,13 @@ def _worker(rank: int, world: int, port: int, fn, args, queue, collective_timeou
             dist.destroy_process_group()
 
 
-def run_on_local_ranks(fn, world: int, *args, timeout: float = 300.0,
-                       collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> list:
+def run_on_local_ranks(
+    fn,
+    world: int,
+    *args,
+    timeout: float = 300.0,
+    collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
+) -> list:
     """fn(rank, world, *args) on `world` spawned ranks; returns the results in rank order.
 
     fn must be a module-level function (it is pickled by reference) and returns something
@@ -60,12 +72,16 @@ def run_on_local_ranks(fn, world: int, *args, timeout: float = 300.0,
     queue = ctx.Queue()
     # Port 0: the kernel picks a port and the store keeps it bound for the whole run (picking a
     # free port and binding it later lost the race to another test now and then: EADDRINUSE).
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
-                          timeout=collective_timeout)
+    store = dist.TCPStore(
+        "127.0.0.1", 0, None, is_master=True, wait_for_workers=False, timeout=collective_timeout
+    )
     port = store.port
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world, port, fn, args, queue, collective_timeout))
-             for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_worker, daemon=True, args=(r, world, port, fn, args, queue, collective_timeout)
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results: dict[int, object] = {}
@@ -76,14 +92,19 @@ def run_on_local_ranks(fn, world: int, *args, timeout: float = 300.0,
             try:
                 rank, status, payload = queue.get(timeout=1.0)
             except queue_module.Empty:
-                dead = [r for r, p in enumerate(procs)
-                        if p.exitcode is not None and r not in results]
+                dead = [
+                    r for r, p in enumerate(procs) if p.exitcode is not None and r not in results
+                ]
                 if dead:
-                    errors.append(f"ranks {dead} died (exit codes "
-                                  f"{[procs[r].exitcode for r in dead]}) without reporting")
+                    errors.append(
+                        f"ranks {dead} died (exit codes "
+                        f"{[procs[r].exitcode for r in dead]}) without reporting"
+                    )
                 elif time.monotonic() > deadline:
-                    errors.append(f"distributed run timed out after {timeout}s; "
-                                  f"finished ranks: {sorted(results)}")
+                    errors.append(
+                        f"distributed run timed out after {timeout}s; "
+                        f"finished ranks: {sorted(results)}"
+                    )
                 continue
             if status == "ok":
                 results[rank] = torch.load(io.BytesIO(payload), weights_only=False)

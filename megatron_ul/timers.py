@@ -17,6 +17,7 @@ attributes every kernel to the phase that issued it, at the cost of that overlap
 the timers read the wall clock. A base module: it imports nothing from the package, so every
 layer may use it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,7 +38,7 @@ class Timers:
         self.device_sync = device_sync and self.cuda
         self.seconds: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
-        self._pending: deque = deque()     # (name, start event, end event), oldest first
+        self._pending: deque = deque()  # (name, start event, end event), oldest first
 
     @contextlib.contextmanager
     def _measure_wall(self, name: str):

@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
 "$PYTHON" -m ruff check .
+"$PYTHON" -m ruff format --check .   # `ruff format .` applies it
 "$PYTHON" -m mypy   # which packages and how strictly: [tool.mypy] in pyproject.toml

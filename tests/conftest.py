@@ -1,5 +1,6 @@
 """Shared pytest configuration: slow tests are opt-in (pytest.ini puts the repository root on
 the import path, so tests import megatron_ul, tools and tests without installing anything)."""
+
 import os
 import sys
 
@@ -9,8 +10,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def pytest_addoption(parser):
-    parser.addoption("--run-slow", action="store_true", default=False,
-                     help="also run tests marked slow (long layout matrices, benchmarks-as-checks)")
+    parser.addoption(
+        "--run-slow",
+        action="store_true",
+        default=False,
+        help="also run tests marked slow (long layout matrices, benchmarks-as-checks)",
+    )
 
 
 def pytest_configure(config):
@@ -36,11 +41,13 @@ def flash_attn_stand_in(monkeypatch):
     (megatron_ul.model.attention.FLASH_ON_CPU_ENV). Ranks spawned by run_on_local_ranks inherit
     both (spawn passes sys.path and the environment). Yields the stand-in module."""
     from megatron_ul.model.attention import FLASH_ON_CPU_ENV
+
     monkeypatch.syspath_prepend(STAND_INS)
     monkeypatch.setenv(FLASH_ON_CPU_ENV, "1")
     _forget_flash_attn()
     import flash_attn
     import flash_attn.flash_attn_interface  # noqa: F401 (registers its call counters)
+
     assert getattr(flash_attn, "IS_STAND_IN", False), flash_attn.__file__
     for name in flash_attn.calls:
         flash_attn.calls[name] = 0

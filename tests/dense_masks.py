@@ -1,5 +1,6 @@
 """Megatron's dense [b, 1, N, N] attention masks: O(N²) references for tests at small N. The
 package never builds one (documents travel as offsets, model/document_attention.py)."""
+
 import torch
 
 from megatron_ul.model.document_attention import DocumentMask

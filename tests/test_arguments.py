@@ -5,6 +5,7 @@ spelling, kind, type and choices; the Config that no flags give; and the Config 
 line setting every flag to a non-default value gives. New flags are allowed; none of the pinned
 ones may change.
 """
+
 import argparse
 import json
 import os
@@ -31,10 +32,12 @@ def flag_table(parser: argparse.ArgumentParser) -> dict:
             continue
         switch = a.nargs == 0
         for opt in a.option_strings:
-            table[opt] = {"switch": switch,
-                          "choices": None if a.choices is None else list(a.choices),
-                          "nargs": None if switch else a.nargs,
-                          "type": None if switch else getattr(a.type, "__name__", "str")}
+            table[opt] = {
+                "switch": switch,
+                "choices": None if a.choices is None else list(a.choices),
+                "nargs": None if switch else a.nargs,
+                "type": None if switch else getattr(a.type, "__name__", "str"),
+            }
     return table
 
 
@@ -71,8 +74,7 @@ def test_every_flag_sets_the_same_field_as_before(before):
 def test_parser_defaults_are_the_dataclass_defaults():
     """No default is written in the parser: absent flags keep the config's own values."""
     assert vars(build_parser().parse_args([])) == {}
-    assert parse_args([], world_size=1) == Config(
-        parallel=type(Config().parallel)(world_size=1))
+    assert parse_args([], world_size=1) == Config(parallel=type(Config().parallel)(world_size=1))
 
 
 def test_every_flag_has_help_and_one_field():
@@ -88,8 +90,10 @@ def test_every_flag_has_help_and_one_field():
 def test_num_query_groups_needs_group_query_attention():
     with pytest.raises(SystemExit):
         parse_args(["--num-query-groups", "2"])
-    assert parse_args(["--group-query-attention", "--num-query-groups", "2"]) \
-        .model.num_query_groups == 2
+    assert (
+        parse_args(["--group-query-attention", "--num-query-groups", "2"]).model.num_query_groups
+        == 2
+    )
     assert parse_args(["--group-query-attention"]).model.num_query_groups is None
 
 

@@ -2,6 +2,7 @@
 (docs/design.md, "The rank grid"). mpu/parallel_state.py builds that object and keeps nothing:
 it has no module-level getters and no module-level state, so there is no process-wide grid to
 reach for; nothing in the package, the tests or the tools uses anything else from it."""
+
 import ast
 import os
 
@@ -37,7 +38,7 @@ def _keeps_state(source: str) -> set[str]:
             try:
                 value = ast.literal_eval(node.value)
             except ValueError:
-                value = []      # not a literal: a call, a name, ...
+                value = []  # not a literal: a call, a name, ...
             if not isinstance(value, (tuple, str, int, float, frozenset)):
                 found |= {t.id for t in targets if isinstance(t, ast.Name)}
     return found
@@ -56,11 +57,13 @@ def _uses(path: str) -> set[str]:
             elif any(a.name == "parallel_state" for a in node.names):
                 aliases |= {a.asname or a.name for a in node.names if a.name == "parallel_state"}
         elif isinstance(node, ast.Import):
-            aliases |= {a.asname or a.name for a in node.names
-                        if a.name.endswith("parallel_state")}
+            aliases |= {a.asname or a.name for a in node.names if a.name.endswith("parallel_state")}
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                and node.value.id in aliases):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+        ):
             used.add(node.attr)
     return used
 
@@ -87,12 +90,14 @@ def test_nothing_uses_anything_else_from_parallel_state():
 
 def test_the_checks_see_a_getter_and_a_module_level_grid(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("from ..mpu import parallel_state as ps\n"
-                      "def f():\n    return ps.get_tensor_model_parallel_rank()\n")
+    module.write_text(
+        "from ..mpu import parallel_state as ps\n"
+        "def f():\n    return ps.get_tensor_model_parallel_rank()\n"
+    )
     assert _uses(str(module)) - API == {"get_tensor_model_parallel_rank"}
     with open(PARALLEL_STATE) as f:
         source = f.read()
-    reintroduced = (source + "\n_state = None\n\ndef get_parallel_dims():\n    return _state\n")
+    reintroduced = source + "\n_state = None\n\ndef get_parallel_dims():\n    return _state\n"
     assert _public_names(reintroduced) - API == {"get_parallel_dims"}
     assert _keeps_state(reintroduced) == {"_state"}
     assert _keeps_state(source + "\n_GROUPS = {}\n") == {"_GROUPS"}

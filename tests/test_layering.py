@@ -4,6 +4,7 @@ Each package area has a level; a module may import its own area and lower levels
 pipeline and optim, on one level, not each other). tools/ and tests/ sit on top and may import
 anything. A new area must be given a level here (docs/design.md explains the order).
 """
+
 import ast
 import os
 
@@ -11,14 +12,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "megatron_ul")
 
 LEVELS = {
-    "config": 0, "timers": 0,                 # plain data and tools every layer may use
-    "exit_signals": 0,                        # standard library only: installed first
-    "mpu": 1, "data": 1, "arguments": 1,      # parallel primitives; data; the command line
-    "model": 2, "initialize": 2,
-    "config_rules": 2, "config_files": 2,     # the checks of a config (they parse data flags)
-    "pipeline": 3, "optim": 3,
+    "config": 0,
+    "timers": 0,  # plain data and tools every layer may use
+    "exit_signals": 0,  # standard library only: installed first
+    "mpu": 1,
+    "data": 1,
+    "arguments": 1,  # parallel primitives; data; the command line
+    "model": 2,
+    "initialize": 2,
+    "config_rules": 2,
+    "config_files": 2,  # the checks of a config (they parse data flags)
+    "pipeline": 3,
+    "optim": 3,
     "checkpoint": 4,
-    "training": 5, "inference": 5, "local_ranks": 5,
+    "training": 5,
+    "inference": 5,
+    "local_ranks": 5,
 }
 
 
@@ -41,14 +50,16 @@ def imports():
                 tree = ast.parse(f.read())
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and node.level:
-                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
                     yield module, ".".join(base + ([node.module] if node.module else []))
                 elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
-                        "megatron_ul"):
+                    "megatron_ul"
+                ):
                     yield module, node.module
                 elif isinstance(node, ast.Import):
-                    yield from ((module, a.name) for a in node.names
-                                if a.name.startswith("megatron_ul"))
+                    yield from (
+                        (module, a.name) for a in node.names if a.name.startswith("megatron_ul")
+                    )
 
 
 def test_every_area_has_a_level():
@@ -57,7 +68,9 @@ def test_every_area_has_a_level():
 
 
 def test_no_import_runs_back_up():
-    upward = sorted(f"{m} -> {t}" for m, t in imports()
-                    if area(t) and area(m) and area(m) != area(t)
-                    and LEVELS[area(t)] >= LEVELS[area(m)])
+    upward = sorted(
+        f"{m} -> {t}"
+        for m, t in imports()
+        if area(t) and area(m) and area(m) != area(t) and LEVELS[area(t)] >= LEVELS[area(m)]
+    )
     assert upward == []

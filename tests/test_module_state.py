@@ -3,6 +3,7 @@ hands around is listed here with the reason it is module-level (docs/design.md, 
 kind of state lives"). A new global, cache or registry makes this test fail until it is either
 turned into something that is handed over (the ParallelDims, the Timers, the model) or added
 here with its reason, and the design page says why."""
+
 import ast
 import os
 
@@ -10,38 +11,76 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(ROOT, "megatron_ul")
 
 PINNED = {
-    ("mpu/random.py", "_TRACKER"):
-        "named states of torch's default generator, itself one per process; seeded from the "
-        "ParallelDims it is handed, saved in checkpoints",
-    ("mpu/comm_stats.py", "_counts"):
-        "byte counter, None unless a benchmark opens `with count_communication()`; restored "
-        "when the block ends",
-    ("model/ring_attention.py", "_times"):
-        "ring time split, None unless a benchmark opens `with measure_ring_time()`",
+    (
+        "mpu/random.py",
+        "_TRACKER",
+    ): "named states of torch's default generator, itself one per process; seeded from the "
+    "ParallelDims it is handed, saved in checkpoints",
+    (
+        "mpu/comm_stats.py",
+        "_counts",
+    ): "byte counter, None unless a benchmark opens `with count_communication()`; restored "
+    "when the block ends",
+    (
+        "model/ring_attention.py",
+        "_times",
+    ): "ring time split, None unless a benchmark opens `with measure_ring_time()`",
     ("model/attention.py", "_announced"): "log lines said once per process",
     ("model/norms.py", "_announced"): "log lines said once per process",
-    ("exit_signals.py", "_signal_received"):
-        "set by the SIGTERM/SIGUSR1 handler; signal handlers are per process",
-    ("checkpoint/files.py", "_held_locks"):
-        "this process's flock on each save directory (the lock belongs to the process)",
-    ("training/data.py", "_RESOLVED_TOKENIZERS"):
-        "tokenizers configure() built, keyed by the flags that define them, so building again "
-        "from the resolved config does not shift NullTokenizer's EOD",
-    ("checkpoint/io.py", "last_load_report"):
-        "what this process's last torch_dist load read (a measurement tests and benchmarks "
-        "read after a run; nothing in the package reads it)",
-    ("mpu/param_init.py", "_deferred"):
-        "True only inside `with deferred()` (ZeRO-3's meta build, materialised after "
-        "sharding); restored when the block ends",
+    (
+        "exit_signals.py",
+        "_signal_received",
+    ): "set by the SIGTERM/SIGUSR1 handler; signal handlers are per process",
+    (
+        "checkpoint/files.py",
+        "_held_locks",
+    ): "this process's flock on each save directory (the lock belongs to the process)",
+    (
+        "training/data.py",
+        "_RESOLVED_TOKENIZERS",
+    ): "tokenizers configure() built, keyed by the flags that define them, so building again "
+    "from the resolved config does not shift NullTokenizer's EOD",
+    (
+        "checkpoint/io.py",
+        "last_load_report",
+    ): "what this process's last torch_dist load read (a measurement tests and benchmarks "
+    "read after a run; nothing in the package reads it)",
+    (
+        "mpu/param_init.py",
+        "_deferred",
+    ): "True only inside `with deferred()` (ZeRO-3's meta build, materialised after "
+    "sharding); restored when the block ends",
     ("timers.py", "NO_TIMERS"): "the shared do-nothing Timers (log level 0 records nothing)",
-    **{("model/lse_kernels.py", name): "a frozen descriptor of one unit kernel (immutable)"
-       for name in ("CPU_FLASH", "FLASH_ATTN", "SDPA_EFFICIENT", "REFERENCE")},
+    **{
+        ("model/lse_kernels.py", name): "a frozen descriptor of one unit kernel (immutable)"
+        for name in ("CPU_FLASH", "FLASH_ATTN", "SDPA_EFFICIENT", "REFERENCE")
+    },
 }
 
-_CONTAINER_CALLS = {"set", "dict", "list", "defaultdict", "OrderedDict", "deque", "Counter",
-                    "bytearray"}
-_MUTATORS = {"add", "append", "extend", "update", "setdefault", "pop", "popitem", "clear",
-             "remove", "discard", "insert", "__setitem__"}
+_CONTAINER_CALLS = {
+    "set",
+    "dict",
+    "list",
+    "defaultdict",
+    "OrderedDict",
+    "deque",
+    "Counter",
+    "bytearray",
+}
+_MUTATORS = {
+    "add",
+    "append",
+    "extend",
+    "update",
+    "setdefault",
+    "pop",
+    "popitem",
+    "clear",
+    "remove",
+    "discard",
+    "insert",
+    "__setitem__",
+}
 
 
 def _is_constant_name(name: str) -> bool:
@@ -56,17 +95,25 @@ def _mutated_names(tree: ast.AST) -> set[str]:
         if isinstance(node, ast.Name):
             return node.id
         return node.attr if isinstance(node, ast.Attribute) else None
+
     for node in ast.walk(tree):
-        targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete))
-                   else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign))
-                   else [])
+        targets = (
+            node.targets
+            if isinstance(node, (ast.Assign, ast.Delete))
+            else [node.target]
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
         for t in targets:
             if isinstance(t, ast.Subscript):
                 out.add(receiver(t.value))
             elif isinstance(node, ast.AugAssign):
                 out.add(receiver(t))
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and node.func.attr in _MUTATORS):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in _MUTATORS
+        ):
             out.add(receiver(node.func.value))
     return out - {None}
 
@@ -90,16 +137,24 @@ def module_state(source: str, package_classes: set[str], mutated: set[str]) -> s
                 continue
             name = target.id
             call = value.func if isinstance(value, ast.Call) else None
-            called = (call.id if isinstance(call, ast.Name)
-                      else call.attr if isinstance(call, ast.Attribute) else None)
-            container = (isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp,
-                                            ast.DictComp, ast.SetComp))
-                         or called in _CONTAINER_CALLS)
+            called = (
+                call.id
+                if isinstance(call, ast.Name)
+                else call.attr
+                if isinstance(call, ast.Attribute)
+                else None
+            )
+            container = (
+                isinstance(
+                    value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)
+                )
+                or called in _CONTAINER_CALLS
+            )
             if name in rebound or called in package_classes:
                 found.add(name)
             elif container and not (_is_constant_name(name) and name not in mutated):
                 found.add(name)
-    return found | rebound   # a global first bound inside a function counts too
+    return found | rebound  # a global first bound inside a function counts too
 
 
 def _sources() -> dict[str, str]:
@@ -118,22 +173,25 @@ def package_state() -> set[tuple[str, str]]:
     trees = {rel: ast.parse(src) for rel, src in sources.items()}
     classes = {c.name for t in trees.values() for c in ast.walk(t) if isinstance(c, ast.ClassDef)}
     mutated = set().union(*(_mutated_names(t) for t in trees.values()))
-    return {(rel, name) for rel, src in sources.items()
-            for name in module_state(src, classes, mutated)}
+    return {
+        (rel, name) for rel, src in sources.items() for name in module_state(src, classes, mutated)
+    }
 
 
 def test_module_level_state_is_pinned():
     found = package_state()
     assert found - set(PINNED) == set(), (
         "new module-level state: hand it over (ParallelDims, Timers, the model) or pin it "
-        f"here with its reason and in docs/design.md: {sorted(found - set(PINNED))}")
+        f"here with its reason and in docs/design.md: {sorted(found - set(PINNED))}"
+    )
     assert set(PINNED) - found == set(), f"gone, drop from PINNED: {sorted(set(PINNED) - found)}"
 
 
 def test_the_scan_sees_globals_registries_and_holders():
-    source = ("_AXES = ('tp', 'sp')\nTABLE = {'a': 1}\nCACHE = {}\n_groups = {}\n"
-              "_state = None\n_holder = Holder()\nlog = logging.getLogger(__name__)\n"
-              "def init(dims):\n    global _state\n    _state = dims\n    CACHE['x'] = 1\n")
+    source = (
+        "_AXES = ('tp', 'sp')\nTABLE = {'a': 1}\nCACHE = {}\n_groups = {}\n"
+        "_state = None\n_holder = Holder()\nlog = logging.getLogger(__name__)\n"
+        "def init(dims):\n    global _state\n    _state = dims\n    CACHE['x'] = 1\n"
+    )
     mutated = _mutated_names(ast.parse(source))
-    assert module_state(source, {"Holder"}, mutated) == {"CACHE", "_groups", "_state",
-                                                         "_holder"}
+    assert module_state(source, {"Holder"}, mutated) == {"CACHE", "_groups", "_state", "_holder"}

@@ -1,4 +1,5 @@
 """The repository is a package: installable, importable without path hacks, tools run as modules."""
+
 import importlib
 import os
 import pkgutil
@@ -23,8 +24,11 @@ def python_files():
 
 def test_no_sys_path_manipulation():
     pattern = re.compile(r"sys\.path\.(insert|append|extend)|sys\.path\s*=|site\.addsitedir")
-    offenders = [os.path.relpath(p, ROOT) for p in python_files()
-                 if p != os.path.abspath(__file__) and pattern.search(open(p).read())]
+    offenders = [
+        os.path.relpath(p, ROOT)
+        for p in python_files()
+        if p != os.path.abspath(__file__) and pattern.search(open(p).read())
+    ]
     assert offenders == [], "run tools as `python -m tools.NAME` (or pip install -e .) instead"
 
 
@@ -41,15 +45,18 @@ def test_pyproject_reads_existing_requirement_lists():
         project = tomllib.load(f)
     dynamic = project["tool"]["setuptools"]["dynamic"]
     files = dynamic["dependencies"]["file"] + [
-        name for extra in dynamic["optional-dependencies"].values() for name in extra["file"]]
+        name for extra in dynamic["optional-dependencies"].values() for name in extra["file"]
+    ]
     assert set(dynamic["optional-dependencies"]) >= {"hf", "data", "dev"}
     for name in files:
         with open(os.path.join(ROOT, name)) as f:  # pip options would break pyproject's reading
             assert all(not line.startswith("-") for line in f), name
 
 
-@pytest.mark.parametrize("module", sorted(
-    m.name for m in pkgutil.walk_packages([os.path.join(ROOT, "tools")], prefix="tools.")))
+@pytest.mark.parametrize(
+    "module",
+    sorted(m.name for m in pkgutil.walk_packages([os.path.join(ROOT, "tools")], prefix="tools.")),
+)
 def test_every_tool_imports_as_a_module(module):
     tool = importlib.import_module(module)
     assert tool.__doc__, f"{module}: say in a docstring what it does and how to run it"
@@ -62,9 +69,12 @@ def _script_tools() -> list[str]:
     for path in python_files():
         rel = os.path.relpath(path, ROOT)
         text = open(path).read()
-        if (rel.startswith("tools") and "__main__" in text
-                and re.search(r"^(from|import) megatron_ul\b", text, re.M)
-                and not re.search(r"^(from|import) tools\b", text, re.M)):
+        if (
+            rel.startswith("tools")
+            and "__main__" in text
+            and re.search(r"^(from|import) megatron_ul\b", text, re.M)
+            and not re.search(r"^(from|import) tools\b", text, re.M)
+        ):
             found.append(rel)
     return sorted(found)
 
@@ -73,8 +83,9 @@ def _run(args: list[str], cwd, pythonpath: str | None):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     if pythonpath is not None:
         env["PYTHONPATH"] = pythonpath
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_script_tools_without_the_package_say_what_to_run(tmp_path):

@@ -7,6 +7,7 @@
 Greedy unless --top-k or --top-p is given. Without --tokenizer-type the tokenizer recorded in
 the checkpoint's arguments is used; NullTokenizer prompts are whitespace-separated ids.
 """
+
 import argparse
 import os
 import sys
@@ -46,8 +47,11 @@ def _saved_data_args(load_dir: str) -> dict:
     iter_dir = files.find_iteration_dir(load_dir, iteration)
     meta = files.read_metadata(iter_dir)
     # torch_dist keeps the arguments in its common file, the torch format in every shard.
-    path = (os.path.join(iter_dir, files.COMMON_FILE) if meta.get("storage") == "torch_dist"
-            else files.model_file(iter_dir, 0, 0, meta["layout"]["pp"]))
+    path = (
+        os.path.join(iter_dir, files.COMMON_FILE)
+        if meta.get("storage") == "torch_dist"
+        else files.model_file(iter_dir, 0, 0, meta["layout"]["pp"])
+    )
     payload = files.load_torch(path, "saved arguments", files.expected_record(meta, iter_dir, path))
     return payload.get("args", {}).get("data", {})
 
@@ -55,25 +59,36 @@ def _saved_data_args(load_dir: str) -> dict:
 def _tokenizer(a, model):
     saved = _saved_data_args(a.load) if a.tokenizer_type is None else {}
     kind = a.tokenizer_type or saved.get("tokenizer_type") or "NullTokenizer"
-    return build_tokenizer(kind, vocab_file=a.vocab_file or saved.get("vocab_file"),
-                           merge_file=a.merge_file or saved.get("merge_file"),
-                           tokenizer_model=a.tokenizer_model or saved.get("tokenizer_model"),
-                           # NullTokenizer --vocab-size N trains a vocabulary of N + 1 (EOD = N).
-                           vocab_size=model.cfg.vocab_size - (kind == "NullTokenizer"))
+    return build_tokenizer(
+        kind,
+        vocab_file=a.vocab_file or saved.get("vocab_file"),
+        merge_file=a.merge_file or saved.get("merge_file"),
+        tokenizer_model=a.tokenizer_model or saved.get("tokenizer_model"),
+        # NullTokenizer --vocab-size N trains a vocabulary of N + 1 (EOD = N).
+        vocab_size=model.cfg.vocab_size - (kind == "NullTokenizer"),
+    )
 
 
 def main(argv=None) -> int:
     a = parse(argv)
     from megatron_ul.config import Config
     from megatron_ul.initialize import initialize_distributed
+
     try:
-        initialize_distributed(Config())           # one process: TP1 / PP1 parallel state
+        initialize_distributed(Config())  # one process: TP1 / PP1 parallel state
         model = load_for_generation(a.load)
         tokenizer = _tokenizer(a, model)
         prompt = tokenizer.tokenize(a.prompt)
-        new = generate(model, prompt, a.max_new_tokens, top_k=a.top_k,
-                       top_p=a.top_p, temperature=a.temperature, eod=tokenizer.eod,
-                       generator=torch.Generator().manual_seed(a.seed))
+        new = generate(
+            model,
+            prompt,
+            a.max_new_tokens,
+            top_k=a.top_k,
+            top_p=a.top_p,
+            temperature=a.temperature,
+            eod=tokenizer.eod,
+            generator=torch.Generator().manual_seed(a.seed),
+        )
     except (CheckpointError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -13,6 +13,7 @@ until every rank's output and gradients are bitwise those of the previous pass: 
 the ring's exact result, since each message then equals what the real ring would carry.
 A last pass replays the fixpoint's messages without recording, to time each rank and measure
 its memory alone. Communication itself is not exercised (one GPU cannot show it)."""
+
 from __future__ import annotations
 
 import time
@@ -29,9 +30,9 @@ from megatron_ul.model.ring_attention import Ring
 from megatron_ul.model.ulysses import DistributedAttention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
-HALF_OUT_TOLERANCE = 2e-2    # as tests/model/test_ring_attention.py (bf16)
-HALF_GRAD_TOLERANCE = 5e-2   # as tests/model/test_document_attention.py (bf16 gradients)
-FP32_TOLERANCE = 1e-5        # the project's fp32 bar
+HALF_OUT_TOLERANCE = 2e-2  # as tests/model/test_ring_attention.py (bf16)
+HALF_GRAD_TOLERANCE = 5e-2  # as tests/model/test_document_attention.py (bf16 gradients)
+FP32_TOLERANCE = 1e-5  # the project's fp32 bar
 MIB = 2**20
 
 
@@ -43,7 +44,7 @@ class Case:
     kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    documents: int = 0           # documents in the sequence (0: none)
+    documents: int = 0  # documents in the sequence (0: none)
     window: Optional[int] = None
 
     def bounds(self) -> tuple[float, float]:
@@ -59,12 +60,16 @@ def inputs(case: Case, device: str, seed: int = 0):
     tracker.reset(device)
     tracker.add(MODEL_PARALLEL_RNG, seed + 2718)
     g = torch.Generator(device="cpu").manual_seed(seed)
-    shapes = [(case.seq, 1, case.heads, case.head_dim), (case.seq, 1, case.kv_heads, case.head_dim),
-              (case.seq, 1, case.kv_heads, case.head_dim), (case.seq, 1, case.heads, case.head_dim)]
+    shapes = [
+        (case.seq, 1, case.heads, case.head_dim),
+        (case.seq, 1, case.kv_heads, case.head_dim),
+        (case.seq, 1, case.kv_heads, case.head_dim),
+        (case.seq, 1, case.heads, case.head_dim),
+    ]
     q, k, v, dout = (torch.randn(s, generator=g).to(device, case.dtype) for s in shapes)
     documents = None
     if case.documents > 1:
-        starts = torch.randperm(case.seq - 1, generator=g)[:case.documents - 1] + 1
+        starts = torch.randperm(case.seq - 1, generator=g)[: case.documents - 1] + 1
         cu = torch.cat([torch.tensor([0]), starts.sort().values, torch.tensor([case.seq])])
         documents = DocumentMask(cu.to(device, torch.int32), 1)
     return q, k, v, dout, documents
@@ -85,7 +90,7 @@ def dense_reference(q, k, v, dout, documents: Optional[DocumentMask], window: Op
         doc[documents.cu_seqlens[1:-1].long()] = 1
         doc = doc.cumsum(0)
         allowed &= doc.unsqueeze(1) == doc.unsqueeze(0)
-    scores = torch.einsum("qbhd,kbhd->bhqk", q64, kk) / d ** 0.5
+    scores = torch.einsum("qbhd,kbhd->bhqk", q64, kk) / d**0.5
     probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
     out = torch.einsum("bhqk,kbhd->qbhd", probs, vv)
     out.backward(dout.double())
@@ -105,9 +110,9 @@ def _sync(device: str) -> None:
 
 @dataclass
 class Measured:
-    results: tuple            # out, dq, dk, dv
+    results: tuple  # out, dq, dk, dv
     seconds: float
-    working_mib: Optional[float]   # CUDA: peak allocated above what was allocated before
+    working_mib: Optional[float]  # CUDA: peak allocated above what was allocated before
 
 
 def fused_kernels_only(device: str):
@@ -116,12 +121,15 @@ def fused_kernels_only(device: str):
     if device != "cuda":
         return nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                        SDPBackend.CUDNN_ATTENTION])
+
+    return sdpa_kernel(
+        [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+    )
 
 
-def forward_backward(core, q, k, v, dout, documents, device: str,
-                     fused_only: bool = True) -> Measured:
+def forward_backward(
+    core, q, k, v, dout, documents, device: str, fused_only: bool = True
+) -> Measured:
     """One forward + backward of an attention core on leaf copies of q, k, v (on CUDA with
     SDPA's math kernel refused unless fused_only is False)."""
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -139,8 +147,9 @@ def forward_backward(core, q, k, v, dout, documents, device: str,
     return Measured((out.detach(), *(t.grad for t in leaves)), seconds, working)
 
 
-def one_device(case: Case, q, k, v, dout, documents, device: str, repeats: int = 2,
-               fused_only: bool = True) -> Measured:
+def one_device(
+    case: Case, q, k, v, dout, documents, device: str, repeats: int = 2, fused_only: bool = True
+) -> Measured:
     """The attention core on one device (no Ulysses, no ring); the last of `repeats` runs."""
     core = DistributedAttention(1, "sdpa", None, window=case.window)
     for _ in range(repeats):
@@ -150,8 +159,16 @@ def one_device(case: Case, q, k, v, dout, documents, device: str, repeats: int =
 
 def kernel_of(case: Case, device: str, ring: bool = False) -> str:
     """The kernel attention_dispatch decides for the case (what the row ran, for its note)."""
-    call = AttentionCall(torch.device(device), case.dtype, case.head_dim, case.heads,
-                         case.kv_heads, case.documents > 0, case.window, ring)
+    call = AttentionCall(
+        torch.device(device),
+        case.dtype,
+        case.head_dim,
+        case.heads,
+        case.kv_heads,
+        case.documents > 0,
+        case.window,
+        ring,
+    )
     return attention_kernel(call)
 
 
@@ -194,15 +211,17 @@ class VirtualLinks:
             self.current[rank].append(send.detach().clone())
         index = self.received[rank]
         self.received[rank] += 1
-        source = self.current[prev] if prev in self.finished and not self.replay \
-            else self.previous[prev]
+        source = (
+            self.current[prev] if prev in self.finished and not self.replay else self.previous[prev]
+        )
         if index < len(source):
             message = source[index]
             if message.shape != recv.shape or message.dtype != recv.dtype:
                 raise RuntimeError(
                     f"virtual ring: rank {rank}'s receive #{index} from rank {prev} is "
                     f"{tuple(recv.shape)} {recv.dtype}, the matching send was "
-                    f"{tuple(message.shape)} {message.dtype} (messages match in issue order)")
+                    f"{tuple(message.shape)} {message.dtype} (messages match in issue order)"
+                )
             recv.copy_(message)
         else:
             recv.zero_()
@@ -212,6 +231,7 @@ class VirtualLinks:
 @dataclass(frozen=True)
 class VirtualRing(Ring):
     """A Ring whose exchange goes through VirtualLinks instead of a process group."""
+
     links: Any = None
 
     def start_shift(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
@@ -224,11 +244,11 @@ def _same(a, b) -> bool:
 
 @dataclass
 class RingRun:
-    results: tuple          # out, dq, dk, dv over the full sequence (scattered back)
+    results: tuple  # out, dq, dk, dv over the full sequence (scattered back)
     passes: int
     converged: bool
-    seconds: float          # slowest rank, forward + backward
-    working_mib: Optional[float]   # largest rank's, CUDA only
+    seconds: float  # slowest rank, forward + backward
+    working_mib: Optional[float]  # largest rank's, CUDA only
 
 
 def virtual_ring(case: Case, size: int, q, k, v, dout, documents, device: str) -> RingRun:
@@ -239,12 +259,17 @@ def virtual_ring(case: Case, size: int, q, k, v, dout, documents, device: str) -
     def one_pass():
         per_rank = []
         for r in range(size):
-            ring = VirtualRing(group=None, rank=r, size=size, next_rank=(r + 1) % size,
-                               prev_rank=(r - 1) % size, links=links)
+            ring = VirtualRing(
+                group=None,
+                rank=r,
+                size=size,
+                next_rank=(r + 1) % size,
+                prev_rank=(r - 1) % size,
+                links=links,
+            )
             core = DistributedAttention(1, "sdpa", None, window=case.window, ring=ring)
             p = positions[r]
-            per_rank.append(forward_backward(core, q[p], k[p], v[p], dout[p], documents,
-                                             device))
+            per_rank.append(forward_backward(core, q[p], k[p], v[p], dout[p], documents, device))
             links.finished.add(r)
         return per_rank
 
@@ -253,8 +278,9 @@ def virtual_ring(case: Case, size: int, q, k, v, dout, documents, device: str) -
         links.new_pass()
         runs = one_pass()
         passes += 1
-        converged = previous is not None and _same([m.results for m in runs],
-                                                   [m.results for m in previous])
+        converged = previous is not None and _same(
+            [m.results for m in runs], [m.results for m in previous]
+        )
         previous = runs
     links.new_pass(replay=True)
     runs = one_pass()
@@ -266,5 +292,10 @@ def virtual_ring(case: Case, size: int, q, k, v, dout, documents, device: str) -
         for buffer, grad in zip(full, m.results[1:]):
             buffer[p] = grad
     working = [m.working_mib for m in runs]
-    return RingRun((out, *full), passes, converged, max(m.seconds for m in runs),
-                   max(working) if working[0] is not None else None)
+    return RingRun(
+        (out, *full),
+        passes,
+        converged,
+        max(m.seconds for m in runs),
+        max(working) if working[0] is not None else None,
+    )

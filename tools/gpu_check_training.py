@@ -1,6 +1,7 @@
 """The GPU check's training sections: whole training runs through pretrain_gpt.py's own
 configure/setup/train (precision, activation offload, torch_dist async save and resume, fused
 AdamW, compiled layers, documents at 128K tokens, a 1.3B GPT's speed and memory)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,29 +17,59 @@ from megatron_ul.model import attention
 from megatron_ul.training.memory_estimator import GiB, estimate_config
 from megatron_ul.training.metrics import flops_per_token, peak_tflops
 from megatron_ul.training.pretrain import configure, setup
-from tools.gpu_check_runner import (FP32_LOSS_TOLERANCE, HALF_PRECISION_LOSS_TOLERANCE,
-                                    MEMORY_BOUND, Check, Mode, gib, peak_gib,
-                                    peak_reset, release, verdict)
+from tools.gpu_check_runner import (
+    FP32_LOSS_TOLERANCE,
+    HALF_PRECISION_LOSS_TOLERANCE,
+    MEMORY_BOUND,
+    Check,
+    Mode,
+    gib,
+    peak_gib,
+    peak_reset,
+    release,
+    verdict,
+)
 
-COMMON = ["--mock-data", "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "42",
-          "--log-interval", "1000000", "--lr", "1e-3", "--lr-warmup-iters", "1",
-          "--min-lr", "1e-4", "--adam-eps", "1e-6"]
-LLAMA = ["--group-query-attention", "--position-embedding-type", "rope",
-         "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-         "--untie-embeddings-and-output-weights"]
-
-
+COMMON = [
+    "--mock-data",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--seed",
+    "42",
+    "--log-interval",
+    "1000000",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--min-lr",
+    "1e-4",
+    "--adam-eps",
+    "1e-6",
+]
+LLAMA = [
+    "--group-query-attention",
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+]
 
 
 @dataclass
 class TrainRun:
     losses: list
-    seconds: list            # per timed iteration (the first includes any compilation)
+    seconds: list  # per timed iteration (the first includes any compilation)
     peak_gib: Optional[float]
     estimate_gib: float
     init_seconds: float
-    params: list             # final parameters (when asked for)
-    optimizer_state: dict    # final optimizer state_dict (when asked for)
+    params: list  # final parameters (when asked for)
+    optimizer_state: dict  # final optimizer state_dict (when asked for)
     scaler: object
     trainer_cfg: object
 
@@ -53,8 +84,13 @@ def _timed(batches: Iterator, device: str, stamps: list) -> Iterator:
         yield batch
 
 
-def train_run(argv: list, device: str, batches: Optional[Iterator] = None,
-              keep_state: bool = False, sdpa_flash: bool = False) -> TrainRun:
+def train_run(
+    argv: list,
+    device: str,
+    batches: Optional[Iterator] = None,
+    keep_state: bool = False,
+    sdpa_flash: bool = False,
+) -> TrainRun:
     """Train with pretrain_gpt.py's flags (the real loop: whatever --bf16 or --fused-layers
     mean today), optionally on our own batches; time each iteration."""
     cfg = configure(argv, world_size=1)
@@ -63,8 +99,9 @@ def train_run(argv: list, device: str, batches: Optional[Iterator] = None,
     trainer = setup(cfg)
     init_seconds = time.perf_counter() - start
     stamps: list = []
-    trainer.train_batches = _timed(batches if batches is not None else trainer.train_batches,
-                                   device, stamps)
+    trainer.train_batches = _timed(
+        batches if batches is not None else trainer.train_batches, device, stamps
+    )
     peak_reset(device)
     try:
         with _sdpa_flash_kernel(device) if sdpa_flash else contextlib.nullcontext():
@@ -75,9 +112,17 @@ def train_run(argv: list, device: str, batches: Optional[Iterator] = None,
         peak = peak_gib(device)
         params = [p.detach().clone() for p in trainer.model.parameters()] if keep_state else []
         state = _cloned(trainer.optimizer.state_dict()) if keep_state else {}
-        return TrainRun(losses, [b - a for a, b in zip(stamps, stamps[1:])], peak,
-                        estimate_config(cfg).total_bytes / GiB, init_seconds, params, state,
-                        trainer.grad_scaler, cfg)
+        return TrainRun(
+            losses,
+            [b - a for a, b in zip(stamps, stamps[1:])],
+            peak,
+            estimate_config(cfg).total_bytes / GiB,
+            init_seconds,
+            params,
+            state,
+            trainer.grad_scaler,
+            cfg,
+        )
     finally:
         del trainer
         release()
@@ -97,8 +142,11 @@ def _tensors_equal(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b.to(a.device))
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(
-            _tensors_equal(a[k], b[k]) for k in a)
+        return (
+            isinstance(b, dict)
+            and a.keys() == b.keys()
+            and all(_tensors_equal(a[k], b[k]) for k in a)
+        )
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b))
     return a == b
@@ -111,13 +159,13 @@ def _sdpa_flash_kernel(device: str):
         yield
         return
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
         yield
 
 
 def _max_diff(a: list, b: list) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
-
 
 
 @contextlib.contextmanager
@@ -129,6 +177,7 @@ def _counting_flash_attn_calls(counter: list):
     def counted(*args, **kwargs):
         counter[0] += 1
         return original(*args, **kwargs)
+
     module.flash_attn_func = counted
     try:
         yield
@@ -148,8 +197,11 @@ def precision_rows(check: Check):
         return [name, f"{diff:.2e}", bound, verdict(ok), note]
 
     run = train_run(base + ["--bf16"], mode.device, sdpa_flash=True)
-    yield against_fp32("bf16, torch SDPA flash kernel vs fp32", run.losses,
-                       "SDPA forced to FLASH_ATTENTION" if mode.device == "cuda" else "CPU SDPA")
+    yield against_fp32(
+        "bf16, torch SDPA flash kernel vs fp32",
+        run.losses,
+        "SDPA forced to FLASH_ATTENTION" if mode.device == "cuda" else "CPU SDPA",
+    )
     why_not = attention.flash_attn_refusal(torch.device(mode.device), torch.bfloat16)
     if why_not is not None:
         yield ["bf16, flash-attn 2 vs fp32", "-", bound, "SKIP", why_not]
@@ -157,34 +209,67 @@ def precision_rows(check: Check):
         calls = [0]
         with _counting_flash_attn_calls(calls):
             run = train_run(base + ["--bf16", "--use-flash-attn"], mode.device)
-        row = against_fp32("bf16, flash-attn 2 vs fp32", run.losses,
-                           f"{calls[0]} flash_attn_func calls")
+        row = against_fp32(
+            "bf16, flash-attn 2 vs fp32", run.losses, f"{calls[0]} flash_attn_func calls"
+        )
         if calls[0] == 0:
             row[3] = "FAIL"
         yield row
     run = train_run(base + ["--fp16", "--initial-loss-scale", "4096"], mode.device)
-    yield against_fp32("fp16 + dynamic loss scaling vs fp32", run.losses,
-                       f"final scale {run.scaler.scale:g}, {run.scaler.skipped_steps} skipped")
-    run = train_run(base + ["--fp16", "--initial-loss-scale", str(2.0 ** 120), "--hysteresis",
-                            "1", "--train-iters", "2"], mode.device)
-    ok = run.scaler.skipped_steps == 2 and run.scaler.scale == 2.0 ** 118
-    yield ["fp16 overflow: loss scale 2^120 for 2 steps", f"{run.scaler.skipped_steps} skipped",
-           "2 skipped, scale 2^118", verdict(ok), ""]
+    yield against_fp32(
+        "fp16 + dynamic loss scaling vs fp32",
+        run.losses,
+        f"final scale {run.scaler.scale:g}, {run.scaler.skipped_steps} skipped",
+    )
+    run = train_run(
+        base
+        + [
+            "--fp16",
+            "--initial-loss-scale",
+            str(2.0**120),
+            "--hysteresis",
+            "1",
+            "--train-iters",
+            "2",
+        ],
+        mode.device,
+    )
+    ok = run.scaler.skipped_steps == 2 and run.scaler.scale == 2.0**118
+    yield [
+        "fp16 overflow: loss scale 2^120 for 2 steps",
+        f"{run.scaler.skipped_steps} skipped",
+        "2 skipped, scale 2^118",
+        verdict(ok),
+        "",
+    ]
 
 
 def offload_rows(check: Check):
     mode = check.mode
-    base = COMMON + LLAMA + mode.small + mode.offload_model + [
-        "--train-iters", "3", "--bf16", "--recompute-granularity", "full",
-        "--recompute-method", "uniform"]
+    base = (
+        COMMON
+        + LLAMA
+        + mode.small
+        + mode.offload_model
+        + [
+            "--train-iters",
+            "3",
+            "--bf16",
+            "--recompute-granularity",
+            "full",
+            "--recompute-method",
+            "uniform",
+        ]
+    )
     with _deterministic():
         plain = train_run(base, mode.device, keep_state=True)
         check.need(15, "the offloaded run")
-        offload = train_run(base + ["--activation-checkpoint-cpu-offload"], mode.device,
-                            keep_state=True)
+        offload = train_run(
+            base + ["--activation-checkpoint-cpu-offload"], mode.device, keep_state=True
+        )
         same = offload.losses == plain.losses and _tensors_equal(offload.params, plain.params)
         status, why = verdict(same), "3 bf16 steps; losses and parameters compared"
-        if not same:   # is it the offload, or kernels that differ from run to run?
+        if not same:  # is it the offload, or kernels that differ from run to run?
             again = train_run(base, mode.device, keep_state=True)
             if not _tensors_equal(again.params, plain.params):
                 status = "SKIP"
@@ -192,33 +277,51 @@ def offload_rows(check: Check):
     where = "pinned host memory, side stream" if mode.device == "cuda" else "CPU: no copy"
     runs = (("full recompute", plain), ("+ --activation-checkpoint-cpu-offload", offload))
     for name, run in runs:
-        yield [name, f"{sum(run.seconds[1:]) / max(len(run.seconds) - 1, 1):.3f}",
-               gib(run.peak_gib), "bitwise", status, where if run is offload else why]
+        yield [
+            name,
+            f"{sum(run.seconds[1:]) / max(len(run.seconds) - 1, 1):.3f}",
+            gib(run.peak_gib),
+            "bitwise",
+            status,
+            where if run is offload else why,
+        ]
 
 
 def checkpoint_rows(check: Check):
     mode = check.mode
     base = COMMON + LLAMA + mode.small + ["--train-iters", "4", "--ckpt-format", "torch_dist"]
     with tempfile.TemporaryDirectory(prefix="gpu_check_ckpt_") as tmp, _deterministic():
-        saved = train_run(base + ["--save", tmp, "--save-interval", "2", "--async-save",
-                                  "--exit-interval", "2"], mode.device, keep_state=True)
+        saved = train_run(
+            base + ["--save", tmp, "--save-interval", "2", "--async-save", "--exit-interval", "2"],
+            mode.device,
+            keep_state=True,
+        )
         check.need(20, "the resumed runs")
         trainer = setup(configure(base + ["--load", tmp], world_size=1))
         try:
-            same = (_tensors_equal(saved.params, [p.detach() for p in trainer.model.parameters()])
-                    and _tensors_equal(saved.optimizer_state, trainer.optimizer.state_dict()))
-            yield ["async save at step 2, load: parameters and optimizer state",
-                   "bitwise" if same else "differ", "bitwise", verdict(same),
-                   f"torch_dist, --async-save, on {mode.device}"]
+            same = _tensors_equal(
+                saved.params, [p.detach() for p in trainer.model.parameters()]
+            ) and _tensors_equal(saved.optimizer_state, trainer.optimizer.state_dict())
+            yield [
+                "async save at step 2, load: parameters and optimizer state",
+                "bitwise" if same else "differ",
+                "bitwise",
+                verdict(same),
+                f"torch_dist, --async-save, on {mode.device}",
+            ]
             resumed = trainer.train()
         finally:
             del trainer
             release()
         whole = train_run(base, mode.device).losses
         diff = _max_diff(resumed, whole[2:])
-        yield ["resumed steps 3-4 vs the uninterrupted run", f"{diff:.2e}",
-               f"<= {FP32_LOSS_TOLERANCE:g} (0: bitwise)", verdict(diff <= FP32_LOSS_TOLERANCE),
-               "fp32, deterministic algorithms where torch has them"]
+        yield [
+            "resumed steps 3-4 vs the uninterrupted run",
+            f"{diff:.2e}",
+            f"<= {FP32_LOSS_TOLERANCE:g} (0: bitwise)",
+            verdict(diff <= FP32_LOSS_TOLERANCE),
+            "fp32, deterministic algorithms where torch has them",
+        ]
 
 
 @contextlib.contextmanager
@@ -244,16 +347,22 @@ def adamw_rows(check: Check):
     finals = []
     for fused in (True, False):
         params = [torch.nn.Parameter(p.to(device).clone()) for p in start]
-        opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1,
-                                **({"fused": True} if fused else {"foreach": True}))
+        opt = torch.optim.AdamW(
+            params, lr=1e-3, weight_decay=0.1, **({"fused": True} if fused else {"foreach": True})
+        )
         for step in grads:
             for p, grad in zip(params, step):
                 p.grad = grad.to(device)
             opt.step()
         finals.append([p.detach().cpu() for p in params])
     diff = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(*finals))
-    yield ["fused AdamW vs foreach AdamW (3 steps)", f"{diff:.2e}", "< 1e-06 (rel.)",
-           verdict(diff < 1e-6), ""]
+    yield [
+        "fused AdamW vs foreach AdamW (3 steps)",
+        f"{diff:.2e}",
+        "< 1e-06 (rel.)",
+        verdict(diff < 1e-6),
+        "",
+    ]
 
 
 def fused_rows(check: Check):
@@ -266,25 +375,31 @@ def fused_rows(check: Check):
     diff = _max_diff(fused.losses, eager.losses)
     steady_fused, steady_eager = fused.seconds[-1], eager.seconds[-1]
     compile_s = fused.seconds[0] + fused.seconds[1] - 2 * steady_fused
-    yield ["--fused-layers vs eager layers, fp32 losses", f"{diff:.2e}",
-           f"< {FP32_LOSS_TOLERANCE:g}", f"{compile_s:.1f}",
-           f"{steady_fused / steady_eager:.2f}", verdict(diff < FP32_LOSS_TOLERANCE),
-           f"backend {'aot_eager (CPU)' if backend else 'inductor'}"]
+    yield [
+        "--fused-layers vs eager layers, fp32 losses",
+        f"{diff:.2e}",
+        f"< {FP32_LOSS_TOLERANCE:g}",
+        f"{compile_s:.1f}",
+        f"{steady_fused / steady_eager:.2f}",
+        verdict(diff < FP32_LOSS_TOLERANCE),
+        f"backend {'aot_eager (CPU)' if backend else 'inductor'}",
+    ]
 
 
 def _documents_batches(cfg, device: str, documents: int) -> Iterator:
     """Synthetic global batches of one sample of N tokens holding exactly `documents`
     documents (EOD tokens at random places), built by the data pipeline's own function."""
     n, vocab = cfg.model.seq_length, cfg.model.vocab_size
-    eod = vocab - 1              # the mock data's EOD (training/data.eod_token_for)
+    eod = vocab - 1  # the mock data's EOD (training/data.eod_token_for)
     g = torch.Generator().manual_seed(0)
     while True:
         texts = torch.randint(0, vocab - 1, (1, n + 1), generator=g)
         if documents > 1:
-            ends = torch.randperm(n - 1, generator=g)[:documents - 1]
+            ends = torch.randperm(n - 1, generator=g)[: documents - 1]
             texts[0, ends] = eod
-        mb = build_micro_batch(texts, eod_token=eod, reset_position_ids=True,
-                               reset_attention_mask=documents > 0)
+        mb = build_micro_batch(
+            texts, eod_token=eod, reset_position_ids=True, reset_attention_mask=documents > 0
+        )
         yield [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in mb.items()}]
 
 
@@ -292,23 +407,41 @@ def documents_rows(check: Check):
     mode = check.mode
     n = mode.documents_seq
     model = (["--num-layers", "2"] + mode.big[2:]) if mode.device == "cuda" else mode.big
-    base = COMMON + model + ["--seq-length", str(n), "--max-position-embeddings", str(n),
-                             "--micro-batch-size", "1", "--global-batch-size", "1",
-                             "--train-iters", "3", "--bf16", "--tiled-loss-chunk-size",
-                             str(min(8192, n // 4)), "--reset-position-ids"]
+    base = (
+        COMMON
+        + model
+        + [
+            "--seq-length",
+            str(n),
+            "--max-position-embeddings",
+            str(n),
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "1",
+            "--train-iters",
+            "3",
+            "--bf16",
+            "--tiled-loss-chunk-size",
+            str(min(8192, n // 4)),
+            "--reset-position-ids",
+        ]
+    )
     window = ["--window-size", str(mode.window), "0"]
     docs = ["--reset-attention-mask"]
-    plan = [("causal (no documents)", [], 0), (f"{mode.documents:,} documents", docs,
-                                               mode.documents),
-            (f"window {mode.window}", window, 0),
-            (f"{mode.documents:,} documents + window {mode.window}", docs + window,
-             mode.documents)]
+    plan = [
+        ("causal (no documents)", [], 0),
+        (f"{mode.documents:,} documents", docs, mode.documents),
+        (f"window {mode.window}", window, 0),
+        (f"{mode.documents:,} documents + window {mode.window}", docs + window, mode.documents),
+    ]
     causal_s = None
     for name, extra, documents in plan:
         check.need(30, name)
         cfg = configure(base + extra, world_size=1)
-        run = train_run(base + extra, mode.device,
-                        batches=_documents_batches(cfg, mode.device, documents))
+        run = train_run(
+            base + extra, mode.device, batches=_documents_batches(cfg, mode.device, documents)
+        )
         seconds = sum(run.seconds[1:]) / max(len(run.seconds) - 1, 1)
         fits = run.peak_gib is None or run.peak_gib <= MEMORY_BOUND * run.estimate_gib
         # Fewer scores than dense causal attention: never slower (a GPU figure; CPU timings
@@ -316,15 +449,35 @@ def documents_rows(check: Check):
         faster = causal_s is None or seconds <= causal_s or mode.device != "cuda"
         causal_s = causal_s or seconds
         note = "" if faster else "slower than dense causal attention at the same length"
-        yield [name, f"{seconds:.2f}", gib(run.peak_gib), f"{run.estimate_gib:.2f}",
-               f"<= {MEMORY_BOUND}x estimate" + ("; <= causal time" if extra else ""),
-               verdict(fits and faster), note]
+        yield [
+            name,
+            f"{seconds:.2f}",
+            gib(run.peak_gib),
+            f"{run.estimate_gib:.2f}",
+            f"<= {MEMORY_BOUND}x estimate" + ("; <= causal time" if extra else ""),
+            verdict(fits and faster),
+            note,
+        ]
 
 
 def _perf_argv(mode: Mode, seq: int, use_flash: bool, recompute: bool) -> list:
-    argv = COMMON + mode.big + ["--seq-length", str(seq), "--max-position-embeddings", str(seq),
-                                "--micro-batch-size", "1", "--global-batch-size", "1",
-                                "--train-iters", "4", "--bf16"]
+    argv = (
+        COMMON
+        + mode.big
+        + [
+            "--seq-length",
+            str(seq),
+            "--max-position-embeddings",
+            str(seq),
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "1",
+            "--train-iters",
+            "4",
+            "--bf16",
+        ]
+    )
     if use_flash:
         argv.append("--use-flash-attn")
     if recompute:
@@ -344,31 +497,50 @@ def performance_rows(check: Check):
     while seq <= mode.longest_cap:
         plan.append((seq, True))
         seq *= 2
-    rate = None        # measured FLOP/s, to predict longer runs' time
+    rate = None  # measured FLOP/s, to predict longer runs' time
     for seq, recompute in plan:
         argv = _perf_argv(mode, seq, use_flash, recompute)
         cfg = configure(argv, world_size=1)
         tokens = cfg.train.global_batch_size * seq
         flops = flops_per_token(cfg.model, cfg.model.padded_vocab_size(1)) * tokens
         estimate = estimate_config(cfg).total_bytes / GiB
-        if rate is not None:   # 4 iterations with full recompute, plus start-up
+        if rate is not None:  # 4 iterations with full recompute, plus start-up
             check.need(5 * flops / rate + 20, f"sequence {seq}")
         try:
             run = train_run(argv, mode.device)
-        except RuntimeError as e:   # the longest search ends at the first length that OOMs
+        except RuntimeError as e:  # the longest search ends at the first length that OOMs
             if not (recompute and _is_oom(e)):
                 raise
             release()
-            yield [seq, "full", "out of memory", "", "", "", "", "", f"{estimate:.1f}",
-                   "PASS", "the longest search ends here"]
+            yield [
+                seq,
+                "full",
+                "out of memory",
+                "",
+                "",
+                "",
+                "",
+                "",
+                f"{estimate:.1f}",
+                "PASS",
+                "the longest search ends here",
+            ]
             return
         seconds = sum(run.seconds[1:]) / len(run.seconds[1:])
         rate = flops / seconds
         tflops = flops / seconds / 1e12
         peak = peak_tflops(cfg)
         fits = run.peak_gib is None or run.peak_gib <= MEMORY_BOUND * estimate
-        yield [seq, "full" if recompute else "none", f"{tokens / seconds:,.0f}", f"{tflops:.3g}",
-               f"{tflops / peak:.1%}" if peak else "n/a", f"{seconds:.2f}",
-               f"{run.init_seconds:.1f}", gib(run.peak_gib), f"{estimate:.2f}",
-               verdict(fits), f"<= {MEMORY_BOUND}x estimate"]
-
+        yield [
+            seq,
+            "full" if recompute else "none",
+            f"{tokens / seconds:,.0f}",
+            f"{tflops:.3g}",
+            f"{tflops / peak:.1%}" if peak else "n/a",
+            f"{seconds:.2f}",
+            f"{run.init_seconds:.1f}",
+            gib(run.peak_gib),
+            f"{estimate:.2f}",
+            verdict(fits),
+            f"<= {MEMORY_BOUND}x estimate",
+        ]

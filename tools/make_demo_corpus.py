@@ -19,15 +19,22 @@ def default_input_dir() -> str:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--input-dir", default=None,
-                        help="folder to read (default: the Python standard library sources)")
+    parser.add_argument(
+        "--input-dir",
+        default=None,
+        help="folder to read (default: the Python standard library sources)",
+    )
     parser.add_argument("--glob", default="**/*.py", help="file pattern, relative to --input-dir")
     parser.add_argument("--output", default="data/demo_corpus.jsonl", help="JSONL file to write")
-    parser.add_argument("--max-mb", type=float, default=None,
-                        help="stop after this many MB of text")
-    parser.add_argument("--exclude", nargs="*",
-                        default=["site-packages", "dist-packages", "__pycache__"],
-                        help="skip files whose path contains one of these folder names")
+    parser.add_argument(
+        "--max-mb", type=float, default=None, help="stop after this many MB of text"
+    )
+    parser.add_argument(
+        "--exclude",
+        nargs="*",
+        default=["site-packages", "dist-packages", "__pycache__"],
+        help="skip files whose path contains one of these folder names",
+    )
     return parser.parse_args(argv)
 
 
@@ -80,8 +87,10 @@ def main(argv=None) -> int:
     if num_documents == 0:
         print(f"error: no text files matched {args.glob!r} under {input_dir}", file=sys.stderr)
         return 1
-    print(f"wrote {args.output}: {num_documents} documents, {num_bytes / 1e6:.1f} MB of text "
-          f"from {input_dir}")
+    print(
+        f"wrote {args.output}: {num_documents} documents, {num_bytes / 1e6:.1f} MB of text "
+        f"from {input_dir}"
+    )
     return 0
 
 

@@ -12,6 +12,7 @@ Prints a Markdown table of the estimate for the given layout and, with --gpu-mem
 smallest world size (raising the Ulysses degree, then data parallelism under ZeRO) whose
 estimate fits. Formulas and what they leave out: megatron_ul/training/memory_estimator.py.
 """
+
 import argparse
 import sys
 
@@ -27,16 +28,32 @@ from megatron_ul.training import memory_estimator as me
 
 
 def own_flags() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, add_help=False,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpu-memory-gb", type=float, default=None,
-                   help="GPU memory to fit in; prints the smallest GPU count that does")
-    p.add_argument("--reserve-gb", type=float, default=2.0,
-                   help="kept free for the CUDA context and fragmentation (default 2)")
-    p.add_argument("--recompute", choices=me.RECOMPUTE_CHOICES, default=None,
-                   help="activation recomputation (default: --recompute-granularity or none)")
-    p.add_argument("--no-fused-attention", action="store_true",
-                   help="estimate an attention kernel that keeps the N×N scores")
+    p = argparse.ArgumentParser(
+        description=__doc__, add_help=False, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=None,
+        help="GPU memory to fit in; prints the smallest GPU count that does",
+    )
+    p.add_argument(
+        "--reserve-gb",
+        type=float,
+        default=2.0,
+        help="kept free for the CUDA context and fragmentation (default 2)",
+    )
+    p.add_argument(
+        "--recompute",
+        choices=me.RECOMPUTE_CHOICES,
+        default=None,
+        help="activation recomputation (default: --recompute-granularity or none)",
+    )
+    p.add_argument(
+        "--no-fused-attention",
+        action="store_true",
+        help="estimate an attention kernel that keeps the N×N scores",
+    )
     p.add_argument("-h", "--help", action="store_true")
     return p
 
@@ -70,30 +87,44 @@ def main(argv=None) -> int:
         return 2
     recompute = ours.recompute or me.recompute_of(cfg)
     zero = cfg.parallel.zero_stage or (1 if cfg.parallel.use_distributed_optimizer else 0)
-    precision = me.Precision(bf16=cfg.train.bf16 or cfg.train.fp16,
-                             fused_attention=not ours.no_fused_attention)
+    precision = me.Precision(
+        bf16=cfg.train.bf16 or cfg.train.fp16, fused_attention=not ours.no_fused_attention
+    )
     layout = me.layout_from_config(cfg)
-    est = me.estimate(cfg.model, layout, zero_stage=zero, recompute=recompute,
-                      precision=precision)
+    est = me.estimate(cfg.model, layout, zero_stage=zero, recompute=recompute, precision=precision)
     ring = f" × CP {layout.cp}" if layout.cp > 1 else ""
-    print(f"world {layout.world} = TP {layout.tp} × SP {layout.sp}{ring} × PP {layout.pp} × DP "
-          f"{layout.dp}; ZeRO {zero}; recompute {recompute}; "
-          f"{est.params_per_rank / 1e6:.1f} M parameters per rank\n")
+    print(
+        f"world {layout.world} = TP {layout.tp} × SP {layout.sp}{ring} × PP {layout.pp} × DP "
+        f"{layout.dp}; ZeRO {zero}; recompute {recompute}; "
+        f"{est.params_per_rank / 1e6:.1f} M parameters per rank\n"
+    )
     print(table(est.rows()))
-    print(f"\ninitialisation peak: {me.init_peak_bytes(cfg.model, layout, zero) / me.GiB:.2f} "
-          f"GiB per GPU (each rank computes only the parameters it holds)")
+    print(
+        f"\ninitialisation peak: {me.init_peak_bytes(cfg.model, layout, zero) / me.GiB:.2f} "
+        f"GiB per GPU (each rank computes only the parameters it holds)"
+    )
     if ours.gpu_memory_gb is not None:
-        found = me.smallest_fitting_layout(cfg.model, layout, ours.gpu_memory_gb,
-                                           zero_stage=zero, recompute=recompute,
-                                           precision=precision, reserve_gb=ours.reserve_gb)
+        found = me.smallest_fitting_layout(
+            cfg.model,
+            layout,
+            ours.gpu_memory_gb,
+            zero_stage=zero,
+            recompute=recompute,
+            precision=precision,
+            reserve_gb=ours.reserve_gb,
+        )
         if found is None:
-            print(f"\nnothing fits in {ours.gpu_memory_gb} GB per GPU with TP {layout.tp}, "
-                  f"PP {layout.pp}: raise TP/PP, use --zero-stage 3 or --recompute full")
+            print(
+                f"\nnothing fits in {ours.gpu_memory_gb} GB per GPU with TP {layout.tp}, "
+                f"PP {layout.pp}: raise TP/PP, use --zero-stage 3 or --recompute full"
+            )
             return 1
         fit, fit_est = found
-        print(f"\nsmallest fit in {ours.gpu_memory_gb} GB: {fit.world} GPUs = TP {fit.tp} × "
-              f"SP {fit.sp}{ring} × PP {fit.pp} × DP {fit.dp} "
-              f"({fit_est.total_bytes / me.GiB:.1f} GiB per GPU)")
+        print(
+            f"\nsmallest fit in {ours.gpu_memory_gb} GB: {fit.world} GPUs = TP {fit.tp} × "
+            f"SP {fit.sp}{ring} × PP {fit.pp} × DP {fit.dp} "
+            f"({fit_est.total_bytes / me.GiB:.1f} GiB per GPU)"
+        )
     return 0
 
 

@@ -18,16 +18,24 @@ except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without th
     sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
 
 from megatron_ul.data.indexed_dataset import (
-    IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError, data_file_path, index_file_path)
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    IndexedDatasetError,
+    data_file_path,
+    index_file_path,
+)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="dataset prefixes (without .bin/.idx)")
-    parser.add_argument("--output-prefix", required=True,
-                        help="writes {prefix}.bin and {prefix}.idx")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--input", nargs="+", required=True, help="dataset prefixes (without .bin/.idx)"
+    )
+    parser.add_argument(
+        "--output-prefix", required=True, help="writes {prefix}.bin and {prefix}.idx"
+    )
     return parser.parse_args(argv)
 
 
@@ -36,8 +44,9 @@ def merge(prefixes, output_prefix) -> int:
     datasets = [IndexedDataset(prefix) for prefix in prefixes]  # validates every input first
     dtypes = {dataset.dtype for dataset in datasets}
     if len(dtypes) > 1:
-        raise IndexedDatasetError(f"--input datasets have different token dtypes: "
-                                  f"{sorted(map(str, dtypes))}")
+        raise IndexedDatasetError(
+            f"--input datasets have different token dtypes: {sorted(map(str, dtypes))}"
+        )
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     suffix = f".tmp-{os.getpid()}"
     bin_path, idx_path = data_file_path(output_prefix), index_file_path(output_prefix)
@@ -80,8 +89,10 @@ def main(argv=None) -> int:
         return 143
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(f"wrote {data_file_path(args.output_prefix)} and {index_file_path(args.output_prefix)}: "
-          f"{num_documents} documents from {len(args.input)} datasets")
+    print(
+        f"wrote {data_file_path(args.output_prefix)} and {index_file_path(args.output_prefix)}: "
+        f"{num_documents} documents from {len(args.input)} datasets"
+    )
     return 0
 
 

@@ -28,8 +28,16 @@ except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without th
 
 from megatron_ul.data import corpus
 from megatron_ul.data.indexed_dataset import (
-    IndexedDatasetBuilder, data_file_path, index_file_path, token_dtype_for_vocab)
-from megatron_ul.data.sentences import SentenceSplitterError, build_sentence_splitter, split_sentences
+    IndexedDatasetBuilder,
+    data_file_path,
+    index_file_path,
+    token_dtype_for_vocab,
+)
+from megatron_ul.data.sentences import (
+    SentenceSplitterError,
+    build_sentence_splitter,
+    split_sentences,
+)
 from megatron_ul.data.tokenizers import TOKENIZER_TYPES, build_tokenizer
 
 # Chunk sizes live in corpus.py; kept here as names tests may shrink.
@@ -62,42 +70,87 @@ class TerminationRequest:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", required=True,
-                       help="JSONL file (.gz/.zst accepted), Parquet file, a directory or a glob of shards")
-    group.add_argument("--json-keys", nargs="+", default=["text"], help="keys (columns) to extract from each record")
-    group.add_argument("--split-sentences", action="store_true",
-                       help="split texts into sentences with NLTK Punkt (needs nltk and its punkt_tab data)")
-    group.add_argument("--keep-newlines", action="store_true",
-                       help="with --split-sentences: keep the newlines (whitespace) after each sentence")
+    group.add_argument(
+        "--input",
+        required=True,
+        help="JSONL file (.gz/.zst accepted), Parquet file, a directory or a glob of shards",
+    )
+    group.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys (columns) to extract from each record",
+    )
+    group.add_argument(
+        "--split-sentences",
+        action="store_true",
+        help="split texts into sentences with NLTK Punkt (needs nltk and its punkt_tab data)",
+    )
+    group.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="with --split-sentences: keep the newlines (whitespace) after each sentence",
+    )
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer merges.txt")
-    group.add_argument("--tokenizer-model", default=None,
-                       help="SentencePiece .model, or a Hugging Face tokenizer folder for HuggingFaceTokenizer")
-    group.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids 0..N-1, EOD = N")
-    group.add_argument("--append-eod", action="store_true",
-                       help="append the EOD token to every non-empty document")
+    group.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="SentencePiece .model, or a Hugging Face tokenizer folder for HuggingFaceTokenizer",
+    )
+    group.add_argument(
+        "--vocab-size", type=int, default=None, help="NullTokenizer: ids 0..N-1, EOD = N"
+    )
+    group.add_argument(
+        "--append-eod", action="store_true", help="append the EOD token to every non-empty document"
+    )
     group.add_argument("--lang", default="english", help="Punkt model for --split-sentences")
     group = parser.add_argument_group("output data")
-    group.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
-    group.add_argument("--dataset-impl", default="mmap", choices=["mmap"],
-                       help="accepted for older Megatron command lines; mmap (MMIDIDX) is the only format")
+    group.add_argument(
+        "--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx"
+    )
+    group.add_argument(
+        "--dataset-impl",
+        default="mmap",
+        choices=["mmap"],
+        help="accepted for older Megatron command lines; mmap (MMIDIDX) is the only format",
+    )
     group = parser.add_argument_group("runtime")
     group.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    group.add_argument("--partitions", type=int, default=1,
-                       help="Megatron-LM's output order for N partitions: record i goes to partition i %% N, "
-                            "partitions are concatenated in order (all in one process here)")
-    group.add_argument("--keep-sequential-samples", action="store_true",
-                       help="with --partitions: partitions are contiguous blocks, i.e. input order is kept")
-    group.add_argument("--shard-block", default=None, metavar="I/N",
-                       help="process only block I of N contiguous blocks of the sorted input shards (Slurm "
-                            "arrays: merging the N outputs in order with tools/merge_datasets.py gives the "
-                            "bytes of one run over all shards); an empty block writes an empty dataset")
-    group.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines")
-    group.add_argument("--strict", action="store_true", help="stop at the first malformed record instead of skipping")
+    group.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="Megatron-LM's output order for N partitions: record i goes to partition i %% N, "
+        "partitions are concatenated in order (all in one process here)",
+    )
+    group.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="with --partitions: partitions are contiguous blocks, i.e. input order is kept",
+    )
+    group.add_argument(
+        "--shard-block",
+        default=None,
+        metavar="I/N",
+        help="process only block I of N contiguous blocks of the sorted input shards (Slurm "
+        "arrays: merging the N outputs in order with tools/merge_datasets.py gives the "
+        "bytes of one run over all shards); an empty block writes an empty dataset",
+    )
+    group.add_argument(
+        "--log-interval", type=int, default=1000, help="documents between progress lines"
+    )
+    group.add_argument(
+        "--strict",
+        action="store_true",
+        help="stop at the first malformed record instead of skipping",
+    )
     args = parser.parse_args(argv)
     for flag in ("workers", "partitions", "log_interval"):
         if getattr(args, flag) < 1:
@@ -113,14 +166,17 @@ def parse_args(argv=None):
             parser.error(f"--shard-block {args.shard_block!r}: need 0 <= I < N")
         args.shard_block = (index, count)
         if args.partitions > 1 and not args.keep_sequential_samples:
-            parser.error("--shard-block cannot reproduce --partitions' interleaved order; use one or the other")
+            parser.error(
+                "--shard-block cannot reproduce --partitions' interleaved order; use one or the "
+                "other"
+            )
     return args
 
 
 def shard_block(shards, index, count):
     """Block ``index`` of ``count`` contiguous, near-equal blocks (sizes differ by at most one)."""
     start = index * len(shards) // count
-    return shards[start:(index + 1) * len(shards) // count]
+    return shards[start : (index + 1) * len(shards) // count]
 
 
 def output_level(args) -> str:
@@ -146,15 +202,22 @@ def check_output_prefix(prefix) -> None:
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as error:
-        raise InputError(f"--output-prefix {prefix}: cannot create directory {directory} ({error})") from error
+        raise InputError(
+            f"--output-prefix {prefix}: cannot create directory {directory} ({error})"
+        ) from error
     if not os.access(directory, os.W_OK | os.X_OK):
         raise InputError(f"--output-prefix {prefix}: directory {directory} is not writable")
 
 
 def build_tokenizer_from_args(args):
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, vocab_file=args.vocab_file, merge_file=args.merge_file,
-                                    tokenizer_model=args.tokenizer_model, vocab_size=args.vocab_size)
+        tokenizer = build_tokenizer(
+            args.tokenizer_type,
+            vocab_file=args.vocab_file,
+            merge_file=args.merge_file,
+            tokenizer_model=args.tokenizer_model,
+            vocab_size=args.vocab_size,
+        )
         if args.append_eod:
             tokenizer.eod  # noqa: B018 -- fails now, not mid-run, if there is no EOD
     except (ValueError, FileNotFoundError, OSError, RuntimeError) as error:
@@ -209,9 +272,15 @@ class ChunkEncoder:
         for key_position, key in enumerate(self.args.json_keys):
             per_document = [sentence_ids[position][key_position] for position in keep]
             outputs[key] = self.to_arrays(per_document)
-        empty = sum(1 for position in keep if any(not any(sentences) for sentences in sentence_ids[position]))
+        empty = sum(
+            1
+            for position in keep
+            if any(not any(sentences) for sentences in sentence_ids[position])
+        )
         errors.sort()
-        return EncodedChunk(chunk, errors, [record_ids[position] for position in keep], outputs, empty)
+        return EncodedChunk(
+            chunk, errors, [record_ids[position] for position in keep], outputs, empty
+        )
 
     def sentences_of(self, value):
         if isinstance(value, list):  # Megatron's format for text already split into sentences
@@ -238,15 +307,18 @@ class ChunkEncoder:
         results, cursor = [], 0
         for (where, _), shape in zip(documents, shapes):
             count = sum(shape)
-            ids = flat[cursor:cursor + count] if flat is not None else self.tokenize_one(texts[cursor:cursor + count],
-                                                                                           where, errors)
+            ids = (
+                flat[cursor : cursor + count]
+                if flat is not None
+                else self.tokenize_one(texts[cursor : cursor + count], where, errors)
+            )
             cursor += count
             if ids is None:
                 results.append(None)
                 continue
             per_key, start = [], 0
             for num_sentences in shape:
-                per_key.append(ids[start:start + num_sentences])
+                per_key.append(ids[start : start + num_sentences])
                 start += num_sentences
             results.append(per_key)
         return results
@@ -271,7 +343,9 @@ class ChunkEncoder:
             lengths.extend(len(ids) for ids in kept)
             pieces.extend(kept)
         lengths = np.asarray(lengths, dtype=np.int32)
-        tokens = np.fromiter(itertools.chain.from_iterable(pieces), dtype=self.dtype, count=int(lengths.sum()))
+        tokens = np.fromiter(
+            itertools.chain.from_iterable(pieces), dtype=self.dtype, count=int(lengths.sum())
+        )
         return tokens, lengths, np.asarray(counts, dtype=np.int64)
 
 
@@ -311,7 +385,10 @@ def parse_record(record, keys, where, errors):
             errors.append((*where, f"missing key {key!r}"))
             return None
         value = document[key]
-        if not (isinstance(value, str) or (isinstance(value, list) and all(isinstance(s, str) for s in value))):
+        if not (
+            isinstance(value, str)
+            or (isinstance(value, list) and all(isinstance(s, str) for s in value))
+        ):
             errors.append((*where, f"key {key!r} is not a string or a list of strings"))
             return None
     return document
@@ -331,9 +408,13 @@ class OutputSet:
         self.partitions = partitions
         self.builders = {}
         for key, final in self.final_prefixes.items():
-            self.builders[key] = [IndexedDatasetBuilder(data_file_path(final) + self.suffix, dtype=dtype)]
-            self.builders[key] += [IndexedDatasetBuilder(data_file_path(self.partition_prefix(final, p)), dtype=dtype)
-                                   for p in range(1, partitions)]
+            self.builders[key] = [
+                IndexedDatasetBuilder(data_file_path(final) + self.suffix, dtype=dtype)
+            ]
+            self.builders[key] += [
+                IndexedDatasetBuilder(data_file_path(self.partition_prefix(final, p)), dtype=dtype)
+                for p in range(1, partitions)
+            ]
 
     def partition_prefix(self, final, partition):
         return f"{final}-partition{partition}{self.suffix}"
@@ -351,14 +432,18 @@ class OutputSet:
                 first_sequence = int(sequence_ends[position] - counts[position])
                 last_sequence = int(sequence_ends[position])
                 self.builders[key][partition].add_documents(
-                    tokens[token_ends[first_sequence]:token_ends[last_sequence]],
-                    lengths[first_sequence:last_sequence], [counts[position]])
+                    tokens[token_ends[first_sequence] : token_ends[last_sequence]],
+                    lengths[first_sequence:last_sequence],
+                    [counts[position]],
+                )
 
     def commit(self):
         for key, final in self.final_prefixes.items():
             builders = self.builders[key]
             for partition in range(1, self.partitions):
-                builders[partition].finalize(index_file_path(self.partition_prefix(final, partition)))
+                builders[partition].finalize(
+                    index_file_path(self.partition_prefix(final, partition))
+                )
                 builders[0].add_index(self.partition_prefix(final, partition))
             builders[0].finalize(index_file_path(final) + self.suffix)
         for final in self.final_prefixes.values():
@@ -406,12 +491,18 @@ class Progress:
         self.position = max(self.position, encoded.position)
         if self.documents >= self.next_log:
             self.next_log = (self.documents // self.log_interval + 1) * self.log_interval
-            print(f"processed {self.documents} documents: {self.rates()}, {self.eta()}", file=sys.stderr, flush=True)
+            print(
+                f"processed {self.documents} documents: {self.rates()}, {self.eta()}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def rates(self):
         elapsed = max(time.time() - self.start, 1e-9)
-        return (f"{self.documents / elapsed:.0f} docs/s, {self.bytes / elapsed / 1e6:.2f} MB/s, "
-                f"{self.tokens / elapsed / 1e6:.3f} M tokens/s")
+        return (
+            f"{self.documents / elapsed:.0f} docs/s, {self.bytes / elapsed / 1e6:.2f} MB/s, "
+            f"{self.tokens / elapsed / 1e6:.3f} M tokens/s"
+        )
 
     def eta(self):
         done = min(self.position / self.total_bytes, 1.0)
@@ -422,11 +513,18 @@ class Progress:
 
     def summary(self, outputs):
         elapsed = time.time() - self.start
-        print(f"done in {elapsed:.2f} s: {self.documents} documents, {self.tokens} tokens "
-              f"({self.empty} empty documents, {self.skipped} bad lines skipped); {self.rates()}",
-              file=sys.stderr, flush=True)
+        print(
+            f"done in {elapsed:.2f} s: {self.documents} documents, {self.tokens} tokens "
+            f"({self.empty} empty documents, {self.skipped} bad lines skipped); {self.rates()}",
+            file=sys.stderr,
+            flush=True,
+        )
         for final in outputs.final_prefixes.values():
-            print(f"wrote {data_file_path(final)} and {index_file_path(final)}", file=sys.stderr, flush=True)
+            print(
+                f"wrote {data_file_path(final)} and {index_file_path(final)}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def run(args) -> Progress:
@@ -458,7 +556,9 @@ def run(args) -> Progress:
         raise InputError(str(error)) from error
     except OSError as error:
         outputs.discard()
-        raise InputError(f"--output-prefix {args.output_prefix}: write failed ({error}); nothing written") from error
+        raise InputError(
+            f"--output-prefix {args.output_prefix}: write failed ({error}); nothing written"
+        ) from error
     except BaseException:
         outputs.discard()
         raise

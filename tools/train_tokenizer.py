@@ -17,11 +17,16 @@ def parse_args(argv=None):
     parser.add_argument("--input", required=True, help="JSONL corpus")
     parser.add_argument("--json-key", default="text")
     parser.add_argument("--vocab-size", type=int, default=8000)
-    parser.add_argument("--model-prefix", default="data/tokenizer",
-                        help="writes {prefix}.model and {prefix}.vocab")
+    parser.add_argument(
+        "--model-prefix", default="data/tokenizer", help="writes {prefix}.model and {prefix}.vocab"
+    )
     parser.add_argument("--model-type", default="bpe", choices=["bpe", "unigram", "char", "word"])
-    parser.add_argument("--input-sentence-size", type=int, default=300000,
-                        help="lines sampled for training (keeps training quick)")
+    parser.add_argument(
+        "--input-sentence-size",
+        type=int,
+        default=300000,
+        help="lines sampled for training (keeps training quick)",
+    )
     parser.add_argument("--max-documents", type=int, default=None)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     return parser.parse_args(argv)
@@ -63,7 +68,10 @@ def train(args) -> str:
         normalization_rule_name="identity",
         allow_whitespace_only_pieces=True,
         num_threads=args.threads,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
         minloglevel=2,
     )
     return args.model_prefix + ".model"

@@ -14,6 +14,7 @@ place. Storage: DCP's files (`__R_0.distcp` per writing rank, `.metadata`); ever
 also has a SHA-256 in our metadata.json, checked as it is read, so a flipped byte is named and
 not loaded. Extra memory per rank is about one piece (pieces.BLOCK_BYTES) beyond what it holds.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,11 +31,22 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, SavePlan, TensorWriteData,
-                                                  WriteItem, WriteItemType)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
@@ -54,30 +66,48 @@ DCP_METADATA = ".metadata"
 # path of StorageMeta. Nothing else is imported while it is read.
 _DCP = "torch.distributed.checkpoint.metadata"
 DCP_METADATA_GLOBALS = frozenset(
-    {(_DCP, name) for name in ("Metadata", "StorageMeta", "MetadataIndex", "TensorProperties",
-                               "ChunkStorageMetadata", "TensorStorageMetadata",
-                               "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")}
-    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-       ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-       ("pathlib._local", "PosixPath"), ("pathlib", "PurePosixPath")}
-    | {("torch", name) for name, v in vars(torch).items() if isinstance(v, torch.dtype)})
+    {
+        (_DCP, name)
+        for name in (
+            "Metadata",
+            "StorageMeta",
+            "MetadataIndex",
+            "TensorProperties",
+            "ChunkStorageMetadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib._local", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+    }
+    | {("torch", name) for name, v in vars(torch).items() if isinstance(v, torch.dtype)}
+)
 
 
 @dataclass
 class Held:
     """One tensor this rank holds a part of: flat elements [lo, lo + data.numel()) of its
     TP-local tensor of `local_shape`."""
+
     key: str
     data: torch.Tensor
     local_shape: tuple
     lo: int
     spec: ParamSpec
     global_shape: tuple
-    replica: bool = False   # the last stage's tied embedding copy (and its moments)
+    replica: bool = False  # the last stage's tied embedding copy (and its moments)
 
     def pieces(self, tp: int, tp_rank: int) -> list[geometry.Piece]:
-        return geometry.pieces_of(self.data, self.local_shape, self.lo, self.spec, tp, tp_rank,
-                                  geometry.BLOCK_BYTES)
+        return geometry.pieces_of(
+            self.data, self.local_shape, self.lo, self.spec, tp, tp_rank, geometry.BLOCK_BYTES
+        )
 
 
 def _global_name(name: str) -> str:
@@ -86,12 +116,12 @@ def _global_name(name: str) -> str:
 
 def _local_part(t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """(the rank's contiguous local data, its first flat element in the TP-local tensor)."""
-    if isinstance(t, DTensor):           # ZeRO-3: a chunk of rows (FSDP2 Shard(0))
+    if isinstance(t, DTensor):  # ZeRO-3: a chunk of rows (FSDP2 Shard(0))
         local = t.to_local()
         if local.numel() == 0:
             return local, 0
         row = t.__create_chunk_list__()[0].offsets[0]
-        return local, row * math.prod(t.shape[1:])   # (indexing t would gather it)
+        return local, row * math.prod(t.shape[1:])  # (indexing t would gather it)
     return t.detach(), 0
 
 
@@ -102,9 +132,11 @@ def torch_optimizer(optimizer):
 
 def _zero1_pieces(optimizer):
     from ..optim.distributed_optimizer import DistributedOptimizer
+
     if not isinstance(optimizer, DistributedOptimizer):
         return None
     from .zero import inner_params
+
     return list(zip(optimizer.pieces, inner_params(optimizer)))
 
 
@@ -125,23 +157,35 @@ def held_tensors(model, optimizer, with_optim: bool, create_state: bool = False)
     out = []
     for name, p in params.items():
         # ZeRO-1 with a separate fp32 main copy: its pieces are the weights saved and loaded.
-        parts = (p.main_shards if hasattr(p, "main_shards")    # none: another rank's
-                 else [tuple(reversed(_local_part(p)))])
+        parts = (
+            p.main_shards
+            if hasattr(p, "main_shards")  # none: another rank's
+            else [tuple(reversed(_local_part(p)))]
+        )
         for lo, data in parts:
-            out.append(Held(f"model/{_global_name(name)}", data, tuple(p.shape), lo,
-                            param_spec(p), tuple(full_shape(p, tp)),
-                            name.startswith(REPLICA_PREFIX)))
+            out.append(
+                Held(
+                    f"model/{_global_name(name)}",
+                    data,
+                    tuple(p.shape),
+                    lo,
+                    param_spec(p),
+                    tuple(full_shape(p, tp)),
+                    name.startswith(REPLICA_PREFIX),
+                )
+            )
     if not with_optim or optimizer is None:
         return out
     inner = torch_optimizer(optimizer)
-    device_of = {id(q): (q.device if g.get("fused") or g.get("capturable")
-                         else torch.device("cpu"))
-                 for g in inner.param_groups for q in g["params"]}
+    device_of = {
+        id(q): (q.device if g.get("fused") or g.get("capturable") else torch.device("cpu"))
+        for g in inner.param_groups
+        for q in g["params"]
+    }
     zero1 = _zero1_pieces(optimizer)
-    names = {id(p): n for n, p in params.items()}     # global names (not module names)
+    names = {id(p): n for n, p in params.items()}  # global names (not module names)
     if zero1 is not None:
-        entries = [(names[id(p)], p, piece, lo - offset)
-                   for (_, p, offset, lo, _), piece in zero1]
+        entries = [(names[id(p)], p, piece, lo - offset) for (_, p, offset, lo, _), piece in zero1]
     else:
         entries = [(names[id(q)], q, q, None) for g in inner.param_groups for q in g["params"]]
     for name, p, holder, lo in entries:
@@ -152,9 +196,17 @@ def held_tensors(model, optimizer, with_optim: bool, create_state: bool = False)
             continue
         for k in MOMENTS:
             data, start = (state[k], lo) if lo is not None else _local_part(state[k])
-            out.append(Held(f"optim/{_global_name(name)}/{k}", data, tuple(p.shape), start,
-                            param_spec(p), tuple(full_shape(p, tp)),
-                            name.startswith(REPLICA_PREFIX)))
+            out.append(
+                Held(
+                    f"optim/{_global_name(name)}/{k}",
+                    data,
+                    tuple(p.shape),
+                    start,
+                    param_spec(p),
+                    tuple(full_shape(p, tp)),
+                    name.startswith(REPLICA_PREFIX),
+                )
+            )
     return out
 
 
@@ -164,15 +216,17 @@ def optimizer_common(optimizer) -> dict | None:
         return None
     inner = torch_optimizer(optimizer)
     steps = [s["step"] for s in inner.state.values() if "step" in s]
-    return {"param_groups": [{k: v for k, v in g.items() if k != "params"}
-                             for g in inner.param_groups],
-            "step": steps[0].detach().cpu().clone() if steps else None}
+    return {
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups],
+        "step": steps[0].detach().cpu().clone() if steps else None,
+    }
 
 
 def restore_optimizer_common(optimizer, saved: dict, source: str) -> None:
     inner = torch_optimizer(optimizer)
     if len(saved["param_groups"]) != len(inner.param_groups):
         from .state import optim_error
+
         raise optim_error(source, "the number of parameter groups differs")
     for group, hyper in zip(inner.param_groups, saved["param_groups"]):
         for k in ("lr", "initial_lr", "betas", "eps", "weight_decay"):
@@ -182,8 +236,9 @@ def restore_optimizer_common(optimizer, saved: dict, source: str) -> None:
         for state in inner.state.values():
             if "step" in state:
                 # one tensor per parameter: AdamW increments each in place
-                state["step"] = saved["step"].to(state["step"].device, state["step"].dtype,
-                                                 copy=True)
+                state["step"] = saved["step"].to(
+                    state["step"].device, state["step"].dtype, copy=True
+                )
 
 
 # ---- DCP planners: our pieces instead of a state dict's tensors -------------------------------
@@ -204,12 +259,19 @@ class _PieceSavePlanner(DefaultSavePlanner):
             for piece in h.pieces(tp, tp_rank):
                 index = MetadataIndex(h.key, torch.Size(piece.offsets))
                 self._by_index[index] = piece.tensor
-                self._items.append(WriteItem(
-                    index=index, type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(
-                        chunk=ChunkStorageMetadata(torch.Size(piece.offsets),
-                                                   torch.Size(piece.sizes)),
-                        properties=props, size=torch.Size(h.global_shape))))
+                self._items.append(
+                    WriteItem(
+                        index=index,
+                        type=WriteItemType.SHARD,
+                        tensor_data=TensorWriteData(
+                            chunk=ChunkStorageMetadata(
+                                torch.Size(piece.offsets), torch.Size(piece.sizes)
+                            ),
+                            properties=props,
+                            size=torch.Size(h.global_shape),
+                        ),
+                    )
+                )
 
     def create_local_plan(self) -> SavePlan:
         self.plan = SavePlan(self._items)
@@ -236,28 +298,31 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._held, self._tp, self._tp_rank, self._source = held, tp, tp_rank, source
         self._targets: dict = {}
-        self.beyond: list[torch.Tensor] = []      # padded-vocabulary rows not in the checkpoint
-        self.bytes_needed = 0                     # what the rank's pieces hold
+        self.beyond: list[torch.Tensor] = []  # padded-vocabulary rows not in the checkpoint
+        self.bytes_needed = 0  # what the rank's pieces hold
 
     def create_local_plan(self) -> LoadPlan:
         requests = []
         for h in self._held:
             md = self.metadata.state_dict_metadata.get(h.key)
             if not isinstance(md, TensorStorageMetadata):
-                raise CheckpointError(f"{self._source}: holds no {h.key}; the checkpoint was "
-                                      f"saved from another model or without optimizer state "
-                                      f"(pass --no-load-optim)")
+                raise CheckpointError(
+                    f"{self._source}: holds no {h.key}; the checkpoint was "
+                    f"saved from another model or without optimizer state "
+                    f"(pass --no-load-optim)"
+                )
             wanted = self._check_shape(h, tuple(md.size))
             chunks = []
             piece_list = h.pieces(self._tp, self._tp_rank)
-            if wanted is not None:                 # vocabulary padded for another TP size
+            if wanted is not None:  # vocabulary padded for another TP size
                 piece_list, beyond = geometry.clip_rows(piece_list, wanted)
                 self.beyond += beyond
             for piece in piece_list:
                 self._targets[(h.key, torch.Size(piece.offsets))] = piece.tensor
                 self.bytes_needed += piece.tensor.numel() * piece.tensor.element_size()
-                chunks.append(ChunkStorageMetadata(torch.Size(piece.offsets),
-                                                   torch.Size(piece.sizes)))
+                chunks.append(
+                    ChunkStorageMetadata(torch.Size(piece.offsets), torch.Size(piece.sizes))
+                )
             requests += create_read_items_for_chunk_list(h.key, md, chunks)
         self.plan = LoadPlan(requests)
         return self.plan
@@ -273,15 +338,17 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
             return None
         if h.spec.vocab_padded and saved[1:] == h.global_shape[1:]:
             return saved[0]
-        raise CheckpointError(f"{self._source}: {h.key} has shape {saved} in the checkpoint "
-                              f"but {h.global_shape} in this model")
+        raise CheckpointError(
+            f"{self._source}: {h.key} has shape {saved} in the checkpoint "
+            f"but {h.global_shape} in this model"
+        )
 
     def resolve_tensor(self, read_item):
         target = self._targets[(read_item.dest_index.fqn, read_item.dest_index.offset)]
         return _narrow(target, read_item.dest_offsets, read_item.lengths)
 
     def commit_tensor(self, read_item, tensor) -> None:
-        pass                                       # resolve_tensor returned a view: in place
+        pass  # resolve_tensor returned a view: in place
 
 
 def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
@@ -295,14 +362,15 @@ class _CheckedReader(FileSystemReader):
     """FileSystemReader that checks every stored piece it reads against the SHA-256 our
     metadata.json recorded for it, and counts the bytes it reads."""
 
-    def __init__(self, path: str, digests: dict[str, dict[int, str]],
-                 metadata_record: dict | None = None):
+    def __init__(
+        self, path: str, digests: dict[str, dict[int, str]], metadata_record: dict | None = None
+    ):
         _check_index(path, metadata_record)
         super().__init__(path)
         self._root, self._digests = path, digests
-        self._index = self._read_index()      # before DCP starts: a refusal is ours to name
-        self.bytes_read = 0           # file bytes read
-        self.tensor_bytes_read = 0    # of which tensor data (the rest: serialisation headers)
+        self._index = self._read_index()  # before DCP starts: a refusal is ours to name
+        self.bytes_read = 0  # file bytes read
+        self.tensor_bytes_read = 0  # of which tensor data (the rest: serialisation headers)
 
     def read_metadata(self, *args, **options) -> Metadata:
         # Not named **kwargs: DCP would then fall back to rank-local index files, which this
@@ -319,21 +387,26 @@ class _CheckedReader(FileSystemReader):
         with open(path, "rb") as f:
             index = restricted_load(f, DCP_METADATA_GLOBALS, path)
         if not isinstance(index, Metadata):
-            raise CheckpointError(f"{path}: holds a {type(index).__name__}, not DCP's index "
-                                  f"of the stored pieces; not loaded")
+            raise CheckpointError(
+                f"{path}: holds a {type(index).__name__}, not DCP's index "
+                f"of the stored pieces; not loaded"
+            )
         return index
 
     def read_data(self, plan: LoadPlan, planner) -> torch.futures.Future:
         per_file: dict[str, list] = {}
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path,
-                                []).append(item)
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(
+                item
+            )
         for rel, items in per_file.items():
             path = os.path.join(self._root, rel)
             if not os.path.isfile(path):
-                raise CheckpointError(f"{path}: missing (stored pieces of the checkpoint); the "
-                                      f"checkpoint is incomplete — restore the file or load an "
-                                      f"earlier iteration")
+                raise CheckpointError(
+                    f"{path}: missing (stored pieces of the checkpoint); the "
+                    f"checkpoint is incomplete — restore the file or load an "
+                    f"earlier iteration"
+                )
             with open(path, "rb") as f:
                 for item in sorted(items, key=lambda r: self.storage_data[r.storage_index].offset):
                     info = self.storage_data[item.storage_index]
@@ -341,10 +414,12 @@ class _CheckedReader(FileSystemReader):
                     data = f.read(info.length)
                     self.bytes_read += len(data)
                     self._check(path, rel, info.offset, data)
-                    if item.type == LoadItemType.BYTE_IO:    # DCP would unpickle it freely
-                        raise CheckpointError(f"{path}: holds a pickled object at byte "
-                                              f"{info.offset}; this format stores tensors only "
-                                              f"— not loaded")
+                    if item.type == LoadItemType.BYTE_IO:  # DCP would unpickle it freely
+                        raise CheckpointError(
+                            f"{path}: holds a pickled object at byte "
+                            f"{info.offset}; this format stores tensors only "
+                            f"— not loaded"
+                        )
                     stored = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
                     self.tensor_bytes_read += stored.numel() * stored.element_size()
                     target = planner.resolve_tensor(item).detach()
@@ -358,24 +433,30 @@ class _CheckedReader(FileSystemReader):
         expected = self._digests.get(rel, {}).get(offset)
         found = hashlib.sha256(data).hexdigest()
         if expected != found:
-            raise CheckpointError(f"{path}: corrupt — the piece at byte {offset} has SHA-256 "
-                                  f"{found[:16]}…, metadata.json recorded "
-                                  f"{(expected or 'nothing')[:16]}…; not loaded: restore the "
-                                  f"file or load an earlier iteration")
+            raise CheckpointError(
+                f"{path}: corrupt — the piece at byte {offset} has SHA-256 "
+                f"{found[:16]}…, metadata.json recorded "
+                f"{(expected or 'nothing')[:16]}…; not loaded: restore the "
+                f"file or load an earlier iteration"
+            )
 
 
 def _check_index(iter_dir: str, record: dict | None) -> None:
     """DCP's index of the stored pieces (.metadata) against metadata.json's record of it."""
     path = os.path.join(iter_dir, DCP_METADATA)
     if record is None:
-        raise CheckpointError(f"{path}: not among the files {os.path.join(iter_dir, METADATA)} "
-                              f"records; the checkpoint is inconsistent — not loaded")
+        raise CheckpointError(
+            f"{path}: not among the files {os.path.join(iter_dir, METADATA)} "
+            f"records; the checkpoint is inconsistent — not loaded"
+        )
     found = file_digests(iter_dir, DCP_METADATA, [], [])[0] if os.path.isfile(path) else None
     if found != record:
-        raise CheckpointError(f"{path}: {'missing' if found is None else 'corrupt'} "
-                              f"(metadata.json recorded {record['bytes']} bytes with SHA-256 "
-                              f"{record['sha256'][:16]}…); not loaded: restore the file or load "
-                              f"an earlier iteration")
+        raise CheckpointError(
+            f"{path}: {'missing' if found is None else 'corrupt'} "
+            f"(metadata.json recorded {record['bytes']} bytes with SHA-256 "
+            f"{record['sha256'][:16]}…); not loaded: restore the file or load "
+            f"an earlier iteration"
+        )
 
 
 def file_digests(iter_dir: str, rel: str, offsets: list[int], lengths: list[int]):
@@ -426,6 +507,7 @@ class _Writer(FileSystemWriter):
 
 class _AlreadyStaged(AsyncStager):
     """The pieces handed to async_save are already private CPU copies."""
+
     _synchronize_after_execute = False
 
     def stage(self, state_dict):
@@ -449,15 +531,21 @@ def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = F
     if not background:
         metadata = _dcp_save(planner, writer, iter_dir, dims.checkpoint_group)
         return records_of(metadata, iter_dir)
-    upload = dcp.async_save({}, storage_writer=writer, planner=planner,
-                            process_group=dims.checkpoint_group, async_stager=_AlreadyStaged())
+    upload = dcp.async_save(
+        {},
+        storage_writer=writer,
+        planner=planner,
+        process_group=dims.checkpoint_group,
+        async_stager=_AlreadyStaged(),
+    )
     result: Future = Future()
 
-    def finished(done: Future) -> None:        # runs on the writer's thread
+    def finished(done: Future) -> None:  # runs on the writer's thread
         try:
             result.set_result(records_of(done.result(), iter_dir))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the save
             result.set_exception(_first_checkpoint_error(e) or _as_checkpoint_error(e, iter_dir))
+
     upload.add_done_callback(finished)
     return result
 
@@ -465,9 +553,11 @@ def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = F
 def _as_checkpoint_error(e: BaseException, iter_dir: str) -> CheckpointError:
     if isinstance(e, CheckpointError):
         return e
-    return CheckpointError(f"{iter_dir}: writing the torch_dist checkpoint failed "
-                           f"({causes(e)}; {_free_space(iter_dir)}); check the free space, "
-                           f"quota and permissions there")
+    return CheckpointError(
+        f"{iter_dir}: writing the torch_dist checkpoint failed "
+        f"({causes(e)}; {_free_space(iter_dir)}); check the free space, "
+        f"quota and permissions there"
+    )
 
 
 def _free_space(path: str) -> str:
@@ -487,8 +577,10 @@ def causes(e: BaseException) -> str:
     """Why DCP failed, shortly: each failed rank's exception and its root cause. (The text of
     DCP's CheckpointException is every rank's traceback, with the cause last.)"""
     if isinstance(e, CheckpointException):
-        return "; ".join(f"rank {rank}: {causes(f[0] if isinstance(f, tuple) else f)}"
-                         for rank, f in sorted(e.failures.items()))
+        return "; ".join(
+            f"rank {rank}: {causes(f[0] if isinstance(f, tuple) else f)}"
+            for rank, f in sorted(e.failures.items())
+        )
     root = e
     while (root.__cause__ or root.__context__) is not None:
         root = root.__cause__ or root.__context__
@@ -505,14 +597,20 @@ def _dcp_save(planner, writer, iter_dir: str, group):
 
 @dataclass
 class LoadReport:
-    bytes_read: int           # file bytes this rank read
-    tensor_bytes_read: int    # of which tensor data
+    bytes_read: int  # file bytes this rank read
+    tensor_bytes_read: int  # of which tensor data
     tensor_bytes_needed: int  # the tensor data this rank holds (what an ideal reader reads)
-    pieces: int               # how many pieces it holds
+    pieces: int  # how many pieces it holds
 
 
-def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict,
-         metadata_record: dict | None = None) -> LoadReport:
+def load(
+    model,
+    optimizer,
+    with_optim: bool,
+    iter_dir: str,
+    digests: dict,
+    metadata_record: dict | None = None,
+) -> LoadReport:
     """Read this rank's pieces of the model (and Adam moments) from iter_dir, whatever layout
     saved it (collective)."""
     dims = model_dims(model)
@@ -521,24 +619,26 @@ def load(model, optimizer, with_optim: bool, iter_dir: str, digests: dict,
     reader = _CheckedReader(iter_dir, digests, metadata_record)
     try:
         with torch.no_grad():
-            dcp.load({}, storage_reader=reader, planner=planner,
-                     process_group=dims.checkpoint_group)
+            dcp.load(
+                {}, storage_reader=reader, planner=planner, process_group=dims.checkpoint_group
+            )
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's
         inner = _first_checkpoint_error(e)
         raise inner or CheckpointError(f"{iter_dir}: cannot be read ({causes(e)})") from e
     with torch.no_grad():
-        for rows in planner.beyond:               # padding rows of a larger padded vocabulary
+        for rows in planner.beyond:  # padding rows of a larger padded vocabulary
             rows.zero_()
-    return LoadReport(reader.bytes_read, reader.tensor_bytes_read, planner.bytes_needed,
-                      planner.pieces)
+    return LoadReport(
+        reader.bytes_read, reader.tensor_bytes_read, planner.bytes_needed, planner.pieces
+    )
 
 
 def _first_checkpoint_error(e: BaseException) -> CheckpointError | None:
     """DCP's CheckpointException carries each rank's (exception, traceback); ours names the
     file, so it is the one to raise."""
-    for failure in (e.failures.values() if isinstance(e, CheckpointException) else ()):
+    for failure in e.failures.values() if isinstance(e, CheckpointException) else ():
         inner = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(inner, CheckpointError):
             return inner
@@ -552,12 +652,15 @@ def _first_checkpoint_error(e: BaseException) -> CheckpointError | None:
 # ---- one process reading whole tensors (conversion, export, generation) ----------------------
 def digests_of(meta: dict) -> dict[str, dict[int, str]]:
     """metadata.json's piece digests with integer offsets."""
-    return {rel: {int(o): sha for o, sha in d.items()}
-            for rel, d in meta.get("piece_sha256", {}).items()}
+    return {
+        rel: {int(o): sha for o, sha in d.items()}
+        for rel, d in meta.get("piece_sha256", {}).items()
+    }
 
 
-def read_tensor(iter_dir: str, key: str, digests: dict,
-                metadata_record: dict | None = None) -> torch.Tensor:
+def read_tensor(
+    iter_dir: str, key: str, digests: dict, metadata_record: dict | None = None
+) -> torch.Tensor:
     """One whole global tensor, assembled from its stored pieces (checked as they are read);
     only that tensor's pieces are read."""
     reader = _CheckedReader(iter_dir, digests, metadata_record)
@@ -569,5 +672,6 @@ def read_tensor(iter_dir: str, key: str, digests: dict,
         dcp.load({key: out}, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - named below
         raise _first_checkpoint_error(e) or CheckpointError(
-            f"{iter_dir}: {key} cannot be read ({causes(e)})") from e
+            f"{iter_dir}: {key} cannot be read ({causes(e)})"
+        ) from e
     return out

@@ -14,6 +14,7 @@ metadata.json lists every other file of the iteration with its size and SHA-256,
 the file is read (a file it does not list is not read), and carries the SHA-256 of its own
 contents (metadata_sha256). DIR/.megatron_ul.lock is held (POSIX lock) by the job saving into DIR.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -31,7 +32,7 @@ import torch
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "metadata.json"
 MODEL_FILE = "model_optim_rng.pt"
-COMMON_FILE = "common.pt"     # torch_dist: what is stored once besides the tensors
+COMMON_FILE = "common.pt"  # torch_dist: what is stored once besides the tensors
 # 2: 0-based global layer names (the PP=1 module names) and `replica.` tied-embedding copies.
 FORMAT = "megatron_ul-checkpoint-2"
 
@@ -73,8 +74,10 @@ def write_bytes_durably(path: str, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot be written ({e.strerror or e}); check the free "
-                              f"space, quota and permissions of {os.path.dirname(path)}") from e
+        raise CheckpointError(
+            f"{path}: cannot be written ({e.strerror or e}); check the free "
+            f"space, quota and permissions of {os.path.dirname(path)}"
+        ) from e
 
 
 def file_record(data: bytes) -> dict:
@@ -87,8 +90,10 @@ def save_torch(obj, path: str) -> dict:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
     except OSError as e:
-        raise CheckpointError(f"{os.path.dirname(path)}: cannot be created "
-                              f"({e.strerror or e}); check the permissions and free space") from e
+        raise CheckpointError(
+            f"{os.path.dirname(path)}: cannot be created "
+            f"({e.strerror or e}); check the permissions and free space"
+        ) from e
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     data = buffer.getvalue()
@@ -101,8 +106,10 @@ def expected_record(meta: dict, iter_dir: str, path: str) -> dict:
     without a record is never read unchecked)."""
     record = meta["files"].get(os.path.relpath(path, iter_dir))
     if record is None:
-        raise CheckpointError(f"{path}: not among the files {os.path.join(iter_dir, METADATA)} "
-                              f"records; the checkpoint is inconsistent — not loaded")
+        raise CheckpointError(
+            f"{path}: not among the files {os.path.join(iter_dir, METADATA)} "
+            f"records; the checkpoint is inconsistent — not loaded"
+        )
     return record
 
 
@@ -110,8 +117,10 @@ def load_torch(path: str, what: str, expected: Optional[dict] = None):
     """torch.load with a message naming the file when it is missing, unreadable or (with
     `expected`, its file_record) not the bytes that were saved."""
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: missing ({what}); the checkpoint is incomplete — "
-                              f"load an earlier iteration or re-save it")
+        raise CheckpointError(
+            f"{path}: missing ({what}); the checkpoint is incomplete — "
+            f"load an earlier iteration or re-save it"
+        )
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -120,15 +129,19 @@ def load_torch(path: str, what: str, expected: Optional[dict] = None):
     if expected is not None:
         found = file_record(data)
         if found != expected:
-            raise CheckpointError(f"{path}: corrupt — {found['bytes']} bytes with SHA-256 "
-                                  f"{found['sha256'][:16]}…, metadata.json recorded "
-                                  f"{expected['bytes']} bytes with {expected['sha256'][:16]}…; "
-                                  f"not loaded: restore the file or load an earlier iteration")
+            raise CheckpointError(
+                f"{path}: corrupt — {found['bytes']} bytes with SHA-256 "
+                f"{found['sha256'][:16]}…, metadata.json recorded "
+                f"{expected['bytes']} bytes with {expected['sha256'][:16]}…; "
+                f"not loaded: restore the file or load an earlier iteration"
+            )
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle means a damaged file
-        raise CheckpointError(f"{path}: cannot be read ({type(e).__name__}: {e}); the file is "
-                              f"corrupt or truncated — load an earlier iteration") from e
+        raise CheckpointError(
+            f"{path}: cannot be read ({type(e).__name__}: {e}); the file is "
+            f"corrupt or truncated — load an earlier iteration"
+        ) from e
 
 
 def write_json_durably(path: str, obj) -> None:
@@ -149,12 +162,14 @@ def check_format(meta: dict, path: str) -> None:
     """Refuse metadata written in another checkpoint format, naming the file."""
     found = meta.get("format")
     if found != FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {found!r}, this megatron_ul reads "
-                              f"{FORMAT!r} (format 1 used 1-based layer names); re-save or "
-                              f"re-import it with this version")
+        raise CheckpointError(
+            f"{path}: checkpoint format {found!r}, this megatron_ul reads "
+            f"{FORMAT!r} (format 1 used 1-based layer names); re-save or "
+            f"re-import it with this version"
+        )
 
 
-SELF_SHA = "metadata_sha256"   # metadata.json's checksum of its other entries
+SELF_SHA = "metadata_sha256"  # metadata.json's checksum of its other entries
 
 
 def _metadata_digest(meta: dict) -> str:
@@ -164,8 +179,7 @@ def _metadata_digest(meta: dict) -> str:
 
 def write_metadata(iter_dir: str, meta: dict) -> None:
     """metadata.json, sealed with the SHA-256 of its own contents."""
-    write_json_durably(os.path.join(iter_dir, METADATA),
-                       {**meta, SELF_SHA: _metadata_digest(meta)})
+    write_json_durably(os.path.join(iter_dir, METADATA), {**meta, SELF_SHA: _metadata_digest(meta)})
 
 
 def read_metadata(iter_dir: str) -> dict:
@@ -175,14 +189,17 @@ def read_metadata(iter_dir: str) -> dict:
     meta = read_json(path, "checkpoint metadata")
     if not isinstance(meta, dict) or meta.get(SELF_SHA) != _metadata_digest(meta):
         found = meta.get(SELF_SHA) if isinstance(meta, dict) else None
-        raise CheckpointError(f"{path}: corrupt — its contents do not match the SHA-256 it "
-                              f"carries ({str(found or 'none')[:16]}…); written by another "
-                              f"version or edited — not loaded: restore the file or load an "
-                              f"earlier iteration")
+        raise CheckpointError(
+            f"{path}: corrupt — its contents do not match the SHA-256 it "
+            f"carries ({str(found or 'none')[:16]}…); written by another "
+            f"version or edited — not loaded: restore the file or load an "
+            f"earlier iteration"
+        )
     check_format(meta, path)
     if not isinstance(meta.get("files"), dict):
-        raise CheckpointError(f"{path}: records no files; the checkpoint is inconsistent — "
-                              f"not loaded")
+        raise CheckpointError(
+            f"{path}: records no files; the checkpoint is inconsistent — not loaded"
+        )
     return meta
 
 
@@ -203,9 +220,11 @@ def read_tracker(load_dir: str) -> Optional[int]:
     try:
         return int(text)
     except ValueError:
-        raise CheckpointError(f"{path}: expected an iteration number, found {text[:40]!r}; "
-                              f"write the iteration of a complete iter_XXXXXXX directory "
-                              f"into it") from None
+        raise CheckpointError(
+            f"{path}: expected an iteration number, found {text[:40]!r}; "
+            f"write the iteration of a complete iter_XXXXXXX directory "
+            f"into it"
+        ) from None
 
 
 def unfinished_saves(load_dir: str) -> list[str]:
@@ -219,9 +238,12 @@ def is_complete(iter_dir: str) -> bool:
         meta = read_metadata(iter_dir)
     except CheckpointError:
         return False
-    return all(os.path.isfile(p) and os.path.getsize(p) == record["bytes"]
-               for p, record in ((os.path.join(iter_dir, rel), record)
-                                 for rel, record in meta["files"].items()))
+    return all(
+        os.path.isfile(p) and os.path.getsize(p) == record["bytes"]
+        for p, record in (
+            (os.path.join(iter_dir, rel), record) for rel, record in meta["files"].items()
+        )
+    )
 
 
 def find_iteration_dir(load_dir: str, iteration: int) -> str:
@@ -234,9 +256,11 @@ def find_iteration_dir(load_dir: str, iteration: int) -> str:
     aside = [d for d in glob.glob(path + ".old-*") if is_complete(d)]
     if aside:
         return max(aside, key=os.path.getmtime)
-    raise CheckpointError(f"{os.path.join(load_dir, TRACKER)} names iteration {iteration} but "
-                          f"{path} does not exist; restore that directory or point the tracker "
-                          f"at an existing iter_XXXXXXX")
+    raise CheckpointError(
+        f"{os.path.join(load_dir, TRACKER)} names iteration {iteration} but "
+        f"{path} does not exist; restore that directory or point the tracker "
+        f"at an existing iter_XXXXXXX"
+    )
 
 
 def remove_dir(path: str, save_id: str) -> None:
@@ -249,6 +273,7 @@ def remove_dir(path: str, save_id: str) -> None:
 
 def rmtree_quietly(path: str) -> None:
     import shutil
+
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -269,19 +294,26 @@ def claim_save_dir(save_dir: str) -> None:
         os.makedirs(save_dir, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
-        raise CheckpointError(f"{path}: cannot be created ({e.strerror or e}); check the "
-                              f"permissions of --save {save_dir}") from e
+        raise CheckpointError(
+            f"{path}: cannot be created ({e.strerror or e}); check the "
+            f"permissions of --save {save_dir}"
+        ) from e
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
         os.close(fd)
-        raise CheckpointError(f"--save {save_dir} is in use by {holder} (it holds {path}); two "
-                              f"jobs saving into one directory would interleave their "
-                              f"checkpoints: give this job its own --save directory") from None
+        raise CheckpointError(
+            f"--save {save_dir} is in use by {holder} (it holds {path}); two "
+            f"jobs saving into one directory would interleave their "
+            f"checkpoints: give this job its own --save directory"
+        ) from None
     os.ftruncate(fd, 0)
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                 f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    os.write(
+        fd,
+        f"pid {os.getpid()} on {socket.gethostname()} since "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(),
+    )
     _held_locks[key] = fd
 
 
@@ -295,8 +327,11 @@ def release_save_dir(save_dir: str) -> None:
 def stale_temporaries(save_dir: str) -> list[str]:
     """Unfinished saves, copies set aside and half-deleted directories: stale once a newer
     save has completed (call only while holding the directory's lock)."""
-    return sorted(d for pattern in ("iter_*.tmp-*", "iter_*.old-*", "iter_*.del-*")
-                  for d in glob.glob(os.path.join(save_dir, pattern)))
+    return sorted(
+        d
+        for pattern in ("iter_*.tmp-*", "iter_*.old-*", "iter_*.del-*")
+        for d in glob.glob(os.path.join(save_dir, pattern))
+    )
 
 
 def complete_iterations(save_dir: str) -> list[int]:
@@ -315,7 +350,9 @@ def lost_tracker_error(load_dir: str) -> Optional[CheckpointError]:
     if not complete:
         return None
     tracker = os.path.join(load_dir, TRACKER)
-    return CheckpointError(f"{tracker}: missing, but {load_dir} holds complete checkpoints "
-                           f"(newest {iteration_dir_name(complete[-1])}); not starting from "
-                           f"scratch over them — to resume from the newest: echo "
-                           f"{complete[-1]} > {tracker}")
+    return CheckpointError(
+        f"{tracker}: missing, but {load_dir} holds complete checkpoints "
+        f"(newest {iteration_dir_name(complete[-1])}); not starting from "
+        f"scratch over them — to resume from the newest: echo "
+        f"{complete[-1]} > {tracker}"
+    )

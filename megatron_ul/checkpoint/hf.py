@@ -10,6 +10,7 @@ safetensors lives in tools/checkpoint/hf.py. Layout facts the mapping relies on:
     zeros, export drops them;
   - GPT-2 uses gelu_new (tanh approximation): imported as gelu_approximate = "tanh".
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,21 +32,30 @@ def gpt2_model_config(hf: dict) -> dict:
     if hf.get("scale_attn_by_inverse_layer_idx") or not hf.get("scale_attn_weights", True):
         raise _hf_error("only GPT-2's default attention scaling 1/sqrt(head_dim) is supported")
     h = hf["n_embd"]
-    return {"num_layers": hf["n_layer"], "hidden_size": h, "num_attention_heads": hf["n_head"],
-            "ffn_hidden_size": hf.get("n_inner") or 4 * h, "vocab_size": hf["vocab_size"],
-            "max_position_embeddings": hf["n_positions"], "seq_length": hf["n_positions"],
-            "position_embedding_type": "learned_absolute", "normalization": "LayerNorm",
-            "norm_epsilon": hf.get("layer_norm_epsilon", 1e-5), "swiglu": False,
-            "add_bias_linear": True,
-            "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", True),
-            "gelu_approximate": "none" if act == "gelu" else "tanh",
-            "num_query_groups": None, "kv_channels": None}
+    return {
+        "num_layers": hf["n_layer"],
+        "hidden_size": h,
+        "num_attention_heads": hf["n_head"],
+        "ffn_hidden_size": hf.get("n_inner") or 4 * h,
+        "vocab_size": hf["vocab_size"],
+        "max_position_embeddings": hf["n_positions"],
+        "seq_length": hf["n_positions"],
+        "position_embedding_type": "learned_absolute",
+        "normalization": "LayerNorm",
+        "norm_epsilon": hf.get("layer_norm_epsilon", 1e-5),
+        "swiglu": False,
+        "add_bias_linear": True,
+        "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", True),
+        "gelu_approximate": "none" if act == "gelu" else "tanh",
+        "num_query_groups": None,
+        "kv_channels": None,
+    }
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:
     """q [heads·d, ...], k, v [groups·d, ...] -> our [groups·(q_per_group+2)·d, ...]."""
     tail = q.shape[1:]
-    qg = q.reshape(groups, -1, *tail)                 # [groups, q_per_group·d, ...]
+    qg = q.reshape(groups, -1, *tail)  # [groups, q_per_group·d, ...]
     kg, vg = k.reshape(groups, -1, *tail), v.reshape(groups, -1, *tail)
     return torch.cat([qg, kg, vg], dim=1).reshape(-1, *tail)
 
@@ -59,22 +69,29 @@ def _split_qkv(qkv: torch.Tensor, groups: int, q_per_group: int, head_dim: int):
 
 # Per-layer GPT-2 tensors with a weight and a bias: (their name, ours, transposed?). GPT-2's
 # Conv1D stores linear weights [in, out]; ours are [out, in]. Serves import and export.
-GPT2_LAYER_NAMES = [("ln_1", "input_norm", False), ("ln_2", "post_attention_norm", False),
-                    ("attn.c_proj", "attention.proj", True), ("mlp.c_fc", "mlp.fc1", True),
-                    ("mlp.c_proj", "mlp.fc2", True)]
+GPT2_LAYER_NAMES = [
+    ("ln_1", "input_norm", False),
+    ("ln_2", "post_attention_norm", False),
+    ("attn.c_proj", "attention.proj", True),
+    ("mlp.c_fc", "mlp.fc1", True),
+    ("mlp.c_proj", "mlp.fc2", True),
+]
 
 
 def gpt2_to_ours(sd: dict, m: dict) -> dict:
     sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
     heads = m["num_attention_heads"]
-    out = {"word_embeddings.weight": sd["wte.weight"],
-           "position_embeddings.weight": sd["wpe.weight"],
-           "final_norm.weight": sd["ln_f.weight"], "final_norm.bias": sd["ln_f.bias"]}
+    out = {
+        "word_embeddings.weight": sd["wte.weight"],
+        "position_embeddings.weight": sd["wpe.weight"],
+        "final_norm.weight": sd["ln_f.weight"],
+        "final_norm.bias": sd["ln_f.bias"],
+    }
     if m["untie_embeddings_and_output_weights"]:
         out["output_layer.weight"] = sd["lm_head.weight"]
     for i in range(m["num_layers"]):
         hf, ours = f"h.{i}.", f"layers.{i}."
-        w = sd[hf + "attn.c_attn.weight"].t()                   # Conv1D [in, out] -> [out, in]
+        w = sd[hf + "attn.c_attn.weight"].t()  # Conv1D [in, out] -> [out, in]
         b = sd[hf + "attn.c_attn.bias"]
         out[ours + "attention.qkv.weight"] = _fuse_qkv(*w.chunk(3, dim=0), heads)
         out[ours + "attention.qkv.bias"] = _fuse_qkv(*b.chunk(3, dim=0), heads)
@@ -87,36 +104,53 @@ def gpt2_to_ours(sd: dict, m: dict) -> dict:
 
 def ours_to_gpt2(p: dict, m: dict) -> tuple[dict, dict]:
     """(GPT2LMHeadModel state dict, GPT2Config dict) from our full unpadded parameters."""
-    if m["swiglu"] or m["normalization"] != "LayerNorm" or not m["add_bias_linear"] \
-            or m["position_embedding_type"] != "learned_absolute" \
-            or m.get("num_query_groups") not in (None, m["num_attention_heads"]):
-        raise CheckpointError("this model is not GPT-2 shaped (needs LayerNorm, GELU, biases, "
-                              "learned positions, no GQA); export it as llama")
+    if (
+        m["swiglu"]
+        or m["normalization"] != "LayerNorm"
+        or not m["add_bias_linear"]
+        or m["position_embedding_type"] != "learned_absolute"
+        or m.get("num_query_groups") not in (None, m["num_attention_heads"])
+    ):
+        raise CheckpointError(
+            "this model is not GPT-2 shaped (needs LayerNorm, GELU, biases, "
+            "learned positions, no GQA); export it as llama"
+        )
     tied = not m["untie_embeddings_and_output_weights"]
     heads, d = m["num_attention_heads"], m["hidden_size"] // m["num_attention_heads"]
-    sd = {"transformer.wte.weight": p["word_embeddings.weight"],
-          "transformer.wpe.weight": p["position_embeddings.weight"],
-          "transformer.ln_f.weight": p["final_norm.weight"],
-          "transformer.ln_f.bias": p["final_norm.bias"],
-          "lm_head.weight": p["word_embeddings.weight" if tied else "output_layer.weight"]}
+    sd = {
+        "transformer.wte.weight": p["word_embeddings.weight"],
+        "transformer.wpe.weight": p["position_embeddings.weight"],
+        "transformer.ln_f.weight": p["final_norm.weight"],
+        "transformer.ln_f.bias": p["final_norm.bias"],
+        "lm_head.weight": p["word_embeddings.weight" if tied else "output_layer.weight"],
+    }
     for i in range(m["num_layers"]):
         hf, ours = f"transformer.h.{i}.", f"layers.{i}."
         q, k, v = _split_qkv(p[ours + "attention.qkv.weight"], heads, 1, d)
         sd[hf + "attn.c_attn.weight"] = torch.cat([q, k, v]).t()
-        sd[hf + "attn.c_attn.bias"] = torch.cat(_split_qkv(p[ours + "attention.qkv.bias"],
-                                                           heads, 1, d))
+        sd[hf + "attn.c_attn.bias"] = torch.cat(
+            _split_qkv(p[ours + "attention.qkv.bias"], heads, 1, d)
+        )
         for their, mine, transpose in GPT2_LAYER_NAMES:
             weight = p[ours + mine + ".weight"]
             sd[hf + their + ".weight"] = weight.t() if transpose else weight
             sd[hf + their + ".bias"] = p[ours + mine + ".bias"]
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-              "n_layer": m["num_layers"], "n_embd": m["hidden_size"], "n_head": heads,
-              "n_inner": ModelConfig(**m).ffn_size,
-              "n_positions": m["max_position_embeddings"], "vocab_size": m["vocab_size"],
-              "layer_norm_epsilon": m["norm_epsilon"],
-              "activation_function": "gelu_new" if m["gelu_approximate"] == "tanh" else "gelu",
-              "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-              "tie_word_embeddings": tied}
+    config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "n_layer": m["num_layers"],
+        "n_embd": m["hidden_size"],
+        "n_head": heads,
+        "n_inner": ModelConfig(**m).ffn_size,
+        "n_positions": m["max_position_embeddings"],
+        "vocab_size": m["vocab_size"],
+        "layer_norm_epsilon": m["norm_epsilon"],
+        "activation_function": "gelu_new" if m["gelu_approximate"] == "tanh" else "gelu",
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "tie_word_embeddings": tied,
+    }
     return {k: v.contiguous() for k, v in sd.items()}, config
 
 
@@ -134,72 +168,108 @@ def llama_model_config(hf: dict) -> dict:
     heads = hf["num_attention_heads"]
     groups = hf.get("num_key_value_heads") or heads
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    return {"num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
-            "num_attention_heads": heads, "num_query_groups": groups if groups != heads else None,
-            "kv_channels": head_dim if head_dim * heads != hf["hidden_size"] else None,
-            "ffn_hidden_size": hf["intermediate_size"], "vocab_size": hf["vocab_size"],
-            "max_position_embeddings": hf["max_position_embeddings"],
-            "seq_length": hf["max_position_embeddings"], "position_embedding_type": "rope",
-            "rotary_base": _rope_theta(hf), "normalization": "RMSNorm",
-            "norm_epsilon": hf.get("rms_norm_eps", 1e-6), "swiglu": True,
-            "add_bias_linear": False,
-            "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
-            "gelu_approximate": "none"}
+    return {
+        "num_layers": hf["num_hidden_layers"],
+        "hidden_size": hf["hidden_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": groups if groups != heads else None,
+        "kv_channels": head_dim if head_dim * heads != hf["hidden_size"] else None,
+        "ffn_hidden_size": hf["intermediate_size"],
+        "vocab_size": hf["vocab_size"],
+        "max_position_embeddings": hf["max_position_embeddings"],
+        "seq_length": hf["max_position_embeddings"],
+        "position_embedding_type": "rope",
+        "rotary_base": _rope_theta(hf),
+        "normalization": "RMSNorm",
+        "norm_epsilon": hf.get("rms_norm_eps", 1e-6),
+        "swiglu": True,
+        "add_bias_linear": False,
+        "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
+        "gelu_approximate": "none",
+    }
 
 
 def llama_to_ours(sd: dict, m: dict) -> dict:
     sd = {k.removeprefix("model."): v for k, v in sd.items()}
     groups = m["num_query_groups"] or m["num_attention_heads"]
-    out = {"word_embeddings.weight": sd["embed_tokens.weight"],
-           "final_norm.weight": sd["norm.weight"]}
+    out = {
+        "word_embeddings.weight": sd["embed_tokens.weight"],
+        "final_norm.weight": sd["norm.weight"],
+    }
     if m["untie_embeddings_and_output_weights"]:
         out["output_layer.weight"] = sd["lm_head.weight"]
     for i in range(m["num_layers"]):
         hf, ours = f"layers.{i}.", f"layers.{i}."
         a = hf + "self_attn."
         out[ours + "attention.qkv.weight"] = _fuse_qkv(
-            sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"], groups)
+            sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"], groups
+        )
         out[ours + "attention.proj.weight"] = sd[a + "o_proj.weight"]
         out[ours + "input_norm.weight"] = sd[hf + "input_layernorm.weight"]
         out[ours + "post_attention_norm.weight"] = sd[hf + "post_attention_layernorm.weight"]
-        out[ours + "mlp.fc1.weight"] = torch.cat([sd[hf + "mlp.gate_proj.weight"],
-                                                  sd[hf + "mlp.up_proj.weight"]])
+        out[ours + "mlp.fc1.weight"] = torch.cat(
+            [sd[hf + "mlp.gate_proj.weight"], sd[hf + "mlp.up_proj.weight"]]
+        )
         out[ours + "mlp.fc2.weight"] = sd[hf + "mlp.down_proj.weight"]
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
 def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
-    if not m["swiglu"] or m["normalization"] != "RMSNorm" or m["add_bias_linear"] \
-            or m["position_embedding_type"] != "rope":
-        raise CheckpointError("this model is not Llama shaped (needs RMSNorm, SwiGLU, no "
-                              "biases, RoPE); export it as gpt2")
+    if (
+        not m["swiglu"]
+        or m["normalization"] != "RMSNorm"
+        or m["add_bias_linear"]
+        or m["position_embedding_type"] != "rope"
+    ):
+        raise CheckpointError(
+            "this model is not Llama shaped (needs RMSNorm, SwiGLU, no "
+            "biases, RoPE); export it as gpt2"
+        )
     heads = m["num_attention_heads"]
     groups = m["num_query_groups"] or heads
     head_dim = m["kv_channels"] or m["hidden_size"] // heads
     tied = not m["untie_embeddings_and_output_weights"]
-    sd = {"model.embed_tokens.weight": p["word_embeddings.weight"],
-          "model.norm.weight": p["final_norm.weight"],
-          "lm_head.weight": p["word_embeddings.weight" if tied else "output_layer.weight"]}
+    sd = {
+        "model.embed_tokens.weight": p["word_embeddings.weight"],
+        "model.norm.weight": p["final_norm.weight"],
+        "lm_head.weight": p["word_embeddings.weight" if tied else "output_layer.weight"],
+    }
     for i in range(m["num_layers"]):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         q, k, v = _split_qkv(p[ours + "attention.qkv.weight"], groups, heads // groups, head_dim)
         gate, up = p[ours + "mlp.fc1.weight"].chunk(2, dim=0)
-        sd.update({hf + "self_attn.q_proj.weight": q, hf + "self_attn.k_proj.weight": k,
-                   hf + "self_attn.v_proj.weight": v,
-                   hf + "self_attn.o_proj.weight": p[ours + "attention.proj.weight"],
-                   hf + "input_layernorm.weight": p[ours + "input_norm.weight"],
-                   hf + "post_attention_layernorm.weight": p[ours + "post_attention_norm.weight"],
-                   hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up,
-                   hf + "mlp.down_proj.weight": p[ours + "mlp.fc2.weight"]})
-    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"],
-              "num_hidden_layers": m["num_layers"], "hidden_size": m["hidden_size"],
-              "num_attention_heads": heads, "num_key_value_heads": groups, "head_dim": head_dim,
-              "intermediate_size": ModelConfig(**m).ffn_size, "vocab_size": m["vocab_size"],
-              "max_position_embeddings": m["max_position_embeddings"],
-              "rms_norm_eps": m["norm_epsilon"], "hidden_act": "silu",
-              "rope_theta": m["rotary_base"],
-              "rope_parameters": {"rope_theta": m["rotary_base"], "rope_type": "default"},
-              "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": tied}
+        sd.update(
+            {
+                hf + "self_attn.q_proj.weight": q,
+                hf + "self_attn.k_proj.weight": k,
+                hf + "self_attn.v_proj.weight": v,
+                hf + "self_attn.o_proj.weight": p[ours + "attention.proj.weight"],
+                hf + "input_layernorm.weight": p[ours + "input_norm.weight"],
+                hf + "post_attention_layernorm.weight": p[ours + "post_attention_norm.weight"],
+                hf + "mlp.gate_proj.weight": gate,
+                hf + "mlp.up_proj.weight": up,
+                hf + "mlp.down_proj.weight": p[ours + "mlp.fc2.weight"],
+            }
+        )
+    config = {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": m["num_layers"],
+        "hidden_size": m["hidden_size"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": head_dim,
+        "intermediate_size": ModelConfig(**m).ffn_size,
+        "vocab_size": m["vocab_size"],
+        "max_position_embeddings": m["max_position_embeddings"],
+        "rms_norm_eps": m["norm_epsilon"],
+        "hidden_act": "silu",
+        "rope_theta": m["rotary_base"],
+        "rope_parameters": {"rope_theta": m["rotary_base"], "rope_type": "default"},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": tied,
+    }
     return {k: v.contiguous() for k, v in sd.items()}, config
 
 
@@ -227,10 +297,13 @@ def to_hf(kind: str, params: dict, m: dict) -> tuple[dict, dict]:
 def read_hf_config(hf_dir: str) -> dict:
     import json
     import os
+
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
-        raise CheckpointError(f"{config_path}: missing; --hf-dir must be a Hugging Face model "
-                              f"directory (config.json + *.safetensors)")
+        raise CheckpointError(
+            f"{config_path}: missing; --hf-dir must be a Hugging Face model "
+            f"directory (config.json + *.safetensors)"
+        )
     try:
         with open(config_path) as f:
             return json.load(f)
@@ -244,11 +317,14 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
     import os
 
     from safetensors.torch import load_file
+
     config = read_hf_config(hf_dir)
     shards = sorted(glob.glob(os.path.join(hf_dir, "*.safetensors")))
     if not shards:
-        raise CheckpointError(f"{hf_dir}: no *.safetensors files (PyTorch .bin files are not "
-                              f"read; re-save with safe_serialization=True)")
+        raise CheckpointError(
+            f"{hf_dir}: no *.safetensors files (PyTorch .bin files are not "
+            f"read; re-save with safe_serialization=True)"
+        )
     state = {}
     for path in shards:
         try:
@@ -264,6 +340,7 @@ def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> t
     from dataclasses import asdict
 
     from . import files, reshard
+
     config = read_hf_config(hf_dir)
     kind = detect(config)
     fields = gpt2_model_config(config) if kind == "gpt2" else llama_model_config(config)
@@ -272,14 +349,33 @@ def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> t
     reshard.check_target_layout({"model": model}, tp, pp, 1, 1, None)
     _, state = read_hf_dir(hf_dir)
     _, params = to_ours(config, state)
-    meta = {"format": files.FORMAT, "iteration": 0, "model": model,
-            "layout": {"tp": 1, "pp": 1, "sp": 1, "dp": 1, "world": 1,
-                       "sequence_parallel": False, "vp": None},
-            "params": reshard.layout_table({"model": model}, 1, 1, None),
-            "optimizer": None, "rng": False, "source": f"hugging face {config['model_type']}",
-            "special_tokens": {k: config.get(k) for k in ("bos_token_id", "eos_token_id")}}
-    common = {"iteration": 0, "checkpoint_version": 3.0, "opt_param_scheduler": {"num_steps": 0},
-              "consumed_samples": 0, "consumed_valid_samples": 0, "args": {}}
+    meta = {
+        "format": files.FORMAT,
+        "iteration": 0,
+        "model": model,
+        "layout": {
+            "tp": 1,
+            "pp": 1,
+            "sp": 1,
+            "dp": 1,
+            "world": 1,
+            "sequence_parallel": False,
+            "vp": None,
+        },
+        "params": reshard.layout_table({"model": model}, 1, 1, None),
+        "optimizer": None,
+        "rng": False,
+        "source": f"hugging face {config['model_type']}",
+        "special_tokens": {k: config.get(k) for k in ("bos_token_id", "eos_token_id")},
+    }
+    common = {
+        "iteration": 0,
+        "checkpoint_version": 3.0,
+        "opt_param_scheduler": {"num_steps": 0},
+        "consumed_samples": 0,
+        "consumed_valid_samples": 0,
+        "args": {},
+    }
     _check_names(params, meta["params"], hf_dir)
     full = reshard.FullCheckpoint(meta, common, params, None, None)
     target = reshard.target_metadata(full, tp, pp, 1, 1, with_optim=False)
@@ -290,16 +386,22 @@ def _check_names(params: dict, table: dict, hf_dir: str) -> None:
     """The mapped tensors must be exactly the model's parameters, shaped as the table says
     (vocabulary rows are padded later)."""
     missing, extra = set(table) - set(params), set(params) - set(table)
-    bad = [n for n in set(params) & set(table) if not table[n]["vocab_padded"]
-           and list(params[n].shape) != table[n]["shape"]]
+    bad = [
+        n
+        for n in set(params) & set(table)
+        if not table[n]["vocab_padded"] and list(params[n].shape) != table[n]["shape"]
+    ]
     if missing or extra or bad:
-        raise CheckpointError(f"{hf_dir}: the mapped weights do not fit the model: missing "
-                              f"{sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}, "
-                              f"wrong shape {sorted(bad)[:4]}")
+        raise CheckpointError(
+            f"{hf_dir}: the mapped weights do not fit the model: missing "
+            f"{sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}, "
+            f"wrong shape {sorted(bad)[:4]}"
+        )
 
 
-def export_checkpoint(load_dir: str, hf_dir: str, kind: str | None = None,
-                      special_tokens: dict | None = None) -> str:
+def export_checkpoint(
+    load_dir: str, hf_dir: str, kind: str | None = None, special_tokens: dict | None = None
+) -> str:
     """Write the latest iteration of `load_dir` (any layout) as a Hugging Face model directory
     (config.json + model.safetensors). Refuses to overwrite an existing model there.
     `special_tokens` ({bos_token_id, eos_token_id}) overrides the ids recorded in the
@@ -310,16 +412,19 @@ def export_checkpoint(load_dir: str, hf_dir: str, kind: str | None = None,
     from safetensors.torch import save_file
 
     from . import files, reshard
+
     iteration = files.read_tracker(load_dir)
     if iteration is None:
-        raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
-                              f"checkpoint in {load_dir}")
+        raise CheckpointError(
+            f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
+            f"checkpoint in {load_dir}"
+        )
     full = reshard.read_full(files.find_iteration_dir(load_dir, iteration), with_optim=False)
     m = full.metadata["model"]
     kind = kind or ("llama" if m["swiglu"] else "gpt2")
     state, config = to_hf(kind, full.params, m)
     config.update(_special_tokens(full.metadata, special_tokens or {}))
-    if config.get("tie_word_embeddings"):   # Hugging Face re-ties it on load
+    if config.get("tie_word_embeddings"):  # Hugging Face re-ties it on load
         state.pop("lm_head.weight")
     target = os.path.join(hf_dir, "model.safetensors")
     if os.path.exists(target):
@@ -336,6 +441,7 @@ def _special_tokens(meta: dict, overrides: dict) -> dict:
     end-of-document id of a tokenizer-less (mock-data) run, vocab_size - 1 as Megatron's
     NullTokenizer has it."""
     import logging
+
     recorded = meta.get("special_tokens") or {}
     out = {}
     for key in ("bos_token_id", "eos_token_id"):
@@ -345,28 +451,48 @@ def _special_tokens(meta: dict, overrides: dict) -> dict:
         if value is None:
             value = meta["model"]["vocab_size"] - 1
             logging.getLogger("megatron_ul").warning(
-                "the checkpoint records no %s; exporting %d (vocab_size - 1); pass "
-                "--%s to choose", key, value, key.replace("_", "-"))
+                "the checkpoint records no %s; exporting %d (vocab_size - 1); pass --%s to choose",
+                key,
+                value,
+                key.replace("_", "-"),
+            )
         out[key] = int(value)
     return out
 
 
 def model_flags(m: dict) -> list[str]:
     """The pretrain_gpt.py flags that build the model described by ModelConfig fields `m`."""
-    flags = ["--num-layers", m["num_layers"], "--hidden-size", m["hidden_size"],
-             "--num-attention-heads", m["num_attention_heads"], "--vocab-size", m["vocab_size"],
-             "--max-position-embeddings", m["max_position_embeddings"],
-             "--position-embedding-type", m["position_embedding_type"],
-             "--normalization", m["normalization"], "--norm-epsilon", m["norm_epsilon"],
-             "--make-vocab-size-divisible-by", m["make_vocab_size_divisible_by"]]
+    flags = [
+        "--num-layers",
+        m["num_layers"],
+        "--hidden-size",
+        m["hidden_size"],
+        "--num-attention-heads",
+        m["num_attention_heads"],
+        "--vocab-size",
+        m["vocab_size"],
+        "--max-position-embeddings",
+        m["max_position_embeddings"],
+        "--position-embedding-type",
+        m["position_embedding_type"],
+        "--normalization",
+        m["normalization"],
+        "--norm-epsilon",
+        m["norm_epsilon"],
+        "--make-vocab-size-divisible-by",
+        m["make_vocab_size_divisible_by"],
+    ]
     optional = [("ffn_hidden_size", "--ffn-hidden-size"), ("kv_channels", "--kv-channels")]
     flags += [x for field, flag in optional if m.get(field) for x in (flag, m[field])]
     if m.get("num_query_groups"):
         flags += ["--group-query-attention", "--num-query-groups", m["num_query_groups"]]
     if m["position_embedding_type"] == "rope":
         flags += ["--rotary-base", m["rotary_base"]]
-    switches = [(m["swiglu"], "--swiglu"), (not m["add_bias_linear"], "--disable-bias-linear"),
-                (m["untie_embeddings_and_output_weights"], "--untie-embeddings-and-output-weights")]
+    switches = [
+        (m["swiglu"], "--swiglu"),
+        (not m["add_bias_linear"], "--disable-bias-linear"),
+        (m["untie_embeddings_and_output_weights"], "--untie-embeddings-and-output-weights"),
+    ]
     flags += [flag for on, flag in switches if on]
     if m.get("gelu_approximate", "none") != "none":
         flags += ["--gelu-approximate", m["gelu_approximate"]]

@@ -15,6 +15,7 @@ Save protocol (every step survives a kill -9 of any process at any moment):
  3. rank 0 points latest_checkpointed_iteration.txt at N (tmp file + os.replace), last, then
     applies the opt-in retention and clean-up.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,22 +33,35 @@ from .files import CheckpointError
 from .files import FORMAT
 from ..pipeline.param_table import local_parameter_table
 from .state import named_parameters, rng_state, set_rng_state
-from .zero import (checkpoint_model_state, checkpoint_optimizer_state,
-                   load_checkpoint_model_state, load_checkpoint_optimizer_state)
+from .zero import (
+    checkpoint_model_state,
+    checkpoint_optimizer_state,
+    load_checkpoint_model_state,
+    load_checkpoint_optimizer_state,
+)
 
 log = logging.getLogger("megatron_ul")
 
 # ModelConfig fields that decide parameter shapes or the function the weights compute.
-MODEL_FIELDS = {"num_layers": "--num-layers", "hidden_size": "--hidden-size",
-                "num_attention_heads": "--num-attention-heads",
-                "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
-                "ffn_hidden_size": "--ffn-hidden-size", "vocab_size": "--vocab-size",
-                "swiglu": "--swiglu", "add_bias_linear": "--disable-bias-linear",
-                "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-                "position_embedding_type": "--position-embedding-type",
-                "normalization": "--normalization", "norm_epsilon": "--norm-epsilon",
-                "gelu_approximate": "--gelu-approximate"}
-ROPE_FIELDS = {"rotary_base": "--rotary-base"}     # compared when both use rotary embeddings
+MODEL_FIELDS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "vocab_size": "--vocab-size",
+    "swiglu": "--swiglu",
+    "add_bias_linear": "--disable-bias-linear",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "position_embedding_type": "--position-embedding-type",
+    "normalization": "--normalization",
+    "norm_epsilon": "--norm-epsilon",
+    "gelu_approximate": "--gelu-approximate",
+}
+ROPE_FIELDS = {"rotary_base": "--rotary-base"}  # compared when both use rotary embeddings
+
+
 @dataclass
 class Resume:
     iteration: int = 0
@@ -59,16 +73,25 @@ def _layout(cfg: Config) -> dict:
     p = cfg.parallel
     # "cp" only when there is a ring: layouts saved before the ring axis existed still match.
     ring = {"cp": p.context_parallel_size} if p.context_parallel_size > 1 else {}
-    return {**ring, "tp": p.tensor_model_parallel_size, "sp": p.ds_sequence_parallel_size,
-            "pp": p.pipeline_model_parallel_size, "dp": p.data_parallel_size,
-            "world": p.world_size, "sequence_parallel": p.sequence_parallel,
-            "vp": p.num_layers_per_virtual_pipeline_stage}
+    return {
+        **ring,
+        "tp": p.tensor_model_parallel_size,
+        "sp": p.ds_sequence_parallel_size,
+        "pp": p.pipeline_model_parallel_size,
+        "dp": p.data_parallel_size,
+        "world": p.world_size,
+        "sequence_parallel": p.sequence_parallel,
+        "vp": p.num_layers_per_virtual_pipeline_stage,
+    }
 
 
 def consumed_valid_samples(cfg: Config, iteration: int) -> int:
     t = cfg.train
-    return (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size \
-        if t.eval_interval else 0
+    return (
+        (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
+        if t.eval_interval
+        else 0
+    )
 
 
 def special_token_ids(cfg: Config) -> dict:
@@ -76,21 +99,28 @@ def special_token_ids(cfg: Config) -> dict:
     them). GPT-2's BPE has one end-of-text id for both; SentencePiece its own bos and eos;
     without a tokenizer (mock data) Megatron's NullTokenizer convention, vocab_size - 1."""
     d = cfg.data
-    return _special_token_ids(d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model,
-                              cfg.model.vocab_size)
+    return _special_token_ids(
+        d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model, cfg.model.vocab_size
+    )
 
 
 @functools.lru_cache(maxsize=4)
 def _special_token_ids(kind, vocab_file, merge_file, tokenizer_model, vocab_size) -> dict:
     from ..data.tokenizers import build_tokenizer
+
     eod = vocab_size - 1
     bos = None
     if kind is not None:
         try:
-            tokenizer = build_tokenizer(kind, vocab_file=vocab_file, merge_file=merge_file,
-                                        tokenizer_model=tokenizer_model, vocab_size=vocab_size)
+            tokenizer = build_tokenizer(
+                kind,
+                vocab_file=vocab_file,
+                merge_file=merge_file,
+                tokenizer_model=tokenizer_model,
+                vocab_size=vocab_size,
+            )
             eod = tokenizer.eod
-            processor = getattr(tokenizer, "processor", None)     # SentencePiece
+            processor = getattr(tokenizer, "processor", None)  # SentencePiece
             bos = processor.bos_id() if processor is not None else None
         except (OSError, ValueError, ImportError) as e:
             log.warning("cannot record bos/eos ids: tokenizer %s (%s)", kind, e)
@@ -118,9 +148,11 @@ def claim_save_dir(cfg: Config) -> None:
     """Collective: rank 0 takes the --save directory's lock (files.claim_save_dir) so that a
     second job saving into it fails at start-up, naming the holder, and refuses a run that
     would save over complete checkpoints there (check_nothing_overwritten)."""
+
     def claim() -> None:
         files.claim_save_dir(cfg.checkpoint.save)
         check_nothing_overwritten(cfg)
+
     _on_rank0(claim)
 
 
@@ -150,7 +182,8 @@ def check_nothing_overwritten(cfg: Config) -> None:
         raise CheckpointError(
             f"--save {c.save} holds complete checkpoints this run (starting at iteration "
             f"{start}) would save over: {names}{' …' if len(later) > 4 else ''}; resume with "
-            f"--load {c.save}, choose another --save, or pass --overwrite-checkpoints")
+            f"--load {c.save}, choose another --save, or pass --overwrite-checkpoints"
+        )
 
 
 def _begin_save(save_dir: str, iteration: int, overwrite: bool) -> str:
@@ -159,25 +192,47 @@ def _begin_save(save_dir: str, iteration: int, overwrite: bool) -> str:
     files.claim_save_dir(save_dir)
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     if not overwrite and files.is_complete(final):
-        raise CheckpointError(f"{final}: a complete checkpoint of iteration {iteration} is "
-                              f"already there; not replaced (pass --overwrite-checkpoints to "
-                              f"replace it)")
+        raise CheckpointError(
+            f"{final}: a complete checkpoint of iteration {iteration} is "
+            f"already there; not replaced (pass --overwrite-checkpoints to "
+            f"replace it)"
+        )
     return uuid.uuid4().hex[:12]
 
 
-def _write_rank_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str,
-                      grad_scaler, position: Resume):
+def _write_rank_files(
+    cfg: Config,
+    model,
+    optimizer,
+    scheduler,
+    iteration: int,
+    tmp: str,
+    grad_scaler,
+    position: Resume,
+):
     dims = model_dims(model)
     tp_rank, pp_rank, pp = dims.tp_rank, dims.pp_rank, dims.pp
     save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
-    writer = dims.dp_cp_sp_rank == 0   # DP, CP and SP coordinates all 0
+    writer = dims.dp_cp_sp_rank == 0  # DP, CP and SP coordinates all 0
     # Collective over dp_cp_sp under ZeRO (gathers one parameter at a time); None off the writer.
     model_sd = checkpoint_model_state(model)
     optim_sd = checkpoint_optimizer_state(model, optimizer) if save_optim else None
     records, error = {}, None
     try:
-        records = _write_files(cfg, model_sd, optim_sd, scheduler, iteration, tmp, grad_scaler,
-                               position, writer, tp_rank, pp_rank, pp)
+        records = _write_files(
+            cfg,
+            model_sd,
+            optim_sd,
+            scheduler,
+            iteration,
+            tmp,
+            grad_scaler,
+            position,
+            writer,
+            tp_rank,
+            pp_rank,
+            pp,
+        )
     except CheckpointError as e:
         error = str(e)
     return records, error
@@ -188,32 +243,54 @@ def _agree(model, iteration: int, records: dict, digests: dict, error: str | Non
     rank's file records, every rank's piece digests); an error on any rank fails the save on
     every rank. Each pipeline stage knows its own parameters; rank 0 records them all."""
     dims = model_dims(model)
-    mine = local_parameter_table(model, dims.tp, dims.pp_rank) \
-        if dims.dp_cp_sp_rank == 0 and dims.tp_rank == 0 else {}
+    mine = (
+        local_parameter_table(model, dims.tp, dims.pp_rank)
+        if dims.dp_cp_sp_rank == 0 and dims.tp_rank == 0
+        else {}
+    )
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, records, digests, error))
     errors = [e for _, _, _, e in gathered if e]
     if errors:
-        raise CheckpointError(f"saving iteration {iteration} failed (the previous checkpoint "
-                              f"is untouched):\n  " + "\n  ".join(errors[:4]))
-    return ({name: info for part, _, _, _ in gathered for name, info in part.items()},
-            {rel: record for _, part, _, _ in gathered for rel, record in part.items()},
-            {rel: {str(o): sha for o, sha in d.items()}
-             for _, _, part, _ in gathered for rel, d in part.items()})
+        raise CheckpointError(
+            f"saving iteration {iteration} failed (the previous checkpoint "
+            f"is untouched):\n  " + "\n  ".join(errors[:4])
+        )
+    return (
+        {name: info for part, _, _, _ in gathered for name, info in part.items()},
+        {rel: record for _, part, _, _ in gathered for rel, record in part.items()},
+        {
+            rel: {str(o): sha for o, sha in d.items()}
+            for _, _, part, _ in gathered
+            for rel, d in part.items()
+        },
+    )
 
 
 def _common_payload(cfg, scheduler, iteration, grad_scaler, position) -> dict:
     """What every format stores once besides the tensors."""
-    return {"iteration": iteration, "checkpoint_version": 3.0,
-            "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
-            "opt_param_scheduler": scheduler.state_dict(),
-            "consumed_samples": position.consumed_samples,
-            "consumed_valid_samples": position.consumed_valid_samples,
-            "args": asdict(cfg)}
+    return {
+        "iteration": iteration,
+        "checkpoint_version": 3.0,
+        "grad_scaler": grad_scaler.state_dict() if grad_scaler is not None else None,
+        "opt_param_scheduler": scheduler.state_dict(),
+        "consumed_samples": position.consumed_samples,
+        "consumed_valid_samples": position.consumed_valid_samples,
+        "args": asdict(cfg),
+    }
 
 
-def _write_dist_files(cfg: Config, model, optimizer, scheduler, iteration: int, tmp: str,
-                      grad_scaler, position: Resume, background: bool):
+def _write_dist_files(
+    cfg: Config,
+    model,
+    optimizer,
+    scheduler,
+    iteration: int,
+    tmp: str,
+    grad_scaler,
+    position: Resume,
+    background: bool,
+):
     """torch_dist: every rank writes its pieces (dist_io), rank 0 the common state, every rank
     its RNG states. Returns (this rank's records so far, its error, the pieces' outcome: file
     records and digests, or a Future of them)."""
@@ -222,8 +299,10 @@ def _write_dist_files(cfg: Config, model, optimizer, scheduler, iteration: int, 
     try:
         if dist.get_rank() == 0:
             path = os.path.join(tmp, files.COMMON_FILE)
-            payload = {**_common_payload(cfg, scheduler, iteration, grad_scaler, position),
-                       "optimizer": dist_io.optimizer_common(optimizer) if save_optim else None}
+            payload = {
+                **_common_payload(cfg, scheduler, iteration, grad_scaler, position),
+                "optimizer": dist_io.optimizer_common(optimizer) if save_optim else None,
+            }
             records[files.COMMON_FILE] = files.save_torch(payload, path)
         path = files.rng_file(tmp, dist.get_rank())
         records[os.path.relpath(path, tmp)] = files.save_torch(rng_state(), path)
@@ -237,13 +316,28 @@ def _write_dist_files(cfg: Config, model, optimizer, scheduler, iteration: int, 
     return records, error, outcome
 
 
-def _write_files(cfg, model_sd, optim_sd, scheduler, iteration, tmp, grad_scaler, position,
-                 writer, tp_rank, pp_rank, pp) -> dict:
+def _write_files(
+    cfg,
+    model_sd,
+    optim_sd,
+    scheduler,
+    iteration,
+    tmp,
+    grad_scaler,
+    position,
+    writer,
+    tp_rank,
+    pp_rank,
+    pp,
+) -> dict:
     """This rank's files; {path relative to the iteration directory: file record}."""
     written = {}
     if writer:
-        payload = {**_common_payload(cfg, scheduler, iteration, grad_scaler, position),
-                   "model": model_sd, "optimizer": optim_sd}
+        payload = {
+            **_common_payload(cfg, scheduler, iteration, grad_scaler, position),
+            "model": model_sd,
+            "optimizer": optim_sd,
+        }
         path = files.model_file(tmp, tp_rank, pp_rank, pp)
         written[os.path.relpath(path, tmp)] = files.save_torch(payload, path)
     path = files.rng_file(tmp, dist.get_rank())
@@ -266,8 +360,9 @@ def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) 
         files.fsync_dir(save_dir)
         files.write_tracker(save_dir, iteration)
     except OSError as e:
-        raise CheckpointError(f"{e.filename or save_dir}: publishing iteration {iteration} "
-                              f"failed ({e.strerror or e})") from e
+        raise CheckpointError(
+            f"{e.filename or save_dir}: publishing iteration {iteration} failed ({e.strerror or e})"
+        ) from e
     if aside is not None:
         files.remove_dir(aside, save_id)
 
@@ -282,17 +377,25 @@ def _tidy(cfg: Config, save_id: str, iteration: int) -> None:
             files.rmtree_quietly(d)
     if c.keep_last_n_checkpoints:
         complete = files.complete_iterations(save_dir)
-        for old in complete[:-c.keep_last_n_checkpoints]:
+        for old in complete[: -c.keep_last_n_checkpoints]:
             if old != iteration:
                 path = os.path.join(save_dir, files.iteration_dir_name(old))
-                log.info("removing %s (--keep-last-n-checkpoints %d)", path,
-                         c.keep_last_n_checkpoints)
+                log.info(
+                    "removing %s (--keep-last-n-checkpoints %d)", path, c.keep_last_n_checkpoints
+                )
                 files.remove_dir(path, save_id)
 
 
-def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
-                    grad_scaler=None, position: Resume | None = None,
-                    background: bool = False):
+def save_checkpoint(
+    cfg: Config,
+    model,
+    optimizer,
+    scheduler,
+    iteration: int,
+    grad_scaler=None,
+    position: Resume | None = None,
+    background: bool = False,
+):
     """Collective over all ranks. Returns the iteration directory, or with background=True
     (--async-save; torch_dist only) a PendingSave that completes it once every rank's writer
     has finished. optimizer=None saves the weights only; grad_scaler is the fp16 loss scaler
@@ -300,17 +403,22 @@ def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
     batch-size changes; the training loop keeps it), by default iteration × the current global
     batch."""
     if position is None:
-        position = Resume(iteration, iteration * cfg.train.global_batch_size,
-                          consumed_valid_samples(cfg, iteration))
+        position = Resume(
+            iteration,
+            iteration * cfg.train.global_batch_size,
+            consumed_valid_samples(cfg, iteration),
+        )
     save_dir = cfg.checkpoint.save
-    save_id = _on_rank0(lambda: _begin_save(save_dir, iteration,
-                                            cfg.checkpoint.overwrite_checkpoints))
+    save_id = _on_rank0(
+        lambda: _begin_save(save_dir, iteration, cfg.checkpoint.overwrite_checkpoints)
+    )
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     tmp = f"{final}.tmp-{save_id}"
     pending = PendingSave(cfg, model, optimizer, iteration, tmp, final, save_id)
     if cfg.checkpoint.ckpt_format == "torch_dist":
         pending.records, pending.error, outcome = _write_dist_files(
-            cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler, position, background)
+            cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler, position, background
+        )
         if background and outcome is not None:
             pending.future = outcome
             return pending
@@ -319,7 +427,8 @@ def save_checkpoint(cfg: Config, model, optimizer, scheduler, iteration: int,
             pending.digests = outcome[1]
     else:
         pending.records, pending.error = _write_rank_files(
-            cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler, position)
+            cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler, position
+        )
     pending.complete()
     return final
 
@@ -335,11 +444,12 @@ class PendingSave:
         self.records: dict = {}
         self.digests: dict = {}
         self.error: str | None = None
-        self.future = None          # the background writer's (records, digests)
+        self.future = None  # the background writer's (records, digests)
 
     def written_everywhere(self, device) -> bool:
         """Collective: has every rank's background writer finished (successfully or not)?"""
         import torch
+
         done = torch.tensor([float(self.future is None or self.future.done())], device=device)
         if dist.get_world_size() > 1:
             dist.all_reduce(done, op=dist.ReduceOp.MIN)
@@ -357,34 +467,61 @@ class PendingSave:
                 self.error = self.error or str(e)
             self.future = None
         try:
-            params, records, digests = _agree(self.model, self.iteration, self.records,
-                                              self.digests, self.error)
+            params, records, digests = _agree(
+                self.model, self.iteration, self.records, self.digests, self.error
+            )
         except CheckpointError:
             if dist.get_rank() == 0:
                 files.rmtree_quietly(self.tmp)
             raise
-        _on_rank0(lambda: _finish_save(self.cfg, self.model, self.optimizer, self.iteration,
-                                       self.tmp, self.final, self.save_id, params, records,
-                                       digests))
+        _on_rank0(
+            lambda: _finish_save(
+                self.cfg,
+                self.model,
+                self.optimizer,
+                self.iteration,
+                self.tmp,
+                self.final,
+                self.save_id,
+                params,
+                records,
+                digests,
+            )
+        )
         return self.final
 
 
-def _finish_save(cfg: Config, model, optimizer, iteration: int, tmp: str, final: str,
-                 save_id: str, params: dict, records: dict, digests: dict) -> None:
+def _finish_save(
+    cfg: Config,
+    model,
+    optimizer,
+    iteration: int,
+    tmp: str,
+    final: str,
+    save_id: str,
+    params: dict,
+    records: dict,
+    digests: dict,
+) -> None:
     """Rank 0, after every rank has written its files: metadata, publication, tidying."""
     save_dir = cfg.checkpoint.save
     dist_format = cfg.checkpoint.ckpt_format == "torch_dist"
     with_optim = not (cfg.checkpoint.no_save_optim or optimizer is None)
-    meta = {"format": FORMAT, "iteration": iteration, "layout": _layout(cfg),
-            "model": asdict(cfg.model), "params": params,
-            "storage": cfg.checkpoint.ckpt_format,
-            # torch: ZeRO state is stored gathered, like plain AdamW's; torch_dist: in pieces.
-            # Either loads on any layout.
-            "optimizer": (None if not with_optim else "sharded" if dist_format
-                          else "replicated"),
-            "zero_stage": cfg.parallel.zero_stage,
-            "special_tokens": special_token_ids(cfg),
-            "files": records, "rng": True}
+    meta = {
+        "format": FORMAT,
+        "iteration": iteration,
+        "layout": _layout(cfg),
+        "model": asdict(cfg.model),
+        "params": params,
+        "storage": cfg.checkpoint.ckpt_format,
+        # torch: ZeRO state is stored gathered, like plain AdamW's; torch_dist: in pieces.
+        # Either loads on any layout.
+        "optimizer": (None if not with_optim else "sharded" if dist_format else "replicated"),
+        "zero_stage": cfg.parallel.zero_stage,
+        "special_tokens": special_token_ids(cfg),
+        "files": records,
+        "rng": True,
+    }
     if dist_format:
         meta["piece_sha256"] = digests
     try:
@@ -403,29 +540,43 @@ def check_model_matches(meta: dict, cfg: Config, path: str) -> None:
     checked = dict(MODEL_FIELDS)
     if saved.get("position_embedding_type") == ours["position_embedding_type"] == "rope":
         checked.update(ROPE_FIELDS)
-    diffs = [f"{flag}: checkpoint {saved.get(field)!r}, this run {ours[field]!r}"
-             for field, flag in checked.items() if saved.get(field, ours[field]) != ours[field]]
-    if (ours["position_embedding_type"] == "learned_absolute"
-            and saved.get("max_position_embeddings") != ours["max_position_embeddings"]):
-        diffs.append(f"--max-position-embeddings: checkpoint "
-                     f"{saved.get('max_position_embeddings')}, this run "
-                     f"{ours['max_position_embeddings']}")
+    diffs = [
+        f"{flag}: checkpoint {saved.get(field)!r}, this run {ours[field]!r}"
+        for field, flag in checked.items()
+        if saved.get(field, ours[field]) != ours[field]
+    ]
+    if (
+        ours["position_embedding_type"] == "learned_absolute"
+        and saved.get("max_position_embeddings") != ours["max_position_embeddings"]
+    ):
+        diffs.append(
+            f"--max-position-embeddings: checkpoint "
+            f"{saved.get('max_position_embeddings')}, this run "
+            f"{ours['max_position_embeddings']}"
+        )
     if diffs:
-        raise CheckpointError(f"{path}: the checkpoint's model differs from this run's flags:\n  "
-                              + "\n  ".join(diffs) + "\nuse the checkpoint's model flags")
+        raise CheckpointError(
+            f"{path}: the checkpoint's model differs from this run's flags:\n  "
+            + "\n  ".join(diffs)
+            + "\nuse the checkpoint's model flags"
+        )
 
 
 def load_model_state(model, state: dict, source: str) -> None:
     params = named_parameters(model)
     missing, unexpected = set(params) - set(state), set(state) - set(params)
     if missing or unexpected:
-        raise CheckpointError(f"{source}: parameter names differ from the model: missing "
-                              f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise CheckpointError(
+            f"{source}: parameter names differ from the model: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
     for name, p in params.items():
         if tuple(state[name].shape) != tuple(p.shape):
-            raise CheckpointError(f"{source}: {name} has shape {tuple(state[name].shape)} in the "
-                                  f"checkpoint but {tuple(p.shape)} in this model")
-    load_checkpoint_model_state(model, state)   # ZeRO-3: each rank keeps its chunk
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(state[name].shape)} in the "
+                f"checkpoint but {tuple(p.shape)} in this model"
+            )
+    load_checkpoint_model_state(model, state)  # ZeRO-3: each rank keeps its chunk
 
 
 def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
@@ -438,25 +589,39 @@ def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
     # size decides which layers those are, as much as TP and PP do.
     if (saved["tp"], saved["pp"], saved.get("vp")) == (ours["tp"], ours["pp"], ours["vp"]):
         path = files.model_file(iter_dir, tp_rank, pp_rank, ours["pp"])
-        payload = files.load_torch(path, "model and optimizer of this rank",
-                                   files.expected_record(meta, iter_dir, path))
+        payload = files.load_torch(
+            path, "model and optimizer of this rank", files.expected_record(meta, iter_dir, path)
+        )
         return payload, path, payload["model"], payload["optimizer"]
     if dist.get_rank() == 0:
-        vp_flag = (f" --target-num-layers-per-virtual-pipeline-stage {ours['vp']}"
-                   if ours["vp"] else "")
-        log.info("resharding %s on load: TP%d PP%d VP%s -> TP%d PP%d VP%s (to do it once "
-                 "offline: python -m tools.checkpoint.convert --load-dir %s --save-dir NEW "
-                 "--target-tensor-parallel-size %d --target-pipeline-parallel-size %d%s)",
-                 iter_dir, saved["tp"], saved["pp"], saved.get("vp"), ours["tp"], ours["pp"],
-                 ours["vp"], cfg.checkpoint.load, ours["tp"], ours["pp"], vp_flag)
+        vp_flag = (
+            f" --target-num-layers-per-virtual-pipeline-stage {ours['vp']}" if ours["vp"] else ""
+        )
+        log.info(
+            "resharding %s on load: TP%d PP%d VP%s -> TP%d PP%d VP%s (to do it once "
+            "offline: python -m tools.checkpoint.convert --load-dir %s --save-dir NEW "
+            "--target-tensor-parallel-size %d --target-pipeline-parallel-size %d%s)",
+            iter_dir,
+            saved["tp"],
+            saved["pp"],
+            saved.get("vp"),
+            ours["tp"],
+            ours["pp"],
+            ours["vp"],
+            cfg.checkpoint.load,
+            ours["tp"],
+            ours["pp"],
+            vp_flag,
+        )
     full = reshard.read_full(iter_dir, with_optim=load_optim)
     table = reshard.layout_table(meta, ours["tp"], ours["pp"], ours["vp"])
-    model_sd, optim_sd = reshard.shard_for(full, table, list(named_parameters(model)), tp_rank,
-                                           ours["tp"])
+    model_sd, optim_sd = reshard.shard_for(
+        full, table, list(named_parameters(model)), tp_rank, ours["tp"]
+    )
     return full.common, iter_dir, model_sd, optim_sd
 
 
-last_load_report: list = [None]     # this process's last torch_dist load (tests, benchmarks)
+last_load_report: list = [None]  # this process's last torch_dist load (tests, benchmarks)
 
 
 def _read_dist_common(meta: dict, iter_dir: str, load_optim: bool):
@@ -468,16 +633,28 @@ def _read_dist_common(meta: dict, iter_dir: str, load_optim: bool):
     return payload, path
 
 
-def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool, payload: dict,
-               path: str) -> None:
+def _read_dist(
+    meta: dict, iter_dir: str, model, optimizer, load_optim: bool, payload: dict, path: str
+) -> None:
     """torch_dist (collective): this rank's pieces of the model (and Adam moments), whatever
     layout saved them, straight into its parameters and optimizer state."""
     # An optimizer that had not stepped yet has no moments to read.
     moments = load_optim and payload["optimizer"]["step"] is not None
-    report = dist_io.load(model, optimizer if moments else None, moments, iter_dir,
-                          dist_io.digests_of(meta), meta["files"].get(dist_io.DCP_METADATA))
-    log.debug("rank %d read %d bytes (%d of tensor data; it holds %d)", dist.get_rank(),
-              report.bytes_read, report.tensor_bytes_read, report.tensor_bytes_needed)
+    report = dist_io.load(
+        model,
+        optimizer if moments else None,
+        moments,
+        iter_dir,
+        dist_io.digests_of(meta),
+        meta["files"].get(dist_io.DCP_METADATA),
+    )
+    log.debug(
+        "rank %d read %d bytes (%d of tensor data; it holds %d)",
+        dist.get_rank(),
+        report.bytes_read,
+        report.tensor_bytes_read,
+        report.tensor_bytes_needed,
+    )
     last_load_report[0] = report
     if load_optim:
         dist_io.restore_optimizer_common(optimizer, payload["optimizer"], path)
@@ -485,11 +662,15 @@ def _read_dist(meta: dict, iter_dir: str, model, optimizer, load_optim: bool, pa
 
 def _check_optimizer_kind(meta: dict, source: str, kind: str) -> None:
     if meta.get("optimizer") is None:
-        raise CheckpointError(f"{source}: the checkpoint holds no optimizer state (saved with "
-                              f"--no-save-optim, or imported); pass --no-load-optim or --finetune")
+        raise CheckpointError(
+            f"{source}: the checkpoint holds no optimizer state (saved with "
+            f"--no-save-optim, or imported); pass --no-load-optim or --finetune"
+        )
     if meta["optimizer"] != kind:
-        raise CheckpointError(f"{source}: unknown optimizer state kind {meta['optimizer']!r}; "
-                              f"pass --no-load-optim to start the optimizer afresh")
+        raise CheckpointError(
+            f"{source}: unknown optimizer state kind {meta['optimizer']!r}; "
+            f"pass --no-load-optim to start the optimizer afresh"
+        )
 
 
 def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> None:
@@ -498,17 +679,21 @@ def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> 
     load_checkpoint_optimizer_state(model, optimizer, optim_sd, source)
 
 
-def _load_scheduler(cfg: Config, scheduler, optimizer, payload: dict, source: str,
-                    optimizer_loaded: bool) -> None:
+def _load_scheduler(
+    cfg: Config, scheduler, optimizer, payload: dict, source: str, optimizer_loaded: bool
+) -> None:
     """The LR schedule, and every setting that differs from the checkpoint's refused or
     applied as resume_rules says."""
     c, saved = cfg.checkpoint, payload["opt_param_scheduler"]
-    diffs = resume_rules.differences(payload.get("args"), saved, asdict(cfg),
-                                     scheduler.state_dict(), optimizer_loaded)
-    keep = resume_rules.decide(diffs, c.override_opt_param_scheduler,
-                               c.use_checkpoint_opt_param_scheduler, source)
-    scheduler.load_state_dict({"num_steps": saved["num_steps"]}
-                              if c.override_opt_param_scheduler else saved)
+    diffs = resume_rules.differences(
+        payload.get("args"), saved, asdict(cfg), scheduler.state_dict(), optimizer_loaded
+    )
+    keep = resume_rules.decide(
+        diffs, c.override_opt_param_scheduler, c.use_checkpoint_opt_param_scheduler, source
+    )
+    scheduler.load_state_dict(
+        {"num_steps": saved["num_steps"]} if c.override_opt_param_scheduler else saved
+    )
     if optimizer_loaded:
         resume_rules.apply_to_optimizer(dist_io.torch_optimizer(optimizer), cfg.train, keep)
 
@@ -518,8 +703,11 @@ def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
     if grad_scaler is None:
         return
     if saved is None:
-        log.warning("%s holds no fp16 loss-scaler state (saved without --fp16); the scale "
-                    "starts from --initial-loss-scale / --loss-scale", source)
+        log.warning(
+            "%s holds no fp16 loss-scaler state (saved without --fp16); the scale "
+            "starts from --initial-loss-scale / --loss-scale",
+            source,
+        )
         return
     grad_scaler.load_state_dict(saved)
 
@@ -527,16 +715,23 @@ def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
 def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
     if not meta.get("rng"):
         if dist.get_rank() == 0:
-            log.warning("%s has no RNG states (converted or imported); RNG streams start from "
-                        "--seed", iter_dir)
+            log.warning(
+                "%s has no RNG states (converted or imported); RNG streams start from --seed",
+                iter_dir,
+            )
     elif meta["layout"] != _layout(cfg):
         if dist.get_rank() == 0:
-            log.warning("layout differs from the checkpoint's: RNG streams start from --seed "
-                        "(dropout masks will not continue the original run's)")
+            log.warning(
+                "layout differs from the checkpoint's: RNG streams start from --seed "
+                "(dropout masks will not continue the original run's)"
+            )
     else:
         path = files.rng_file(iter_dir, dist.get_rank())
-        set_rng_state(files.load_torch(path, "this rank's RNG states",
-                                       files.expected_record(meta, iter_dir, path)))
+        set_rng_state(
+            files.load_torch(
+                path, "this rank's RNG states", files.expected_record(meta, iter_dir, path)
+            )
+        )
 
 
 def _on_every_rank(step):
@@ -558,10 +753,12 @@ def _on_every_rank(step):
         return result
     if len(failed) == len(errors) and len({e for _, e in failed}) == 1:
         if isinstance(local, CheckpointError):
-            raise local                              # one shared file: said once, as raised
+            raise local  # one shared file: said once, as raised
         raise CheckpointError(error) from local
-    raise CheckpointError(f"loading the checkpoint failed on {len(failed)} of {len(errors)} "
-                          f"ranks:\n" + "\n".join(f"  rank {rank}: {e}" for rank, e in failed))
+    raise CheckpointError(
+        f"loading the checkpoint failed on {len(failed)} of {len(errors)} "
+        f"ranks:\n" + "\n".join(f"  rank {rank}: {e}" for rank, e in failed)
+    )
 
 
 def _locate(cfg: Config):
@@ -574,8 +771,12 @@ def _locate(cfg: Config):
         if lost is not None:
             raise lost
         partial = files.unfinished_saves(c.load)
-        log.warning("no complete checkpoint in %s (no %s)%s; training starts from scratch",
-                    c.load, files.TRACKER, f"; unfinished saves: {partial}" if partial else "")
+        log.warning(
+            "no complete checkpoint in %s (no %s)%s; training starts from scratch",
+            c.load,
+            files.TRACKER,
+            f"; unfinished saves: {partial}" if partial else "",
+        )
         return None
     iter_dir = files.find_iteration_dir(c.load, iteration)
     meta = files.read_metadata(iter_dir)
@@ -596,8 +797,20 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
     if meta.get("storage") == "torch_dist":
         common = _on_every_rank(lambda: _read_dist_common(meta, iter_dir, load_optim))
         _on_every_rank(lambda: _read_dist(meta, iter_dir, model, optimizer, load_optim, *common))
-    resume = _on_every_rank(lambda: _apply(cfg, model, optimizer, scheduler, grad_scaler,
-                                           iteration, iter_dir, meta, load_optim, common))
+    resume = _on_every_rank(
+        lambda: _apply(
+            cfg,
+            model,
+            optimizer,
+            scheduler,
+            grad_scaler,
+            iteration,
+            iter_dir,
+            meta,
+            load_optim,
+            common,
+        )
+    )
     # The fp32 main weights were loaded: round them into a half-precision model (ZeRO-1:
     # and all-gather them, the one collective of a load, so outside the checked steps).
     copy_main_to_model = getattr(optimizer, "copy_main_to_model", None)
@@ -606,16 +819,27 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
     return resume
 
 
-def _apply(cfg: Config, model, optimizer, scheduler, grad_scaler, iteration: int,
-           iter_dir: str, meta: dict, load_optim: bool, common) -> Resume:
+def _apply(
+    cfg: Config,
+    model,
+    optimizer,
+    scheduler,
+    grad_scaler,
+    iteration: int,
+    iter_dir: str,
+    meta: dict,
+    load_optim: bool,
+    common,
+) -> Resume:
     """Everything a load does besides the collective torch_dist read (`common`: its payload
     and path)."""
     c = cfg.checkpoint
     if common is not None:
         payload, source = common
     else:
-        payload, source, model_sd, optim_sd = _read_model_and_optim(cfg, meta, iter_dir, model,
-                                                                    load_optim)
+        payload, source, model_sd, optim_sd = _read_model_and_optim(
+            cfg, meta, iter_dir, model, load_optim
+        )
         load_model_state(model, model_sd, source)
     if c.finetune:
         log.info("loaded weights of %s for fine-tuning; starting at iteration 0", iter_dir)
@@ -627,8 +851,9 @@ def _apply(cfg: Config, model, optimizer, scheduler, grad_scaler, iteration: int
     elif dist.get_rank() == 0:
         # Megatron-LM's --no-load-optim skips the scheduler too: the iteration continues, the
         # LR schedule starts again at step 0 (warm-up included).
-        log.info("--no-load-optim: optimizer and LR schedule start afresh at iteration %d",
-                 iteration)
+        log.info(
+            "--no-load-optim: optimizer and LR schedule start afresh at iteration %d", iteration
+        )
     _load_grad_scaler(grad_scaler, payload, source)
     if not c.no_load_rng:
         _load_rng(cfg, meta, iter_dir)

@@ -37,6 +37,7 @@ Reading needs no megatron package and runs no code from the files; writing torch
 megatron-core's own GPTModel (local spec, CPU) and saves it with its dist_checkpointing, so it
 needs megatron-core installed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,17 +62,24 @@ from .safe_pickle import restricted_load
 
 SPECS = ("transformer_engine", "local")
 FORMATS = ("torch", "torch_dist")
-WEIGHTS_ONLY = ("only the model weights are converted; optimizer state, RNG state and the "
-                "learning-rate schedule are not (train on with --finetune, or load with "
-                "--no-load-optim --no-load-rng)")
-_LINEARS = [("attention.qkv", "self_attention.linear_qkv"),
-            ("attention.proj", "self_attention.linear_proj"),
-            ("mlp.fc1", "mlp.linear_fc1"), ("mlp.fc2", "mlp.linear_fc2")]
-_TOP = {"word_embeddings.weight": "embedding.word_embeddings.weight",
-        "position_embeddings.weight": "embedding.position_embeddings.weight",
-        "final_norm.weight": "decoder.final_layernorm.weight",
-        "final_norm.bias": "decoder.final_layernorm.bias",
-        "output_layer.weight": "output_layer.weight"}
+WEIGHTS_ONLY = (
+    "only the model weights are converted; optimizer state, RNG state and the "
+    "learning-rate schedule are not (train on with --finetune, or load with "
+    "--no-load-optim --no-load-rng)"
+)
+_LINEARS = [
+    ("attention.qkv", "self_attention.linear_qkv"),
+    ("attention.proj", "self_attention.linear_proj"),
+    ("mlp.fc1", "mlp.linear_fc1"),
+    ("mlp.fc2", "mlp.linear_fc2"),
+]
+_TOP = {
+    "word_embeddings.weight": "embedding.word_embeddings.weight",
+    "position_embeddings.weight": "embedding.position_embeddings.weight",
+    "final_norm.weight": "decoder.final_layernorm.weight",
+    "final_norm.bias": "decoder.final_layernorm.bias",
+    "output_layer.weight": "output_layer.weight",
+}
 _TIED_COPY = "replica.word_embeddings.weight"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _DIST_LAYERS = "decoder.layers."
@@ -82,10 +90,12 @@ def layer_names(spec: str) -> dict[str, str]:
     fused = spec == "transformer_engine"
     names = {}
     for kind in ("weight", "bias"):
-        names[f"input_norm.{kind}"] = (f"self_attention.linear_qkv.layer_norm_{kind}" if fused
-                                       else f"input_layernorm.{kind}")
-        names[f"post_attention_norm.{kind}"] = (f"mlp.linear_fc1.layer_norm_{kind}" if fused
-                                                else f"pre_mlp_layernorm.{kind}")
+        names[f"input_norm.{kind}"] = (
+            f"self_attention.linear_qkv.layer_norm_{kind}" if fused else f"input_layernorm.{kind}"
+        )
+        names[f"post_attention_norm.{kind}"] = (
+            f"mlp.linear_fc1.layer_norm_{kind}" if fused else f"pre_mlp_layernorm.{kind}"
+        )
         names.update({f"{ours}.{kind}": f"{theirs}.{kind}" for ours, theirs in _LINEARS})
     return names
 
@@ -103,8 +113,10 @@ _OURS = {theirs: ours for spec in SPECS for ours, theirs in layer_names(spec).it
 def _our_layer_name(theirs: str, where: str) -> str:
     ours = _OURS.get(theirs)
     if ours is None:
-        raise CheckpointError(f"{where}: unknown megatron-core layer tensor {theirs!r} (a "
-                              f"feature megatron_ul does not implement?)")
+        raise CheckpointError(
+            f"{where}: unknown megatron-core layer tensor {theirs!r} (a "
+            f"feature megatron_ul does not implement?)"
+        )
     return ours
 
 
@@ -129,8 +141,7 @@ def _stage_tensors(state: dict, args, pp_rank: int, chunk: int, path: str) -> di
         if match:
             local, rest = int(match.group(1)), match.group(2)
             if local >= len(numbers):
-                raise CheckpointError(f"{path}: {key} is past this stage's {len(numbers)} "
-                                      f"layers")
+                raise CheckpointError(f"{path}: {key} is past this stage's {len(numbers)} layers")
             out[f"layers.{numbers[local] - 1}.{_our_layer_name(rest, path)}"] = tensor
         else:
             out[_our_top_name(key, tied, path)] = tensor
@@ -141,19 +152,28 @@ def _config(args, true_vocab_size: int | None) -> dict:
     return megatron_lm.model_config_from_args(args, true_vocab_size, core=True)
 
 
-def read_core_torch(load_dir: str, iteration: int | None = None,
-                    true_vocab_size: int | None = None,
-                    trust_pickle: bool = False) -> reshard.FullCheckpoint:
+def read_core_torch(
+    load_dir: str,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    trust_pickle: bool = False,
+) -> reshard.FullCheckpoint:
     """A megatron-core --ckpt-format torch checkpoint merged to TP1/PP1 (weights only)."""
-    return megatron_lm.read_stage_files(load_dir, iteration, trust_pickle,
-                                        lambda args: _config(args, true_vocab_size),
-                                        _stage_tensors, "megatron-core torch checkpoint")
+    return megatron_lm.read_stage_files(
+        load_dir,
+        iteration,
+        trust_pickle,
+        lambda args: _config(args, true_vocab_size),
+        _stage_tensors,
+        "megatron-core torch checkpoint",
+    )
 
 
 # megatron-core's DCP index also caches its save plan (in dataclasses and an enum of DCP's).
 _PLANNER = "torch.distributed.checkpoint.planner"
 CORE_DCP_GLOBALS = DCP_METADATA_GLOBALS | {
-    (_PLANNER, name) for name in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")}
+    (_PLANNER, name) for name in ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")
+}
 
 
 class _ForeignDcpReader(FileSystemReader):
@@ -188,18 +208,18 @@ def _common_state(iter_dir: str, index: Metadata, trust_pickle: bool) -> dict:
     legacy = os.path.join(iter_dir, _COMMON_FILE)
     if os.path.isfile(legacy):
         return megatron_pickle.load(legacy, trust_pickle)
-    where = [(k, info) for k, info in (index.storage_data or {}).items()
-             if k.fqn == _COMMON_KEY]
+    where = [(k, info) for k, info in (index.storage_data or {}).items() if k.fqn == _COMMON_KEY]
     if not where:
-        raise CheckpointError(f"{iter_dir}: neither {_COMMON_FILE} nor a stored "
-                              f"{_COMMON_KEY!r}; not a megatron-core torch_dist checkpoint")
+        raise CheckpointError(
+            f"{iter_dir}: neither {_COMMON_FILE} nor a stored "
+            f"{_COMMON_KEY!r}; not a megatron-core torch_dist checkpoint"
+        )
     info = where[0][1]
     path = os.path.join(iter_dir, info.relative_path)
     with open(path, "rb") as f:
         f.seek(info.offset)
         data = f.read(info.length)
-    state = megatron_pickle.load_stream(io.BytesIO(data), f"{path} ({_COMMON_KEY})",
-                                        trust_pickle)
+    state = megatron_pickle.load_stream(io.BytesIO(data), f"{path} ({_COMMON_KEY})", trust_pickle)
     return state[0] if isinstance(state, (list, tuple)) else state
 
 
@@ -208,41 +228,54 @@ def _dist_wanted(index: Metadata, args, where: str) -> dict[str, tuple[str, int 
     optimizer, RNG and _extra_state entries are left out."""
     wanted: dict[str, tuple[str, int | None]] = {}
     for key, md in index.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata) or key.endswith("_extra_state") or \
-                key.startswith(("optimizer.", "rng_state", "common_state")):
+        if (
+            not isinstance(md, TensorStorageMetadata)
+            or key.endswith("_extra_state")
+            or key.startswith(("optimizer.", "rng_state", "common_state"))
+        ):
             continue
         if key.startswith(_DIST_LAYERS):
-            rest = key[len(_DIST_LAYERS):]
+            rest = key[len(_DIST_LAYERS) :]
             if md.size[0] != args.num_layers:
-                raise CheckpointError(f"{where}: {key} stacks {md.size[0]} layers, the args "
-                                      f"say {args.num_layers}")
+                raise CheckpointError(
+                    f"{where}: {key} stacks {md.size[0]} layers, the args say {args.num_layers}"
+                )
             wanted[key] = (_our_layer_name(rest, where), args.num_layers)
         else:
             wanted[key] = (_our_top_name(key, False, where), None)
     return wanted
 
 
-def read_core_dist(load_dir: str, iteration: int | None = None,
-                   true_vocab_size: int | None = None,
-                   trust_pickle: bool = False) -> reshard.FullCheckpoint:
+def read_core_dist(
+    load_dir: str,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    trust_pickle: bool = False,
+) -> reshard.FullCheckpoint:
     """A megatron-core --ckpt-format torch_dist checkpoint at TP1/PP1 (weights only), read
     with torch's DCP (no megatron package needed)."""
     iter_dir, iteration = megatron_lm.megatron_iteration_dir(load_dir, iteration)
-    backend = files.read_json(os.path.join(iter_dir, "metadata.json"),
-                              "megatron-core checkpoint metadata")
+    backend = files.read_json(
+        os.path.join(iter_dir, "metadata.json"), "megatron-core checkpoint metadata"
+    )
     if backend.get("sharded_backend") != "torch_dist":
-        raise CheckpointError(f"{iter_dir}/metadata.json: sharded_backend "
-                              f"{backend.get('sharded_backend')!r}; only torch_dist is read")
+        raise CheckpointError(
+            f"{iter_dir}/metadata.json: sharded_backend "
+            f"{backend.get('sharded_backend')!r}; only torch_dist is read"
+        )
     reader = _ForeignDcpReader(iter_dir)
     args = _common_state(iter_dir, reader.read_metadata(), trust_pickle).get("args")
     if args is None:
-        raise CheckpointError(f"{iter_dir}: its common state holds no 'args'; cannot tell the "
-                              f"model")
+        raise CheckpointError(
+            f"{iter_dir}: its common state holds no 'args'; cannot tell the model"
+        )
     model_cfg = asdict(ModelConfig(**_config(args, true_vocab_size)))
     wanted = _dist_wanted(reader.read_metadata(), args, iter_dir)
     index = reader.read_metadata().state_dict_metadata
-    loaded = {k: torch.empty(index[k].size, dtype=index[k].properties.dtype)  # type: ignore
-              for k in wanted}
+    loaded = {
+        k: torch.empty(index[k].size, dtype=index[k].properties.dtype)  # type: ignore
+        for k in wanted
+    }
     try:
         dcp.load(loaded, storage_reader=reader, no_dist=True)
     except Exception as e:  # noqa: BLE001 - DCP wraps the cause
@@ -256,8 +289,9 @@ def read_core_dist(load_dir: str, iteration: int | None = None,
                 shards[f"layers.{i}.{ours}"] = [loaded[key][i]]
     table = reshard.layout_table({"model": model_cfg}, 1, 1, None)
     params = megatron_lm.merge_shards(shards, table, model_cfg["vocab_size"], iter_dir)
-    return megatron_lm.full_checkpoint(params, model_cfg, args, iteration,
-                                       f"megatron-core torch_dist checkpoint {iter_dir}")
+    return megatron_lm.full_checkpoint(
+        params, model_cfg, args, iteration, f"megatron-core torch_dist checkpoint {iter_dir}"
+    )
 
 
 def checkpoint_format(load_dir: str, iteration: int | None = None) -> str:
@@ -267,17 +301,26 @@ def checkpoint_format(load_dir: str, iteration: int | None = None) -> str:
         return "torch_dist"
     if os.path.isdir(iter_dir):
         return "torch"
-    raise CheckpointError(f"{iter_dir}: missing; the tracker names an iteration that is not "
-                          f"there")
+    raise CheckpointError(f"{iter_dir}: missing; the tracker names an iteration that is not there")
 
 
-def import_core(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, vp: int | None = None,
-                iteration: int | None = None, true_vocab_size: int | None = None,
-                trust_pickle: bool = False) -> str:
+def import_core(
+    load_dir: str,
+    save_dir: str,
+    tp: int = 1,
+    pp: int = 1,
+    vp: int | None = None,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    trust_pickle: bool = False,
+) -> str:
     """Write a megatron-core GPTModel checkpoint (either format) as a megatron_ul checkpoint
     in layout TP × PP, weights only."""
-    read = (read_core_dist if checkpoint_format(load_dir, iteration) == "torch_dist"
-            else read_core_torch)
+    read = (
+        read_core_dist
+        if checkpoint_format(load_dir, iteration) == "torch_dist"
+        else read_core_torch
+    )
     full = read(load_dir, iteration, true_vocab_size, trust_pickle)
     return megatron_lm.write_imported(full, save_dir, tp, pp, vp)
 
@@ -285,8 +328,10 @@ def import_core(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1, vp: int 
 # ---- writing -------------------------------------------------------------------------------------
 def check_exportable(m: dict) -> None:
     if m["position_embedding_type"] == "rope" and m["rotary_base"] != int(m["rotary_base"]):
-        raise CheckpointError(f"the model uses --rotary-base {m['rotary_base']:g}; Megatron-LM's "
-                              f"--rotary-base takes an integer")
+        raise CheckpointError(
+            f"the model uses --rotary-base {m['rotary_base']:g}; Megatron-LM's "
+            f"--rotary-base takes an integer"
+        )
 
 
 def core_state(tensors: dict, m: dict, pp: int, pp_rank: int, spec: str) -> dict:
@@ -301,34 +346,46 @@ def core_state(tensors: dict, m: dict, pp: int, pp_rank: int, spec: str) -> dict
         else:
             state["output_layer.weight" if name == _TIED_COPY else _TOP[name]] = tensor
     for i in local.values():
-        state.update({f"decoder.layers.{i}.{module}._extra_state": None
-                      for module in _extra_state_modules(spec)})
+        state.update(
+            {
+                f"decoder.layers.{i}.{module}._extra_state": None
+                for module in _extra_state_modules(spec)
+            }
+        )
     if pp_rank == pp - 1:
         state["output_layer._extra_state"] = None
     return state
 
 
-def export_core(load_dir: str, save_dir: str, ckpt_format: str = "torch_dist",
-                spec: str = "transformer_engine", tp: int | None = None,
-                pp: int | None = None) -> tuple[str, list[str]]:
+def export_core(
+    load_dir: str,
+    save_dir: str,
+    ckpt_format: str = "torch_dist",
+    spec: str = "transformer_engine",
+    tp: int | None = None,
+    pp: int | None = None,
+) -> tuple[str, list[str]]:
     """Write the latest iteration of a megatron_ul checkpoint as a megatron-core GPTModel
     checkpoint, weights only: torch format with TP × PP stage files (default: the source's
     layout) and `spec`'s names, or torch_dist (layout-free; needs megatron-core installed).
     Returns (the iteration directory, the Megatron-LM flags that load it)."""
     if ckpt_format not in FORMATS or spec not in SPECS:
-        raise CheckpointError(f"--ckpt-format must be one of {FORMATS} and --transformer-impl "
-                              f"one of {SPECS}")
+        raise CheckpointError(
+            f"--ckpt-format must be one of {FORMATS} and --transformer-impl one of {SPECS}"
+        )
     if ckpt_format == "torch_dist":
         tp = pp = 1
-        core_modules()    # refuse before reading anything when megatron-core is missing
+        core_modules()  # refuse before reading anything when megatron-core is missing
     full, tp, pp, final = megatron_lm.read_for_export(load_dir, save_dir, tp, pp)
     m = full.metadata["model"]
     check_exportable(m)
-    args = megatron_lm.megatron_args(m, tp, pp, full.common["iteration"], full.common,
-                                     core=(ckpt_format, spec))
+    args = megatron_lm.megatron_args(
+        m, tp, pp, full.common["iteration"], full.common, core=(ckpt_format, spec)
+    )
     if ckpt_format == "torch":
         megatron_lm.write_stage_files(
-            full, args, final, lambda t, m_, pp_, s: core_state(t, m_, pp_, s, spec))
+            full, args, final, lambda t, m_, pp_, s: core_state(t, m_, pp_, s, spec)
+        )
     else:
         _write_dist(full, args, final)
     return final, megatron_lm.megatron_flags(args)
@@ -347,11 +404,15 @@ def core_modules():
         raise CheckpointError(
             f"writing --ckpt-format torch_dist needs megatron-core (pip install --no-deps "
             f"megatron-core psutil; releases from 0.17 also import triton; {e}); "
-            f"--ckpt-format torch needs nothing extra") from e
-    return argparse.Namespace(dist_checkpointing=dist_checkpointing,
-                              parallel_state=parallel_state, GPTModel=GPTModel,
-                              local_spec=get_gpt_layer_local_spec,
-                              TransformerConfig=TransformerConfig)
+            f"--ckpt-format torch needs nothing extra"
+        ) from e
+    return argparse.Namespace(
+        dist_checkpointing=dist_checkpointing,
+        parallel_state=parallel_state,
+        GPTModel=GPTModel,
+        local_spec=get_gpt_layer_local_spec,
+        TransformerConfig=TransformerConfig,
+    )
 
 
 def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -363,27 +424,48 @@ def core_model(m: dict, tp: int = 1, pre_process: bool = True, post_process: boo
     Megatron-LM's args -> TransformerConfig would build it; needs model parallel initialised."""
     core = core_modules()
     cfg = ModelConfig(**m)
-    activation = (torch.nn.functional.silu if m["swiglu"] else
-                  _gelu_tanh if m["gelu_approximate"] == "tanh" else torch.nn.functional.gelu)
+    activation = (
+        torch.nn.functional.silu
+        if m["swiglu"]
+        else _gelu_tanh
+        if m["gelu_approximate"] == "tanh"
+        else torch.nn.functional.gelu
+    )
     config = core.TransformerConfig(
-        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
         num_attention_heads=m["num_attention_heads"],
         num_query_groups=m["num_query_groups"] or m["num_attention_heads"],
         kv_channels=m["kv_channels"] or m["hidden_size"] // m["num_attention_heads"],
-        ffn_hidden_size=cfg.ffn_size, normalization=m["normalization"],
-        layernorm_epsilon=m["norm_epsilon"], gated_linear_unit=m["swiglu"],
-        activation_func=activation, add_bias_linear=m["add_bias_linear"],
-        add_qkv_bias=m["add_bias_linear"], hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, use_cpu_initialization=True,
-        bias_activation_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False)
+        ffn_hidden_size=cfg.ffn_size,
+        normalization=m["normalization"],
+        layernorm_epsilon=m["norm_epsilon"],
+        gated_linear_unit=m["swiglu"],
+        activation_func=activation,
+        add_bias_linear=m["add_bias_linear"],
+        add_qkv_bias=m["add_bias_linear"],
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
     return core.GPTModel(
-        config, core.local_spec(normalization=m["normalization"]),
-        vocab_size=cfg.padded_vocab_size(tp), max_sequence_length=m["max_position_embeddings"],
-        pre_process=pre_process, post_process=post_process,
+        config,
+        core.local_spec(normalization=m["normalization"]),
+        vocab_size=cfg.padded_vocab_size(tp),
+        max_sequence_length=m["max_position_embeddings"],
+        pre_process=pre_process,
+        post_process=post_process,
         share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
         position_embedding_type=m["position_embedding_type"],
-        rotary_base=int(m["rotary_base"]))
+        rotary_base=int(m["rotary_base"]),
+    )
 
 
 def _write_dist(full: reshard.FullCheckpoint, args: argparse.Namespace, final: str) -> None:
@@ -396,8 +478,12 @@ def _write_dist(full: reshard.FullCheckpoint, args: argparse.Namespace, final: s
     with _one_process_model_parallel(core):
         model = core_model(m)
         model.load_state_dict(core_state(tensors, m, 1, 0, "local"), strict=True)
-        state = {"args": args, "checkpoint_version": 3.0, "iteration": args.iteration,
-                 "model": model.sharded_state_dict()}
+        state = {
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": args.iteration,
+            "model": model.sharded_state_dict(),
+        }
         tmp = f"{final}.tmp-export"
         os.makedirs(tmp)
         try:
@@ -434,13 +520,16 @@ class _one_process_model_parallel:
 
     def __enter__(self):
         if self.core.parallel_state.model_parallel_is_initialized():
-            return self       # a caller's megatron-core run: leave its state alone
+            return self  # a caller's megatron-core run: leave its state alone
         self.made_state = True
         if not torch.distributed.is_initialized():
             self.store_dir = tempfile.mkdtemp(prefix="megatron-core-export-")
             torch.distributed.init_process_group(
-                "gloo", init_method=f"file://{os.path.join(self.store_dir, 'store')}", rank=0,
-                world_size=1)
+                "gloo",
+                init_method=f"file://{os.path.join(self.store_dir, 'store')}",
+                rank=0,
+                world_size=1,
+            )
         self.core.parallel_state.initialize_model_parallel(1, 1)
         return self
 

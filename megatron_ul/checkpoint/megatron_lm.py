@@ -38,6 +38,7 @@ softmax includes the padded vocabulary rows and ours excludes them; importing ke
 rows (NullTokenizer: args.vocab_size + 1, its EOD included; else args.vocab_size when recorded),
 else the padded size (so the imported model computes exactly what Megatron computed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,12 +57,16 @@ from .files import CheckpointError
 log = logging.getLogger("megatron_ul")
 
 # (Megatron-LM's legacy name, our name); the first spelling of each is written on export.
-LAYER_NAMES = [("input_norm", "input_norm"), ("input_layernorm", "input_norm"),
-               ("self_attention.query_key_value", "attention.qkv"),
-               ("self_attention.dense", "attention.proj"),
-               ("post_attention_norm", "post_attention_norm"),
-               ("post_attention_layernorm", "post_attention_norm"),
-               ("mlp.dense_h_to_4h", "mlp.fc1"), ("mlp.dense_4h_to_h", "mlp.fc2")]
+LAYER_NAMES = [
+    ("input_norm", "input_norm"),
+    ("input_layernorm", "input_norm"),
+    ("self_attention.query_key_value", "attention.qkv"),
+    ("self_attention.dense", "attention.proj"),
+    ("post_attention_norm", "post_attention_norm"),
+    ("post_attention_layernorm", "post_attention_norm"),
+    ("mlp.dense_h_to_4h", "mlp.fc1"),
+    ("mlp.dense_4h_to_h", "mlp.fc2"),
+]
 FINAL_NORM = ("final_norm", "final_layernorm")
 _LOCAL_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -80,40 +85,50 @@ def megatron_iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, i
     if iteration is None:
         tracker = os.path.join(load_dir, files.TRACKER)
         if not os.path.isfile(tracker):
-            raise CheckpointError(f"{tracker}: missing; --load-dir must be a Megatron-LM "
-                                  f"checkpoint directory")
+            raise CheckpointError(
+                f"{tracker}: missing; --load-dir must be a Megatron-LM checkpoint directory"
+            )
         text = open(tracker).read().strip()
         if text == "release":
             return os.path.join(load_dir, "release"), 0
         try:
             iteration = int(text)
         except ValueError:
-            raise CheckpointError(f"{tracker}: expected an iteration or 'release', found "
-                                  f"{text[:40]!r}") from None
+            raise CheckpointError(
+                f"{tracker}: expected an iteration or 'release', found {text[:40]!r}"
+            ) from None
     return os.path.join(load_dir, files.iteration_dir_name(iteration)), iteration
 
 
-def model_config_from_args(args, true_vocab_size: int | None = None,
-                           core: bool = False) -> dict:
+def model_config_from_args(args, true_vocab_size: int | None = None, core: bool = False) -> dict:
     """Our ModelConfig fields for the args of a legacy Megatron-LM GPT (of a megatron-core
     GPTModel with `core`); refuses what we do not compute the same way."""
     get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
-    unsupported = [(get("num_experts"), "mixture of experts"),
-                   (get("apply_residual_connection_post_layernorm"),
-                    "--apply-residual-connection-post-layernorm"),
-                   (get("squared_relu"), "--squared-relu"),
-                   ((get("rotary_percent", 1.0) or 1.0) != 1.0, "--rotary-percent < 1"),
-                   (get("add_qkv_bias") and not get("add_bias_linear", True), "--add-qkv-bias"),
-                   (not core and get("transformer_impl", "local") not in ("local", None)
-                    and not get("use_legacy_models", True),
-                    "a megatron-core GPTModel (import it with python -m "
-                    "tools.checkpoint.megatron_core import)")]
+    unsupported = [
+        (get("num_experts"), "mixture of experts"),
+        (
+            get("apply_residual_connection_post_layernorm"),
+            "--apply-residual-connection-post-layernorm",
+        ),
+        (get("squared_relu"), "--squared-relu"),
+        ((get("rotary_percent", 1.0) or 1.0) != 1.0, "--rotary-percent < 1"),
+        (get("add_qkv_bias") and not get("add_bias_linear", True), "--add-qkv-bias"),
+        (
+            not core
+            and get("transformer_impl", "local") not in ("local", None)
+            and not get("use_legacy_models", True),
+            "a megatron-core GPTModel (import it with python -m "
+            "tools.checkpoint.megatron_core import)",
+        ),
+    ]
     if core:
         unsupported += _core_unsupported(get)
     refused = [what for flag, what in unsupported if flag]
     if refused:
-        raise CheckpointError(f"the Megatron-LM checkpoint uses {', '.join(refused)}, which "
-                              f"megatron_ul does not implement")
+        raise CheckpointError(
+            f"the Megatron-LM checkpoint uses {', '.join(refused)}, which "
+            f"megatron_ul does not implement"
+        )
     heads, hidden = args.num_attention_heads, args.hidden_size
     kv = get("kv_channels")
     vocab = true_vocab_size or megatron_vocab_size(args)
@@ -121,37 +136,44 @@ def model_config_from_args(args, true_vocab_size: int | None = None,
     # Megatron's GELU: tanh-approximated with --openai-gelu or its fused bias-gelu kernel
     tanh = not swiglu and (get("openai_gelu") or (bias and get("bias_gelu_fusion", True)))
     rope = get("position_embedding_type") == "rope" or get("use_rotary_position_embeddings")
-    return {"num_layers": args.num_layers, "hidden_size": hidden, "num_attention_heads": heads,
-            "ffn_hidden_size": get("ffn_hidden_size"),
-            "num_query_groups": (get("num_query_groups") if get("group_query_attention")
-                                 else None),
-            "kv_channels": kv if kv and kv * heads != hidden else None,
-            "seq_length": args.seq_length,
-            "max_position_embeddings": get("max_position_embeddings") or args.seq_length,
-            "vocab_size": vocab,
-            "make_vocab_size_divisible_by": get("make_vocab_size_divisible_by", 128),
-            "position_embedding_type": "rope" if rope else "learned_absolute",
-            "rotary_base": float((get("rotary_base", 10000) if core else
-                                  _legacy_rotary_base(args)) if rope else 10000),
-            "normalization": get("normalization", "LayerNorm"),
-            "norm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
-            "swiglu": swiglu, "add_bias_linear": bias,
-            "untie_embeddings_and_output_weights": bool(
-                get("untie_embeddings_and_output_weights")),
-            "gelu_approximate": "tanh" if tanh else "none"}
+    return {
+        "num_layers": args.num_layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "ffn_hidden_size": get("ffn_hidden_size"),
+        "num_query_groups": (get("num_query_groups") if get("group_query_attention") else None),
+        "kv_channels": kv if kv and kv * heads != hidden else None,
+        "seq_length": args.seq_length,
+        "max_position_embeddings": get("max_position_embeddings") or args.seq_length,
+        "vocab_size": vocab,
+        "make_vocab_size_divisible_by": get("make_vocab_size_divisible_by", 128),
+        "position_embedding_type": "rope" if rope else "learned_absolute",
+        "rotary_base": float(
+            (get("rotary_base", 10000) if core else _legacy_rotary_base(args)) if rope else 10000
+        ),
+        "normalization": get("normalization", "LayerNorm"),
+        "norm_epsilon": get("norm_epsilon", get("layernorm_epsilon", 1e-5)),
+        "swiglu": swiglu,
+        "add_bias_linear": bias,
+        "untie_embeddings_and_output_weights": bool(get("untie_embeddings_and_output_weights")),
+        "gelu_approximate": "tanh" if tanh else "none",
+    }
 
 
 def _core_unsupported(get) -> list[tuple]:
     """megatron-core GPTModel features this model does not compute."""
-    return [(get("qk_layernorm"), "--qk-layernorm"),
-            (get("rotary_interleaved"), "--rotary-interleaved"),
-            (get("use_rope_scaling"), "--use-rope-scaling"),
-            (get("multi_latent_attention"), "multi-latent attention"),
-            (get("apply_layernorm_1p"), "--apply-layernorm-1p"),
-            (get("mtp_num_layers"), "multi-token prediction"),
-            (get("position_embedding_type", "learned_absolute")
-             not in ("rope", "learned_absolute"),
-             f"--position-embedding-type {get('position_embedding_type')}")]
+    return [
+        (get("qk_layernorm"), "--qk-layernorm"),
+        (get("rotary_interleaved"), "--rotary-interleaved"),
+        (get("use_rope_scaling"), "--use-rope-scaling"),
+        (get("multi_latent_attention"), "multi-latent attention"),
+        (get("apply_layernorm_1p"), "--apply-layernorm-1p"),
+        (get("mtp_num_layers"), "multi-token prediction"),
+        (
+            get("position_embedding_type", "learned_absolute") not in ("rope", "learned_absolute"),
+            f"--position-embedding-type {get('position_embedding_type')}",
+        ),
+    ]
 
 
 def megatron_vocab_size(args) -> int:
@@ -166,9 +188,13 @@ def megatron_vocab_size(args) -> int:
 def _legacy_rotary_base(args) -> int:
     recorded = getattr(args, "rotary_base", LEGACY_ROTARY_BASE) or LEGACY_ROTARY_BASE
     if recorded != LEGACY_ROTARY_BASE:
-        log.warning("the Megatron-LM checkpoint records --rotary-base %s, which its legacy model "
-                    "ignores (it computes with %d); importing with %d, as Megatron computed",
-                    recorded, LEGACY_ROTARY_BASE, LEGACY_ROTARY_BASE)
+        log.warning(
+            "the Megatron-LM checkpoint records --rotary-base %s, which its legacy model "
+            "ignores (it computes with %d); importing with %d, as Megatron computed",
+            recorded,
+            LEGACY_ROTARY_BASE,
+            LEGACY_ROTARY_BASE,
+        )
     return LEGACY_ROTARY_BASE
 
 
@@ -183,9 +209,11 @@ def _stage_tensors(model: dict, args, pp_rank: int, chunk: int, path: str) -> di
     """{our global name: tensor} of one model chunk of a legacy stage file."""
     lm = model.get("language_model")
     if lm is None:
-        raise CheckpointError(f"{path}: no 'language_model' in the model state; not a legacy "
-                              f"Megatron-LM GPT checkpoint (a megatron-core GPTModel's? python -m "
-                              f"tools.checkpoint.megatron_core import reads those)")
+        raise CheckpointError(
+            f"{path}: no 'language_model' in the model state; not a legacy "
+            f"Megatron-LM GPT checkpoint (a megatron-core GPTModel's? python -m "
+            f"tools.checkpoint.megatron_core import reads those)"
+        )
     out = {}
     embedding = lm.get("embedding") or {}
     for key in ("word_embeddings", "position_embeddings"):
@@ -218,39 +246,59 @@ def stage_layer_numbers(args, pp_rank: int, chunk: int) -> list[int]:
     """1-based global numbers of the layers of model chunk `chunk` of pipeline rank `pp_rank`
     in a Megatron-LM run with `args` (Megatron's even split, interleaved by chunk)."""
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    return chunk_layer_numbers(args.num_layers, args.pipeline_model_parallel_size, chunks,
-                               pp_rank, chunk)
+    return chunk_layer_numbers(
+        args.num_layers, args.pipeline_model_parallel_size, chunks, pp_rank, chunk
+    )
 
 
-def read_megatron(load_dir: str, iteration: int | None = None,
-                  true_vocab_size: int | None = None,
-                  trust_pickle: bool = False) -> reshard.FullCheckpoint:
+def read_megatron(
+    load_dir: str,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    trust_pickle: bool = False,
+) -> reshard.FullCheckpoint:
     """A legacy Megatron-LM checkpoint merged to TP1/PP1 in our names (weights only)."""
-    return read_stage_files(load_dir, iteration, trust_pickle,
-                            lambda args: model_config_from_args(args, true_vocab_size),
-                            _stage_tensors, "megatron-lm legacy checkpoint")
+    return read_stage_files(
+        load_dir,
+        iteration,
+        trust_pickle,
+        lambda args: model_config_from_args(args, true_vocab_size),
+        _stage_tensors,
+        "megatron-lm legacy checkpoint",
+    )
 
 
-def read_stage_files(load_dir: str, iteration: int | None, trust_pickle: bool, config_from_args,
-                     stage_tensors, source: str) -> reshard.FullCheckpoint:
+def read_stage_files(
+    load_dir: str,
+    iteration: int | None,
+    trust_pickle: bool,
+    config_from_args,
+    stage_tensors,
+    source: str,
+) -> reshard.FullCheckpoint:
     """A Megatron-LM torch-format checkpoint (iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt)
     merged to TP1/PP1: `config_from_args(args)` gives our ModelConfig fields, and
     `stage_tensors(model_state, args, pp_rank, chunk, path)` one model chunk's
     {our global name: TP shard}."""
     iter_dir, iteration = megatron_iteration_dir(load_dir, iteration)
-    first = _load(files.model_file(iter_dir, 0, 0, 1), trust_pickle) if os.path.isfile(
-        files.model_file(iter_dir, 0, 0, 1)) else None
-    if first is None:     # PP > 1 names even stage 0 with its pipeline rank
+    first = (
+        _load(files.model_file(iter_dir, 0, 0, 1), trust_pickle)
+        if os.path.isfile(files.model_file(iter_dir, 0, 0, 1))
+        else None
+    )
+    if first is None:  # PP > 1 names even stage 0 with its pipeline rank
         first = _load(files.model_file(iter_dir, 0, 0, 2), trust_pickle)
     args = first.get("args")
     if args is None:
-        raise CheckpointError(f"{iter_dir}: the checkpoint holds no 'args'; cannot tell its "
-                              f"model and layout")
+        raise CheckpointError(
+            f"{iter_dir}: the checkpoint holds no 'args'; cannot tell its model and layout"
+        )
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     model_cfg = asdict(ModelConfig(**config_from_args(args)))
-    table = reshard.layout_table({"model": model_cfg}, tp, pp,
-                                 args.num_layers // (pp * chunks) if chunks > 1 else None)
+    table = reshard.layout_table(
+        {"model": model_cfg}, tp, pp, args.num_layers // (pp * chunks) if chunks > 1 else None
+    )
     shards: dict[str, list] = {}
     for s in range(pp):
         for t in range(tp):
@@ -273,48 +321,79 @@ def merge_shards(shards: dict[str, list], table: dict, vocab: int, where: str) -
     missing = sorted(set(table) - set(shards))
     unexpected = sorted(set(shards) - set(table))
     if missing or unexpected:
-        raise CheckpointError(f"{where}: the tensors do not fit the model its args describe:"
-                              f" missing {missing[:4]}, unexpected {unexpected[:4]}")
+        raise CheckpointError(
+            f"{where}: the tensors do not fit the model its args describe:"
+            f" missing {missing[:4]}, unexpected {unexpected[:4]}"
+        )
     params: dict = {}
     for name, info in table.items():
         merged = reshard.merge_one(shards[name], info, vocab)
         if info["replica_of"]:
             if not torch.equal(merged, params.get(info["replica_of"], merged)):
-                log.warning("%s: the last stage's tied output weight differs from the first "
-                            "stage's table; keeping the first stage's", where)
+                log.warning(
+                    "%s: the last stage's tied output weight differs from the first "
+                    "stage's table; keeping the first stage's",
+                    where,
+                )
             continue
         params[name] = merged.float().contiguous()
     return params
 
 
-def full_checkpoint(params: dict, model_cfg: dict, args, iteration: int,
-                    source: str) -> reshard.FullCheckpoint:
+def full_checkpoint(
+    params: dict, model_cfg: dict, args, iteration: int, source: str
+) -> reshard.FullCheckpoint:
     """Imported weights as a TP1/PP1 FullCheckpoint (no optimizer state, no RNG)."""
-    meta = {"format": files.FORMAT, "iteration": iteration, "model": model_cfg,
-            "layout": {"tp": 1, "pp": 1, "sp": 1, "dp": 1, "world": 1,
-                       "sequence_parallel": False, "vp": None},
-            "params": reshard.layout_table({"model": model_cfg}, 1, 1, None),
-            "optimizer": None, "rng": False, "source": source}
-    common = {"iteration": iteration, "checkpoint_version": 3.0,
-              "opt_param_scheduler": {"num_steps": iteration},
-              "consumed_samples": getattr(args, "consumed_train_samples", 0) or 0,
-              "consumed_valid_samples": getattr(args, "consumed_valid_samples", 0) or 0,
-              "args": {}}
+    meta = {
+        "format": files.FORMAT,
+        "iteration": iteration,
+        "model": model_cfg,
+        "layout": {
+            "tp": 1,
+            "pp": 1,
+            "sp": 1,
+            "dp": 1,
+            "world": 1,
+            "sequence_parallel": False,
+            "vp": None,
+        },
+        "params": reshard.layout_table({"model": model_cfg}, 1, 1, None),
+        "optimizer": None,
+        "rng": False,
+        "source": source,
+    }
+    common = {
+        "iteration": iteration,
+        "checkpoint_version": 3.0,
+        "opt_param_scheduler": {"num_steps": iteration},
+        "consumed_samples": getattr(args, "consumed_train_samples", 0) or 0,
+        "consumed_valid_samples": getattr(args, "consumed_valid_samples", 0) or 0,
+        "args": {},
+    }
     return reshard.FullCheckpoint(meta, common, params, None, None)
 
 
-def write_imported(full: reshard.FullCheckpoint, save_dir: str, tp: int, pp: int,
-                   vp: int | None) -> str:
+def write_imported(
+    full: reshard.FullCheckpoint, save_dir: str, tp: int, pp: int, vp: int | None
+) -> str:
     """Write imported weights as a megatron_ul checkpoint in layout TP × PP."""
     reshard.check_target_layout(full.metadata, tp, pp, 1, 1, vp)
     target = reshard.target_metadata(full, tp, pp, 1, 1, with_optim=False, vp=vp)
-    return reshard.write_layout(full, target, save_dir, full.common["iteration"], tp, pp,
-                                with_optim=False, vp=vp)
+    return reshard.write_layout(
+        full, target, save_dir, full.common["iteration"], tp, pp, with_optim=False, vp=vp
+    )
 
 
-def import_megatron(load_dir: str, save_dir: str, tp: int = 1, pp: int = 1,
-                    vp: int | None = None, iteration: int | None = None,
-                    true_vocab_size: int | None = None, trust_pickle: bool = False) -> str:
+def import_megatron(
+    load_dir: str,
+    save_dir: str,
+    tp: int = 1,
+    pp: int = 1,
+    vp: int | None = None,
+    iteration: int | None = None,
+    true_vocab_size: int | None = None,
+    trust_pickle: bool = False,
+) -> str:
     """Write a legacy Megatron-LM checkpoint as a megatron_ul checkpoint (weights only; train
     on with --finetune, or --no-load-optim to keep the iteration) in layout TP × PP."""
     full = read_megatron(load_dir, iteration, true_vocab_size, trust_pickle)
@@ -329,9 +408,13 @@ def _tokenizer(data_args: dict, vocab_size: int) -> dict:
     kind = data_args.get("tokenizer_type") or "NullTokenizer"
     if kind == "NullTokenizer":
         return {"tokenizer_type": kind, "vocab_size": vocab_size - 1}
-    return {"tokenizer_type": kind, "vocab_size": vocab_size,
-            "vocab_file": data_args.get("vocab_file"), "merge_file": data_args.get("merge_file"),
-            "tokenizer_model": data_args.get("tokenizer_model")}
+    return {
+        "tokenizer_type": kind,
+        "vocab_size": vocab_size,
+        "vocab_file": data_args.get("vocab_file"),
+        "merge_file": data_args.get("merge_file"),
+        "tokenizer_model": data_args.get("tokenizer_model"),
+    }
 
 
 def check_exportable(m: dict) -> None:
@@ -340,43 +423,59 @@ def check_exportable(m: dict) -> None:
             f"the model uses --rotary-base {m['rotary_base']:g}; Megatron-LM's legacy model "
             f"always computes RoPE with base {LEGACY_ROTARY_BASE}, so it would compute other "
             f"logits. Export it as a megatron-core checkpoint instead "
-            f"(python -m tools.checkpoint.megatron_core export)")
+            f"(python -m tools.checkpoint.megatron_core export)"
+        )
 
 
-def megatron_args(m: dict, tp: int, pp: int, iteration: int, common: dict,
-                  core: tuple[str, str] | None = None) -> argparse.Namespace:
+def megatron_args(
+    m: dict, tp: int, pp: int, iteration: int, common: dict, core: tuple[str, str] | None = None
+) -> argparse.Namespace:
     """The args a legacy Megatron-LM GPT with model `m` runs with (flags must match them; the
     ones its check_checkpoint_args compares are all present). `core` = (checkpoint format,
     transformer impl) of a megatron-core GPTModel instead."""
     heads = m["num_attention_heads"]
     data = (common.get("args") or {}).get("data") or {}
     return argparse.Namespace(
-        num_layers=m["num_layers"], hidden_size=m["hidden_size"],
+        num_layers=m["num_layers"],
+        hidden_size=m["hidden_size"],
         ffn_hidden_size=ModelConfig(**m).ffn_size,
-        num_attention_heads=heads, kv_channels=m["kv_channels"] or m["hidden_size"] // heads,
+        num_attention_heads=heads,
+        kv_channels=m["kv_channels"] or m["hidden_size"] // heads,
         group_query_attention=m["num_query_groups"] is not None,
-        num_query_groups=m["num_query_groups"] or heads, seq_length=m["seq_length"],
+        num_query_groups=m["num_query_groups"] or heads,
+        seq_length=m["seq_length"],
         max_position_embeddings=m["max_position_embeddings"],
         **_tokenizer(data, m["vocab_size"]),
         padded_vocab_size=ModelConfig(**m).padded_vocab_size(tp),
         make_vocab_size_divisible_by=m["make_vocab_size_divisible_by"],
         position_embedding_type=m["position_embedding_type"],
-        add_position_embedding=True,     # Megatron's default (its --no-position-embedding)
+        add_position_embedding=True,  # Megatron's default (its --no-position-embedding)
         rotary_base=int(m["rotary_base"]) if core else LEGACY_ROTARY_BASE,
-        rotary_percent=1.0, normalization=m["normalization"], norm_epsilon=m["norm_epsilon"],
-        swiglu=m["swiglu"], add_bias_linear=m["add_bias_linear"],
+        rotary_percent=1.0,
+        normalization=m["normalization"],
+        norm_epsilon=m["norm_epsilon"],
+        swiglu=m["swiglu"],
+        add_bias_linear=m["add_bias_linear"],
         add_qkv_bias=m["add_bias_linear"],
         untie_embeddings_and_output_weights=m["untie_embeddings_and_output_weights"],
         bias_gelu_fusion=m["gelu_approximate"] == "tanh" and m["add_bias_linear"],
         openai_gelu=m["gelu_approximate"] == "tanh" and not m["add_bias_linear"],
-        apply_residual_connection_post_layernorm=False, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None,
-        data_parallel_random_init=False, iteration=iteration,
+        apply_residual_connection_post_layernorm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=None,
+        data_parallel_random_init=False,
+        iteration=iteration,
         consumed_train_samples=common.get("consumed_samples", 0),
         consumed_valid_samples=common.get("consumed_valid_samples", 0),
-        params_dtype=torch.float32, fp16=False, bf16=False, use_legacy_models=core is None,
+        params_dtype=torch.float32,
+        fp16=False,
+        bf16=False,
+        use_legacy_models=core is None,
         ckpt_format=core[0] if core else "torch",
-        transformer_impl=core[1] if core else "local", model_type="GPT")
+        transformer_impl=core[1] if core else "local",
+        model_type="GPT",
+    )
 
 
 def _legacy_state(tensors: dict, m: dict, pp: int, pp_rank: int) -> dict:
@@ -407,8 +506,9 @@ def _legacy_state(tensors: dict, m: dict, pp: int, pp_rank: int) -> dict:
     return model
 
 
-def export_megatron(load_dir: str, save_dir: str, tp: int | None = None,
-                    pp: int | None = None) -> tuple[str, list[str]]:
+def export_megatron(
+    load_dir: str, save_dir: str, tp: int | None = None, pp: int | None = None
+) -> tuple[str, list[str]]:
     """Write the latest iteration of a megatron_ul checkpoint (any layout) as a legacy
     Megatron-LM checkpoint with TP × PP shards (default: the source's), weights only.
     Returns (the iteration directory, the Megatron-LM flags that load it)."""
@@ -419,14 +519,17 @@ def export_megatron(load_dir: str, save_dir: str, tp: int | None = None,
     return final, megatron_flags(args)
 
 
-def read_for_export(load_dir: str, save_dir: str, tp: int | None,
-                    pp: int | None) -> tuple[reshard.FullCheckpoint, int, int, str]:
+def read_for_export(
+    load_dir: str, save_dir: str, tp: int | None, pp: int | None
+) -> tuple[reshard.FullCheckpoint, int, int, str]:
     """(the latest iteration of `load_dir` merged, target TP, target PP, the iteration
     directory to write in `save_dir`); refuses a bad layout or an existing target first."""
     iteration = files.read_tracker(load_dir)
     if iteration is None:
-        raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
-                              f"checkpoint in {load_dir}")
+        raise CheckpointError(
+            f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
+            f"checkpoint in {load_dir}"
+        )
     iter_dir = files.find_iteration_dir(load_dir, iteration)
     old = files.read_metadata(iter_dir)
     tp, pp = tp or old["layout"]["tp"], pp or old["layout"]["pp"]
@@ -439,8 +542,9 @@ def read_for_export(load_dir: str, save_dir: str, tp: int | None,
     return full, tp, pp, final
 
 
-def write_stage_files(full: reshard.FullCheckpoint, args: argparse.Namespace, final: str,
-                      state_of) -> None:
+def write_stage_files(
+    full: reshard.FullCheckpoint, args: argparse.Namespace, final: str, state_of
+) -> None:
     """Write `full` cut for args' TP × PP as Megatron-LM's torch-format stage files in
     `final` (a temporary directory renamed into place, tracker last); `state_of(tensors, m,
     pp, pp_rank)` is one stage's model state dict from its {our name: TP shard}."""
@@ -455,9 +559,15 @@ def write_stage_files(full: reshard.FullCheckpoint, args: argparse.Namespace, fi
             names = [n for n, e in table.items() if e["stage"] == s]
             for t in range(tp):
                 tensors, _ = reshard.shard_for(full, table, names, t, tp)
-                files.save_torch({"args": args, "checkpoint_version": 3.0,
-                                  "iteration": iteration, "model": state_of(tensors, m, pp, s)},
-                                 files.model_file(tmp, t, s, pp))
+                files.save_torch(
+                    {
+                        "args": args,
+                        "checkpoint_version": 3.0,
+                        "iteration": iteration,
+                        "model": state_of(tensors, m, pp, s),
+                    },
+                    files.model_file(tmp, t, s, pp),
+                )
     except BaseException:
         files.rmtree_quietly(tmp)
         raise
@@ -469,31 +579,62 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
     """Megatron-LM flags that build the model of exported `args` and load it (besides the
     layout, data and training flags); each one is an option its argument parser accepts."""
     flags = ["--use-legacy-models"] if args.use_legacy_models else []
-    flags += ["--ckpt-format", args.ckpt_format, "--transformer-impl", args.transformer_impl,
-              "--num-layers", args.num_layers, "--hidden-size", args.hidden_size,
-              "--ffn-hidden-size", args.ffn_hidden_size,
-              "--num-attention-heads", args.num_attention_heads, "--kv-channels", args.kv_channels,
-              "--seq-length", args.seq_length,
-              "--max-position-embeddings", args.max_position_embeddings,
-              "--position-embedding-type", args.position_embedding_type,
-              "--normalization", args.normalization, "--norm-epsilon", args.norm_epsilon,
-              "--make-vocab-size-divisible-by", args.make_vocab_size_divisible_by,
-              "--tokenizer-type", args.tokenizer_type]
-    files_flags = [("vocab_file", "--vocab-file"), ("merge_file", "--merge-file"),
-                   ("tokenizer_model", "--tokenizer-model")]
-    flags += [x for field, flag in files_flags if getattr(args, field, None)
-              for x in (flag, getattr(args, field))]
+    flags += [
+        "--ckpt-format",
+        args.ckpt_format,
+        "--transformer-impl",
+        args.transformer_impl,
+        "--num-layers",
+        args.num_layers,
+        "--hidden-size",
+        args.hidden_size,
+        "--ffn-hidden-size",
+        args.ffn_hidden_size,
+        "--num-attention-heads",
+        args.num_attention_heads,
+        "--kv-channels",
+        args.kv_channels,
+        "--seq-length",
+        args.seq_length,
+        "--max-position-embeddings",
+        args.max_position_embeddings,
+        "--position-embedding-type",
+        args.position_embedding_type,
+        "--normalization",
+        args.normalization,
+        "--norm-epsilon",
+        args.norm_epsilon,
+        "--make-vocab-size-divisible-by",
+        args.make_vocab_size_divisible_by,
+        "--tokenizer-type",
+        args.tokenizer_type,
+    ]
+    files_flags = [
+        ("vocab_file", "--vocab-file"),
+        ("merge_file", "--merge-file"),
+        ("tokenizer_model", "--tokenizer-model"),
+    ]
+    flags += [
+        x
+        for field, flag in files_flags
+        if getattr(args, field, None)
+        for x in (flag, getattr(args, field))
+    ]
     if args.tokenizer_type == "NullTokenizer":
         flags += ["--vocab-size", args.vocab_size]
     if args.group_query_attention:
         flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
     if not args.use_legacy_models and args.position_embedding_type == "rope":
         flags += ["--rotary-base", args.rotary_base]
-    switches = [(args.swiglu, "--swiglu"), (not args.add_bias_linear, "--disable-bias-linear"),
-                (args.untie_embeddings_and_output_weights,
-                 "--untie-embeddings-and-output-weights"),
-                (not args.swiglu and not args.bias_gelu_fusion and not args.openai_gelu,
-                 "--no-bias-gelu-fusion"),                 # erf GELU, as F.gelu
-                (args.openai_gelu, "--openai-gelu")]       # tanh GELU without the fused kernel
+    switches = [
+        (args.swiglu, "--swiglu"),
+        (not args.add_bias_linear, "--disable-bias-linear"),
+        (args.untie_embeddings_and_output_weights, "--untie-embeddings-and-output-weights"),
+        (
+            not args.swiglu and not args.bias_gelu_fusion and not args.openai_gelu,
+            "--no-bias-gelu-fusion",
+        ),  # erf GELU, as F.gelu
+        (args.openai_gelu, "--openai-gelu"),
+    ]  # tanh GELU without the fused kernel
     flags += [flag for on, flag in switches if on]
     return [str(x) for x in flags + ["--no-load-optim", "--no-load-rng"]]

@@ -8,6 +8,7 @@ globals named in ALLOWED below and nothing else; Megatron's enums are rebuilt as
 stand-ins (name and value kept), so neither the megatron package nor any code from the file
 is needed. Anything else pickled in the file is refused with an error naming the file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,6 +24,7 @@ from .files import CheckpointError
 
 class MegatronEnum:
     """A pickled Megatron enum member, rebuilt from its value (Enum pickles as Cls(value))."""
+
     enum_name = "?"
 
     def __init__(self, value):
@@ -43,17 +45,19 @@ def _enum_stand_in(qualified: str) -> type:
     return type(name, (MegatronEnum,), {"enum_name": qualified, "__module__": __name__})
 
 
-_MEGATRON_ENUMS = ["megatron.core.enums.ModelType",
-                   "megatron.core.transformer.enums.AttnBackend"]
+_MEGATRON_ENUMS = ["megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend"]
 _numpy_core = getattr(np, "_core", None) or np.core
 # The one allowlist: (object, the global's name as the pickle spells it). numpy 1.x pickles
 # its array reconstructor as numpy.core.*, numpy 2.x as numpy._core.*.
-ALLOWED = ([(argparse.Namespace, "argparse.Namespace"), (signal.Signals, "signal.Signals"),
-            (np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype"),
-            (_numpy_core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
-            (_numpy_core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
-            (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType")]
-           + [(_enum_stand_in(name), name) for name in _MEGATRON_ENUMS])
+ALLOWED = [
+    (argparse.Namespace, "argparse.Namespace"),
+    (signal.Signals, "signal.Signals"),
+    (np.ndarray, "numpy.ndarray"),
+    (np.dtype, "numpy.dtype"),
+    (_numpy_core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+    (_numpy_core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+    (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType"),
+] + [(_enum_stand_in(name), name) for name in _MEGATRON_ENUMS]
 
 
 def load(path: str, trust_pickle: bool = False) -> dict:
@@ -71,17 +75,23 @@ def load_stream(stream, what: str, trust_pickle: bool = False):
         try:
             return torch.load(stream, map_location="cpu", weights_only=False)
         except ModuleNotFoundError as e:
-            raise CheckpointError(f"{what}: full unpickling needs the module {e.name!r}, which "
-                                  f"is not installed; without --trust-pickle the restricted "
-                                  f"loader reads Megatron's own enums without it") from e
+            raise CheckpointError(
+                f"{what}: full unpickling needs the module {e.name!r}, which "
+                f"is not installed; without --trust-pickle the restricted "
+                f"loader reads Megatron's own enums without it"
+            ) from e
     with torch.serialization.safe_globals(ALLOWED):
         try:
             return torch.load(stream, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - unpickling refused or file damaged
             refused = re.search(r"GLOBAL (\S+)", str(e))
-            why = (f"it pickles {refused.group(1)}, which is not among the tensors, args, "
-                   f"enums and numpy RNG state Megatron-LM writes" if refused else
-                   f"{type(e).__name__}: {str(e)[:200]}")
+            why = (
+                f"it pickles {refused.group(1)}, which is not among the tensors, args, "
+                f"enums and numpy RNG state Megatron-LM writes"
+                if refused
+                else f"{type(e).__name__}: {str(e)[:200]}"
+            )
             raise CheckpointError(
                 f"{what}: cannot be read safely ({why}). If the file comes from a source you "
-                f"trust, pass --trust-pickle (full unpickling runs code from the file)") from e
+                f"trust, pass --trust-pickle (full unpickling runs code from the file)"
+            ) from e

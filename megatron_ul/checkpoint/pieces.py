@@ -13,6 +13,7 @@ the pieces its TP slice maps to (a strided TP split, e.g. SwiGLU's [gate; up], p
 needs. Every piece is a contiguous view of the rank's own memory: saving reads it in place and
 loading writes into it in place.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,13 +25,13 @@ from ..mpu.param_spec import ParamSpec
 
 # Largest piece written as one storage item (and so the most a layout-changing load reads
 # beyond the bytes it needs per piece boundary, and the extra memory a save or load uses).
-BLOCK_BYTES = 64 * 2 ** 20
+BLOCK_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
 class Piece:
-    tensor: torch.Tensor          # contiguous view into this rank's storage
-    offsets: tuple[int, ...]      # where it lies in the global tensor
+    tensor: torch.Tensor  # contiguous view into this rank's storage
+    offsets: tuple[int, ...]  # where it lies in the global tensor
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -47,12 +48,13 @@ def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, tuple, t
     if len(shape) == 1:
         return [(lo, (lo,), (hi - lo,))]
     if len(shape) != 2:
-        raise NotImplementedError(f"torch_dist checkpoints hold tensors of at most 2 "
-                                  f"dimensions, not {tuple(shape)}")
+        raise NotImplementedError(
+            f"torch_dist checkpoints hold tensors of at most 2 dimensions, not {tuple(shape)}"
+        )
     cols = shape[1]
     out = []
     row, col = divmod(lo, cols)
-    if col:                                   # leading partial row
+    if col:  # leading partial row
         end = min(hi, (row + 1) * cols)
         out.append((lo, (row, col), (1, end - lo)))
         lo, row = end, row + 1
@@ -60,13 +62,14 @@ def _boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[int, tuple, t
     if full_rows:
         out.append((lo, (row, 0), (full_rows, cols)))
         lo, row = lo + full_rows * cols, row + full_rows
-    if lo < hi:                               # trailing partial row
+    if lo < hi:  # trailing partial row
         out.append((lo, (row, 0), (1, hi - lo)))
     return out
 
 
-def _tp_map(start: int, size: int, local_dim: int, spec: ParamSpec, tp: int,
-            tp_rank: int) -> list[tuple[int, int, int]]:
+def _tp_map(
+    start: int, size: int, local_dim: int, spec: ParamSpec, tp: int, tp_rank: int
+) -> list[tuple[int, int, int]]:
     """[start, start + size) along the TP partition dim of a local tensor whose dim has
     `local_dim` entries, as (local start, length, global start) runs: the local dim is
     `stride` blocks, block i being rows tp_rank·b .. of global block i (mpu.layers.tp_slice)."""
@@ -79,8 +82,15 @@ def _tp_map(start: int, size: int, local_dim: int, spec: ParamSpec, tp: int,
     return runs
 
 
-def pieces_of(data: torch.Tensor, local_shape: tuple[int, ...], lo: int, spec: ParamSpec,
-              tp: int, tp_rank: int, max_bytes: int = BLOCK_BYTES) -> list[Piece]:
+def pieces_of(
+    data: torch.Tensor,
+    local_shape: tuple[int, ...],
+    lo: int,
+    spec: ParamSpec,
+    tp: int,
+    tp_rank: int,
+    max_bytes: int = BLOCK_BYTES,
+) -> list[Piece]:
     """The global pieces of `data`, a contiguous tensor holding flat elements
     [lo, lo + data.numel()) of this rank's TP-local tensor of `local_shape`."""
     flat = data.detach().reshape(-1)
@@ -88,25 +98,25 @@ def pieces_of(data: torch.Tensor, local_shape: tuple[int, ...], lo: int, spec: P
     dim = spec.partition_dim
     if dim is not None and dim > 0 and spec.partition_stride != 1:
         raise NotImplementedError("a strided TP split along a dimension other than 0")
-    if not local_shape:                        # a 0-d tensor
+    if not local_shape:  # a 0-d tensor
         return [Piece(flat.view(()), ())]
     out = []
     for flat_start, starts, sizes in _boxes(tuple(local_shape), lo, hi):
         base = flat_start - lo
-        row_len = math.prod(sizes[1:])        # elements per row of this box (contiguous)
-        rest = list(starts[1:])               # global offsets of the other dims
+        row_len = math.prod(sizes[1:])  # elements per row of this box (contiguous)
+        rest = list(starts[1:])  # global offsets of the other dims
         if dim == 0:
             runs = _tp_map(starts[0], sizes[0], local_shape[0], spec, tp, tp_rank)
         else:
             runs = [(starts[0], sizes[0], starts[0])]
-            if dim is not None:               # dim >= 1, stride 1: an offset only
+            if dim is not None:  # dim >= 1, stride 1: an offset only
                 rest[dim - 1] += tp_rank * local_shape[dim]
         step = max(1, max_bytes // max(1, row_len * flat.element_size()))
         for local_row, rows, global_row in runs:
             for r in range(0, rows, step):
                 n = min(step, rows - r)
                 first = base + (local_row - starts[0] + r) * row_len
-                view = flat[first:first + n * row_len].view((n,) + tuple(sizes[1:]))
+                view = flat[first : first + n * row_len].view((n,) + tuple(sizes[1:]))
                 out.append(Piece(view, (global_row + r,) + tuple(rest)))
     return out
 

@@ -9,6 +9,7 @@ metadata. With tied embeddings and PP > 1 the last stage holds a copy of the wor
 (`replica.word_embeddings.weight`); merging drops replicas (after checking they equal the
 table they copy); cutting for PP > 1 re-derives them, Adam moments included.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,8 +38,10 @@ def merge_tp(shards: list[torch.Tensor], dim: int, stride: int = 1) -> torch.Ten
 
 def split_tp(full: torch.Tensor, dim: int, stride: int, tp: int) -> list[torch.Tensor]:
     if full.shape[dim] % (tp * stride) != 0:
-        raise CheckpointError(f"dimension {dim} of size {full.shape[dim]} cannot be split over "
-                              f"TP {tp} (stride {stride}); choose a TP size that divides it")
+        raise CheckpointError(
+            f"dimension {dim} of size {full.shape[dim]} cannot be split over "
+            f"TP {tp} (stride {stride}); choose a TP size that divides it"
+        )
     return [tp_slice(full, dim, stride, tp, r).contiguous() for r in range(tp)]
 
 
@@ -66,27 +69,36 @@ def layout_table(meta: dict, tp: int, pp: int, vp: int | None) -> dict[str, dict
         raise CheckpointError(f"target layout: {e}") from None
 
 
-def check_target_layout(meta: dict, tp: int, pp: int, sp: int, dp: int, vp: int | None,
-                        sequence_parallel: bool = False) -> None:
+def check_target_layout(
+    meta: dict, tp: int, pp: int, sp: int, dp: int, vp: int | None, sequence_parallel: bool = False
+) -> None:
     """Refuse a target layout the trainer would refuse, with the trainer's own validation
     (config_rules.validate), before anything is written."""
     from ..config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, resolve
     from ..config_rules import validate
-    cfg = Config(model=model_config(meta),
-                 parallel=ParallelConfig(tensor_model_parallel_size=tp,
-                                         ds_sequence_parallel_size=sp,
-                                         pipeline_model_parallel_size=pp,
-                                         sequence_parallel=sequence_parallel,
-                                         world_size=tp * sp * pp * dp,
-                                         num_layers_per_virtual_pipeline_stage=vp),
-                 # any batch the interleaved schedule accepts: only the layout is judged here
-                 train=TrainConfig(global_batch_size=dp * pp), data=DataConfig(mock_data=True))
+
+    cfg = Config(
+        model=model_config(meta),
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=tp,
+            ds_sequence_parallel_size=sp,
+            pipeline_model_parallel_size=pp,
+            sequence_parallel=sequence_parallel,
+            world_size=tp * sp * pp * dp,
+            num_layers_per_virtual_pipeline_stage=vp,
+        ),
+        # any batch the interleaved schedule accepts: only the layout is judged here
+        train=TrainConfig(global_batch_size=dp * pp),
+        data=DataConfig(mock_data=True),
+    )
     try:
         validate(resolve(cfg))
     except ConfigError as e:
-        raise CheckpointError(f"the target layout TP{tp} PP{pp} SP{sp} DP{dp}"
-                              f"{f' VP{vp}' if vp else ''} would be refused by the trainer "
-                              f"(the --target-* flags set these):\n{e}") from None
+        raise CheckpointError(
+            f"the target layout TP{tp} PP{pp} SP{sp} DP{dp}"
+            f"{f' VP{vp}' if vp else ''} would be refused by the trainer "
+            f"(the --target-* flags set these):\n{e}"
+        ) from None
 
 
 def saved_table(meta: dict) -> dict[str, dict]:
@@ -102,11 +114,12 @@ def saved_table(meta: dict) -> dict[str, dict]:
 @dataclass
 class FullCheckpoint:
     """One iteration merged to TP1/PP1: unpadded full tensors keyed by canonical name."""
+
     metadata: dict
-    common: dict                  # iteration, scheduler, consumed samples, args
+    common: dict  # iteration, scheduler, consumed samples, args
     params: dict
-    optim_state: dict | None      # name -> {exp_avg, exp_avg_sq, step}
-    optim_groups: list | None     # hyper-parameters and param_names per group
+    optim_state: dict | None  # name -> {exp_avg, exp_avg_sq, step}
+    optim_groups: list | None  # hyper-parameters and param_names per group
 
 
 def merge_one(shards: list, info: dict, vocab: int) -> torch.Tensor:
@@ -123,24 +136,33 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
     layout, vocab = meta["layout"], meta["model"]["vocab_size"]
     tp, pp = layout["tp"], layout["pp"]
     table = saved_table(meta)
-    by_stage = [[_load_shard(meta, iter_dir, files.model_file(iter_dir, t, s, pp))
-                 for t in range(tp)] for s in range(pp)]
+    by_stage = [
+        [_load_shard(meta, iter_dir, files.model_file(iter_dir, t, s, pp)) for t in range(tp)]
+        for s in range(pp)
+    ]
     params, optim_state = {}, ({} if with_optim and meta.get("optimizer") else None)
     replicas = {}
     for name, info in table.items():
         shards = by_stage[info["stage"]]
         if name not in shards[0]["model"]:
-            raise CheckpointError(f"{meta_path} places {name} on pipeline stage "
-                                  f"{info['stage']} but its file in {iter_dir} does not hold "
-                                  f"it; the checkpoint is incomplete")
+            raise CheckpointError(
+                f"{meta_path} places {name} on pipeline stage "
+                f"{info['stage']} but its file in {iter_dir} does not hold "
+                f"it; the checkpoint is incomplete"
+            )
         merged = merge_one([sh["model"][name] for sh in shards], info, vocab)
         (replicas if info["replica_of"] else params)[name] = merged
         if optim_state is not None and not info["replica_of"]:
             per_rank = [sh["optimizer"]["state"].get(name) for sh in shards]
             if per_rank[0] is not None:
-                optim_state[name] = {k: (merge_one([r[k] for r in per_rank], info, vocab)
-                                         if k in ("exp_avg", "exp_avg_sq") else v)
-                                     for k, v in per_rank[0].items()}
+                optim_state[name] = {
+                    k: (
+                        merge_one([r[k] for r in per_rank], info, vocab)
+                        if k in ("exp_avg", "exp_avg_sq")
+                        else v
+                    )
+                    for k, v in per_rank[0].items()
+                }
     _check_replicas(replicas, params, table, iter_dir)
     groups = None
     if optim_state is not None:  # union of the stages' groups, in order, without replicas
@@ -157,6 +179,7 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
 def _read_full_dist(meta: dict, iter_dir: str, with_optim: bool) -> FullCheckpoint:
     """A torch_dist checkpoint, read one whole tensor at a time (dist_io.read_tensor)."""
     from . import dist_io
+
     path = os.path.join(iter_dir, files.COMMON_FILE)
     common = files.load_torch(path, "common state", files.expected_record(meta, iter_dir, path))
     saved_optim = common.pop("optimizer", None)
@@ -164,20 +187,29 @@ def _read_full_dist(meta: dict, iter_dir: str, with_optim: bool) -> FullCheckpoi
     table = {n: info for n, info in saved_table(meta).items() if not info["replica_of"]}
 
     def full(key: str, info: dict) -> torch.Tensor:
-        t = dist_io.read_tensor(iter_dir, key, digests,
-                                meta["files"].get(dist_io.DCP_METADATA))
+        t = dist_io.read_tensor(iter_dir, key, digests, meta["files"].get(dist_io.DCP_METADATA))
         return set_vocab_rows(t, vocab) if info["vocab_padded"] else t
+
     params = {name: full(f"model/{name}", info) for name, info in table.items()}
-    if not (with_optim and meta.get("optimizer") and saved_optim
-            and saved_optim["step"] is not None):
+    if not (
+        with_optim and meta.get("optimizer") and saved_optim and saved_optim["step"] is not None
+    ):
         return FullCheckpoint(meta, common, params, None, None)
-    state = {name: {"step": saved_optim["step"].clone(),
-                    **{k: full(f"optim/{name}/{k}", info) for k in dist_io.MOMENTS}}
-             for name, info in table.items()}
+    state = {
+        name: {
+            "step": saved_optim["step"].clone(),
+            **{k: full(f"optim/{name}/{k}", info) for k in dist_io.MOMENTS},
+        }
+        for name, info in table.items()
+    }
     # AdamW's two groups: weight decay for all but the 1-D parameters (optim/__init__.py)
-    groups = [{**hyper, "param_names": [n for n, info in table.items()
-                                        if (len(info["shape"]) == 1) == one_d]}
-              for hyper, one_d in zip(saved_optim["param_groups"], (False, True))]
+    groups = [
+        {
+            **hyper,
+            "param_names": [n for n, info in table.items() if (len(info["shape"]) == 1) == one_d],
+        }
+        for hyper, one_d in zip(saved_optim["param_groups"], (False, True))
+    ]
     return FullCheckpoint(meta, common, params, state, groups)
 
 
@@ -192,64 +224,108 @@ def _check_replicas(replicas: dict, params: dict, table: dict, iter_dir: str) ->
         source = table[name]["replica_of"]
         table_value = params.get(source)
         if table_value is None or not torch.equal(table_value, copy_):
-            diff = ("missing" if table_value is None
-                    else f"max diff {float((table_value - copy_).abs().max()):.3e}")
-            log.warning("%s: the last stage's tied embedding copy %s differs from %s (%s); "
-                        "keeping the first stage's table", iter_dir, name, source, diff)
+            diff = (
+                "missing"
+                if table_value is None
+                else f"max diff {float((table_value - copy_).abs().max()):.3e}"
+            )
+            log.warning(
+                "%s: the last stage's tied embedding copy %s differs from %s (%s); "
+                "keeping the first stage's table",
+                iter_dir,
+                name,
+                source,
+                diff,
+            )
 
 
-def shard_for(full: FullCheckpoint, table: dict[str, dict], names, tp_rank: int,
-              tp: int) -> tuple[dict, dict | None]:
+def shard_for(
+    full: FullCheckpoint, table: dict[str, dict], names, tp_rank: int, tp: int
+) -> tuple[dict, dict | None]:
     """(model state, optimizer state) of TP rank `tp_rank` of `tp` for parameters `names`, cut
     by their entries in `table` (the target layout's; a replica gets a copy of the parameter
     it replicates, Adam moments included)."""
+
     def cut(t: torch.Tensor, info: dict) -> torch.Tensor:
         if info["vocab_padded"]:
             t = set_vocab_rows(t, info["shape"][0])
         dim = info["partition_dim"]
-        return t.clone() if dim is None else split_tp(t, dim, info["partition_stride"],
-                                                      tp)[tp_rank]
+        return t.clone() if dim is None else split_tp(t, dim, info["partition_stride"], tp)[tp_rank]
+
     source = {n: table[n]["replica_of"] or n for n in names}
     model = {n: cut(full.params[source[n]], table[n]) for n in names}
     if full.optim_state is None:
         return model, None
-    state = {n: {k: (cut(v, table[n]) if k in ("exp_avg", "exp_avg_sq") else v)
-                 for k, v in full.optim_state[source[n]].items()}
-             for n in names if source[n] in full.optim_state}
+    state = {
+        n: {
+            k: (cut(v, table[n]) if k in ("exp_avg", "exp_avg_sq") else v)
+            for k, v in full.optim_state[source[n]].items()
+        }
+        for n in names
+        if source[n] in full.optim_state
+    }
     groups = []
     for g in full.optim_groups:
         members = set(g["param_names"])
-        groups.append({**{k: v for k, v in g.items() if k != "param_names"},
-                       "param_names": [n for n in names if source[n] in members]})
+        groups.append(
+            {
+                **{k: v for k, v in g.items() if k != "param_names"},
+                "param_names": [n for n in names if source[n] in members],
+            }
+        )
     return model, {"state": state, "param_groups": groups}
 
 
-def target_metadata(full: FullCheckpoint, tp: int, pp: int, sp: int, dp: int,
-                    with_optim: bool, vp: int | None = None) -> dict:
+def target_metadata(
+    full: FullCheckpoint,
+    tp: int,
+    pp: int,
+    sp: int,
+    dp: int,
+    with_optim: bool,
+    vp: int | None = None,
+) -> dict:
     meta = copy.deepcopy(full.metadata)
-    meta["layout"] = {"tp": tp, "pp": pp, "sp": sp, "dp": dp, "world": tp * pp * sp * dp,
-                      "sequence_parallel": meta["layout"].get("sequence_parallel", False),
-                      "vp": vp}
+    meta["layout"] = {
+        "tp": tp,
+        "pp": pp,
+        "sp": sp,
+        "dp": dp,
+        "world": tp * pp * sp * dp,
+        "sequence_parallel": meta["layout"].get("sequence_parallel", False),
+        "vp": vp,
+    }
     meta["params"] = layout_table(meta, tp, pp, vp)
     meta["optimizer"] = "replicated" if with_optim and full.optim_state is not None else None
-    meta["rng"] = False   # per-rank RNG streams belong to the old layout
-    meta["storage"] = "torch"             # write_layout writes the torch format
+    meta["rng"] = False  # per-rank RNG streams belong to the old layout
+    meta["storage"] = "torch"  # write_layout writes the torch format
     meta.pop("piece_sha256", None)
     return meta
 
 
-def convert(load_dir: str, save_dir: str, tp: int, pp: int, sp: int | None = None,
-            dp: int | None = None, with_optim: bool = True, iteration: int | None = None,
-            vp: int | None = None) -> str:
+def convert(
+    load_dir: str,
+    save_dir: str,
+    tp: int,
+    pp: int,
+    sp: int | None = None,
+    dp: int | None = None,
+    with_optim: bool = True,
+    iteration: int | None = None,
+    vp: int | None = None,
+) -> str:
     """Write the latest (or given) iteration of `load_dir` into `save_dir` for a new layout.
     Never touches `load_dir`; refuses to replace an existing iteration in `save_dir`."""
     if os.path.abspath(load_dir) == os.path.abspath(save_dir):
-        raise CheckpointError("--save-dir must differ from --load-dir (conversion never "
-                              "rewrites its source)")
+        raise CheckpointError(
+            "--save-dir must differ from --load-dir (conversion never rewrites its source)"
+        )
     iteration = files.read_tracker(load_dir) if iteration is None else iteration
     if iteration is None:
-        raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; {load_dir} "
-                              f"holds no complete checkpoint")
+        raise CheckpointError(
+            f"{os.path.join(load_dir, files.TRACKER)}: missing; {load_dir} "
+            f"holds no complete checkpoint"
+        )
     iter_dir = files.find_iteration_dir(load_dir, iteration)
     old = files.read_metadata(iter_dir)
     sp, dp = sp or old["layout"]["sp"], dp or old["layout"]["dp"]
@@ -259,8 +335,16 @@ def convert(load_dir: str, save_dir: str, tp: int, pp: int, sp: int | None = Non
     return write_layout(full, meta, save_dir, iteration, tp, pp, with_optim, vp)
 
 
-def write_layout(full: FullCheckpoint, meta: dict, save_dir: str, iteration: int, tp: int,
-                 pp: int, with_optim: bool, vp: int | None = None) -> str:
+def write_layout(
+    full: FullCheckpoint,
+    meta: dict,
+    save_dir: str,
+    iteration: int,
+    tp: int,
+    pp: int,
+    with_optim: bool,
+    vp: int | None = None,
+) -> str:
     """Write `full` as iteration `iteration` of `save_dir` cut for TP `tp` × PP `pp` (chunks
     of `vp` layers when interleaved; tmp directory renamed into place, tracker last); refuses
     to replace an existing iteration."""
@@ -279,10 +363,11 @@ def write_layout(full: FullCheckpoint, meta: dict, save_dir: str, iteration: int
                 path = files.model_file(tmp, t, s, pp)
                 records[os.path.relpath(path, tmp)] = files.save_torch(
                     {**full.common, "model": model, "optimizer": optim if with_optim else None},
-                    path)
+                    path,
+                )
         files.write_metadata(tmp, {**meta, "files": records})
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)   # a failed conversion leaves nothing behind
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed conversion leaves nothing behind
         raise
     os.rename(tmp, final)
     files.fsync_dir(save_dir)

@@ -5,6 +5,7 @@ we did not write is read with `restricted_load`, which refuses every global outs
 before it is imported. Admit only classes whose construction and `__setstate__` do nothing but
 store data (dataclasses, enums, torch.Size, dtypes).
 """
+
 from __future__ import annotations
 
 import io
@@ -25,15 +26,19 @@ class _RestrictedUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str):
         if (module, name) not in self._allowed:
-            raise UnsafePickleError(f"{self._what}: refused to unpickle {module}.{name} (not "
-                                    f"among the types this file may hold); the file was not "
-                                    f"written by this program or was tampered with — not "
-                                    f"loaded")
+            raise UnsafePickleError(
+                f"{self._what}: refused to unpickle {module}.{name} (not "
+                f"among the types this file may hold); the file was not "
+                f"written by this program or was tampered with — not "
+                f"loaded"
+            )
         return super().find_class(module, name)
 
     def persistent_load(self, pid):
-        raise UnsafePickleError(f"{self._what}: holds a persistent reference ({str(pid)[:60]}), "
-                                f"which this file never has; not loaded")
+        raise UnsafePickleError(
+            f"{self._what}: holds a persistent reference ({str(pid)[:60]}), "
+            f"which this file never has; not loaded"
+        )
 
 
 def restricted_load(file: BinaryIO | bytes, allowed: Iterable[tuple[str, str]], what: str):
@@ -46,5 +51,6 @@ def restricted_load(file: BinaryIO | bytes, allowed: Iterable[tuple[str, str]], 
     except CheckpointError:
         raise
     except Exception as e:  # noqa: BLE001 - any other failure to unpickle: a damaged file
-        raise CheckpointError(f"{what}: cannot be read ({type(e).__name__}: {e}); the file is "
-                              f"corrupt or truncated") from e
+        raise CheckpointError(
+            f"{what}: cannot be read ({type(e).__name__}: {e}); the file is corrupt or truncated"
+        ) from e

@@ -8,6 +8,7 @@ them. The last stage's tied embedding copy is saved in its own stage file as
 self-contained; layout conversion drops it and re-derives it from `word_embeddings.weight`.
 Optimizer state is keyed by the same names, so it reshards exactly like its parameter.
 """
+
 from __future__ import annotations
 
 import random
@@ -17,6 +18,7 @@ import torch
 
 from ..mpu.random import get_rng_tracker
 from ..pipeline.model import global_named_parameters
+
 
 def named_parameters(model) -> dict[str, torch.nn.Parameter]:
     """{layout-independent name: parameter} for this rank's part of the model. A parameter
@@ -36,9 +38,12 @@ def optimizer_state(model, optimizer) -> dict:
     names = {id(p): n for n, p in named_parameters(model).items()}
     torch_state = optimizer.state_dict()
     ordered = [p for group in optimizer.param_groups for p in group["params"]]
-    per_name = {names[id(ordered[index])]: {k: (v.clone() if torch.is_tensor(v) else v)
-                                            for k, v in s.items()}
-                for index, s in torch_state["state"].items()}
+    per_name = {
+        names[id(ordered[index])]: {
+            k: (v.clone() if torch.is_tensor(v) else v) for k, v in s.items()
+        }
+        for index, s in torch_state["state"].items()
+    }
     groups = []
     for group, saved in zip(optimizer.param_groups, torch_state["param_groups"]):
         hyper = {k: v for k, v in saved.items() if k != "params"}
@@ -70,26 +75,38 @@ def load_optimizer_state(model, optimizer, saved: dict, source: str) -> None:
             raise optim_error(source, f"state for unknown parameter {name}")
         for key in ("exp_avg", "exp_avg_sq"):
             if key in s and s[key].shape != params[name].shape:
-                raise optim_error(source, f"{name}.{key} has shape {tuple(s[key].shape)}, the "
-                                           f"model {tuple(params[name].shape)}")
+                raise optim_error(
+                    source,
+                    f"{name}.{key} has shape {tuple(s[key].shape)}, the "
+                    f"model {tuple(params[name].shape)}",
+                )
         state[index_of[name]] = s
     optimizer.load_state_dict({"state": state, "param_groups": torch_groups})
 
 
 def optim_error(source: str, what: str):
     from .files import CheckpointError
-    return CheckpointError(f"{source}: optimizer state does not fit this model: {what}; "
-                           f"pass --no-load-optim to start the optimizer afresh")
+
+    return CheckpointError(
+        f"{source}: optimizer state does not fit this model: {what}; "
+        f"pass --no-load-optim to start the optimizer afresh"
+    )
 
 
 def rng_state() -> dict:
     """This rank's RNG streams: torch default (CPU and CUDA), the mpu tracker, python, numpy."""
     np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state(), "tracker": get_rng_tracker().get_states(),
-             "python": random.getstate(),
-             "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                       "pos": int(np_state[2]), "has_gauss": int(np_state[3]),
-                       "cached_gaussian": float(np_state[4])}}
+    state = {
+        "torch": torch.get_rng_state(),
+        "tracker": get_rng_tracker().get_states(),
+        "python": random.getstate(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -103,5 +120,12 @@ def set_rng_state(state: dict) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     n = state["numpy"]
-    np.random.set_state(("MT19937", n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["cached_gaussian"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )

@@ -9,6 +9,7 @@ every rank reads the name-keyed state (resharded over TP/PP first when needed) a
 shard: ZeRO-1 its pieces of the flat buffer, ZeRO-3 its DTensor chunks. Loading needs no
 collectives.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,6 +24,7 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def _zero1(optimizer) -> bool:
     from ..optim.distributed_optimizer import DistributedOptimizer
+
     return isinstance(optimizer, DistributedOptimizer)
 
 
@@ -35,8 +37,9 @@ def checkpoint_model_state(model) -> dict[str, torch.Tensor] | None:
     """{name: full CPU tensor} on the dp_cp_sp root, None elsewhere. Collective over dp_cp_sp when
     parameters are DTensors (ZeRO-3): gathered one at a time."""
     params, root = named_parameters(model), _is_dp_cp_sp_root(model)
-    if not root and not any(isinstance(p, DTensor) or hasattr(p, "main_shards")
-                            for p in params.values()):
+    if not root and not any(
+        isinstance(p, DTensor) or hasattr(p, "main_shards") for p in params.values()
+    ):
         return None
     out = {}
     for name, p in params.items():
@@ -44,7 +47,7 @@ def checkpoint_model_state(model) -> dict[str, torch.Tensor] | None:
             full = _gather_main(model, p)
         else:
             full = p.full_tensor() if isinstance(p, DTensor) else p
-        if root:     # other ranks take part in the gather and keep nothing
+        if root:  # other ranks take part in the gather and keep nothing
             out[name] = full.detach().cpu().clone()
     return out if root else None
 
@@ -54,7 +57,7 @@ def _gather_main(model, p) -> torch.Tensor:
     a SUM of disjoint pieces over zeros onto the dp_cp_sp root, exact (collective)."""
     full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
     for start, piece in p.main_shards:
-        full[start:start + piece.numel()] = piece
+        full[start : start + piece.numel()] = piece
     group = model_dims(model).dp_cp_sp_group
     if dist.get_world_size(group) > 1:
         dist.reduce(full, dst=dist.get_global_rank(group, 0), group=group)
@@ -66,15 +69,16 @@ def checkpoint_optimizer_state(model, optimizer) -> dict | None:
     Collective over dp_cp_sp for ZeRO-1 and ZeRO-3."""
     if _zero1(optimizer):
         return _gather_zero1(model, optimizer)
-    if not _is_dp_cp_sp_root(model) and not any(isinstance(p, DTensor) for p in
-                                        named_parameters(model).values()):
-        return None    # plain AdamW: replicated over dp_cp_sp, the root has it all
+    if not _is_dp_cp_sp_root(model) and not any(
+        isinstance(p, DTensor) for p in named_parameters(model).values()
+    ):
+        return None  # plain AdamW: replicated over dp_cp_sp, the root has it all
     state, root = optimizer_state(model, optimizer), _is_dp_cp_sp_root(model)
-    for per_param in state["state"].values():       # ZeRO-3: DTensor moments, one at a time
+    for per_param in state["state"].values():  # ZeRO-3: DTensor moments, one at a time
         for key, value in per_param.items():
             if isinstance(value, DTensor):
-                full = value.full_tensor()          # collective: every rank takes part
-                per_param[key] = full.cpu() if root else None   # only the writer keeps it
+                full = value.full_tensor()  # collective: every rank takes part
+                per_param[key] = full.cpu() if root else None  # only the writer keeps it
     return state if root else None
 
 
@@ -85,8 +89,10 @@ def _gather_zero1(model, optimizer) -> dict | None:
     root = dist.get_global_rank(group, 0)
     names = {id(p): n for n, p in named_parameters(model).items()}
     inner = optimizer.optimizer
-    piece_state = {(name, lo): inner.state.get(piece, {}) for (name, _, _, lo, _), piece in
-                   zip(optimizer.pieces, inner_params(optimizer))}
+    piece_state = {
+        (name, lo): inner.state.get(piece, {})
+        for (name, _, _, lo, _), piece in zip(optimizer.pieces, inner_params(optimizer))
+    }
     step = next((s["step"] for s in piece_state.values() if "step" in s), None)
     is_root = _is_dp_cp_sp_root(model)
     pieces_of = {}
@@ -100,15 +106,16 @@ def _gather_zero1(model, optimizer) -> dict | None:
             if "exp_avg" in s:
                 held = True
                 for row, key in enumerate(MOMENTS):
-                    both[row, lo - start:hi - start] = s[key]
+                    both[row, lo - start : hi - start] = s[key]
         flags = torch.tensor([float(held)], device=p.device)
         if optimizer.size > 1:
             dist.reduce(both, dst=root, group=group)
             dist.reduce(flags, dst=root, group=group)
-        if is_root and flags.item() > 0:     # other ranks keep nothing they reduced
-            gathered[names[id(p)]] = {"step": step.clone() if torch.is_tensor(step) else step,
-                                      **{k: both[i].view_as(p).cpu().clone()
-                                         for i, k in enumerate(MOMENTS)}}
+        if is_root and flags.item() > 0:  # other ranks keep nothing they reduced
+            gathered[names[id(p)]] = {
+                "step": step.clone() if torch.is_tensor(step) else step,
+                **{k: both[i].view_as(p).cpu().clone() for i, k in enumerate(MOMENTS)},
+            }
     if not _is_dp_cp_sp_root(model):
         return None
     return {"state": gathered, "param_groups": _zero1_groups(model, optimizer)}
@@ -144,14 +151,15 @@ def load_checkpoint_model_state(model, state: dict) -> None:
                 p.to_local().copy_(_my_chunk(full, p))
             else:
                 p.copy_(full)
-            for start, piece in getattr(p, "main_shards", ()):   # ZeRO-1's fp32 main copy
-                piece.copy_(full.reshape(-1)[start:start + piece.numel()])
+            for start, piece in getattr(p, "main_shards", ()):  # ZeRO-1's fp32 main copy
+                piece.copy_(full.reshape(-1)[start : start + piece.numel()])
 
 
 def _my_chunk(full: torch.Tensor, like: DTensor) -> torch.Tensor:
     """This rank's local part of `full` laid out like `like` (no communication)."""
-    return distribute_tensor(full.to(like.device, like.dtype), like.device_mesh, like.placements,
-                             src_data_rank=None).to_local()
+    return distribute_tensor(
+        full.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None
+    ).to_local()
 
 
 def load_checkpoint_optimizer_state(model, optimizer, saved: dict, source: str) -> None:
@@ -161,19 +169,30 @@ def load_checkpoint_optimizer_state(model, optimizer, saved: dict, source: str) 
         return
     params = named_parameters(model)
     if any(isinstance(p, DTensor) for p in params.values()):
-        state = {n: ({k: (_as_dtensor(v, params[n]) if k in MOMENTS else v)
-                      for k, v in s.items()} if n in params else s)
-                 for n, s in saved["state"].items()}
+        state = {
+            n: (
+                {k: (_as_dtensor(v, params[n]) if k in MOMENTS else v) for k, v in s.items()}
+                if n in params
+                else s
+            )
+            for n, s in saved["state"].items()
+        }
         saved = {**saved, "state": state}
     load_optimizer_state(model, optimizer, saved, source)
 
 
 def _as_dtensor(full: torch.Tensor, like: torch.Tensor):
     if not isinstance(like, DTensor) or full.shape != like.shape:
-        return full      # a shape mismatch is reported by load_optimizer_state
+        return full  # a shape mismatch is reported by load_optimizer_state
     chunk = _my_chunk(full, like)
-    return DTensor.from_local(chunk, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
+    return DTensor.from_local(
+        chunk,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 def _load_zero1(model, optimizer, saved: dict, source: str) -> None:
@@ -191,7 +210,8 @@ def _load_zero1(model, optimizer, saved: dict, source: str) -> None:
             continue
         state[index[id(piece)]] = {
             "step": s["step"].clone() if torch.is_tensor(s["step"]) else s["step"],
-            **{k: s[k].reshape(-1)[lo - offset:hi - offset].clone() for k in MOMENTS}}
+            **{k: s[k].reshape(-1)[lo - offset : hi - offset].clone() for k in MOMENTS},
+        }
     groups = []
     for group, saved_group in zip(inner.param_groups, saved["param_groups"]):
         hyper = {k: v for k, v in saved_group.items() if k != "param_names"}
@@ -201,6 +221,7 @@ def _load_zero1(model, optimizer, saved: dict, source: str) -> None:
 
 def _check_zero1(model, optimizer, saved: dict, source: str) -> None:
     from .state import optim_error
+
     ours = _zero1_groups(model, optimizer)
     if len(ours) != len(saved["param_groups"]):
         raise optim_error(source, "the number of parameter groups differs")
@@ -214,5 +235,8 @@ def _check_zero1(model, optimizer, saved: dict, source: str) -> None:
             raise optim_error(source, f"state for unknown parameter {name}")
         for key in MOMENTS:
             if key in s and s[key].shape != params[name].shape:
-                raise optim_error(source, f"{name}.{key} has shape {tuple(s[key].shape)}, the "
-                                           f"model {tuple(params[name].shape)}")
+                raise optim_error(
+                    source,
+                    f"{name}.{key} has shape {tuple(s[key].shape)}, the "
+                    f"model {tuple(params[name].shape)}",
+                )

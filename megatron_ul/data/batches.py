@@ -15,16 +15,26 @@ class PretrainingSampler:
     rank yields the same number of micro-batches.
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int):
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+    ):
         if total_samples <= 0:
             raise ValueError(f"total_samples must be > 0, got {total_samples}")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(f"consumed_samples {consumed_samples} outside [0, total_samples={total_samples}]")
+            raise ValueError(
+                f"consumed_samples {consumed_samples} outside [0, total_samples={total_samples}]"
+            )
         if micro_batch_size <= 0:
             raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
         if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
-            raise ValueError(f"data_parallel_rank {data_parallel_rank} outside [0, {data_parallel_size})")
+            raise ValueError(
+                f"data_parallel_rank {data_parallel_rank} outside [0, {data_parallel_size})"
+            )
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.micro_batch_size = micro_batch_size
@@ -52,13 +62,18 @@ def micro_batch_iterator(dataset, sampler, num_workers: int = 0):
 
     ``num_workers > 0`` reads samples in background processes (torch DataLoader).
     """
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=_collate_texts, pin_memory=False,
-                                         # a private generator: starting the iterator must not
-                                         # draw from the global RNG (dropout), or a resumed run
-                                         # would diverge from an uninterrupted one
-                                         generator=torch.Generator(),
-                                         persistent_workers=num_workers > 0)
+    loader = torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        collate_fn=_collate_texts,
+        pin_memory=False,
+        # a private generator: starting the iterator must not
+        # draw from the global RNG (dropout), or a resumed run
+        # would diverge from an uninterrupted one
+        generator=torch.Generator(),
+        persistent_workers=num_workers > 0,
+    )
     return iter(loader)
 
 
@@ -70,7 +85,9 @@ def _position_ids(tokens, eod_token, reset_position_ids):
     # Each position counts from the token after the latest EOD before it.
     after_eod = torch.where(tokens == eod_token, positions + 1, torch.zeros_like(positions))
     document_start = torch.cummax(after_eod, dim=1).values
-    document_start = torch.cat([torch.zeros_like(document_start[:, :1]), document_start[:, :-1]], dim=1)
+    document_start = torch.cat(
+        [torch.zeros_like(document_start[:, :1]), document_start[:, :-1]], dim=1
+    )
     return positions - document_start
 
 
@@ -87,9 +104,17 @@ def _document_offsets(tokens, eod_token):
     return torch.cat([flat, end]).to(torch.int32)
 
 
-def build_micro_batch(texts: torch.Tensor, sp_rank: int = 0, sp_size: int = 1, eod_token=None,
-                      reset_position_ids: bool = False, reset_attention_mask: bool = False,
-                      eod_mask_loss: bool = False, cp_rank: int = 0, cp_size: int = 1) -> dict:
+def build_micro_batch(
+    texts: torch.Tensor,
+    sp_rank: int = 0,
+    sp_size: int = 1,
+    eod_token=None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    cp_rank: int = 0,
+    cp_size: int = 1,
+) -> dict:
     """Turns ``texts`` [b, N + 1] into this SP rank's slice of a training micro-batch.
 
     Labels are shifted before slicing, so rank r gets tokens and labels for
@@ -103,16 +128,22 @@ def build_micro_batch(texts: torch.Tensor, sp_rank: int = 0, sp_size: int = 1, e
     attends over the full sequence), instead of Megatron's dense [b, 1, N, N] mask.
     """
     if texts.dim() != 2 or texts.shape[1] < 2:
-        raise ValueError(f"texts must be [batch, seq_length + 1] with seq_length >= 1, got {tuple(texts.shape)}")
+        raise ValueError(
+            f"texts must be [batch, seq_length + 1] with seq_length >= 1, got {tuple(texts.shape)}"
+        )
     seq_length = texts.shape[1] - 1
     if sp_size < 1 or not 0 <= sp_rank < sp_size:
         raise ValueError(f"sp_rank {sp_rank} outside [0, sp_size={sp_size})")
     if seq_length % sp_size:
-        raise ValueError(f"seq_length {seq_length} is not divisible by the sequence-parallel size {sp_size}")
+        raise ValueError(
+            f"seq_length {seq_length} is not divisible by the sequence-parallel size {sp_size}"
+        )
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} outside [0, cp_size={cp_size})")
     if eod_token is None and (reset_position_ids or reset_attention_mask or eod_mask_loss):
-        raise ValueError("reset_position_ids, reset_attention_mask and eod_mask_loss need eod_token")
+        raise ValueError(
+            "reset_position_ids, reset_attention_mask and eod_mask_loss need eod_token"
+        )
     texts = texts.long()
     tokens, labels = texts[:, :-1], texts[:, 1:]
     loss_mask = torch.ones(tokens.shape, dtype=torch.float, device=texts.device)

@@ -33,10 +33,15 @@ def expand_inputs(pattern: str) -> list:
     """The shard files ``--input`` names, in processing order."""
     if os.path.isdir(pattern):
         names = sorted(os.listdir(pattern))
-        files = [os.path.join(pattern, name) for name in names
-                 if name.endswith(RECOGNISED_SUFFIXES) and os.path.isfile(os.path.join(pattern, name))]
+        files = [
+            os.path.join(pattern, name)
+            for name in names
+            if name.endswith(RECOGNISED_SUFFIXES) and os.path.isfile(os.path.join(pattern, name))
+        ]
         if not files:
-            raise CorpusError(f"--input {pattern}: directory holds no {', '.join(RECOGNISED_SUFFIXES)} files")
+            raise CorpusError(
+                f"--input {pattern}: directory holds no {', '.join(RECOGNISED_SUFFIXES)} files"
+            )
         return files
     if glob.has_magic(pattern):
         files = sorted(path for path in glob.glob(pattern, recursive=True) if os.path.isfile(path))
@@ -69,10 +74,13 @@ def _decompressing_reader(path, raw):
         try:
             import zstandard
         except ImportError as error:
-            raise CorpusError(f"--input {path}: .zst input needs the zstandard package (pip install zstandard)") \
-                from error
+            raise CorpusError(
+                f"--input {path}: .zst input needs the zstandard package (pip install zstandard)"
+            ) from error
         # BufferedReader adds the line iteration the zstandard reader lacks.
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True))
+        return io.BufferedReader(
+            zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        )
     return raw
 
 
@@ -80,7 +88,9 @@ def _parquet_file(path: str):
     try:
         import pyarrow.parquet
     except ImportError as error:
-        raise CorpusError(f"--input {path}: Parquet input needs the pyarrow package (pip install pyarrow)") from error
+        raise CorpusError(
+            f"--input {path}: Parquet input needs the pyarrow package (pip install pyarrow)"
+        ) from error
     try:
         return pyarrow.parquet.ParquetFile(path)
     except Exception as error:  # noqa: BLE001 -- pyarrow raises several types for a bad file
@@ -88,13 +98,16 @@ def _parquet_file(path: str):
 
 
 def check_shard(path: str, keys) -> bool:
-    """Fails before any output exists if the shard cannot be read; returns whether it has a record."""
+    """Fails before any output exists if the shard cannot be read; returns whether it has a
+    record."""
     if is_parquet(path):
         parquet = _parquet_file(path)
         missing = [key for key in keys if key not in parquet.schema_arrow.names]
         if missing:
-            raise CorpusError(f"--input {path}: no column {missing[0]!r} (--json-keys); "
-                              f"columns are {parquet.schema_arrow.names}")
+            raise CorpusError(
+                f"--input {path}: no column {missing[0]!r} (--json-keys); "
+                f"columns are {parquet.schema_arrow.names}"
+            )
         return parquet.metadata.num_rows > 0
     try:
         raw, handle = _open_binary(path)
@@ -105,7 +118,9 @@ def check_shard(path: str, keys) -> bool:
     except (OSError, EOFError) as error:
         raise CorpusError(f"--input {path}: cannot be read ({error})") from error
     except Exception as error:  # noqa: BLE001 -- e.g. zstandard.ZstdError for a corrupt frame
-        raise CorpusError(f"--input {path}: cannot be read ({type(error).__name__}: {error})") from error
+        raise CorpusError(
+            f"--input {path}: cannot be read ({type(error).__name__}: {error})"
+        ) from error
     return False
 
 
@@ -133,7 +148,9 @@ def read_chunks(paths, keys, max_lines=None, max_bytes=None):
         else:
             chunks = _jsonl_chunks(path, max_lines, max_bytes)
         for first_in_shard, records, num_bytes, fraction in chunks:
-            yield Chunk(path, first, first_in_shard, records, num_bytes, done_bytes + int(fraction * size))
+            yield Chunk(
+                path, first, first_in_shard, records, num_bytes, done_bytes + int(fraction * size)
+            )
             first += len(records)
         done_bytes += size
 

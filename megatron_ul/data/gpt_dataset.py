@@ -62,11 +62,15 @@ def parse_data_path(data_path):
         prefixes = items[1::2]
         bad = [weight for weight in weights if not math.isfinite(weight) or weight <= 0]
         if bad:
-            raise ValueError(f"--data-path: weights must be finite and > 0, got {bad[0]} in {items}")
+            raise ValueError(
+                f"--data-path: weights must be finite and > 0, got {bad[0]} in {items}"
+            )
         return prefixes, weights
     numeric = [item for item in items if _is_number(item)]
     if numeric:
-        raise ValueError(f"--data-path mixes weights and prefixes; expected 'weight prefix' pairs, got {items}")
+        raise ValueError(
+            f"--data-path mixes weights and prefixes; expected 'weight prefix' pairs, got {items}"
+        )
     return items, None
 
 
@@ -88,7 +92,9 @@ def parse_split(split: str) -> list:
     """``'949,50,1'`` -> three fractions summing to 1 (missing parts are 0), as megatron-core."""
     parts = [float(part) for part in re.findall(r"[.0-9]+", split) if part.strip(".")]
     if not parts or len(parts) > 3 or sum(parts) <= 0 or re.search(r"[^.0-9,/\s]", split):
-        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers like 969,30,1, not all 0")
+        raise ValueError(
+            f"--split {split!r}: expected up to three non-negative numbers like 969,30,1, not all 0"
+        )
     parts += [0.0] * (3 - len(parts))
     return normalize(parts)
 
@@ -96,7 +102,9 @@ def parse_split(split: str) -> list:
 def split_matrix(split: str) -> list:
     """Per split, its (start, end) fraction of the data, or None when empty."""
     cumulative = functools.reduce(lambda acc, part: acc + [acc[-1] + part], parse_split(split), [0])
-    return [(low, high) if high > low else None for low, high in zip(cumulative[:-1], cumulative[1:])]
+    return [
+        (low, high) if high > low else None for low, high in zip(cumulative[:-1], cumulative[1:])
+    ]
 
 
 def split_ranges(split: str, num_sequences: int) -> list:
@@ -106,8 +114,12 @@ def split_ranges(split: str, num_sequences: int) -> list:
         if bookends is None:
             ranges.append(None)
             continue
-        ranges.append((int(round(bookends[0] * float(num_sequences))),
-                       int(round(bookends[1] * float(num_sequences)))))
+        ranges.append(
+            (
+                int(round(bookends[0] * float(num_sequences))),
+                int(round(bookends[1] * float(num_sequences))),
+            )
+        )
     return ranges
 
 
@@ -181,29 +193,47 @@ class GPTDataset:
     ``cache_path``: a folder for the index cache, or None to build in memory.
     """
 
-    def __init__(self, indexed_dataset: IndexedDataset, sequence_range, num_samples, seq_length: int,
-                 seed: int, split_name: str = "train", cache_path=None):
+    def __init__(
+        self,
+        indexed_dataset: IndexedDataset,
+        sequence_range,
+        num_samples,
+        seq_length: int,
+        seed: int,
+        split_name: str = "train",
+        cache_path=None,
+    ):
         if seq_length < 1 or (num_samples is not None and num_samples < 0):
-            raise ValueError(f"need seq_length >= 1 and num_samples >= 0, got {seq_length}, {num_samples}")
+            raise ValueError(
+                f"need seq_length >= 1 and num_samples >= 0, got {seq_length}, {num_samples}"
+            )
         self.indexed_dataset = indexed_dataset
         self.seq_length = seq_length
         self.num_samples = num_samples
         first, last = (int(bound) for bound in sequence_range)
         if not 0 <= first < last <= len(indexed_dataset):
-            raise ValueError(f"{indexed_dataset.path_prefix}: the {split_name} split has no sequences "
-                             f"(range [{first}, {last}) of {len(indexed_dataset)})")
+            raise ValueError(
+                f"{indexed_dataset.path_prefix}: the {split_name} split has no sequences "
+                f"(range [{first}, {last}) of {len(indexed_dataset)})"
+            )
         self.sequences = np.arange(first, last, dtype=np.int32)
         self.sequence_range = (first, last)
         description = {
-            "class": "GPTDataset", "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
+            "class": "GPTDataset",
+            "path_prefix": os.path.abspath(indexed_dataset.path_prefix),
             "idx_fingerprint": indexed_dataset.fingerprint() if cache_path is not None else None,
-            "split": split_name, "sequence_range": [first, last], "num_samples": num_samples,
-            "seq_length": int(seq_length), "seed": int(seed), "add_extra_token_to_sequence": 1,
+            "split": split_name,
+            "sequence_range": [first, last],
+            "num_samples": num_samples,
+            "seq_length": int(seq_length),
+            "seed": int(seed),
+            "add_extra_token_to_sequence": 1,
         }
         cache_dir = None if cache_path is None else os.path.join(cache_path, "GPTDataset_indices")
         self.cache = IndexCache(cache_dir, description, f"GPTDataset-{split_name}")
-        indices = self.cache.load_or_build(INDEX_KINDS, lambda: self._build_indices(num_samples, seed),
-                                           self._validate)
+        indices = self.cache.load_or_build(
+            INDEX_KINDS, lambda: self._build_indices(num_samples, seed), self._validate
+        )
         self.document_index = indices["document_index"]
         self.sample_index = indices["sample_index"]
         self.shuffle_index = indices["shuffle_index"]
@@ -212,13 +242,20 @@ class GPTDataset:
         rng = np.random.RandomState(seed)
         lengths = self.indexed_dataset.sequence_lengths
         tokens_per_epoch = int(lengths[self.sequences].sum(dtype=np.int64))
-        num_epochs, separate_final, samples_before_final = plan_epochs(tokens_per_epoch, num_samples,
-                                                                       self.seq_length)
+        num_epochs, separate_final, samples_before_final = plan_epochs(
+            tokens_per_epoch, num_samples, self.seq_length
+        )
         document_index = build_document_index(self.sequences, num_epochs, rng, separate_final)
         sample_index = build_sample_index(lengths, document_index, self.seq_length)
         total = sample_index.shape[0] - 1
-        shuffle_index = build_shuffle_index(samples_before_final if separate_final else total, total, rng)
-        return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
+        shuffle_index = build_shuffle_index(
+            samples_before_final if separate_final else total, total, rng
+        )
+        return {
+            "document_index": document_index,
+            "sample_index": sample_index,
+            "shuffle_index": shuffle_index,
+        }
 
     def _validate(self, indices) -> None:
         """Cheap whole-array checks that catch a corrupt or foreign cached index set."""
@@ -228,14 +265,25 @@ class GPTDataset:
             raise ValueError(f"document index of length {len(document_index)} is not whole epochs")
         if document_index.min() < first or document_index.max() >= last:
             raise ValueError("document index holds sequences outside the split")
-        if sample_index.ndim != 2 or sample_index.shape[1] != 2 or len(shuffle_index) != len(sample_index) - 1:
-            raise ValueError(f"sample index {sample_index.shape} and shuffle index {shuffle_index.shape} disagree")
+        if (
+            sample_index.ndim != 2
+            or sample_index.shape[1] != 2
+            or len(shuffle_index) != len(sample_index) - 1
+        ):
+            raise ValueError(
+                f"sample index {sample_index.shape} and shuffle index {shuffle_index.shape} "
+                f"disagree"
+            )
         if np.any(np.diff(sample_index[:, 0]) < 0) or sample_index[-1, 0] >= len(document_index):
             raise ValueError("sample index rows are not ordered positions in the document index")
-        if len(shuffle_index) and (shuffle_index.min() < 0 or shuffle_index.max() >= len(shuffle_index)):
+        if len(shuffle_index) and (
+            shuffle_index.min() < 0 or shuffle_index.max() >= len(shuffle_index)
+        ):
             raise ValueError("shuffle index points outside the samples")
         if self.num_samples is not None and len(shuffle_index) < self.num_samples:
-            raise ValueError(f"{len(shuffle_index)} samples, fewer than the {self.num_samples} requested")
+            raise ValueError(
+                f"{len(shuffle_index)} samples, fewer than the {self.num_samples} requested"
+            )
 
     def __len__(self) -> int:
         return len(self.shuffle_index)
@@ -246,7 +294,9 @@ class GPTDataset:
         last_row, last_offset = (int(v) for v in self.sample_index[sample + 1])
         get = self.indexed_dataset.get
         if first_row == last_row:
-            pieces = [get(self.document_index[first_row], first_offset, last_offset - first_offset + 1)]
+            pieces = [
+                get(self.document_index[first_row], first_offset, last_offset - first_offset + 1)
+            ]
         else:
             pieces = [get(self.document_index[first_row], first_offset)]
             pieces += [get(self.document_index[row]) for row in range(first_row + 1, last_row)]
@@ -283,23 +333,35 @@ class BlendedDataset:
         self.datasets = datasets
         self.weights = normalize(weights)
         self.size = size
-        description = dict(description or {}, **{"class": "BlendedDataset", "weights": self.weights, "size": size})
-        cache_dir = None if cache_path is None else os.path.join(cache_path, "BlendedDataset_indices")
+        description = dict(
+            description or {}, **{"class": "BlendedDataset", "weights": self.weights, "size": size}
+        )
+        cache_dir = (
+            None if cache_path is None else os.path.join(cache_path, "BlendedDataset_indices")
+        )
         cache = IndexCache(cache_dir, description, "BlendedDataset")
         names = ("dataset_index", "dataset_sample_index")
-        indices = cache.load_or_build(names, lambda: dict(zip(names, build_blending_indices(self.weights, size))),
-                                      self._validate)
+        indices = cache.load_or_build(
+            names,
+            lambda: dict(zip(names, build_blending_indices(self.weights, size))),
+            self._validate,
+        )
         self.dataset_index = indices["dataset_index"]
         self.dataset_sample_index = indices["dataset_sample_index"]
         for dataset_id, dataset in enumerate(datasets):
             needed = int(np.count_nonzero(np.asarray(self.dataset_index) == dataset_id))
             if needed > len(dataset):
-                raise ValueError(f"blend needs {needed} samples from dataset {dataset_id}, which has {len(dataset)}")
+                raise ValueError(
+                    f"blend needs {needed} samples from dataset {dataset_id}, which has "
+                    f"{len(dataset)}"
+                )
 
     def _validate(self, indices) -> None:
         dataset_index, sample_index = indices["dataset_index"], indices["dataset_sample_index"]
         if len(dataset_index) != self.size or len(sample_index) != self.size:
-            raise ValueError(f"blending indices of length {len(dataset_index)}, expected {self.size}")
+            raise ValueError(
+                f"blending indices of length {len(dataset_index)}, expected {self.size}"
+            )
         if self.size and (dataset_index.min() < 0 or dataset_index.max() >= len(self.datasets)):
             raise ValueError("dataset index names datasets outside the blend")
 
@@ -329,16 +391,26 @@ def vocabulary_problem(indexed: IndexedDataset, vocab_size: int):
     """The message when the tokens of ``indexed`` do not fit ids [0, vocab_size), else None."""
     lowest, largest = indexed.token_range()
     if largest >= vocab_size:
-        return (f"--data-path {indexed.path_prefix}: token id {largest} does not fit the vocabulary "
-                f"of {vocab_size} (--tokenizer-type / --vocab-size); the data was tokenized with another "
-                f"tokenizer")
+        return (
+            f"--data-path {indexed.path_prefix}: token id {largest} does not fit the vocabulary "
+            f"of {vocab_size} (--tokenizer-type / --vocab-size); the data was tokenized with "
+            f"another "
+            f"tokenizer"
+        )
     if lowest < 0:
         return f"--data-path {indexed.path_prefix}: negative token id {lowest} (corrupt .bin)"
     return None
 
 
-def build_train_valid_test_datasets(data_path, split: str, seq_length: int, train_valid_test_num_samples,
-                                    seed: int, cache_path="default", vocab_size=None):
+def build_train_valid_test_datasets(
+    data_path,
+    split: str,
+    seq_length: int,
+    train_valid_test_num_samples,
+    seed: int,
+    cache_path="default",
+    vocab_size=None,
+):
     """(train, valid, test) datasets from ``--data-path`` and ``--split``, as megatron-core's
     BlendedMegatronDatasetBuilder builds them:
 
@@ -367,32 +439,83 @@ def build_train_valid_test_datasets(data_path, split: str, seq_length: int, trai
             continue
         split_ranges_here = [dataset_ranges[split_id] for dataset_ranges in ranges]
         if len(indexed) == 1 and weights is None:
-            results.append(GPTDataset(indexed[0], split_ranges_here[0], num_samples, seq_length, seed, split_name,
-                                      cache_path))
+            results.append(
+                GPTDataset(
+                    indexed[0],
+                    split_ranges_here[0],
+                    num_samples,
+                    seq_length,
+                    seed,
+                    split_name,
+                    cache_path,
+                )
+            )
         elif weights is not None:
-            results.append(_build_weighted_blend(indexed, split_ranges_here, normalize(weights), num_samples,
-                                                 seq_length, seed, split_name, cache_path))
+            results.append(
+                _build_weighted_blend(
+                    indexed,
+                    split_ranges_here,
+                    normalize(weights),
+                    num_samples,
+                    seq_length,
+                    seed,
+                    split_name,
+                    cache_path,
+                )
+            )
         else:
-            results.append(_build_unweighted_blend(indexed, split_ranges_here, num_samples, seq_length, seed,
-                                                   split_name, cache_path))
+            results.append(
+                _build_unweighted_blend(
+                    indexed,
+                    split_ranges_here,
+                    num_samples,
+                    seq_length,
+                    seed,
+                    split_name,
+                    cache_path,
+                )
+            )
     return tuple(results)
 
 
-def _build_weighted_blend(indexed, ranges, weights, num_samples, seq_length, seed, split_name, cache_path):
+def _build_weighted_blend(
+    indexed, ranges, weights, num_samples, seq_length, seed, split_name, cache_path
+):
     targets = [int(math.ceil(num_samples * weight)) for weight in weights]
-    components = [GPTDataset(dataset, sequence_range, int(math.ceil(target * (1 + MID_LEVEL_DATASET_SURPLUS))),
-                             seq_length, seed, split_name, cache_path)
-                  for dataset, sequence_range, target in zip(indexed, ranges, targets)]
-    return BlendedDataset(components, weights, sum(targets), cache_path, _blend_description(components, split_name))
+    components = [
+        GPTDataset(
+            dataset,
+            sequence_range,
+            int(math.ceil(target * (1 + MID_LEVEL_DATASET_SURPLUS))),
+            seq_length,
+            seed,
+            split_name,
+            cache_path,
+        )
+        for dataset, sequence_range, target in zip(indexed, ranges, targets)
+    ]
+    return BlendedDataset(
+        components, weights, sum(targets), cache_path, _blend_description(components, split_name)
+    )
 
 
 def _build_unweighted_blend(indexed, ranges, num_samples, seq_length, seed, split_name, cache_path):
-    components = [GPTDataset(dataset, sequence_range, None, seq_length, seed, split_name, cache_path)
-                  for dataset, sequence_range in zip(indexed, ranges)]
+    components = [
+        GPTDataset(dataset, sequence_range, None, seq_length, seed, split_name, cache_path)
+        for dataset, sequence_range in zip(indexed, ranges)
+    ]
     sizes = [len(component) for component in components]
-    return BlendedDataset(components, sizes, min(num_samples, sum(sizes)), cache_path,
-                          _blend_description(components, split_name))
+    return BlendedDataset(
+        components,
+        sizes,
+        min(num_samples, sum(sizes)),
+        cache_path,
+        _blend_description(components, split_name),
+    )
 
 
 def _blend_description(components, split_name):
-    return {"split": split_name, "components": [component.cache.key_text for component in components]}
+    return {
+        "split": split_name,
+        "components": [component.cache.key_text for component in components],
+    }

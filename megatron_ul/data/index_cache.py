@@ -84,12 +84,15 @@ class IndexCache:
         try:
             return self._load(names, validate)
         except IndexCacheError as error:
-            # e.g. no shared file system between nodes, or a read-only cache the builder could not fill
+            # e.g. no shared file system between nodes, or a read-only cache the builder could
+            # not fill
             log.warning("%s; building the indices in memory on this rank", error)
             return build_fn()
 
     def _load_or_build_here(self, names, build_fn, validate):
-        if os.path.isfile(self.marker_path) or any(os.path.exists(self.path(name)) for name in names):
+        if os.path.isfile(self.marker_path) or any(
+            os.path.exists(self.path(name)) for name in names
+        ):
             try:
                 return self._load(names, validate)
             except IndexCacheError as error:
@@ -98,7 +101,9 @@ class IndexCache:
         try:
             self._write(arrays)
         except OSError as error:
-            log.warning("index cache %s not writable (%s); indices kept in memory", self.cache_dir, error)
+            log.warning(
+                "index cache %s not writable (%s); indices kept in memory", self.cache_dir, error
+            )
             return arrays
         return self._load(names, validate)
 
@@ -111,7 +116,9 @@ class IndexCache:
         except (OSError, ValueError) as error:
             raise IndexCacheError(f"{self.marker_path}: unreadable or corrupt ({error})") from error
         if marker.get("key") != self.key_text:
-            raise IndexCacheError(f"{self.marker_path}: describes other indices (hash collision or edited file)")
+            raise IndexCacheError(
+                f"{self.marker_path}: describes other indices (hash collision or edited file)"
+            )
         arrays = {}
         for name in names:
             path = self.path(name)
@@ -120,15 +127,23 @@ class IndexCache:
                 array = np.load(path, mmap_mode="r", allow_pickle=False)
             except (OSError, ValueError) as error:
                 raise IndexCacheError(f"{path}: missing, truncated or corrupt ({error})") from error
-            if expected is None or list(array.shape) != expected["shape"] or str(array.dtype) != expected["dtype"]:
-                raise IndexCacheError(f"{path}: shape {array.shape} / dtype {array.dtype} do not match "
-                                      f"{self.marker_path} ({expected})")
+            if (
+                expected is None
+                or list(array.shape) != expected["shape"]
+                or str(array.dtype) != expected["dtype"]
+            ):
+                raise IndexCacheError(
+                    f"{path}: shape {array.shape} / dtype {array.dtype} do not match "
+                    f"{self.marker_path} ({expected})"
+                )
             arrays[name] = array
         if validate is not None:
             try:
                 validate(arrays)
             except ValueError as error:
-                raise IndexCacheError(f"{self.cache_dir}/{self.stem}-*.npy: corrupt indices ({error})") from error
+                raise IndexCacheError(
+                    f"{self.cache_dir}/{self.stem}-*.npy: corrupt indices ({error})"
+                ) from error
         return arrays
 
     def _write(self, arrays: dict) -> None:
@@ -141,9 +156,13 @@ class IndexCache:
                 np.save(temporary, np.asarray(array), allow_pickle=False)
             for name in arrays:
                 os.replace(self.path(name) + f".tmp-{os.getpid()}.npy", self.path(name))
-            marker = {"key": self.key_text,
-                      "arrays": {name: {"shape": list(np.shape(array)), "dtype": str(np.asarray(array).dtype)}
-                                 for name, array in arrays.items()}}
+            marker = {
+                "key": self.key_text,
+                "arrays": {
+                    name: {"shape": list(np.shape(array)), "dtype": str(np.asarray(array).dtype)}
+                    for name, array in arrays.items()
+                },
+            }
             temporary = self.marker_path + f".tmp-{os.getpid()}"
             temporaries.append(temporary)
             with open(temporary, "w", encoding="utf-8") as handle:
@@ -158,5 +177,7 @@ class IndexCache:
         deadline = time.time() + CACHE_WAIT_TIMEOUT_S
         while not os.path.isfile(self.marker_path):
             if time.time() > deadline:
-                raise TimeoutError(f"{self.marker_path}: not written by rank 0 within {CACHE_WAIT_TIMEOUT_S:.0f} s")
+                raise TimeoutError(
+                    f"{self.marker_path}: not written by rank 0 within {CACHE_WAIT_TIMEOUT_S:.0f} s"
+                )
             time.sleep(0.5)

@@ -25,8 +25,14 @@ INDEX_VERSION = 1
 HEADER_SIZE = len(INDEX_MAGIC) + 8 + 1 + 8 + 8
 
 DTYPE_CODES = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32,
-    5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
 }
 CODE_OF_DTYPE = {np.dtype(dtype): code for code, dtype in DTYPE_CODES.items()}
 
@@ -115,14 +121,18 @@ class IndexedDatasetBuilder:
             return
         ends = start + np.cumsum(np.asarray(sequences_per_document, dtype=np.int64))
         if len(ends) and ends[-1] != self.num_sequences:
-            raise ValueError(f"sequences_per_document sums to {ends[-1] - start}, not {len(lengths)}")
+            raise ValueError(
+                f"sequences_per_document sums to {ends[-1] - start}, not {len(lengths)}"
+            )
         self.document_ends.extend(ends.tolist())
 
     def add_sequences(self, tokens, lengths) -> None:
         array = np.asarray(tokens, dtype=self.dtype)
         lengths = np.asarray(lengths, dtype=np.int32)
         if int(lengths.sum(dtype=np.int64)) != array.size:
-            raise ValueError(f"lengths sum to {int(lengths.sum())} but {array.size} tokens were given")
+            raise ValueError(
+                f"lengths sum to {int(lengths.sum())} but {array.size} tokens were given"
+            )
         self.data_file.write(array.tobytes(order="C"))
         self.length_chunks.append(lengths)
         self.num_sequences += len(lengths)
@@ -132,7 +142,8 @@ class IndexedDatasetBuilder:
         source = IndexedDataset(prefix)
         if source.dtype != self.dtype:
             raise IndexedDatasetError(
-                f"{index_file_path(prefix)}: dtype {source.dtype} differs from the output's {self.dtype}"
+                f"{index_file_path(prefix)}: dtype {source.dtype} differs from the output's "
+                f"{self.dtype}"
             )
         offset = self.num_sequences
         self.length_chunks.append(np.array(source.sequence_lengths, dtype=np.int32))
@@ -148,7 +159,9 @@ class IndexedDatasetBuilder:
 
     def finalize(self, idx_path: str) -> None:
         self.data_file.close()
-        lengths = np.concatenate(self.length_chunks) if self.length_chunks else np.zeros(0, np.int32)
+        lengths = (
+            np.concatenate(self.length_chunks) if self.length_chunks else np.zeros(0, np.int32)
+        )
         write_index(idx_path, self.dtype, lengths, self.document_ends)
 
     def abort(self) -> None:
@@ -164,21 +177,28 @@ def _read_index(idx_path: str):
     with open(idx_path, "rb") as handle:
         raw = handle.read()
     if len(raw) < HEADER_SIZE:
-        raise IndexedDatasetError(f"{idx_path}: truncated index ({len(raw)} bytes, header needs {HEADER_SIZE})")
+        raise IndexedDatasetError(
+            f"{idx_path}: truncated index ({len(raw)} bytes, header needs {HEADER_SIZE})"
+        )
     if raw[: len(INDEX_MAGIC)] != INDEX_MAGIC:
         raise IndexedDatasetError(f"{idx_path}: not an MMIDIDX index (bad magic {raw[:9]!r})")
-    version, dtype_code, num_sequences, num_doc_entries = struct.unpack_from("<QBQQ", raw, len(INDEX_MAGIC))
+    version, dtype_code, num_sequences, num_doc_entries = struct.unpack_from(
+        "<QBQQ", raw, len(INDEX_MAGIC)
+    )
     if version != INDEX_VERSION:
         raise IndexedDatasetError(f"{idx_path}: unsupported index version {version}")
     if dtype_code not in DTYPE_CODES:
         raise IndexedDatasetError(f"{idx_path}: unknown dtype code {dtype_code}")
     if np.dtype(DTYPE_CODES[dtype_code]).kind == "f":
-        raise IndexedDatasetError(f"{idx_path}: dtype {np.dtype(DTYPE_CODES[dtype_code])} cannot "
-                                  "hold token ids (corrupt index, or not token data)")
+        raise IndexedDatasetError(
+            f"{idx_path}: dtype {np.dtype(DTYPE_CODES[dtype_code])} cannot "
+            "hold token ids (corrupt index, or not token data)"
+        )
     expected = HEADER_SIZE + 12 * num_sequences + 8 * num_doc_entries
     if len(raw) != expected:
         raise IndexedDatasetError(
-            f"{idx_path}: size {len(raw)} bytes does not match its header ({expected} bytes expected); "
+            f"{idx_path}: size {len(raw)} bytes does not match its header ({expected} bytes "
+            f"expected); "
             "truncated or corrupt"
         )
     offset = HEADER_SIZE
@@ -200,10 +220,17 @@ def _check_index_arrays(idx_path, dtype, lengths, pointers, document_indices) ->
     if len(lengths) > 1:
         np.cumsum(lengths[:-1].astype(np.int64) * dtype.itemsize, out=expected_pointers[1:])
     if not np.array_equal(pointers, expected_pointers):
-        raise IndexedDatasetError(f"{idx_path}: sequence pointers disagree with sequence lengths (corrupt index)")
-    if len(document_indices) == 0 or document_indices[0] != 0 or document_indices[-1] != len(lengths):
         raise IndexedDatasetError(
-            f"{idx_path}: document indices must run from 0 to the sequence count {len(lengths)} (corrupt index)"
+            f"{idx_path}: sequence pointers disagree with sequence lengths (corrupt index)"
+        )
+    if (
+        len(document_indices) == 0
+        or document_indices[0] != 0
+        or document_indices[-1] != len(lengths)
+    ):
+        raise IndexedDatasetError(
+            f"{idx_path}: document indices must run from 0 to the sequence count {len(lengths)} "
+            f"(corrupt index)"
         )
     if np.any(np.diff(document_indices) < 0):
         raise IndexedDatasetError(f"{idx_path}: document indices decrease (corrupt index)")
@@ -218,7 +245,9 @@ class IndexedDataset:
     def __init__(self, path_prefix: str):
         self.path_prefix = path_prefix
         idx_path, bin_path = index_file_path(path_prefix), data_file_path(path_prefix)
-        self.dtype, self.sequence_lengths, self.sequence_pointers, self.document_indices = _read_index(idx_path)
+        self.dtype, self.sequence_lengths, self.sequence_pointers, self.document_indices = (
+            _read_index(idx_path)
+        )
         if not os.path.isfile(bin_path):
             raise IndexedDatasetError(f"{bin_path}: data file not found")
         expected_bytes = int(self.sequence_lengths.sum(dtype=np.int64)) * self.dtype.itemsize
@@ -262,10 +291,10 @@ class IndexedDataset:
     def token_range(self, chunk: int = 1 << 26) -> tuple[int, int]:
         """(smallest, largest) token id in the .bin, (0, -1) when empty: a vectorised pass over
         the memory map, chunked so that no full-size temporary is ever made."""
-        signed = self.dtype.kind == "i"   # unsigned ids cannot be negative: one pass, not two
+        signed = self.dtype.kind == "i"  # unsigned ids cannot be negative: one pass, not two
         lows, highs = [], []
         for start in range(0, len(self.tokens), chunk):
-            block = self.tokens[start:start + chunk]
+            block = self.tokens[start : start + chunk]
             highs.append(int(block.max()))
             lows.append(int(block.min()) if signed else 0)
         return (min(lows), max(highs)) if highs else (0, -1)
@@ -285,15 +314,19 @@ class IndexedDataset:
         if index < 0:
             index += len(self)
         if not 0 <= index < len(self):
-            raise IndexError(f"sequence {index} out of range for {len(self)} sequences in {self.path_prefix}")
+            raise IndexError(
+                f"sequence {index} out of range for {len(self)} sequences in {self.path_prefix}"
+            )
         sequence_length = int(self.sequence_lengths[index])
         if length is None:
             length = sequence_length - offset
         if offset < 0 or length < 0 or offset + length > sequence_length:
-            raise IndexError(f"slice [{offset}, {offset + length}) outside sequence {index} "
-                             f"of length {sequence_length}")
+            raise IndexError(
+                f"slice [{offset}, {offset + length}) outside sequence {index} "
+                f"of length {sequence_length}"
+            )
         start = int(self.sequence_pointers[index]) // self.dtype.itemsize + offset
-        return self.tokens[start: start + length]
+        return self.tokens[start : start + length]
 
     def close(self) -> None:
         # Dropping the reference unmaps once no returned view is alive;

@@ -1,4 +1,5 @@
 """A synthetic dataset with the GPTDataset interface, for runs without data files."""
+
 from typing import Optional
 
 import numpy as np
@@ -17,14 +18,23 @@ class MockGPTDataset:
     without EOD, and the last document may be cut off by the end of the sample.
     """
 
-    def __init__(self, num_samples: int, seq_length: int, vocab_size: int, seed: int = 1234,
-                 eod_token: Optional[int] = None):
+    def __init__(
+        self,
+        num_samples: int,
+        seq_length: int,
+        vocab_size: int,
+        seed: int = 1234,
+        eod_token: Optional[int] = None,
+    ):
         if num_samples < 0 or seq_length < 1 or vocab_size < 1:
-            raise ValueError(f"need num_samples >= 0, seq_length >= 1, vocab_size >= 1; "
-                             f"got {num_samples}, {seq_length}, {vocab_size}")
+            raise ValueError(
+                f"need num_samples >= 0, seq_length >= 1, vocab_size >= 1; "
+                f"got {num_samples}, {seq_length}, {vocab_size}"
+            )
         if eod_token is not None and (vocab_size < 2 or not 0 <= eod_token < vocab_size):
-            raise ValueError(f"eod_token {eod_token} must be one of vocab_size {vocab_size} "
-                             f"(>= 2) ids")
+            raise ValueError(
+                f"eod_token {eod_token} must be one of vocab_size {vocab_size} (>= 2) ids"
+            )
         self.num_samples = num_samples
         self.seq_length = seq_length
         self.vocab_size = vocab_size
@@ -43,7 +53,7 @@ class MockGPTDataset:
         if self.eod_token is None:
             return {"text": rng.integers(0, self.vocab_size, size=length, dtype=np.int64)}
         text = rng.integers(0, self.vocab_size - 1, size=length, dtype=np.int64)
-        text[text >= self.eod_token] += 1          # every id but EOD
+        text[text >= self.eod_token] += 1  # every id but EOD
         ends = np.cumsum(rng.integers(1, self.seq_length + 1, size=length)) - 1
         text[ends[ends < length]] = self.eod_token
         return {"text": text}

@@ -42,7 +42,8 @@ def _keep_whitespace_language_vars():
 
 
 def build_sentence_splitter(lang: str = "english", keep_newlines: bool = False):
-    """Returns a Punkt splitter with ``tokenize(text) -> list[str]``; raises SentenceSplitterError."""
+    """Returns a Punkt splitter with ``tokenize(text) -> list[str]``; raises
+    SentenceSplitterError."""
     try:
         import nltk  # noqa: F401
         from nltk.tokenize.punkt import PunktSentenceTokenizer
@@ -66,8 +67,9 @@ def _load_punkt_params(lang: str):
     try:
         from nltk.tokenize.punkt import load_punkt_params
     except ImportError as error:  # NLTK before 3.8.2 had only pickled models
-        raise SentenceSplitterError("--split-sentences needs nltk >= 3.8.2 (Punkt models as punkt_tab data)") \
-            from error
+        raise SentenceSplitterError(
+            "--split-sentences needs nltk >= 3.8.2 (Punkt models as punkt_tab data)"
+        ) from error
     try:
         lang_dir = nltk.data.find(resource)
     except LookupError as error:
@@ -80,12 +82,14 @@ def _load_punkt_params(lang: str):
     try:
         return load_punkt_params(lang_dir)
     except OSError as error:
-        raise SentenceSplitterError(f"--lang {lang}: NLTK data {lang_dir} is incomplete ({error})") from error
+        raise SentenceSplitterError(
+            f"--lang {lang}: NLTK data {lang_dir} is incomplete ({error})"
+        ) from error
 
 
 def split_sentences(splitter, text: str) -> list:
     """Megatron-LM's splitting: Punkt on consecutive chunks of at most a million characters."""
     sentences = []
     for start in range(0, len(text), SPLIT_CHUNK_CHARS):
-        sentences.extend(splitter.tokenize(text[start:start + SPLIT_CHUNK_CHARS]))
+        sentences.extend(splitter.tokenize(text[start : start + SPLIT_CHUNK_CHARS]))
     return sentences

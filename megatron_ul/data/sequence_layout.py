@@ -7,6 +7,7 @@ ring of R ranks the sequence is cut into 2R chunks and ring rank r holds chunks 
 with a late one, which attends to much); its U Ulysses ranks split that pair of chunks into
 contiguous slices, so that the Ulysses all-to-all gathers the pair in order.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,16 +23,19 @@ def ring_local_positions(ring_rank: int, ring_size: int, seq_length: int) -> tor
     if ring_size == 1:
         return torch.arange(seq_length)
     chunk = seq_length // (2 * ring_size)
-    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk)
-                      for i in ring_chunks(ring_rank, ring_size)])
+    return torch.cat(
+        [torch.arange(i * chunk, (i + 1) * chunk) for i in ring_chunks(ring_rank, ring_size)]
+    )
 
 
-def rank_positions(seq_length: int, ulysses_rank: int, ulysses_size: int, ring_rank: int = 0,
-                   ring_size: int = 1) -> torch.Tensor:
+def rank_positions(
+    seq_length: int, ulysses_rank: int, ulysses_size: int, ring_rank: int = 0, ring_size: int = 1
+) -> torch.Tensor:
     """Global token indices held by the rank at (Ulysses rank, ring rank), [N/(U·R)]."""
     if ring_size > 1 and seq_length % (2 * ring_size * ulysses_size):
-        raise ValueError(f"sequence length {seq_length} is not divisible by 2·U·R = "
-                         f"2·{ulysses_size}·{ring_size}")
+        raise ValueError(
+            f"sequence length {seq_length} is not divisible by 2·U·R = 2·{ulysses_size}·{ring_size}"
+        )
     if seq_length % ulysses_size:
         raise ValueError(f"sequence length {seq_length} is not divisible by U = {ulysses_size}")
     local = ring_local_positions(ring_rank, ring_size, seq_length)

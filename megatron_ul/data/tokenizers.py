@@ -27,8 +27,14 @@ import os
 import re
 from functools import lru_cache
 
-TOKENIZER_TYPES = ("GPT2BPETokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                   "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = (
+    "GPT2BPETokenizer",
+    "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
+    "HuggingFaceTokenizer",
+    "NullTokenizer",
+)
 
 # GPT-2's pre-tokenization pattern: contractions, letter runs, digit runs,
 # punctuation runs, and whitespace (trailing whitespace kept apart so that a
@@ -147,7 +153,7 @@ def _read_merges(merge_file: str) -> dict:
     with open(merge_file, encoding="utf-8") as handle:
         lines = handle.read().split("\n")[1:-1]
     merges = [tuple(line.split()) for line in lines]
-    return {pair: rank for rank, pair in enumerate(merges)}    # a repeated pair: its last rank
+    return {pair: rank for rank, pair in enumerate(merges)}  # a repeated pair: its last rank
 
 
 def _merge_pair(parts: list, pair: tuple) -> list:
@@ -178,7 +184,9 @@ def _sentencepiece_processor(model_file):
     try:
         return sentencepiece.SentencePieceProcessor(model_file=model_file)
     except (RuntimeError, OSError) as error:
-        raise ValueError(f"--tokenizer-model {model_file}: not a SentencePiece model ({error})") from error
+        raise ValueError(
+            f"--tokenizer-model {model_file}: not a SentencePiece model ({error})"
+        ) from error
 
 
 class GPTSentencePieceTokenizer(AbstractTokenizer):
@@ -204,7 +212,8 @@ class GPTSentencePieceTokenizer(AbstractTokenizer):
         if eos_id < 0:
             raise ValueError(
                 f"--tokenizer-model {self.model_file}: SentencePiece model has no EOS piece, which "
-                f"{self.name} uses as EOD; retrain it with an eos_id (tools/train_tokenizer.py does)"
+                f"{self.name} uses as EOD; retrain it with an eos_id (tools/train_tokenizer.py "
+                f"does)"
             )
         return eos_id
 
@@ -227,8 +236,10 @@ class Llama2Tokenizer(GPTSentencePieceTokenizer):
         super().__init__(model_file)
         self.bos = self.processor.bos_id()
         if self.bos < 0:
-            raise ValueError(f"--tokenizer-model {model_file}: SentencePiece model has no BOS piece, "
-                             f"which {self.name} puts before every text")
+            raise ValueError(
+                f"--tokenizer-model {model_file}: SentencePiece model has no BOS piece, "
+                f"which {self.name} puts before every text"
+            )
 
     def tokenize(self, text: str) -> list:
         return [self.bos] + self.processor.encode(text)
@@ -252,15 +263,28 @@ class SentencePieceTokenizer(AbstractTokenizer):
     def __init__(self, model_file: str):
         self.model_file = model_file
         self.processor = _sentencepiece_processor(model_file)
-        self.vocab = {self.processor.id_to_piece(i): i for i in range(self.processor.get_piece_size())}
+        self.vocab = {
+            self.processor.id_to_piece(i): i for i in range(self.processor.get_piece_size())
+        }
         self.special_tokens = {}
         for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
             self._add_special(token)
-        for piece_id, fallback in ((self.processor.pad_id(), "<PAD>"), (self.processor.bos_id(), "<BOS>"),
-                                   (self.processor.eos_id(), "<EOS>")):
-            self._add_special(self.processor.id_to_piece(piece_id) if 0 <= piece_id < len(self.vocab) else fallback)
-        self.inverse_special_tokens = {token_id: token for token, token_id in self.special_tokens.items()}
-        self.special_pattern = re.compile("|".join(re.escape(token) for token in self.special_tokens))
+        for piece_id, fallback in (
+            (self.processor.pad_id(), "<PAD>"),
+            (self.processor.bos_id(), "<BOS>"),
+            (self.processor.eos_id(), "<EOS>"),
+        ):
+            self._add_special(
+                self.processor.id_to_piece(piece_id)
+                if 0 <= piece_id < len(self.vocab)
+                else fallback
+            )
+        self.inverse_special_tokens = {
+            token_id: token for token, token_id in self.special_tokens.items()
+        }
+        self.special_pattern = re.compile(
+            "|".join(re.escape(token) for token in self.special_tokens)
+        )
 
     def _add_special(self, token):
         if token not in self.vocab:
@@ -278,16 +302,20 @@ class SentencePieceTokenizer(AbstractTokenizer):
     def tokenize(self, text: str) -> list:
         ids, start = [], 0
         for match in self.special_pattern.finditer(text):
-            ids.extend(self.processor.encode(text[start:match.start()]))
+            ids.extend(self.processor.encode(text[start : match.start()]))
             ids.append(self.special_tokens[match.group()])
             start = match.end()
         ids.extend(self.processor.encode(text[start:]))
         return ids
 
     def tokenize_batch(self, texts: list) -> list:
-        plain = [position for position, text in enumerate(texts) if not self.special_pattern.search(text)]
+        plain = [
+            position for position, text in enumerate(texts) if not self.special_pattern.search(text)
+        ]
         results = [None] * len(texts)
-        for position, ids in zip(plain, self.processor.encode([texts[p] for p in plain], num_threads=1)):
+        for position, ids in zip(
+            plain, self.processor.encode([texts[p] for p in plain], num_threads=1)
+        ):
             results[position] = ids
         for position, ids in enumerate(results):
             if ids is None:
@@ -300,7 +328,12 @@ class SentencePieceTokenizer(AbstractTokenizer):
         text, last = "", 0
         for position, token_id in enumerate(ids):
             if token_id in self.inverse_special_tokens:
-                text += self.processor.decode(ids[last:position]) + " " + self.inverse_special_tokens[token_id] + " "
+                text += (
+                    self.processor.decode(ids[last:position])
+                    + " "
+                    + self.inverse_special_tokens[token_id]
+                    + " "
+                )
                 last = position + 1
         return text + self.processor.decode(ids[last:])
 
@@ -336,8 +369,9 @@ class HuggingFaceTokenizer(AbstractTokenizer):
         try:
             self.hf = transformers.AutoTokenizer.from_pretrained(self.folder, local_files_only=True)
         except (OSError, ValueError) as error:
-            raise ValueError(f"--tokenizer-model {self.folder}: not a Hugging Face tokenizer folder ({error})") \
-                from error
+            raise ValueError(
+                f"--tokenizer-model {self.folder}: not a Hugging Face tokenizer folder ({error})"
+            ) from error
         self.backend = "transformers"
         self._vocab_size = len(self.hf)
         self._eod = self.hf.eos_token_id
@@ -346,19 +380,29 @@ class HuggingFaceTokenizer(AbstractTokenizer):
         try:
             import tokenizers
         except ImportError as error:
-            raise ValueError("HuggingFaceTokenizer needs the transformers or the tokenizers package") from error
+            raise ValueError(
+                "HuggingFaceTokenizer needs the transformers or the tokenizers package"
+            ) from error
         path = os.path.join(self.folder, "tokenizer.json")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"--tokenizer-model {self.folder}: no tokenizer.json in the folder "
-                                    "(install transformers to read other tokenizer formats)")
+            raise FileNotFoundError(
+                f"--tokenizer-model {self.folder}: no tokenizer.json in the folder "
+                "(install transformers to read other tokenizer formats)"
+            )
         try:
             self.hf = tokenizers.Tokenizer.from_file(path)
         except Exception as error:  # noqa: BLE001 -- the Rust side raises plain Exception
-            raise ValueError(f"--tokenizer-model {path}: not a tokenizers file ({error})") from error
+            raise ValueError(
+                f"--tokenizer-model {path}: not a tokenizers file ({error})"
+            ) from error
         self.backend = "tokenizers"
         self._vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
         config_path = os.path.join(self.folder, "tokenizer_config.json")
-        eos = _read_json(config_path, "--tokenizer-model").get("eos_token") if os.path.isfile(config_path) else None
+        eos = (
+            _read_json(config_path, "--tokenizer-model").get("eos_token")
+            if os.path.isfile(config_path)
+            else None
+        )
         if isinstance(eos, dict):
             eos = eos.get("content")
         self._eod = self.hf.token_to_id(eos) if eos else None
@@ -370,7 +414,9 @@ class HuggingFaceTokenizer(AbstractTokenizer):
     @property
     def eod(self) -> int:
         if self._eod is None:
-            raise ValueError(f"--tokenizer-model {self.folder}: the tokenizer has no EOS token, used as EOD")
+            raise ValueError(
+                f"--tokenizer-model {self.folder}: the tokenizer has no EOS token, used as EOD"
+            )
         return self._eod
 
     def tokenize(self, text: str) -> list:
@@ -425,29 +471,39 @@ def _require_file(path, flag: str, tokenizer_type: str) -> str:
     return path
 
 
-def build_tokenizer(tokenizer_type: str, vocab_file=None, merge_file=None,
-                    tokenizer_model=None, vocab_size=None) -> AbstractTokenizer:
+def build_tokenizer(
+    tokenizer_type: str, vocab_file=None, merge_file=None, tokenizer_model=None, vocab_size=None
+) -> AbstractTokenizer:
     """Builds the tokenizer named by ``--tokenizer-type`` from its flags' values."""
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(
             _require_file(vocab_file, "--vocab-file", tokenizer_type),
             _require_file(merge_file, "--merge-file", tokenizer_type),
         )
-    sentencepiece_types = {"SentencePieceTokenizer": SentencePieceTokenizer,
-                           "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
-                           "Llama2Tokenizer": Llama2Tokenizer}
+    sentencepiece_types = {
+        "SentencePieceTokenizer": SentencePieceTokenizer,
+        "GPTSentencePieceTokenizer": GPTSentencePieceTokenizer,
+        "Llama2Tokenizer": Llama2Tokenizer,
+    }
     if tokenizer_type in sentencepiece_types:
-        return sentencepiece_types[tokenizer_type](_require_file(tokenizer_model, "--tokenizer-model",
-                                                                 tokenizer_type))
+        return sentencepiece_types[tokenizer_type](
+            _require_file(tokenizer_model, "--tokenizer-model", tokenizer_type)
+        )
     if tokenizer_type == "HuggingFaceTokenizer":
         if tokenizer_model is None:
-            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model (a local tokenizer folder)")
+            raise ValueError(
+                "HuggingFaceTokenizer needs --tokenizer-model (a local tokenizer folder)"
+            )
         if not os.path.isdir(tokenizer_model):
-            raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: no such folder "
-                                    "(HuggingFaceTokenizer reads a local tokenizer folder; nothing is downloaded)")
+            raise FileNotFoundError(
+                f"--tokenizer-model {tokenizer_model}: no such folder "
+                "(HuggingFaceTokenizer reads a local tokenizer folder; nothing is downloaded)"
+            )
         return HuggingFaceTokenizer(tokenizer_model)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("NullTokenizer needs --vocab-size")
         return NullTokenizer(vocab_size)
-    raise ValueError(f"--tokenizer-type {tokenizer_type!r} unknown; choose one of {', '.join(TOKENIZER_TYPES)}")
+    raise ValueError(
+        f"--tokenizer-type {tokenizer_type!r} unknown; choose one of {', '.join(TOKENIZER_TYPES)}"
+    )

@@ -4,6 +4,7 @@ The model is loaded from a checkpoint of any layout, merged to TP1/PP1 in memory
 checkpoint/reshard.py). No KV cache: each new token re-runs the (cropped) context, which is
 plenty for a quick look at what a model learned.
 """
+
 from __future__ import annotations
 
 import os
@@ -19,8 +20,14 @@ from ..model.gpt import GPTModel
 from ..mpu.parallel_state import single_rank_dims
 
 
-def sample_next(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 0.0,
-                temperature: float = 1.0, generator: Optional[torch.Generator] = None) -> int:
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    temperature: float = 1.0,
+    generator: Optional[torch.Generator] = None,
+) -> int:
     """One token id from logits [vocab]. top_k == 0 and top_p == 0 means greedy."""
     if top_k <= 0 and top_p <= 0.0:
         return int(logits.argmax())
@@ -31,7 +38,7 @@ def sample_next(logits: torch.Tensor, *, top_k: int = 0, top_p: float = 0.0,
     if top_p > 0.0:
         ordered, order = torch.sort(logits, descending=True)
         cumulative = ordered.softmax(-1).cumsum(-1)
-        drop = cumulative - ordered.softmax(-1) >= top_p   # keep the smallest set reaching top_p
+        drop = cumulative - ordered.softmax(-1) >= top_p  # keep the smallest set reaching top_p
         logits = logits.clone()
         logits[order[drop]] = float("-inf")
     return int(torch.multinomial(logits.softmax(-1), 1, generator=generator))
@@ -44,12 +51,14 @@ def load_for_generation(load_dir: str, device="cpu") -> GPTModel:
         raise CheckpointError(f"--load {load_dir}: no such directory")
     iteration = files.read_tracker(load_dir)
     if iteration is None:
-        raise CheckpointError(f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
-                              f"checkpoint in {load_dir}")
+        raise CheckpointError(
+            f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
+            f"checkpoint in {load_dir}"
+        )
     full = reshard.read_full(files.find_iteration_dir(load_dir, iteration), with_optim=False)
     cfg = reshard.model_config(full.metadata)
     cfg.attention_dropout = cfg.hidden_dropout = 0.0
-    model = GPTModel(cfg, seed=0, device=device, dims=single_rank_dims())   # no communication
+    model = GPTModel(cfg, seed=0, device=device, dims=single_rank_dims())  # no communication
     table = reshard.layout_table(full.metadata, 1, 1, None)
     state, _ = reshard.shard_for(full, table, list(named_parameters(model)), 0, 1)
     load_model_state(model, state, files.find_iteration_dir(load_dir, iteration))
@@ -57,9 +66,17 @@ def load_for_generation(load_dir: str, device="cpu") -> GPTModel:
 
 
 @torch.no_grad()
-def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, top_k: int = 0,
-             top_p: float = 0.0, temperature: float = 1.0, eod: Optional[int] = None,
-             generator: Optional[torch.Generator] = None) -> list[int]:
+def generate(
+    model: GPTModel,
+    prompt: list[int],
+    max_new_tokens: int,
+    *,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    temperature: float = 1.0,
+    eod: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> list[int]:
     """The prompt's continuation (new token ids only)."""
     if not prompt:
         raise ValueError("the prompt is empty after tokenization; give at least one token")
@@ -69,9 +86,10 @@ def generate(model: GPTModel, prompt: list[int], max_new_tokens: int, *, top_k: 
     for _ in range(max_new_tokens):
         context = torch.tensor([ids[-window:]], device=device)
         positions = torch.arange(context.shape[1], device=device).unsqueeze(0)
-        logits = model(context, positions)[-1, 0, :model.cfg.vocab_size]
-        token = sample_next(logits, top_k=top_k, top_p=top_p, temperature=temperature,
-                            generator=generator)
+        logits = model(context, positions)[-1, 0, : model.cfg.vocab_size]
+        token = sample_next(
+            logits, top_k=top_k, top_p=top_p, temperature=temperature, generator=generator
+        )
         ids.append(token)
         new.append(token)
         if eod is not None and token == eod:

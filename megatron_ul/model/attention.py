@@ -16,6 +16,7 @@ a device where flash-attn can run. Tests set it together with the strict CPU sta
 with the real API's dtype, layout and shape checks, runs in CPU tests. Never set it otherwise:
 the real kernel rejects CPU tensors.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -52,12 +53,14 @@ def flash_attn_module():
 
 
 def _device_runs_flash(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu"
-                                     and os.environ.get(FLASH_ON_CPU_ENV) == "1")
+    return device.type == "cuda" or (
+        device.type == "cpu" and os.environ.get(FLASH_ON_CPU_ENV) == "1"
+    )
 
 
-def flash_attn_refusal(device: torch.device, dtype: Optional[torch.dtype] = None,
-                       has_mask: bool = False) -> Optional[str]:
+def flash_attn_refusal(
+    device: torch.device, dtype: Optional[torch.dtype] = None, has_mask: bool = False
+) -> Optional[str]:
     """Why FlashAttention-2 cannot run here (for the log), or None when it can.
     dtype None: not known yet (checked again per call)."""
     if flash_attn_module() is None:
@@ -70,8 +73,10 @@ def flash_attn_refusal(device: torch.device, dtype: Optional[torch.dtype] = None
 def input_refusal(dtype: Optional[torch.dtype], has_mask: bool) -> Optional[str]:
     """The part of the rule that the configuration alone decides (also used by --dry-run)."""
     if dtype is not None and dtype not in FLASH_DTYPES:
-        return (f"{str(dtype).replace('torch.', '')} activations, FlashAttention-2 takes only "
-                f"fp16/bf16 (add --bf16 or --fp16)")
+        return (
+            f"{str(dtype).replace('torch.', '')} activations, FlashAttention-2 takes only "
+            f"fp16/bf16 (add --bf16 or --fp16)"
+        )
     if has_mask:
         return "a dense attention mask (tests only: documents travel as offsets)"
     return None
@@ -93,8 +98,9 @@ def require_one_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None
     """q, k and v must be in one dtype (the activation dtype): a mixed set would upcast the
     packed Ulysses all-to-all buffer and is refused by FlashAttention-2."""
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share the activation dtype (got {q.dtype}, {k.dtype}, "
-                        f"{v.dtype})")
+        raise TypeError(
+            f"q, k and v must share the activation dtype (got {q.dtype}, {k.dtype}, {v.dtype})"
+        )
 
 
 def _own_buffer_unless_shared_with(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -102,8 +108,10 @@ def _own_buffer_unless_shared_with(t: torch.Tensor, q: torch.Tensor) -> torch.Te
     anyway: with RoPE, q and k are new tensors while v is still a view of the fused QKV output,
     and the kernel saving that view would keep the whole QKV output for backward."""
     storage = t.untyped_storage()
-    if (storage.data_ptr() == q.untyped_storage().data_ptr()
-            or storage.nbytes() == t.numel() * t.element_size()):
+    if (
+        storage.data_ptr() == q.untyped_storage().data_ptr()
+        or storage.nbytes() == t.numel() * t.element_size()
+    ):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 
@@ -113,16 +121,26 @@ def expand_kv_for_sdpa(q, k, v, has_mask: bool, heads_dim: int = 2):
     memory) because of GQA alone: fp32 (no flash kernel) needs the efficient kernel, which
     takes equal head counts only (attention_dispatch.sdpa_cuda_backend)."""
     from .attention_dispatch import sdpa_expands_kv
+
     hq, hk = q.shape[heads_dim], k.shape[heads_dim]
     if not sdpa_expands_kv(q.device, q.dtype, q.shape[-1], hq, hk, has_mask):
         return k, v
-    return (k.repeat_interleave(hq // hk, dim=heads_dim),
-            v.repeat_interleave(hq // hk, dim=heads_dim))
+    return (
+        k.repeat_interleave(hq // hk, dim=heads_dim),
+        v.repeat_interleave(hq // hk, dim=heads_dim),
+    )
 
 
-def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
-                    dropout_p: float, attention_mask: Optional[torch.Tensor] = None,
-                    softmax_scale: Optional[float] = None) -> torch.Tensor:
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    backend: str,
+    dropout_p: float,
+    attention_mask: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+) -> torch.Tensor:
     """Causal attention. q [N, b, hq, d]; k, v [N, b, hk, d] with hq a multiple of hk (GQA).
 
     backend: 'flash' runs FlashAttention-2 when `flash_attn_refusal` allows this call, else
@@ -133,18 +151,35 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backen
     Returns [N, b, hq, d] in the dtype of q (the activation dtype: never upcast here).
     """
     from .attention_dispatch import AttentionCall, decide
+
     require_one_dtype(q, k, v)
-    use_flash = decide(AttentionCall(q.device, q.dtype, q.shape[-1], q.shape[2], k.shape[2],
-                                     use_flash_attn=backend == "flash",
-                                     dense_mask=attention_mask is not None)) == "flash-attn"
+    use_flash = (
+        decide(
+            AttentionCall(
+                q.device,
+                q.dtype,
+                q.shape[-1],
+                q.shape[2],
+                k.shape[2],
+                use_flash_attn=backend == "flash",
+                dense_mask=attention_mask is not None,
+            )
+        )
+        == "flash-attn"
+    )
     k, v = _own_buffer_unless_shared_with(k, q), _own_buffer_unless_shared_with(v, q)
     # Dropout on attention probabilities of this rank's heads: a per-(TP, SP)-rank stream.
     with get_rng_tracker().fork():
         if use_flash:
             # [N, b, h, d] -> [b, N, h, d]: a view whose last dimension stays contiguous.
             out = flash_attn_module().flash_attn_func(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), dropout_p=dropout_p,
-                softmax_scale=softmax_scale, causal=True)
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                dropout_p=dropout_p,
+                softmax_scale=softmax_scale,
+                causal=True,
+            )
             return out.transpose(0, 1)
         # GQA (query head i uses kv head i // (hq / hk)): SDPA's enable_gqa broadcasts the kv
         # heads inside the kernel instead of keeping k and v repeated hq/hk times for backward.
@@ -155,10 +190,17 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backen
         # [N, b, h, d] -> [b, h, N, d]
         q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         if attention_mask is None:
-            out = F.scaled_dot_product_attention(q_, k_, v_, dropout_p=dropout_p, is_causal=True,
-                                                 scale=softmax_scale, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q_, k_, v_, dropout_p=dropout_p, is_causal=True, scale=softmax_scale, enable_gqa=gqa
+            )
         else:
-            out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=~attention_mask,
-                                                 dropout_p=dropout_p, scale=softmax_scale,
-                                                 enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(
+                q_,
+                k_,
+                v_,
+                attn_mask=~attention_mask,
+                dropout_p=dropout_p,
+                scale=softmax_scale,
+                enable_gqa=gqa,
+            )
         return out.permute(2, 0, 1, 3)

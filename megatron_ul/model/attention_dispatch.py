@@ -31,6 +31,7 @@ memory-efficient kernel needs fp32/fp16/bf16, a head dim divisible by 8 for half
 for fp32, and equal head counts), so that CPU tests can tell whether a CUDA run would fall to
 the math kernel, which holds the N×N scores.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,52 +45,65 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_FLAGS = "--kv-channels (or --hidden-size / --num-attention-heads)"
 
 
-def sdpa_cuda_backend(dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int,
-                      has_mask: bool) -> str:
+def sdpa_cuda_backend(
+    dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int, has_mask: bool
+) -> str:
     """'flash', 'efficient' or 'math': what torch SDPA (2.5+, sm80+) picks on CUDA for
     contiguous-last-dim dense inputs, is_causal on square sequences or an explicit mask,
     enable_gqa when the head counts differ."""
     if dtype in HALF_DTYPES and head_dim % 8 == 0 and head_dim <= 256 and not has_mask:
         return "flash"
     alignment = 8 if dtype in HALF_DTYPES else 4
-    if (dtype in (torch.float32, *HALF_DTYPES) and head_dim % alignment == 0
-            and q_heads == kv_heads):
+    if dtype in (torch.float32, *HALF_DTYPES) and head_dim % alignment == 0 and q_heads == kv_heads:
         return "efficient"
     return "math"
 
 
-def sdpa_expands_kv(device: torch.device, dtype: torch.dtype, head_dim: int, q_heads: int,
-                    kv_heads: int, has_mask: bool = False) -> bool:
+def sdpa_expands_kv(
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    has_mask: bool = False,
+) -> bool:
     """True where SDPA would fall to its math kernel because of GQA alone (fp32 on CUDA):
     the caller repeats k/v to the query heads, so that the efficient kernel takes the call."""
     if device.type != "cuda" or q_heads == kv_heads:
         return False
-    return (sdpa_cuda_backend(dtype, head_dim, q_heads, kv_heads, has_mask) == "math"
-            and sdpa_cuda_backend(dtype, head_dim, q_heads, q_heads, has_mask) != "math")
+    return (
+        sdpa_cuda_backend(dtype, head_dim, q_heads, kv_heads, has_mask) == "math"
+        and sdpa_cuda_backend(dtype, head_dim, q_heads, q_heads, has_mask) != "math"
+    )
 
 
 def _flash_attn_unit_ok(device, dtype, head_dim) -> bool:
     """flash-attn's private forward/backward (no padding of the head dim, unlike its public
     functions) run here on this dtype and head dim."""
-    return (flash_attn_refusal(device, dtype) is None and head_dim % 8 == 0
-            and head_dim <= 256)
+    return flash_attn_refusal(device, dtype) is None and head_dim % 8 == 0 and head_dim <= 256
 
 
-def ring_unit_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
-                      use_flash_attn: bool) -> tuple[str, str]:
+def ring_unit_kernels(
+    device: torch.device, dtype: torch.dtype, head_dim: int, use_flash_attn: bool
+) -> tuple[str, str]:
     """(kernel for unmasked units, kernel for units with a bias) of the ring, by name in
     lse_kernels.KERNELS. Raises ValueError where no fused kernel takes the head dim."""
     if device.type == "cpu":
-        dense = "flash-attn" if use_flash_attn and _flash_attn_unit_ok(device, dtype,
-                                                                     head_dim) else "cpu-flash"
+        dense = (
+            "flash-attn"
+            if use_flash_attn and _flash_attn_unit_ok(device, dtype, head_dim)
+            else "cpu-flash"
+        )
         return dense, "cpu-flash"
     if device.type != "cuda" or dtype == torch.float64:
         return "reference", "reference"
     alignment = 8 if dtype in HALF_DTYPES else 4
     if dtype not in (torch.float32, *HALF_DTYPES) or head_dim % alignment:
-        raise ValueError(f"ring attention on CUDA needs fp32/fp16/bf16 activations and a head "
-                         f"dim divisible by {alignment} (got {head_dim} in "
-                         f"{str(dtype).replace('torch.', '')}): change {HEAD_DIM_FLAGS}")
+        raise ValueError(
+            f"ring attention on CUDA needs fp32/fp16/bf16 activations and a head "
+            f"dim divisible by {alignment} (got {head_dim} in "
+            f"{str(dtype).replace('torch.', '')}): change {HEAD_DIM_FLAGS}"
+        )
     if use_flash_attn and _flash_attn_unit_ok(device, dtype, head_dim):
         return "flash-attn", "sdpa-efficient"
     return "sdpa-efficient", "sdpa-efficient"
@@ -98,6 +112,7 @@ def ring_unit_kernels(device: torch.device, dtype: torch.dtype, head_dim: int,
 @dataclass(frozen=True)
 class AttentionCall:
     """What decides the kernel of one attention call."""
+
     device: torch.device
     dtype: torch.dtype
     head_dim: int
@@ -107,19 +122,24 @@ class AttentionCall:
     window: Optional[int] = None
     ring: bool = False
     use_flash_attn: bool = False
-    dropout: bool = False      # attention dropout: the document tiles run without it
-    dense_mask: bool = False   # a dense [b, 1, N, N] mask (tests only): SDPA with a mask
+    dropout: bool = False  # attention dropout: the document tiles run without it
+    dense_mask: bool = False  # a dense [b, 1, N, N] mask (tests only): SDPA with a mask
 
 
 def attention_kernel(call: AttentionCall) -> str:
     """The kernel that runs `call` (the names in this module's docstring)."""
     if call.ring:
-        dense, masked = ring_unit_kernels(call.device, call.dtype, call.head_dim,
-                                          call.use_flash_attn)
-        return f"ring: {dense}" + (f" / {masked}" if call.documents or call.window is not None
-                                   else "")
-    flash = (call.use_flash_attn and not call.dense_mask
-             and flash_attn_refusal(call.device, call.dtype) is None)
+        dense, masked = ring_unit_kernels(
+            call.device, call.dtype, call.head_dim, call.use_flash_attn
+        )
+        return f"ring: {dense}" + (
+            f" / {masked}" if call.documents or call.window is not None else ""
+        )
+    flash = (
+        call.use_flash_attn
+        and not call.dense_mask
+        and flash_attn_refusal(call.device, call.dtype) is None
+    )
     if call.documents or call.window is not None:
         if flash:
             return "flash-attn varlen" if call.documents else "flash-attn"
@@ -129,11 +149,16 @@ def attention_kernel(call: AttentionCall) -> str:
         return "flash-attn"
     if call.device.type != "cuda":
         return "sdpa cpu-flash" if call.device.type == "cpu" else "sdpa"
-    heads = call.q_heads if sdpa_expands_kv(call.device, call.dtype, call.head_dim,
-                                            call.q_heads, call.kv_heads,
-                                            call.dense_mask) else call.kv_heads
-    return "sdpa " + sdpa_cuda_backend(call.dtype, call.head_dim, call.q_heads, heads,
-                                       call.dense_mask)
+    heads = (
+        call.q_heads
+        if sdpa_expands_kv(
+            call.device, call.dtype, call.head_dim, call.q_heads, call.kv_heads, call.dense_mask
+        )
+        else call.kv_heads
+    )
+    return "sdpa " + sdpa_cuda_backend(
+        call.dtype, call.head_dim, call.q_heads, heads, call.dense_mask
+    )
 
 
 def kernel_refusal(call: AttentionCall) -> Optional[str]:
@@ -147,10 +172,12 @@ def kernel_refusal(call: AttentionCall) -> Optional[str]:
     if "math" not in kernel:
         return None
     alignment = 8 if call.dtype in HALF_DTYPES else 4
-    return (f"no fused attention kernel on CUDA takes head dim {call.head_dim} in "
-            f"{str(call.dtype).replace('torch.', '')}: torch SDPA would run its math kernel "
-            f"(N×N scores); change {HEAD_DIM_FLAGS} so that the head dim is a multiple of "
-            f"{alignment}")
+    return (
+        f"no fused attention kernel on CUDA takes head dim {call.head_dim} in "
+        f"{str(call.dtype).replace('torch.', '')}: torch SDPA would run its math kernel "
+        f"(N×N scores); change {HEAD_DIM_FLAGS} so that the head dim is a multiple of "
+        f"{alignment}"
+    )
 
 
 def attention_path(call: AttentionCall) -> str:
@@ -158,7 +185,8 @@ def attention_path(call: AttentionCall) -> str:
     if call.ring:
         return "ring unit kernel"
     parts = (["documents"] if call.documents else []) + (
-        [f"window {call.window}"] if call.window is not None else [])
+        [f"window {call.window}"] if call.window is not None else []
+    )
     return " + ".join(parts) or "causal"
 
 
@@ -168,19 +196,30 @@ def decide(call: AttentionCall) -> str:
     kernel = attention_kernel(call)
     where = call.device.type
     if call.use_flash_attn and "flash-attn" not in kernel:
-        why = (flash_attn_refusal(call.device, call.dtype, call.dense_mask)
-               or "flash-attn refuses this head dim")
+        why = (
+            flash_attn_refusal(call.device, call.dtype, call.dense_mask)
+            or "flash-attn refuses this head dim"
+        )
         where += f"; --use-flash-attn given, but {why}"
     announce_once(f"{attention_path(call)} = {kernel.removeprefix('ring: ')} ({where})")
     return kernel
 
 
-def planned_kernel(use_flash_attn: bool, dtype: torch.dtype, head_dim: int, q_heads: int,
-                   kv_heads: int, documents: bool, window: Optional[int], ring: bool) -> str:
+def planned_kernel(
+    use_flash_attn: bool,
+    dtype: torch.dtype,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    documents: bool,
+    window: Optional[int],
+    ring: bool,
+) -> str:
     """What --dry-run reports: the kernel on a CUDA GPU, with and without flash-attn."""
     cuda = torch.device("cuda")
-    without = AttentionCall(cuda, dtype, head_dim, q_heads, kv_heads, documents, window, ring,
-                            False)
+    without = AttentionCall(
+        cuda, dtype, head_dim, q_heads, kv_heads, documents, window, ring, False
+    )
     kernel_without = attention_kernel(without)
     if not use_flash_attn:
         return kernel_without
@@ -195,10 +234,12 @@ def planned_kernel(use_flash_attn: bool, dtype: torch.dtype, head_dim: int, q_he
 def _kernel_if_flash_attn_installed(call: AttentionCall) -> str:
     """attention_kernel's answer on a CUDA machine with flash-attn importable."""
     if call.ring:
-        dense = "flash-attn" if call.head_dim % 8 == 0 and call.head_dim <= 256 \
-            else "sdpa-efficient"
-        return f"ring: {dense}" + (" / sdpa-efficient" if call.documents
-                                   or call.window is not None else "")
+        dense = (
+            "flash-attn" if call.head_dim % 8 == 0 and call.head_dim <= 256 else "sdpa-efficient"
+        )
+        return f"ring: {dense}" + (
+            " / sdpa-efficient" if call.documents or call.window is not None else ""
+        )
     if call.documents:
         return "flash-attn varlen"
     return "flash-attn"

@@ -4,6 +4,7 @@ its (virtual) stages, held by pipeline.model.PipelineStageModel in `.chunks`.
 Lives in model/ so that the optimizers (ZeRO-3 shards each chunk) and the schedules can ask for
 the chunks without importing the pipeline package.
 """
+
 from __future__ import annotations
 
 from typing import cast

@@ -20,6 +20,7 @@ Backends:
     block of queries against the keys the window can reach; backward recomputes block by
     block and adds into dq/dk/dv. Memory is O(N·h·d) plus one block's scores, never O(N²).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ DOCUMENT_GRAD_TILE = 1024
 class DocumentMask:
     """The documents of one micro-batch: cu_seqlens [docs + 1] int32 over [b·N], N the full
     sequence length."""
+
     cu_seqlens: torch.Tensor
     batch_size: int
     _host: Optional[list] = field(default=None, repr=False)
@@ -55,7 +57,7 @@ class DocumentMask:
 
     @property
     def offsets(self) -> list[int]:
-        if self._host is None:   # one device->host copy per micro-batch, not per layer
+        if self._host is None:  # one device->host copy per micro-batch, not per layer
             self._host = self.cu_seqlens.tolist()
         return self._host
 
@@ -102,17 +104,20 @@ def _block_attention(q, k, v, block, window, dropout_p, scale):
     """One block: q [Lq, h, d], k/v [Lk, hk, d] -> [Lq, h, d]."""
     _, q0, q1, k0, k1, needs_mask = block
     k, v = expand_kv_for_sdpa(q, k, v, needs_mask, heads_dim=1)
-    q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))   # [1, h, L, d]
+    q_, k_, v_ = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, L, d]
     gqa = k.shape[1] != q.shape[1]
     if not needs_mask:
-        out = F.scaled_dot_product_attention(q_, k_, v_, dropout_p=dropout_p, is_causal=True,
-                                             scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q_, k_, v_, dropout_p=dropout_p, is_causal=True, scale=scale, enable_gqa=gqa
+        )
     else:
-        distance = (torch.arange(q0, q1, device=q.device).unsqueeze(1)
-                    - torch.arange(k0, k1, device=q.device).unsqueeze(0))
+        distance = torch.arange(q0, q1, device=q.device).unsqueeze(1) - torch.arange(
+            k0, k1, device=q.device
+        ).unsqueeze(0)
         visible = (distance >= 0) & (distance <= window)
-        out = F.scaled_dot_product_attention(q_, k_, v_, attn_mask=visible, dropout_p=dropout_p,
-                                             scale=scale, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q_, k_, v_, attn_mask=visible, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+        )
     return out.squeeze(0).transpose(0, 1)
 
 
@@ -126,8 +131,9 @@ class BlockwiseAttention(torch.autograd.Function):
         out = q.new_empty(q.shape)
         for block in blocks:
             b, q0, q1, k0, k1, _ = block
-            out[q0:q1, b] = _block_attention(q[q0:q1, b], k[k0:k1, b], v[k0:k1, b], block,
-                                             window, dropout_p, scale)
+            out[q0:q1, b] = _block_attention(
+                q[q0:q1, b], k[k0:k1, b], v[k0:k1, b], block, window, dropout_p, scale
+            )
         ctx.save_for_backward(q, k, v)
         ctx.blocks, ctx.window, ctx.dropout_p, ctx.scale = blocks, window, dropout_p, scale
         return out
@@ -146,8 +152,9 @@ class BlockwiseAttention(torch.autograd.Function):
                     _document_backward_in_place(dq, dk, dv, q, k, v, grad_out, block, ctx.scale)
                     continue
                 b, q0, q1, k0, k1, _ = block
-                pieces = [t.detach().requires_grad_() for t in
-                          (q[q0:q1, b], k[k0:k1, b], v[k0:k1, b])]
+                pieces = [
+                    t.detach().requires_grad_() for t in (q[q0:q1, b], k[k0:k1, b], v[k0:k1, b])
+                ]
                 with torch.enable_grad():
                     out = _block_attention(*pieces, block, ctx.window, ctx.dropout_p, ctx.scale)
                 gq, gk, gv = torch.autograd.grad(out, pieces, grad_out[q0:q1, b])
@@ -164,8 +171,13 @@ def _writes_in_place(q, k, block, dropout_p: float) -> bool:
     kernel (it returns the log-sum-exp the tiles need), a whole causal document (no window
     mask), no dropout (tiles would redraw the masks), as many kv heads as query heads, and
     fp32/fp64 accumulators (a half-precision one would round once per tile)."""
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
-            and dropout_p == 0 and not block[5] and k.shape[2] == q.shape[2])
+    return (
+        q.device.type == "cpu"
+        and q.dtype in (torch.float32, torch.float64)
+        and dropout_p == 0
+        and not block[5]
+        and k.shape[2] == q.shape[2]
+    )
 
 
 def _document_backward_in_place(dq, dk, dv, q, k, v, grad_out, block, scale) -> None:
@@ -176,22 +188,36 @@ def _document_backward_in_place(dq, dk, dv, q, k, v, grad_out, block, scale) -> 
     the accumulators, never a whole document's dq, dk and dv next to them."""
     b, q0, q1 = block[:3]
 
-    def heads_first(t, lo, hi):                                 # [1, h, L, d] views
-        return t[q0 + lo:q0 + hi, b].transpose(0, 1).unsqueeze(0)
+    def heads_first(t, lo, hi):  # [1, h, L, d] views
+        return t[q0 + lo : q0 + hi, b].transpose(0, 1).unsqueeze(0)
+
     length = q1 - q0
-    out, lse = CPU_FLASH.forward(heads_first(q, 0, length), heads_first(k, 0, length),
-                                 heads_first(v, 0, length), True, None, scale)
+    out, lse = CPU_FLASH.forward(
+        heads_first(q, 0, length),
+        heads_first(k, 0, length),
+        heads_first(v, 0, length),
+        True,
+        None,
+        scale,
+    )
     for i in range(0, length, DOCUMENT_GRAD_TILE):
         rows = (i, min(i + DOCUMENT_GRAD_TILE, length))
         for j in range(0, i + 1, DOCUMENT_GRAD_TILE):
             keys = (j, min(j + DOCUMENT_GRAD_TILE, length))
             grads = CPU_FLASH.backward(
-                heads_first(grad_out, *rows), heads_first(q, *rows), heads_first(k, *keys),
-                heads_first(v, *keys), out[:, :, rows[0]:rows[1]], lse[:, :, rows[0]:rows[1]],
-                i == j, None, scale)
+                heads_first(grad_out, *rows),
+                heads_first(q, *rows),
+                heads_first(k, *keys),
+                heads_first(v, *keys),
+                out[:, :, rows[0] : rows[1]],
+                lse[:, :, rows[0] : rows[1]],
+                i == j,
+                None,
+                scale,
+            )
             for target, at, grad in zip((dq, dk, dv), (rows, keys, keys), grads):
                 heads_first(target, *at).add_(grad)
-            del grads, grad   # not alive while the next pair's are made
+            del grads, grad  # not alive while the next pair's are made
 
 
 def tiled_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float) -> Optional[str]:
@@ -209,22 +235,44 @@ def _flash(q, k, v, documents, window, dropout_p, scale):
     flash_attn = flash_attn_module()
     window_size = (window, 0) if window is not None else (-1, -1)
     if documents is None:
-        out = flash_attn.flash_attn_func(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                              dropout_p=dropout_p, softmax_scale=scale, causal=True,
-                              window_size=window_size)
+        out = flash_attn.flash_attn_func(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            dropout_p=dropout_p,
+            softmax_scale=scale,
+            causal=True,
+            window_size=window_size,
+        )
         return out.transpose(0, 1)
     packed = [t.transpose(0, 1).reshape(b * n, *t.shape[2:]) for t in (q, k, v)]
     cu = documents.cu_seqlens.to(device=q.device, dtype=torch.int32).contiguous()
     longest = documents.max_seqlen
-    out = flash_attn.flash_attn_varlen_func(*packed, cu, cu, longest, longest, dropout_p=dropout_p,
-                                 softmax_scale=scale, causal=True, window_size=window_size)
+    out = flash_attn.flash_attn_varlen_func(
+        *packed,
+        cu,
+        cu,
+        longest,
+        longest,
+        dropout_p=dropout_p,
+        softmax_scale=scale,
+        causal=True,
+        window_size=window_size,
+    )
     return out.reshape(b, n, *out.shape[1:]).transpose(0, 1)
 
 
-def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str,
-                       dropout_p: float, documents: Optional[DocumentMask] = None,
-                       window: Optional[int] = None,
-                       softmax_scale: Optional[float] = None) -> torch.Tensor:
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    backend: str,
+    dropout_p: float,
+    documents: Optional[DocumentMask] = None,
+    window: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+) -> torch.Tensor:
     """Causal attention restricted to documents and/or a window of `window` earlier keys.
 
     q [N, b, hq, d]; k, v [N, b, hk, d] (GQA: hq a multiple of hk), N the full sequence.
@@ -232,13 +280,25 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bac
     """
     n, b = q.shape[:2]
     if documents is not None and documents.seq_length != n:
-        raise ValueError(f"document offsets are for sequences of {documents.seq_length} tokens, "
-                         f"attention got {n}")
+        raise ValueError(
+            f"document offsets are for sequences of {documents.seq_length} tokens, "
+            f"attention got {n}"
+        )
     require_one_dtype(q, k, v)
-    kernel = decide(AttentionCall(q.device, q.dtype, q.shape[-1], q.shape[2], k.shape[2],
-                                  documents is not None, window, use_flash_attn=backend == "flash",
-                                  dropout=dropout_p > 0))
-    with get_rng_tracker().fork():   # attention dropout: a per-(TP, SP)-rank stream
+    kernel = decide(
+        AttentionCall(
+            q.device,
+            q.dtype,
+            q.shape[-1],
+            q.shape[2],
+            k.shape[2],
+            documents is not None,
+            window,
+            use_flash_attn=backend == "flash",
+            dropout=dropout_p > 0,
+        )
+    )
+    with get_rng_tracker().fork():  # attention dropout: a per-(TP, SP)-rank stream
         if kernel.startswith("flash-attn"):
             return _flash(q, k, v, documents, window, dropout_p, softmax_scale)
         if kernel == "document tiles":
@@ -246,5 +306,6 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, bac
             assert tiled is not None
             return tiled_document_attention(q, k, v, documents, window, softmax_scale, tiled)
         offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
-        return BlockwiseAttention.apply(q, k, v, document_blocks(offsets, n, window), window,
-                                         dropout_p, softmax_scale)
+        return BlockwiseAttention.apply(
+            q, k, v, document_blocks(offsets, n, window), window, dropout_p, softmax_scale
+        )

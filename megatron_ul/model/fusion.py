@@ -12,11 +12,12 @@ graph there, so they run eagerly too.
 Random numbers (dropout) use PyTorch's generator as in eager mode (inductor's fallback_random),
 so the RNG tracker, recompute and every layout draw the same masks as eager layers do.
 """
+
 from __future__ import annotations
 
 import torch
 
-BACKENDS = ("inductor", "aot_eager")   # aot_eager: traced and differentiated, not fused
+BACKENDS = ("inductor", "aot_eager")  # aot_eager: traced and differentiated, not fused
 
 
 def fuse_layers(layers, backend: str = "inductor") -> None:
@@ -24,6 +25,7 @@ def fuse_layers(layers, backend: str = "inductor") -> None:
     if backend not in BACKENDS:
         raise ValueError(f"unknown torch.compile backend {backend!r}; use one of {BACKENDS}")
     import torch._inductor.config as inductor_config
+
     inductor_config.fallback_random = True
     for layer in layers:
         attention = layer.attention

@@ -4,6 +4,7 @@ One pipeline stage of it, in general: `pre_process` builds the embedding (first 
 `post_process` the final norm, head and loss (last stage), and `layer_numbers` says which
 global layers (1-based) this stage holds.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -32,15 +33,24 @@ from .transformer import TransformerLayer, dropout, norm_in_weight_dtype
 
 
 class GPTModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, seed: int, sequence_parallel: bool = False,
-                 pre_process: bool = True, post_process: bool = True,
-                 layer_numbers: Optional[Iterable[int]] = None, device=None,
-                 dtype=torch.float32, timers: Timers = NO_TIMERS,
-                 dims: ParallelDims):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        seed: int,
+        sequence_parallel: bool = False,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_numbers: Optional[Iterable[int]] = None,
+        device=None,
+        dtype=torch.float32,
+        timers: Timers = NO_TIMERS,
+        dims: ParallelDims,
+    ):
         super().__init__()
         self.cfg, self.sequence_parallel = cfg, sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
-        self.dims = dims   # the rank grid: every layer takes its groups here
+        self.dims = dims  # the rank grid: every layer takes its groups here
         self.tp_group, self.tp_size = dims.tp_group, dims.tp
         tp = dims.tp
         self.padded_vocab_size = cfg.padded_vocab_size(tp)
@@ -54,35 +64,64 @@ class GPTModel(nn.Module):
             # With tied weights the last stage keeps its own copy of the table (Megatron's
             # "embedding group" keeps the copies identical under pipelining).
             self.word_embeddings = VocabParallelEmbedding(
-                self.padded_vocab_size, cfg.hidden_size,
-                normal_init(std, seed, "embedding.word"), device=device, dtype=dtype,
-                tp_group=dims.tp_group)
+                self.padded_vocab_size,
+                cfg.hidden_size,
+                normal_init(std, seed, "embedding.word"),
+                device=device,
+                dtype=dtype,
+                tp_group=dims.tp_group,
+            )
         if pre_process and cfg.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size,
-                                                    device="meta", dtype=dtype)
+            self.position_embeddings = nn.Embedding(
+                cfg.max_position_embeddings, cfg.hidden_size, device="meta", dtype=dtype
+            )
             self.position_embeddings.weight = new_parameter(
                 normal_init(std, seed, "embedding.position"),
-                (cfg.max_position_embeddings, cfg.hidden_size), device=device, dtype=dtype)
+                (cfg.max_position_embeddings, cfg.hidden_size),
+                device=device,
+                dtype=dtype,
+            )
 
-        numbers = list(layer_numbers) if layer_numbers is not None else list(
-            range(1, cfg.num_layers + 1))
+        numbers = (
+            list(layer_numbers) if layer_numbers is not None else list(range(1, cfg.num_layers + 1))
+        )
         self.layers = nn.ModuleList(
-            TransformerLayer(cfg, n, seed, sequence_parallel, device=device, dtype=dtype,
-                             timers=timers, dims=dims)
-            for n in numbers)
+            TransformerLayer(
+                cfg,
+                n,
+                seed,
+                sequence_parallel,
+                device=device,
+                dtype=dtype,
+                timers=timers,
+                dims=dims,
+            )
+            for n in numbers
+        )
         if cfg.fused_layers:
             fuse_layers(self.layers, cfg.fused_layers_backend)
 
         if post_process:
-            self.final_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
-                                   sequence_parallel=sequence_parallel, device=device,
-                                   dtype=dtype)
+            self.final_norm = Norm(
+                cfg.normalization,
+                cfg.hidden_size,
+                cfg.norm_epsilon,
+                sequence_parallel=sequence_parallel,
+                device=device,
+                dtype=dtype,
+            )
             if not self.share_embeddings:
                 self.output_layer = ColumnParallelLinear(
-                    cfg.hidden_size, self.padded_vocab_size,
-                    normal_init(std, seed, "output_layer"), bias=False, vocab_padded=True,
-                    sequence_parallel=sequence_parallel, device=device, dtype=dtype,
-                    tp_group=dims.tp_group)
+                    cfg.hidden_size,
+                    self.padded_vocab_size,
+                    normal_init(std, seed, "output_layer"),
+                    bias=False,
+                    vocab_padded=True,
+                    sequence_parallel=sequence_parallel,
+                    device=device,
+                    dtype=dtype,
+                    tp_group=dims.tp_group,
+                )
 
     # ---- pieces ---------------------------------------------------------------------------------
     def _offloader(self, device) -> Optional[HostOffloader]:
@@ -110,13 +149,18 @@ class GPTModel(nn.Module):
             return self.output_layer(x)
         if self.sequence_parallel:  # keeps only the [s/TP, b, h] shard for backward
             return sequence_parallel_linear(x, self.word_embeddings.weight, group=self.tp_group)
-        return F.linear(copy_to_tensor_model_parallel_region(x, self.tp_group),
-                        self.word_embeddings.weight)
+        return F.linear(
+            copy_to_tensor_model_parallel_region(x, self.tp_group), self.word_embeddings.weight
+        )
 
-    def forward(self, tokens: Optional[torch.Tensor], position_ids: torch.Tensor,
-                attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.Tensor] = None,
-                hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: Optional[torch.Tensor],
+        position_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        hidden_states: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """tokens, position_ids, labels: [b, N/SP] with global position ids.
 
         First stage: embeds `tokens`; later stages take `hidden_states` from the previous one.
@@ -128,10 +172,20 @@ class GPTModel(nn.Module):
         if self.cfg.position_embedding_type == "rope":
             # fp32 tables; apply_rotary returns q and k in their own (activation) dtype
             rotary = rotary_cos_sin(position_ids.t(), self.cfg.head_dim, self.cfg.rotary_base)
-        plan = layers_to_checkpoint(len(self.layers), self.cfg.recompute_granularity,
-                                    self.cfg.recompute_method, self.cfg.recompute_num_layers)
-        x = run_layers(self.layers, x, plan if self.training else [], rotary, attention_mask,
-                       offloader=self._offloader(x.device))
+        plan = layers_to_checkpoint(
+            len(self.layers),
+            self.cfg.recompute_granularity,
+            self.cfg.recompute_method,
+            self.cfg.recompute_num_layers,
+        )
+        x = run_layers(
+            self.layers,
+            x,
+            plan if self.training else [],
+            rotary,
+            attention_mask,
+            offloader=self._offloader(x.device),
+        )
         if not self.post_process:
             return x
         x = norm_in_weight_dtype(self.final_norm, x)
@@ -143,16 +197,23 @@ class GPTModel(nn.Module):
         """Per-token loss [s, b] of final hidden states x [s, b, h] (÷TP under Megatron-SP)."""
         chunk = self.cfg.tiled_loss_chunk_size
         if chunk is None or chunk >= x.shape[0]:
-            return vocab_parallel_cross_entropy(self.logits(x), labels, self.cfg.vocab_size,
-                                                self.tp_group)
+            return vocab_parallel_cross_entropy(
+                self.logits(x), labels, self.cfg.vocab_size, self.tp_group
+            )
         gathered = self.tp_size if self.sequence_parallel else 1
-        return tiled_logits_loss(self.logits, x, labels, self.cfg.vocab_size, chunk, gathered,
-                                 self.tp_group)
+        return tiled_logits_loss(
+            self.logits, x, labels, self.cfg.vocab_size, chunk, gathered, self.tp_group
+        )
 
 
 @torch.no_grad()
-def use_half_precision(model: nn.Module, dtype: torch.dtype, *, fp32_residual: bool = False,
-                       cast_parameters: bool = True) -> nn.Module:
+def use_half_precision(
+    model: nn.Module,
+    dtype: torch.dtype,
+    *,
+    fp32_residual: bool = False,
+    cast_parameters: bool = True,
+) -> nn.Module:
     """Megatron's Float16Module for --bf16/--fp16, in place: parameters in `dtype`, and so every
     activation, the residual stream included (fp32_residual: --fp32-residual-connection keeps
     the residual stream, and the pipeline traffic, in fp32). The initial weights are the fp32

@@ -4,6 +4,7 @@ Each parameter has its own stream, keyed by (seed, parameter name); mpu/param_in
 any element of it from its position alone, so a rank computes only the shard it holds and the
 values do not depend on the layout.
 """
+
 from __future__ import annotations
 
 import math

@@ -20,6 +20,7 @@ Kernels (chosen by `attention_dispatch.ring_unit_kernel`):
                   expanding k/v for the block, dk/dv summed back over the group)
   reference       softmax written out in fp32 or wider (fp64 on CUDA, and tests)
 """
+
 from __future__ import annotations
 
 import importlib
@@ -45,23 +46,34 @@ def _empty_rows_to_neg_inf(out, lse, bias):
     """A row that the bias masks entirely: out 0 and lse -inf (kernels disagree: 0, +inf)."""
     if bias is None:
         return out, lse
-    sees = (bias != float("-inf")).any(-1)                      # [b, 1, Sq]
-    return (torch.where(sees.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype)),
-            lse.masked_fill(~sees, float("-inf")))
+    sees = (bias != float("-inf")).any(-1)  # [b, 1, Sq]
+    return (
+        torch.where(sees.unsqueeze(-1), out, torch.zeros((), dtype=out.dtype)),
+        lse.masked_fill(~sees, float("-inf")),
+    )
 
 
 # ---- torch's CPU flash kernel ------------------------------------------------------------------
 def _cpu_flash_forward(q, k, v, causal, bias, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+    )
     return _empty_rows_to_neg_inf(out, lse, bias)
 
 
 def _cpu_flash_backward(dout, q, k, v, out, lse, causal, bias, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out,
+        dout,
+        q,
+        k,
+        v,
+        out,
         lse.to(q.dtype if q.dtype == torch.float64 else torch.float32).contiguous(),
-        0.0, causal, attn_mask=bias, scale=scale)
+        0.0,
+        causal,
+        attn_mask=bias,
+        scale=scale,
+    )
 
 
 CPU_FLASH = UnitKernel("cpu-flash", True, _cpu_flash_forward, _cpu_flash_backward)
@@ -80,16 +92,24 @@ def _window_kwargs(fn) -> dict:
 
 
 def _bshd(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(1, 2)   # [b, h, s, d] -> [b, s, h, d], last dimension still contiguous
+    return t.transpose(1, 2)  # [b, h, s, d] -> [b, s, h, d], last dimension still contiguous
 
 
 def _flash_attn_forward(q, k, v, causal, bias, scale):
     assert bias is None, "flash-attn takes no bias"
     fa = _flash_interface()
-    result = fa._flash_attn_forward(_bshd(q), _bshd(k), _bshd(v), dropout_p=0.0,
-                                    softmax_scale=scale, causal=causal, softcap=0.0,
-                                    alibi_slopes=None, return_softmax=False,
-                                    **_window_kwargs(fa._flash_attn_forward))
+    result = fa._flash_attn_forward(
+        _bshd(q),
+        _bshd(k),
+        _bshd(v),
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        softcap=0.0,
+        alibi_slopes=None,
+        return_softmax=False,
+        **_window_kwargs(fa._flash_attn_forward),
+    )
     # 2.7: (out, lse, S_dmask, rng_state); 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng)
     out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
     # the kernel gives rows without keys lse +inf; the merge needs -inf
@@ -100,11 +120,25 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, bias, scale):
     assert bias is None, "flash-attn takes no bias"
     fa = _flash_interface()
     dq, dk, dv = (torch.empty(_bshd(t).shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    fa._flash_attn_backward(_bshd(dout).contiguous(), _bshd(q), _bshd(k), _bshd(v),
-                            _bshd(out).contiguous(), lse.float().contiguous(), dq, dk, dv,
-                            dropout_p=0.0, softmax_scale=scale, causal=causal, softcap=0.0,
-                            alibi_slopes=None, deterministic=False, rng_state=None,
-                            **_window_kwargs(fa._flash_attn_backward))
+    fa._flash_attn_backward(
+        _bshd(dout).contiguous(),
+        _bshd(q),
+        _bshd(k),
+        _bshd(v),
+        _bshd(out).contiguous(),
+        lse.float().contiguous(),
+        dq,
+        dk,
+        dv,
+        dropout_p=0.0,
+        softmax_scale=scale,
+        causal=causal,
+        softcap=0.0,
+        alibi_slopes=None,
+        deterministic=False,
+        rng_state=None,
+        **_window_kwargs(fa._flash_attn_backward),
+    )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -112,8 +146,8 @@ FLASH_ATTN = UnitKernel("flash-attn", False, _flash_attn_forward, _flash_attn_ba
 
 
 # ---- torch's memory-efficient CUDA kernel ------------------------------------------------------
-LSE_ALIGN = 32    # the kernel pads its lse rows to a multiple of this
-BIAS_ALIGN = 16   # ...and needs the bias rows' stride to be a multiple of this
+LSE_ALIGN = 32  # the kernel pads its lse rows to a multiple of this
+BIAS_ALIGN = 16  # ...and needs the bias rows' stride to be a multiple of this
 
 
 def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -128,21 +162,40 @@ def _full_bias(bias, q):
 def _efficient_forward(q, k, v, causal, bias, scale):
     heads = q.shape[1]
     out, lse, _, _ = cuda_ops._scaled_dot_product_efficient_attention(
-        q, _expand_heads(k, heads), _expand_heads(v, heads), _full_bias(bias, q), True,
-        0.0, causal, scale=scale)
-    return _empty_rows_to_neg_inf(out, lse[..., :q.shape[2]], bias)
+        q,
+        _expand_heads(k, heads),
+        _expand_heads(v, heads),
+        _full_bias(bias, q),
+        True,
+        0.0,
+        causal,
+        scale=scale,
+    )
+    return _empty_rows_to_neg_inf(out, lse[..., : q.shape[2]], bias)
 
 
 def _efficient_backward(dout, q, k, v, out, lse, causal, bias, scale):
     b, heads, sq, d = q.shape
-    padded = torch.zeros(b, heads, -(-sq // LSE_ALIGN) * LSE_ALIGN, dtype=torch.float32,
-                         device=q.device)
+    padded = torch.zeros(
+        b, heads, -(-sq // LSE_ALIGN) * LSE_ALIGN, dtype=torch.float32, device=q.device
+    )
     padded[..., :sq] = lse
     no_rng = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = cuda_ops._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(), q, _expand_heads(k, heads), _expand_heads(v, heads),
-        _full_bias(bias, q), out.contiguous(), padded, no_rng, no_rng, 0.0,
-        [True, True, True, False], causal, scale=scale)
+        dout.contiguous(),
+        q,
+        _expand_heads(k, heads),
+        _expand_heads(v, heads),
+        _full_bias(bias, q),
+        out.contiguous(),
+        padded,
+        no_rng,
+        no_rng,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )
     group = heads // k.shape[1]
     if group > 1:
         dk, dv = (t.view(b, k.shape[1], group, *t.shape[2:]).sum(2) for t in (dk, dv))
@@ -164,15 +217,16 @@ def _reference_scores(q, k, causal, bias, scale):
         s = s + bias.to(acc)
     if causal:
         sq, sk = s.shape[-2:]
-        s = s.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1),
-                          float("-inf"))
+        s = s.masked_fill(
+            torch.ones(sq, sk, dtype=torch.bool, device=s.device).triu(1), float("-inf")
+        )
     return s
 
 
 def _reference_forward(q, k, v, causal, bias, scale):
     s = _reference_scores(q, k, causal, bias, scale)
     lse = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)         # empty rows: zeros
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)  # empty rows: zeros
     out = torch.matmul(p, _expand_heads(v, q.shape[1]).to(p.dtype))
     return out.to(q.dtype), lse
 
@@ -181,7 +235,7 @@ def _reference_backward(dout, q, k, v, out, lse, causal, bias, scale):
     acc = _wide(q.dtype)
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
     s = _reference_scores(q, k, causal, bias, scale)
-    p = torch.exp(s - lse.to(acc).unsqueeze(-1))                   # exactly 0 where masked
+    p = torch.exp(s - lse.to(acc).unsqueeze(-1))  # exactly 0 where masked
     dout_, kx, vx = dout.to(acc), _expand_heads(k, heads).to(acc), _expand_heads(v, heads).to(acc)
     delta = (dout_ * out.to(acc)).sum(-1, keepdim=True)
     dv = torch.matmul(p.transpose(-1, -2), dout_)

@@ -5,6 +5,7 @@ input, the mean and the reciprocal standard deviation; RMSNorm is one autograd F
 saves its input and the per-token reciprocal RMS. PyTorch's composite F.rms_norm instead saves
 the normalised input besides the input, and its backward makes four [s, h] temporaries.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,11 @@ from ..mpu.param_spec import set_param_spec
 log = logging.getLogger(__name__)
 
 try:  # optional acceleration; the PyPI package named "apex" is unrelated and has no such module
-    from apex.normalization.fused_layer_norm import (fused_layer_norm_affine,  # type: ignore
-                                                     fused_rms_norm_affine)
+    from apex.normalization.fused_layer_norm import (
+        fused_layer_norm_affine,  # type: ignore
+        fused_rms_norm_affine,
+    )
+
     HAVE_APEX = True
 except Exception:  # noqa: BLE001 - any import failure means "not available"
     HAVE_APEX = False
@@ -33,8 +37,10 @@ def _announce(use_apex: bool) -> None:
     if use_apex:
         message = "apex fused kernels"
     elif HAVE_APEX:
-        message = "PyTorch F.layer_norm / F.rms_norm (apex is installed; its fused kernels " \
-                  "need a CUDA device)"
+        message = (
+            "PyTorch F.layer_norm / F.rms_norm (apex is installed; its fused kernels "
+            "need a CUDA device)"
+        )
     else:
         message = "PyTorch F.layer_norm / RMSNorm Function (apex is not installed)"
     if message not in _announced:
@@ -57,12 +63,12 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight, rstd = ctx.saved_tensors
-        x_hat = x.to(rstd.dtype) * rstd                 # recomputed: one [s, h] temporary
+        x_hat = x.to(rstd.dtype) * rstd  # recomputed: one [s, h] temporary
         g = grad_out.to(rstd.dtype)
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = (g * x_hat).sum(tuple(range(g.dim() - 1))).to(weight.dtype)
-        g = g * weight.to(rstd.dtype)                   # a new tensor: grad_out stays intact
+        g = g * weight.to(rstd.dtype)  # a new tensor: grad_out stays intact
         # dx = rstd · (g − x̂ · mean(g · x̂)), written into g's buffer.
         c = (g * x_hat).mean(-1, keepdim=True)
         grad_x = g.sub_(x_hat.mul_(c)).mul_(rstd).to(x.dtype)
@@ -77,13 +83,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class Norm(nn.Module):
     """LayerNorm (weight + bias) or RMSNorm (weight only) over the last dimension."""
 
-    def __init__(self, kind: str, size: int, eps: float, *, sequence_parallel: bool = False,
-                 device=None, dtype=torch.float32):
+    def __init__(
+        self,
+        kind: str,
+        size: int,
+        eps: float,
+        *,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=torch.float32,
+    ):
         super().__init__()
         self.kind, self.eps, self.size = kind, eps, (size,)
         self.weight = new_parameter(Constant(1.0), (size,), device=device, dtype=dtype)
-        self.bias = (new_parameter(Constant(0.0), (size,), device=device, dtype=dtype)
-                     if kind == "LayerNorm" else None)
+        self.bias = (
+            new_parameter(Constant(0.0), (size,), device=device, dtype=dtype)
+            if kind == "LayerNorm"
+            else None
+        )
         for p in self.parameters():
             # Under Megatron-SP each TP rank normalises a different sequence chunk: the
             # gradients of these replicated weights must be summed over TP.

@@ -7,6 +7,7 @@ fused-size buffer per piece and sums them. Here forward copies the three pieces 
 saved, so the fused output dies at once) and backward writes the three gradients into one
 fused-size buffer, each into its own slots.
 """
+
 from __future__ import annotations
 
 import torch

@@ -44,6 +44,7 @@ Partial outputs, the log-sum-exp, dq and the travelling dk/dv accumulators are f
 fp64); every tensor is a chunk view of its [L, b, h, d] layout, so nothing is copied to
 or from a blocked layout.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -65,7 +66,7 @@ from .attention_dispatch import AttentionCall, decide, ring_unit_kernels
 from .document_attention import DocumentMask
 from .lse_kernels import UnitKernel
 
-KV_TAG, DKV_TAG = 11, 12   # labels only: NCCL ignores tags, the posting order pairs messages
+KV_TAG, DKV_TAG = 11, 12  # labels only: NCCL ignores tags, the posting order pairs messages
 
 # Optional time split (benchmarks): CPU seconds in unit kernels, wall seconds blocked on p2p.
 _times: Optional[dict] = None
@@ -78,8 +79,7 @@ def measure_ring_time():
     cores), the wall time spent waiting for k/v or dk/dv that had not arrived (communication
     not hidden), and how many forward C×C units were computed (excluded ones are skipped)."""
     global _times
-    previous, _times = _times, {"compute_cpu_s": 0.0, "exposed_wait_s": 0.0,
-                                "forward_blocks": 0}
+    previous, _times = _times, {"compute_cpu_s": 0.0, "exposed_wait_s": 0.0, "forward_blocks": 0}
     try:
         yield _times
     finally:
@@ -101,6 +101,7 @@ def _timed(key: str, clock):
 @dataclass(frozen=True)
 class Ring:
     """This rank's place in the ring: its group, coordinate and neighbours (global ranks)."""
+
     group: Optional[dist.ProcessGroup]
     rank: int
     size: int
@@ -121,8 +122,10 @@ class Ring:
         k-th receive of its neighbour (tests/model/test_ring_nccl.py runs it under NCCL's
         rules)."""
         record("p2p", send, self.group)
-        ops = [dist.P2POp(dist.isend, send, self.next_rank, self.group, tag),
-               dist.P2POp(dist.irecv, recv, self.prev_rank, self.group, tag)]
+        ops = [
+            dist.P2POp(dist.isend, send, self.next_rank, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group, tag),
+        ]
         return dist.batch_isend_irecv(ops)
 
 
@@ -143,6 +146,7 @@ class _Unit:
     """Local query chunk `q` (0 or 1) against chunk `kv` (0 or 1) of the arriving block; `i`
     and `j` are their global chunk indices. `masked`: the window or the documents cut through
     the unit (a bias per tile of rows), else the kernel's own causal flag (i == j) or nothing."""
+
     q: int
     kv: int
     i: int
@@ -154,6 +158,7 @@ class _Unit:
 class _Documents:
     """Document starts per sample (host, from the micro-batch's offsets: one device->host copy
     per micro-batch) and each token's document id [b, N] on the device (for masks)."""
+
     starts: tuple[tuple[int, ...], ...]
     length: int
     ids: torch.Tensor
@@ -174,16 +179,23 @@ class _Documents:
         return starts[k], starts[k + 1] if k + 1 < len(starts) else self.length
 
 
-def _unit(q: int, kv: int, i: int, j: int, chunk: int, window: Optional[int],
-          documents: Optional[_Documents]) -> Optional[_Unit]:
+def _unit(
+    q: int,
+    kv: int,
+    i: int,
+    j: int,
+    chunk: int,
+    window: Optional[int],
+    documents: Optional[_Documents],
+) -> Optional[_Unit]:
     """The unit, or None when causality, the window or the documents exclude all of it.
     Relative position of query a vs key b in a unit: (i - j)·C + a - b; its smallest value is
     (i - j)·C - (C - 1), between the unit's first query and last key."""
     if j > i:
-        return None                                       # the keys are in the future
+        return None  # the keys are in the future
     offset = (i - j) * chunk
     if window is not None and offset - (chunk - 1) > window:
-        return None                                       # every key is beyond the window
+        return None  # every key is beyond the window
     masked = window is not None and offset + chunk - 1 > window
     if documents is not None:
         samples = range(len(documents.starts))
@@ -191,17 +203,24 @@ def _unit(q: int, kv: int, i: int, j: int, chunk: int, window: Optional[int],
         # no query of the unit shares a document with any key.
         if j < i and all(documents.span(s, i * chunk)[0] >= (j + 1) * chunk for s in samples):
             return None
-        masked = masked or any(documents.span(s, j * chunk)[1] < (i + 1) * chunk
-                               for s in samples)
+        masked = masked or any(documents.span(s, j * chunk)[1] < (i + 1) * chunk for s in samples)
     return _Unit(q, kv, i, j, masked)
 
 
-def _units(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], chunk: int,
-           window: Optional[int], documents: Optional[_Documents] = None) -> list[_Unit]:
+def _units(
+    q_chunks: tuple[int, int],
+    kv_chunks: tuple[int, int],
+    chunk: int,
+    window: Optional[int],
+    documents: Optional[_Documents] = None,
+) -> list[_Unit]:
     """The units of one step that causality, the window and the documents do not exclude,
     query-chunk major."""
-    units = [_unit(q, kv, i, j, chunk, window, documents)
-             for q, i in enumerate(q_chunks) for kv, j in enumerate(kv_chunks)]
+    units = [
+        _unit(q, kv, i, j, chunk, window, documents)
+        for q, i in enumerate(q_chunks)
+        for kv, j in enumerate(kv_chunks)
+    ]
     return [u for u in units if u is not None]
 
 
@@ -209,8 +228,9 @@ def _units(q_chunks: tuple[int, int], kv_chunks: tuple[int, int], chunk: int,
 class RingPlan:
     """What one rank computes: the global chunks of each ring rank, C, window, documents and
     the unit kernels (`dense` for unmasked units, `masked` for those that take a bias)."""
+
     rank: int
-    chunks: tuple[tuple[int, int], ...]    # per ring rank
+    chunks: tuple[tuple[int, int], ...]  # per ring rank
     chunk: int
     window: Optional[int]
     documents: Optional[_Documents]
@@ -219,15 +239,17 @@ class RingPlan:
 
     def step(self, src: int) -> list[_Unit]:
         """The units to compute against src's block (host arithmetic only, no device sync)."""
-        return _units(self.chunks[self.rank], self.chunks[src], self.chunk, self.window,
-                      self.documents)
+        return _units(
+            self.chunks[self.rank], self.chunks[src], self.chunk, self.window, self.documents
+        )
 
     def tiles(self, unit: _Unit) -> list[tuple[int, int]]:
         """Query row ranges [r0, r1) of the kernel calls for `unit`."""
         if not unit.masked:
             return [(0, self.chunk)]
-        return [(r, min(r + MASK_TILE_ROWS, self.chunk))
-                for r in range(0, self.chunk, MASK_TILE_ROWS)]
+        return [
+            (r, min(r + MASK_TILE_ROWS, self.chunk)) for r in range(0, self.chunk, MASK_TILE_ROWS)
+        ]
 
     def bias(self, unit: _Unit, rows: tuple[int, int], dtype, device) -> Optional[torch.Tensor]:
         """Additive mask [b or 1, 1, r1 - r0, C] (0 visible, -inf masked) of a masked unit's
@@ -246,8 +268,9 @@ class RingPlan:
             hidden = hidden | (ids[:, qpos].unsqueeze(2) != ids[:, kpos].unsqueeze(1))
         # rows padded to a multiple of 16 elements: the CUDA efficient kernel's alignment
         width = -(-c // lse_kernels.BIAS_ALIGN) * lse_kernels.BIAS_ALIGN
-        bias = torch.zeros(hidden.shape[0], 1, hidden.shape[1], width, dtype=dtype,
-                           device=device)[..., :c]
+        bias = torch.zeros(hidden.shape[0], 1, hidden.shape[1], width, dtype=dtype, device=device)[
+            ..., :c
+        ]
         return bias.masked_fill_(hidden.unsqueeze(1), float("-inf"))
 
 
@@ -266,8 +289,12 @@ def _calls(plan: RingPlan, unit: _Unit, dtype, device):
     """(kernel, rows, causal, bias) per kernel call of `unit`."""
     kernel = plan.masked if unit.masked else plan.dense
     for rows in plan.tiles(unit):
-        yield kernel, slice(*rows), unit.i == unit.j and not unit.masked, plan.bias(
-            unit, rows, dtype, device)
+        yield (
+            kernel,
+            slice(*rows),
+            unit.i == unit.j and not unit.masked,
+            plan.bias(unit, rows, dtype, device),
+        )
 
 
 # ---- one step's compute (no communication; also what bench_ring times per rank) ----------------
@@ -279,8 +306,9 @@ def forward_step(qg, out, lse, kv, work, scale, plan: RingPlan) -> None:
         for unit in work:
             k, v = chunked(kv[0])[unit.kv], chunked(kv[1])[unit.kv]
             for kernel, rows, causal, bias in _calls(plan, unit, qg.dtype, qg.device):
-                unit_out, unit_lse = kernel.forward(qg[unit.q][:, :, rows], k, v, causal, bias,
-                                                    scale)
+                unit_out, unit_lse = kernel.forward(
+                    qg[unit.q][:, :, rows], k, v, causal, bias, scale
+                )
                 _merge(out[unit.q][:, :, rows], lse[unit.q][:, :, rows], unit_out, unit_lse)
     if _times is not None:
         _times["forward_blocks"] += len(work)
@@ -295,9 +323,17 @@ def backward_step(qg, dog, outg, lse, kv, dq, dkv, work, scale, plan: RingPlan) 
             q, k, v = unit.q, chunked(kv[0])[unit.kv], chunked(kv[1])[unit.kv]
             dk, dv = chunked(dkv[0])[unit.kv], chunked(dkv[1])[unit.kv]
             for kernel, rows, causal, bias in _calls(plan, unit, qg.dtype, qg.device):
-                dq_u, dk_u, dv_u = kernel.backward(dog[q][:, :, rows], qg[q][:, :, rows], k, v,
-                                                   outg[q][:, :, rows], lse[q][:, :, rows],
-                                                   causal, bias, scale)
+                dq_u, dk_u, dv_u = kernel.backward(
+                    dog[q][:, :, rows],
+                    qg[q][:, :, rows],
+                    k,
+                    v,
+                    outg[q][:, :, rows],
+                    lse[q][:, :, rows],
+                    causal,
+                    bias,
+                    scale,
+                )
                 dq[q][:, :, rows].add_(dq_u)
                 dk.add_(dk_u)
                 dv.add_(dv_u)
@@ -354,7 +390,7 @@ class _RingAttention(torch.autograd.Function):
             kv_pending = ring.start_shift(kv, spare, KV_TAG) if step < ring.size - 1 else []
             src = (ring.rank - step) % ring.size
             work = plan.step(src)
-            if step > 0:   # the accumulator of src's block, from the previous rank
+            if step > 0:  # the accumulator of src's block, from the previous rank
                 _wait(dkv_pending)
                 dkv, dkv_in = dkv_in, dkv
             backward_step(qg, dog, outg, lse, kv, chunked(dq), dkv, work, scale, plan)
@@ -368,36 +404,78 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None
 
 
-def ring_plan(ring: Ring, length: int, device: torch.device, dtype: torch.dtype,
-              head_dim: int, *, backend: str = "sdpa", window: Optional[int] = None,
-              documents: Optional[DocumentMask] = None) -> RingPlan:
+def ring_plan(
+    ring: Ring,
+    length: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: int,
+    *,
+    backend: str = "sdpa",
+    window: Optional[int] = None,
+    documents: Optional[DocumentMask] = None,
+) -> RingPlan:
     """This rank's plan: its units and the unit kernels `ring_unit_kernels` chooses."""
     if length % 2:
         raise ValueError(f"ring attention needs an even local sequence (two chunks), got {length}")
     dense, masked = ring_unit_kernels(device, dtype, head_dim, backend == "flash")
-    return RingPlan(ring.rank, tuple(ring_chunks(r, ring.size) for r in range(ring.size)),
-                 length // 2, window, None if documents is None else _Documents.of(documents),
-                 lse_kernels.kernel_named(dense), lse_kernels.kernel_named(masked))
+    return RingPlan(
+        ring.rank,
+        tuple(ring_chunks(r, ring.size) for r in range(ring.size)),
+        length // 2,
+        window,
+        None if documents is None else _Documents.of(documents),
+        lse_kernels.kernel_named(dense),
+        lse_kernels.kernel_named(masked),
+    )
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, *,
-                   attention_mask: Optional[DocumentMask] = None, window: Optional[int] = None,
-                   softmax_scale: Optional[float] = None, backend: str = "sdpa") -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring: Ring,
+    *,
+    attention_mask: Optional[DocumentMask] = None,
+    window: Optional[int] = None,
+    softmax_scale: Optional[float] = None,
+    backend: str = "sdpa",
+) -> torch.Tensor:
     """Causal attention of this ring rank's local sequence (chunks r and 2R-1-r) against the
     whole sequence. q [L, b, hq, d]; k, v [L, b, hk, d] (hq a multiple of hk); returns
     [L, b, hq, d] in q's dtype. attention_mask: None or the full sequence's DocumentMask.
     window: query i sees keys i-window..i (None: unlimited). backend 'flash': flash-attn's
     kernels for the unmasked units where they can run (attention_dispatch)."""
     if attention_mask is not None and not isinstance(attention_mask, DocumentMask):
-        raise TypeError("ring attention takes the documents as a DocumentMask (offsets), not a "
-                        f"dense mask (got {type(attention_mask).__name__})")
+        raise TypeError(
+            "ring attention takes the documents as a DocumentMask (offsets), not a "
+            f"dense mask (got {type(attention_mask).__name__})"
+        )
     require_one_dtype(q, k, v)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    plan = ring_plan(ring, q.shape[0], q.device, q.dtype, q.shape[-1], backend=backend,
-                     window=window, documents=attention_mask)
-    decide(AttentionCall(q.device, q.dtype, q.shape[-1], q.shape[2], k.shape[2],
-                         attention_mask is not None, window, ring=True,
-                         use_flash_attn=backend == "flash"))
+    plan = ring_plan(
+        ring,
+        q.shape[0],
+        q.device,
+        q.dtype,
+        q.shape[-1],
+        backend=backend,
+        window=window,
+        documents=attention_mask,
+    )
+    decide(
+        AttentionCall(
+            q.device,
+            q.dtype,
+            q.shape[-1],
+            q.shape[2],
+            k.shape[2],
+            attention_mask is not None,
+            window,
+            ring=True,
+            use_flash_attn=backend == "flash",
+        )
+    )
     # The kernels run in the activation dtype with fp32 accumulation whatever autocast says:
     # autocast would recast the forward's inputs and not the backward's.
     with torch.autocast(q.device.type, enabled=False):

@@ -12,6 +12,7 @@ backward takes the final lse and adds each call's gradients into dq, dk, dv in p
 
 Kernels: lse_kernels (torch's efficient kernel on CUDA, its CPU flash kernel on CPU).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -28,6 +29,7 @@ TILE = 512
 @dataclass(frozen=True)
 class Call:
     """Queries [q0, q1) of one sample against keys [k0, k1); masked: needs a bias."""
+
     sample: int
     q0: int
     q1: int
@@ -42,7 +44,7 @@ def _key_calls(sample, q0, q1, lo, window, tile) -> list[Call]:
     rest masked."""
     # key j is seen by every row iff j >= lo_last (the last row's first key) and j < q0
     lo_last = lo if window is None else max(lo, q1 - 1 - window)
-    full0 = -(-lo_last // tile) * tile           # first whole tile that every row sees
+    full0 = -(-lo_last // tile) * tile  # first whole tile that every row sees
     full1 = (q0 // tile) * tile if full0 < q0 else full0
     calls = []
     if full1 > full0:
@@ -63,11 +65,12 @@ def plan(starts: list[list[int]], n: int, window: Optional[int], tile: int = TIL
             q1 = min(q0 + tile, n)
             first = doc_starts[bisect.bisect_right(doc_starts, q0) - 1]
             inside = bisect.bisect_left(doc_starts, q0 + 1)
-            split = doc_starts[inside] if inside < len(doc_starts) and \
-                doc_starts[inside] < q1 else q1
+            split = (
+                doc_starts[inside] if inside < len(doc_starts) and doc_starts[inside] < q1 else q1
+            )
             lo = first if window is None else max(first, q0 - window)
             calls += _key_calls(sample, q0, split, lo, window, tile)
-            if split < q1:          # documents that begin inside the tile see only the tile
+            if split < q1:  # documents that begin inside the tile see only the tile
                 calls.append(Call(sample, split, q1, split, q1, True))
     return calls
 
@@ -84,18 +87,19 @@ def _bias(call: Call, ids: Optional[torch.Tensor], window, dtype, device):
         hidden |= row[qpos].unsqueeze(1) != row[kpos].unsqueeze(0)
     width = -(-(call.k1 - call.k0) // lse_kernels.BIAS_ALIGN) * lse_kernels.BIAS_ALIGN
     bias = torch.zeros(1, 1, call.q1 - call.q0, width, dtype=dtype, device=device)
-    return bias[..., :call.k1 - call.k0].masked_fill_(hidden, float("-inf"))
+    return bias[..., : call.k1 - call.k0].masked_fill_(hidden, float("-inf"))
 
 
 def _heads_first(t: torch.Tensor, sample: int, a: int, b: int) -> torch.Tensor:
-    return t[a:b, sample].transpose(0, 1).unsqueeze(0)        # [N, b, h, d] -> [1, h, L, d]
+    return t[a:b, sample].transpose(0, 1).unsqueeze(0)  # [N, b, h, d] -> [1, h, L, d]
 
 
 def _merge(out, lse, part_out, part_lse):
     new = torch.logaddexp(lse, part_lse)
     safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
     out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(
-        part_out * torch.exp(part_lse - safe).unsqueeze(-1))
+        part_out * torch.exp(part_lse - safe).unsqueeze(-1)
+    )
     lse.copy_(new)
 
 
@@ -106,16 +110,25 @@ class TiledDocumentAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, calls, ids, window, scale, kernel):
         acc = lse_kernels.lse_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full((q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=acc,
-                         device=q.device)                               # [b, h, N]
+        lse = torch.full(
+            (q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=acc, device=q.device
+        )  # [b, h, N]
         for c in calls:
             bias = _bias(c, ids, window, q.dtype, q.device) if c.masked else None
-            part, part_lse = kernel.forward(_heads_first(q, c.sample, c.q0, c.q1),
-                                            _heads_first(k, c.sample, c.k0, c.k1),
-                                            _heads_first(v, c.sample, c.k0, c.k1), False,
-                                            bias, scale)
-            _merge(_heads_first(out, c.sample, c.q0, c.q1), lse[c.sample:c.sample + 1, :,
-                   c.q0:c.q1], part, part_lse)
+            part, part_lse = kernel.forward(
+                _heads_first(q, c.sample, c.q0, c.q1),
+                _heads_first(k, c.sample, c.k0, c.k1),
+                _heads_first(v, c.sample, c.k0, c.k1),
+                False,
+                bias,
+                scale,
+            )
+            _merge(
+                _heads_first(out, c.sample, c.q0, c.q1),
+                lse[c.sample : c.sample + 1, :, c.q0 : c.q1],
+                part,
+                part_lse,
+            )
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = calls, ids, window, scale, kernel
@@ -130,10 +143,17 @@ class TiledDocumentAttention(torch.autograd.Function):
         for c in calls:
             bias = _bias(c, ids, window, q.dtype, q.device) if c.masked else None
             rows, keys = (c.sample, c.q0, c.q1), (c.sample, c.k0, c.k1)
-            grads = kernel.backward(_heads_first(dout, *rows), _heads_first(q, *rows),
-                                    _heads_first(k, *keys), _heads_first(v, *keys),
-                                    _heads_first(out, *rows),
-                                    lse[c.sample:c.sample + 1, :, c.q0:c.q1], False, bias, scale)
+            grads = kernel.backward(
+                _heads_first(dout, *rows),
+                _heads_first(q, *rows),
+                _heads_first(k, *keys),
+                _heads_first(v, *keys),
+                _heads_first(out, *rows),
+                lse[c.sample : c.sample + 1, :, c.q0 : c.q1],
+                False,
+                bias,
+                scale,
+            )
             for target, at, grad in zip((dq, dk, dv), (rows, keys, keys), grads):
                 _heads_first(target, *at).add_(grad)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
@@ -148,12 +168,21 @@ def document_starts(offsets: list[int], n: int, batch: int) -> list[list[int]]:
     return starts
 
 
-def tiled_document_attention(q, k, v, documents, window: Optional[int],
-                             softmax_scale: Optional[float], kernel_name: str):
+def tiled_document_attention(
+    q, k, v, documents, window: Optional[int], softmax_scale: Optional[float], kernel_name: str
+):
     """Causal attention within `documents` (a DocumentMask or None) and the window."""
     n, b = q.shape[:2]
     offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
     ids = documents.token_documents() if documents is not None else None
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return TiledDocumentAttention.apply(q, k, v, plan(document_starts(offsets, n, b), n, window),
-                                        ids, window, scale, lse_kernels.kernel_named(kernel_name))
+    return TiledDocumentAttention.apply(
+        q,
+        k,
+        v,
+        plan(document_starts(offsets, n, b), n, window),
+        ids,
+        window,
+        scale,
+        lse_kernels.kernel_named(kernel_name),
+    )

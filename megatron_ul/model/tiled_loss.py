@@ -11,6 +11,7 @@ layer all-gathers them; a chunk of c local tokens becomes TP·c gathered rows, r
 the labels of chunk k are taken as labels[r·s/TP + k·c : ...] for every TP rank r, and the
 per-chunk losses are put back in the same order.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -21,9 +22,15 @@ from ..mpu.cross_entropy import vocab_parallel_cross_entropy
 from ..mpu.recompute import checkpoint
 
 
-def tiled_logits_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                      labels: torch.Tensor, vocab_size: int, chunk_tokens: int,
-                      gathered_ranks: int, tp_group) -> torch.Tensor:
+def tiled_logits_loss(
+    logits_fn: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    vocab_size: int,
+    chunk_tokens: int,
+    gathered_ranks: int,
+    tp_group,
+) -> torch.Tensor:
     """Per-token loss [s, b] (fp32) of logits_fn(hidden) against labels, chunk by chunk.
 
     hidden: [s / gathered_ranks, b, h], this rank's final hidden states.
@@ -33,18 +40,18 @@ def tiled_logits_loss(logits_fn: Callable[[torch.Tensor], torch.Tensor], hidden:
     """
     local, b = hidden.shape[:2]
     if labels.shape[0] != local * gathered_ranks:
-        raise ValueError(f"labels cover {labels.shape[0]} tokens, hidden states "
-                         f"{local}×{gathered_ranks}")
+        raise ValueError(
+            f"labels cover {labels.shape[0]} tokens, hidden states {local}×{gathered_ranks}"
+        )
 
     def chunk_loss(piece: torch.Tensor, piece_labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits_fn(piece), piece_labels, vocab_size,
-                                            tp_group)
+        return vocab_parallel_cross_entropy(logits_fn(piece), piece_labels, vocab_size, tp_group)
 
     by_rank = labels.reshape(gathered_ranks, local, b)
     losses, start = [], 0
     for piece in hidden.split(chunk_tokens, dim=0):
         n = piece.shape[0]
-        piece_labels = by_rank[:, start:start + n].reshape(gathered_ranks * n, b)
+        piece_labels = by_rank[:, start : start + n].reshape(gathered_ranks * n, b)
         loss = checkpoint(chunk_loss, piece, piece_labels)
         losses.append(loss.view(gathered_ranks, n, b))
         start += n

@@ -6,6 +6,7 @@ time, in forward and in backward. Under Megatron-SP each TP rank cuts its own s/
 the same number of chunks; fc1 all-gathers a chunk from every TP rank and fc2 reduce-scatters
 the result back in the same rank order, so every rank gets its own chunk back.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -15,8 +16,9 @@ import torch
 from ..mpu.recompute import checkpoint
 
 
-def tiled_mlp(mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-              chunk_tokens: int) -> torch.Tensor:
+def tiled_mlp(
+    mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chunk_tokens: int
+) -> torch.Tensor:
     """mlp(x) for x [s, b, h], computed over chunks of `chunk_tokens` along s."""
     if x.shape[0] <= chunk_tokens:
         return mlp(x)

@@ -5,6 +5,7 @@ Shapes (sequence first): between layers [N/SP, b, h] (÷TP again under Megatron-
 The fused QKV weight is laid out by query group, [groups, (q_per_group + 2), head_dim, h]
 (Megatron's layout), so a contiguous TP slice holds whole groups with their q, k and v.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -46,9 +47,19 @@ def norm_in_weight_dtype(norm: Norm, x: torch.Tensor) -> torch.Tensor:
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, key: str, seed: int, sequence_parallel: bool,
-                 num_layers: int, device, dtype, timers: Timers = NO_TIMERS, *,
-                 dims: ParallelDims):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        key: str,
+        seed: int,
+        sequence_parallel: bool,
+        num_layers: int,
+        device,
+        dtype,
+        timers: Timers = NO_TIMERS,
+        *,
+        dims: ParallelDims,
+    ):
         super().__init__()
         tp = dims.tp
         self.head_dim = cfg.head_dim
@@ -56,44 +67,72 @@ class SelfAttention(nn.Module):
         self.kv_heads = cfg.query_groups // tp
         qkv_size = (cfg.num_attention_heads + 2 * cfg.query_groups) * cfg.head_dim
         self.qkv = ColumnParallelLinear(
-            cfg.hidden_size, qkv_size, normal_init(cfg.init_method_std, seed, key + ".qkv"),
-            bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, fused=FUSED_QKV,
+            cfg.hidden_size,
+            qkv_size,
+            normal_init(cfg.init_method_std, seed, key + ".qkv"),
+            bias=cfg.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            fused=FUSED_QKV,
             device=device,
-            dtype=dtype, tp_group=dims.tp_group)
+            dtype=dtype,
+            tp_group=dims.tp_group,
+        )
         self.proj = RowParallelLinear(
-            cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.hidden_size,
             scaled_normal_init(cfg.init_method_std, num_layers, seed, key + ".proj"),
-            bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
-            dtype=dtype, tp_group=dims.tp_group)
-        backend = select_backend(cfg.use_flash_attn,
-                                 torch.device(device) if device else torch.device("cpu"))
-        self.core = DistributedAttention(dims.sp, backend, dims.sp_group,
-                                         recompute=cfg.recompute_granularity == "selective",
-                                         timers=timers, window=cfg.attention_window,
-                                         ring=Ring.from_dims(dims))
+            bias=cfg.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            device=device,
+            dtype=dtype,
+            tp_group=dims.tp_group,
+        )
+        backend = select_backend(
+            cfg.use_flash_attn, torch.device(device) if device else torch.device("cpu")
+        )
+        self.core = DistributedAttention(
+            dims.sp,
+            backend,
+            dims.sp_group,
+            recompute=cfg.recompute_granularity == "selective",
+            timers=timers,
+            window=cfg.attention_window,
+            ring=Ring.from_dims(dims),
+        )
         self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x, rotary=None, attention_mask=None):
-        qkv = self.qkv(x)                                        # [s, b, groups/TP * (qpg+2) * d]
+        qkv = self.qkv(x)  # [s, b, groups/TP * (qpg+2) * d]
         s, b = qkv.shape[:2]
         per_group = self.q_heads // self.kv_heads
         # Three owned buffers; no name keeps the fused output (or q, k, v) alive past its use.
-        q, k, v = split_qkv(qkv.view(s, b, self.kv_heads, per_group + 2, self.head_dim),
-                            per_group)
+        q, k, v = split_qkv(qkv.view(s, b, self.kv_heads, per_group + 2, self.head_dim), per_group)
         del qkv
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         qkv_list = [q, k, v]
         del q, k, v
-        out = self.core(qkv_list,
-                        dropout_p=self.attention_dropout if self.training else 0.0,
-                        attention_mask=attention_mask)
+        out = self.core(
+            qkv_list,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            attention_mask=attention_mask,
+        )
         return self.proj(out.reshape(s, b, self.q_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, key: str, seed: int, sequence_parallel: bool,
-                 num_layers: int, device, dtype, *, dims: ParallelDims):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        key: str,
+        seed: int,
+        sequence_parallel: bool,
+        num_layers: int,
+        device,
+        dtype,
+        *,
+        dims: ParallelDims,
+    ):
         super().__init__()
         tp_group = dims.tp_group
         self.swiglu, self.gelu_approximate = cfg.swiglu, cfg.gelu_approximate
@@ -101,16 +140,27 @@ class MLP(nn.Module):
         ffn = cfg.ffn_size
         # SwiGLU's fc1 is [gate; up]: stride 2 gives each TP rank matching halves of both.
         self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size, ffn * (2 if cfg.swiglu else 1),
-            normal_init(cfg.init_method_std, seed, key + ".fc1"), bias=cfg.add_bias_linear,
-            sequence_parallel=sequence_parallel, stride=2 if cfg.swiglu else 1,
-            fused=FUSED_GATE_UP if cfg.swiglu else None, device=device,
-            dtype=dtype, tp_group=tp_group)
+            cfg.hidden_size,
+            ffn * (2 if cfg.swiglu else 1),
+            normal_init(cfg.init_method_std, seed, key + ".fc1"),
+            bias=cfg.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            stride=2 if cfg.swiglu else 1,
+            fused=FUSED_GATE_UP if cfg.swiglu else None,
+            device=device,
+            dtype=dtype,
+            tp_group=tp_group,
+        )
         self.fc2 = RowParallelLinear(
-            ffn, cfg.hidden_size, scaled_normal_init(cfg.init_method_std, num_layers, seed,
-                                                     key + ".fc2"),
-            bias=cfg.add_bias_linear, sequence_parallel=sequence_parallel, device=device,
-            dtype=dtype, tp_group=tp_group)
+            ffn,
+            cfg.hidden_size,
+            scaled_normal_init(cfg.init_method_std, num_layers, seed, key + ".fc2"),
+            bias=cfg.add_bias_linear,
+            sequence_parallel=sequence_parallel,
+            device=device,
+            dtype=dtype,
+            tp_group=tp_group,
+        )
 
     def forward(self, x):
         if self.chunk_tokens is not None:
@@ -128,27 +178,50 @@ class MLP(nn.Module):
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_number: int, seed: int, sequence_parallel: bool,
-                 device=None, dtype=torch.float32, timers: Timers = NO_TIMERS, *,
-                 dims: ParallelDims):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_number: int,
+        seed: int,
+        sequence_parallel: bool,
+        device=None,
+        dtype=torch.float32,
+        timers: Timers = NO_TIMERS,
+        *,
+        dims: ParallelDims,
+    ):
         super().__init__()
         key = f"layers.{layer_number}"
         self.layer_number = layer_number
         args = (seed, sequence_parallel, cfg.num_layers, device, dtype)
-        self.input_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
-                               sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.input_norm = Norm(
+            cfg.normalization,
+            cfg.hidden_size,
+            cfg.norm_epsilon,
+            sequence_parallel=sequence_parallel,
+            device=device,
+            dtype=dtype,
+        )
         self.attention = SelfAttention(cfg, key + ".attention", *args, timers=timers, dims=dims)
-        self.post_attention_norm = Norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon,
-                                        sequence_parallel=sequence_parallel, device=device,
-                                        dtype=dtype)
+        self.post_attention_norm = Norm(
+            cfg.normalization,
+            cfg.hidden_size,
+            cfg.norm_epsilon,
+            sequence_parallel=sequence_parallel,
+            device=device,
+            dtype=dtype,
+        )
         self.mlp = MLP(cfg, key + ".mlp", *args, dims=dims)
         self.hidden_dropout = cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, x: torch.Tensor, rotary=None,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        drop = lambda t: dropout(t, self.hidden_dropout, self.training,  # noqa: E731
-                                 self.sequence_parallel)
-        x = x + drop(self.attention(norm_in_weight_dtype(self.input_norm, x), rotary,
-                                    attention_mask))
+    def forward(
+        self, x: torch.Tensor, rotary=None, attention_mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        def drop(t: torch.Tensor) -> torch.Tensor:
+            return dropout(t, self.hidden_dropout, self.training, self.sequence_parallel)
+
+        x = x + drop(
+            self.attention(norm_in_weight_dtype(self.input_norm, x), rotary, attention_mask)
+        )
         return x + drop(self.mlp(norm_in_weight_dtype(self.post_attention_norm, x)))

@@ -16,6 +16,7 @@ Hybrid Ulysses × ring (--context-parallel-size R): the all-to-all gathers this 
 local sequence (N/R tokens) instead of the whole one, and ring attention (ring_attention.py)
 runs across the R ring ranks in place of local attention.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,21 +53,29 @@ def kv_heads_to_send(kv_heads: int, sp: int, r: int, rank: int, device=None):
     if m == c:
         return None, None
     send = torch.tensor([n + n[-1:] * (m - len(n)) for n in needed], device=device)
-    unpack = torch.tensor([needed[rank].index((rank * c + t) // r) for t in range(c)],
-                          device=device)
+    unpack = torch.tensor(
+        [needed[rank].index((rank * c + t) // r) for t in range(c)], device=device
+    )
     return send, unpack
 
 
 class DistributedAttention:
     """Callable: (q [N/SP, b, hq, d], k, v [N/SP, b, hk, d]) -> [N/SP, b, hq, d]."""
 
-    def __init__(self, sp_size: int, backend: str, group, recompute: bool = False,
-                 timers: Timers = NO_TIMERS, window: Optional[int] = None,
-                 ring: Optional[Ring] = None):
+    def __init__(
+        self,
+        sp_size: int,
+        backend: str,
+        group,
+        recompute: bool = False,
+        timers: Timers = NO_TIMERS,
+        window: Optional[int] = None,
+        ring: Optional[Ring] = None,
+    ):
         self.sp, self.backend, self.group = sp_size, backend, group
-        self.recompute = recompute   # selective recompute: keep only q, k, v of the core
-        self.timers = timers         # times the two all-to-alls (--timing-log-level)
-        self.window = window         # sliding window: keys a query sees before itself
+        self.recompute = recompute  # selective recompute: keep only q, k, v of the core
+        self.timers = timers  # times the two all-to-alls (--timing-log-level)
+        self.window = window  # sliding window: keys a query sees before itself
         self.ring = ring if ring is not None and ring.size > 1 else None
 
     def _attend(self, q, k, v, dropout_p, attention_mask):
@@ -74,23 +83,42 @@ class DistributedAttention:
             # Saves only q, k, v, out and the log-sum-exp already: nothing to recompute.
             # config_rules.validate refuses attention dropout with a ring; documents (a
             # DocumentMask) and the sliding window mask and skip blocks inside the ring.
-            return ring_attention(q, k, v, self.ring, attention_mask=attention_mask,
-                                  window=self.window, backend=self.backend)
+            return ring_attention(
+                q,
+                k,
+                v,
+                self.ring,
+                attention_mask=attention_mask,
+                window=self.window,
+                backend=self.backend,
+            )
         if isinstance(attention_mask, DocumentMask) or self.window is not None:
             if attention_mask is not None and not isinstance(attention_mask, DocumentMask):
                 raise ValueError("a sliding window does not combine with a dense attention mask")
             run = lambda q_, k_, v_: document_attention(  # noqa: E731
-                q_, k_, v_, backend=self.backend, dropout_p=dropout_p,
-                documents=attention_mask, window=self.window)
+                q_,
+                k_,
+                v_,
+                backend=self.backend,
+                dropout_p=dropout_p,
+                documents=attention_mask,
+                window=self.window,
+            )
         else:
             run = lambda q_, k_, v_: local_attention(  # noqa: E731
-                q_, k_, v_, backend=self.backend, dropout_p=dropout_p,
-                attention_mask=attention_mask)
+                q_, k_, v_, backend=self.backend, dropout_p=dropout_p, attention_mask=attention_mask
+            )
         return checkpoint(run, q, k, v) if self.recompute else run(q, k, v)
 
-    def __call__(self, q, k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
-                 *, dropout_p: float,
-                 attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(
+        self,
+        q,
+        k: Optional[torch.Tensor] = None,
+        v: Optional[torch.Tensor] = None,
+        *,
+        dropout_p: float,
+        attention_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """(q, k, v), or one list [q, k, v] that is emptied: a caller handing over its only
         references lets q, k and v die once packed for the all-to-all, and the packed buffer
         once sent."""
@@ -100,14 +128,15 @@ class DistributedAttention:
             handed_over.clear()
         assert k is not None and v is not None
         sp = self.sp
-        require_one_dtype(q, k, v)   # the packed buffer below must not be upcast
+        require_one_dtype(q, k, v)  # the packed buffer below must not be upcast
         if sp == 1:
             return self._attend(q, k, v, dropout_p, attention_mask)
         s, b, hq, d = q.shape
         r = kv_replication_factor(k.shape[2], sp)
-        send_kv, unpack_kv = kv_heads_to_send(k.shape[2], sp, r, dist.get_rank(self.group),
-                                              k.device)
-        if send_kv is not None:   # each rank gets only the kv heads its query heads use
+        send_kv, unpack_kv = kv_heads_to_send(
+            k.shape[2], sp, r, dist.get_rank(self.group), k.device
+        )
+        if send_kv is not None:  # each rank gets only the kv heads its query heads use
             k, v = k[:, :, send_kv], v[:, :, send_kv]
             k, v = (t.reshape(s, b, -1, d) for t in (k, v))
         elif r > 1:
@@ -122,15 +151,17 @@ class DistributedAttention:
         packed = torch.cat(per_rank, dim=3).movedim(0, 2)
         del per_rank
         # all-to-all #1: scatter heads (dim 2), gather sequence (dim 0) -> [N, b, 1, H/SP, d]
-        full = ulysses_all_to_all(packed, scatter_dim=2, gather_dim=0, group=self.group,
-                                  timers=self.timers).squeeze(2)
+        full = ulysses_all_to_all(
+            packed, scatter_dim=2, gather_dim=0, group=self.group, timers=self.timers
+        ).squeeze(2)
         del packed
         q_full, k_full, v_full = full.split([hq // sp, hk // sp, hk // sp], dim=2)
         del full
-        if unpack_kv is not None:   # the replicated layout, rebuilt from the distinct heads
+        if unpack_kv is not None:  # the replicated layout, rebuilt from the distinct heads
             k_full, v_full = k_full[:, :, unpack_kv], v_full[:, :, unpack_kv]
         out = self._attend(q_full, k_full, v_full, dropout_p, attention_mask)
         del q_full, k_full, v_full
         # all-to-all #2: scatter sequence (dim 0), gather heads (dim 2) -> [N/SP, b, hq, d]
-        return ulysses_all_to_all(out, scatter_dim=0, gather_dim=2, group=self.group,
-                                  timers=self.timers)
+        return ulysses_all_to_all(
+            out, scatter_dim=0, gather_dim=2, group=self.group, timers=self.timers
+        )

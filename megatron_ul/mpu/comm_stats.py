@@ -2,6 +2,7 @@
 
 Counting is off by default and costs one branch per collective when off.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -19,11 +20,11 @@ def record(op: str, tensor: torch.Tensor, group) -> None:
         return
     world = dist.get_world_size(group)
     nbytes = tensor.numel() * tensor.element_size()
-    if op == "all_to_all":          # keeps 1/world of the buffer, sends the rest
+    if op == "all_to_all":  # keeps 1/world of the buffer, sends the rest
         sent = nbytes * (world - 1) / world
-    elif op in ("all_gather", "reduce_scatter"):   # tensor is the full (gathered) buffer
+    elif op in ("all_gather", "reduce_scatter"):  # tensor is the full (gathered) buffer
         sent = nbytes * (world - 1) / world
-    elif op == "all_reduce":        # ring: reduce-scatter + all-gather
+    elif op == "all_reduce":  # ring: reduce-scatter + all-gather
         sent = 2 * nbytes * (world - 1) / world
     else:
         sent = nbytes

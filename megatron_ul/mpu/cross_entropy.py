@@ -5,6 +5,7 @@ model's function does not depend on how much padding the TP layout needed; this 
 Megatron-LM, where padded logits take part in the softmax, and makes every TP layout (and a
 Hugging Face export, which drops the padding) compute exactly the same loss.
 """
+
 from __future__ import annotations
 
 import torch
@@ -57,8 +58,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 vocab_size: int, group) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, vocab_size: int, group
+) -> torch.Tensor:
     """Per-token loss (fp32, or fp64 for fp64 logits) for logits [..., padded_vocab/TP] split
     over the TP `group` (None: one rank holds them all) and target ids [...]."""
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_size, group)

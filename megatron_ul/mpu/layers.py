@@ -9,6 +9,7 @@ Every parameter's layout is its ParamSpec (mpu/param_spec.py): sharded parameter
 `partition_dim`; replicated parameters that see only a TP-chunk of the sequence under
 Megatron-SP carry `sequence_parallel=True` (their gradients are summed over TP).
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,11 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from .param_spec import set_param_spec
-from .mappings import (all_gather, group_rank, reduce_scatter, group_size,
-                       copy_to_tensor_model_parallel_region,
-                       gather_from_tensor_model_parallel_region,
-                       reduce_from_tensor_model_parallel_region,
-                       reduce_scatter_to_sequence_parallel_region)
+from .mappings import (
+    all_gather,
+    group_rank,
+    reduce_scatter,
+    group_size,
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from .param_init import Constant, Init, new_parameter
 
 InitMethod = Init
@@ -37,23 +43,39 @@ def tp_slice(full: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> t
 def tp_index(size: int, stride: int, tp: int, rank: int) -> torch.Tensor:
     """Positions along a dimension of `size` that TP rank `rank` holds (see tp_slice)."""
     block, part = size // stride, size // (stride * tp)
-    return torch.cat([torch.arange(b * block + rank * part, b * block + (rank + 1) * part)
-                      for b in range(stride)])
+    return torch.cat(
+        [
+            torch.arange(b * block + rank * part, b * block + (rank + 1) * part)
+            for b in range(stride)
+        ]
+    )
 
 
-def _sharded(init: Init, shape: tuple, dim: int, device, dtype, stride: int = 1,
-             vocab_padded: bool = False, fused: str | None = None, *, group) -> nn.Parameter:
+def _sharded(
+    init: Init,
+    shape: tuple,
+    dim: int,
+    device,
+    dtype,
+    stride: int = 1,
+    vocab_padded: bool = False,
+    fused: str | None = None,
+    *,
+    group,
+) -> nn.Parameter:
     """This rank's slice (see tp_slice) over the TP `group` of a `shape` parameter, tagged with
     its partitioning (the ParamSpec that checkpoints and conversions read back)."""
     tp, rank = group_size(group), group_rank(group)
     if shape[dim] % (tp * stride) != 0:
-        raise ValueError(f"dimension {dim} of size {shape[dim]} is not divisible by "
-                         f"TP×stride = {tp}×{stride}")
+        raise ValueError(
+            f"dimension {dim} of size {shape[dim]} is not divisible by TP×stride = {tp}×{stride}"
+        )
     index = [torch.arange(n) for n in shape]
     index[dim] = tp_index(shape[dim], stride, tp, rank)
     param = new_parameter(init, shape, tuple(index), device=device, dtype=dtype)
-    set_param_spec(param, partition_dim=dim, partition_stride=stride, vocab_padded=vocab_padded,
-                   fused=fused)
+    set_param_spec(
+        param, partition_dim=dim, partition_stride=stride, vocab_padded=vocab_padded, fused=fused
+    )
     return param
 
 
@@ -94,8 +116,9 @@ class _SequenceParallelLinear(torch.autograd.Function):
         return reduce_scatter(grad_input, 0, group), grad_weight, grad_bias, None
 
 
-def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor,
-                             bias: torch.Tensor | None = None, *, group) -> torch.Tensor:
+def sequence_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, group
+) -> torch.Tensor:
     """F.linear on the all-gathered Megatron-SP input, saving only the local shard."""
     return _SequenceParallelLinear.apply(x, weight, bias, group)
 
@@ -109,18 +132,48 @@ class ColumnParallelLinear(nn.Module):
     tp_group: the TP group it is split over (the ParallelDims' tp_group; None: one rank).
     """
 
-    def __init__(self, input_size: int, output_size: int, init_method: InitMethod, *,
-                 bias: bool = True, gather_output: bool = False, sequence_parallel: bool = False,
-                 stride: int = 1, vocab_padded: bool = False, fused: str | None = None,
-                 device=None, dtype=torch.float32, tp_group):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        init_method: InitMethod,
+        *,
+        bias: bool = True,
+        gather_output: bool = False,
+        sequence_parallel: bool = False,
+        stride: int = 1,
+        vocab_padded: bool = False,
+        fused: str | None = None,
+        device=None,
+        dtype=torch.float32,
+        tp_group,
+    ):
         super().__init__()
         self.tp_group = tp_group
-        self.weight = _sharded(init_method, (output_size, input_size), 0, device, dtype, stride,
-                               vocab_padded, fused, group=tp_group)
+        self.weight = _sharded(
+            init_method,
+            (output_size, input_size),
+            0,
+            device,
+            dtype,
+            stride,
+            vocab_padded,
+            fused,
+            group=tp_group,
+        )
         tp = group_size(tp_group)
         if bias:
-            self.bias = _sharded(Constant(0.0), (output_size,), 0, device, dtype, stride,
-                                 vocab_padded, fused, group=tp_group)
+            self.bias = _sharded(
+                Constant(0.0),
+                (output_size,),
+                0,
+                device,
+                dtype,
+                stride,
+                vocab_padded,
+                fused,
+                group=tp_group,
+            )
         else:
             self.register_parameter("bias", None)
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
@@ -130,10 +183,12 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = sequence_parallel_linear(x, self.weight, self.bias, group=self.tp_group)
         else:
-            y = F.linear(copy_to_tensor_model_parallel_region(x, self.tp_group), self.weight,
-                         self.bias)
-        return gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output \
-            else y
+            y = F.linear(
+                copy_to_tensor_model_parallel_region(x, self.tp_group), self.weight, self.bias
+            )
+        return (
+            gather_from_tensor_model_parallel_region(y, self.tp_group) if self.gather_output else y
+        )
 
 
 class RowParallelLinear(nn.Module):
@@ -144,13 +199,23 @@ class RowParallelLinear(nn.Module):
     tp_group: the TP group it is split over (the ParallelDims' tp_group; None: one rank).
     """
 
-    def __init__(self, input_size: int, output_size: int, init_method: InitMethod, *,
-                 bias: bool = True, sequence_parallel: bool = False,
-                 device=None, dtype=torch.float32, tp_group):
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        init_method: InitMethod,
+        *,
+        bias: bool = True,
+        sequence_parallel: bool = False,
+        device=None,
+        dtype=torch.float32,
+        tp_group,
+    ):
         super().__init__()
         self.tp_group = tp_group
-        self.weight = _sharded(init_method, (output_size, input_size), 1, device, dtype,
-                               group=tp_group)
+        self.weight = _sharded(
+            init_method, (output_size, input_size), 1, device, dtype, group=tp_group
+        )
         self.bias = _zeros(output_size, device, dtype, sequence_parallel) if bias else None
         self.sequence_parallel = sequence_parallel
 
@@ -177,12 +242,27 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows across TP; lookups outside a rank's range
     contribute zero and the partial results are summed over TP."""
 
-    def __init__(self, padded_vocab_size: int, embedding_dim: int, init_method: InitMethod, *,
-                 device=None, dtype=torch.float32, tp_group):
+    def __init__(
+        self,
+        padded_vocab_size: int,
+        embedding_dim: int,
+        init_method: InitMethod,
+        *,
+        device=None,
+        dtype=torch.float32,
+        tp_group,
+    ):
         super().__init__()
         self.tp_group = tp_group
-        self.weight = _sharded(init_method, (padded_vocab_size, embedding_dim), 0, device, dtype,
-                               vocab_padded=True, group=tp_group)
+        self.weight = _sharded(
+            init_method,
+            (padded_vocab_size, embedding_dim),
+            0,
+            device,
+            dtype,
+            vocab_padded=True,
+            group=tp_group,
+        )
         self.vocab_start, self.vocab_end = vocab_range(padded_vocab_size, tp_group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ Tensor parallel (TP):       copy <-> all-reduce, split(last dim) <-> all-gather(
 Megatron-SP (TP group, dim 0): split <-> all-gather, all-gather <-> reduce-scatter
 Ulysses (SP group):         all-to-all(scatter heads, gather sequence) <-> its inverse
 """
+
 from __future__ import annotations
 
 import torch
@@ -66,8 +67,9 @@ def reduce_scatter(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim).contiguous() if dim != 0 else out
 
 
-def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group,
-               timers: Timers = NO_TIMERS) -> torch.Tensor:
+def all_to_all(
+    x: torch.Tensor, scatter_dim: int, gather_dim: int, group, timers: Timers = NO_TIMERS
+) -> torch.Tensor:
     """Split `x` into world chunks along scatter_dim, send chunk j to rank j, and concatenate
     the chunks received along gather_dim (in rank order). Not autograd-aware; see
     `ulysses_all_to_all`. The exchange counts as the "all-to-all" phase of `timers`."""
@@ -76,8 +78,10 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group,
         return x
     if x.shape[scatter_dim] % world != 0:
         # An equal-split all-to-all would not complain; it would silently compute garbage.
-        raise ValueError(f"all-to-all: dim {scatter_dim} of size {x.shape[scatter_dim]} "
-                         f"is not divisible by the group size {world}")
+        raise ValueError(
+            f"all-to-all: dim {scatter_dim} of size {x.shape[scatter_dim]} "
+            f"is not divisible by the group size {world}"
+        )
     # [world, ...chunk] so that chunk j is contiguous block j of the send buffer (no copy when
     # scatter_dim is 0 and x is contiguous).
     send = x.unflatten(scatter_dim, (world, -1)).movedim(scatter_dim, 0).contiguous()
@@ -208,8 +212,7 @@ def scatter_to_sequence_parallel_region(x, group):
     return _ScatterToSequenceParallel.apply(x, group)
 
 
-def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad: bool = True, *,
-                                         group):
+def gather_from_sequence_parallel_region(x, tensor_parallel_output_grad: bool = True, *, group):
     """Megatron-SP: all-gather the sequence (dim 0) across TP."""
     return _GatherFromSequenceParallel.apply(x, tensor_parallel_output_grad, group)
 
@@ -219,8 +222,7 @@ def reduce_scatter_to_sequence_parallel_region(x, group):
     return _ReduceScatterToSequenceParallel.apply(x, group)
 
 
-def ulysses_all_to_all(x, scatter_dim: int, gather_dim: int, group,
-                       timers: Timers = NO_TIMERS):
+def ulysses_all_to_all(x, scatter_dim: int, gather_dim: int, group, timers: Timers = NO_TIMERS):
     """DeepSpeed-Ulysses all-to-all over the SP group; backward is the inverse all-to-all.
 
     Sequence-sharded -> head-sharded: scatter_dim = heads, gather_dim = sequence.

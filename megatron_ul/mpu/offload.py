@@ -17,6 +17,7 @@ non-reentrant checkpoint holds its inputs by reference, which would keep them on
 Dropout replays exactly: the default generator and the RNG tracker's streams are restored for
 the recompute, as mpu.recompute does, so results are bit-identical to plain full recompute.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -34,8 +35,7 @@ class HostOffloader:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.counts = {"offloaded": 0, "prefetched": 0, "fetched": 0}
 
-    def offload(self, x: torch.Tensor, previous: Optional["OffloadedTensor"]
-                ) -> "OffloadedTensor":
+    def offload(self, x: torch.Tensor, previous: Optional["OffloadedTensor"]) -> "OffloadedTensor":
         return OffloadedTensor(self, x, previous)
 
 
@@ -43,20 +43,21 @@ class OffloadedTensor:
     """A tensor parked in host memory. `previous` is the handle offloaded just before this one
     in the same forward pass: backward needs it next, so fetching this one prefetches it."""
 
-    def __init__(self, offloader: HostOffloader, x: torch.Tensor,
-                 previous: Optional["OffloadedTensor"]):
+    def __init__(
+        self, offloader: HostOffloader, x: torch.Tensor, previous: Optional["OffloadedTensor"]
+    ):
         self.offloader, self.previous = offloader, previous
         self.on_device: Optional[torch.Tensor] = None
         self.host: Optional[torch.Tensor]
         stream = offloader.stream
         if stream is None:
-            self.host = x                    # CPU: already host memory, no copy
+            self.host = x  # CPU: already host memory, no copy
         else:
             self.host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            stream.wait_stream(torch.cuda.current_stream(x.device))   # x is computed
+            stream.wait_stream(torch.cuda.current_stream(x.device))  # x is computed
             with torch.cuda.stream(stream):
                 self.host.copy_(x, non_blocking=True)
-            x.record_stream(stream)          # x's memory is not reused before the copy ends
+            x.record_stream(stream)  # x's memory is not reused before the copy ends
             self.copied = torch.cuda.Event()
             self.copied.record(stream)
         offloader.counts["offloaded"] += 1
@@ -84,7 +85,7 @@ class OffloadedTensor:
         if self.offloader.stream is not None:
             current = torch.cuda.current_stream(self.offloader.device)
             current.wait_event(self.ready)
-            x.record_stream(current)         # allocated on the side stream, used here
+            x.record_stream(current)  # allocated on the side stream, used here
         self.host = self.on_device = None
         self.offloader.counts["fetched"] += 1
         if self.previous is not None:
@@ -111,8 +112,10 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         device_type = x.device.type
         ctx.function, ctx.args, ctx.input_requires_grad = function, args, x.requires_grad
         ctx.rng = _rng_states(device_type)
-        ctx.autocast = (torch.is_autocast_enabled(device_type),
-                        torch.get_autocast_dtype(device_type))
+        ctx.autocast = (
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+        )
         with torch.no_grad():
             out = function(x, *args)
         ctx.handle = offloader.offload(x, chain[-1] if chain else None)
@@ -143,8 +146,9 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         return (None, None, None, grad_x) + (None,) * len(ctx.args)
 
 
-def offloaded_checkpoint(function, offloader: HostOffloader, chain: list, x: torch.Tensor,
-                         *args) -> torch.Tensor:
+def offloaded_checkpoint(
+    function, offloader: HostOffloader, chain: list, x: torch.Tensor, *args
+) -> torch.Tensor:
     """function(x, *args) keeping only x, in host memory, for backward's recompute. `chain`
     collects the handles of one forward pass in order (for prefetching)."""
     if not torch.is_grad_enabled():

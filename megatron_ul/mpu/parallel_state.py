@@ -14,6 +14,7 @@ Megatron's parallel_state this module keeps no state: there are no module-level 
 nothing can reach the grid except through the object it was handed
 (tests/test_explicit_groups.py keeps it that way).
 """
+
 from __future__ import annotations
 
 import datetime
@@ -24,43 +25,53 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-_AXES = ("pp", "dp", "cp", "sp", "tp")   # the grid's axes, slowest first
+_AXES = ("pp", "dp", "cp", "sp", "tp")  # the grid's axes, slowest first
 
 
 @dataclass(frozen=True)
 class GridGroups:
     """One entry per group this rank belongs to (a ProcessGroup, or its list of global ranks),
     named by the grid axes it spans, in grid order."""
+
     tp: Any
-    sp: Any          # Ulysses
-    cp: Any          # the ring: k/v blocks travel between its ranks
+    sp: Any  # Ulysses
+    cp: Any  # the ring: k/v blocks travel between its ranks
     dp: Any
     pp: Any
-    cp_sp: Any       # all ranks that split one sequence
-    dp_cp_sp: Any    # parameters are replicated over these: grads sum here (and ZeRO shards)
-    cp_sp_tp: Any    # one model replica's data-parallel-free slice (checks)
-    pp_tp: Any       # model-parallel (one copy of the model): clipping norms, consistency checks
-    embedding: Any   # first and last pipeline stage of this rank's (dp, cp, sp, tp) column
+    cp_sp: Any  # all ranks that split one sequence
+    dp_cp_sp: Any  # parameters are replicated over these: grads sum here (and ZeRO shards)
+    cp_sp_tp: Any  # one model replica's data-parallel-free slice (checks)
+    pp_tp: Any  # model-parallel (one copy of the model): clipping norms, consistency checks
+    embedding: Any  # first and last pipeline stage of this rank's (dp, cp, sp, tp) column
 
 
 # The axes each GridGroups field (but embedding, built on its own) spans.
-_GROUP_AXES = (("tp", ("tp",)), ("sp", ("sp",)), ("cp", ("cp",)), ("dp", ("dp",)),
-               ("pp", ("pp",)), ("cp_sp", ("cp", "sp")), ("dp_cp_sp", ("dp", "cp", "sp")),
-               ("cp_sp_tp", ("cp", "sp", "tp")), ("pp_tp", ("pp", "tp")))
+_GROUP_AXES = (
+    ("tp", ("tp",)),
+    ("sp", ("sp",)),
+    ("cp", ("cp",)),
+    ("dp", ("dp",)),
+    ("pp", ("pp",)),
+    ("cp_sp", ("cp", "sp")),
+    ("dp_cp_sp", ("dp", "cp", "sp")),
+    ("cp_sp_tp", ("cp", "sp", "tp")),
+    ("pp_tp", ("pp", "tp")),
+)
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """The rank grid of a run, this rank's coordinates in it, and its process groups."""
+
     tp: int
     sp: int
     dp: int
     pp: int
-    coords: dict[str, int]          # axis -> this rank's coordinate
-    groups: GridGroups              # ProcessGroup each (None: a single-rank grid)
-    group_ranks: GridGroups         # list of global ranks each
-    embedding_ranks: list[int]      # first and last pipeline stage of this rank's column
-    cp: int = 1                     # ring-attention degree (--context-parallel-size)
+    coords: dict[str, int]  # axis -> this rank's coordinate
+    groups: GridGroups  # ProcessGroup each (None: a single-rank grid)
+    group_ranks: GridGroups  # list of global ranks each
+    embedding_ranks: list[int]  # first and last pipeline stage of this rank's column
+    cp: int = 1  # ring-attention degree (--context-parallel-size)
 
     @property
     def world_size(self) -> int:
@@ -155,9 +166,9 @@ class ParallelDims:
         """1-D DeviceMesh over this rank's dp_cp_sp group, for FSDP2 (ZeRO-3). Built on first
         use from the existing group, so it creates no new communicator."""
         from torch.distributed.device_mesh import DeviceMesh
+
         device_type = "cuda" if dist.get_backend(self.dp_cp_sp_group) == "nccl" else "cpu"
-        return DeviceMesh.from_group(self.dp_cp_sp_group, device_type,
-                                     mesh_dim_names=("dp_cp_sp",))
+        return DeviceMesh.from_group(self.dp_cp_sp_group, device_type, mesh_dim_names=("dp_cp_sp",))
 
     @functools.cached_property
     def checkpoint_group(self):
@@ -202,11 +213,13 @@ def _groups_varying(grid: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]
     return [row.tolist() for row in perm.reshape(-1, n)]
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1,
-                              sequence_parallel_size: int = 1,
-                              pipeline_model_parallel_size: int = 1,
-                              timeout: datetime.timedelta | None = None,
-                              context_parallel_size: int = 1) -> ParallelDims:
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    sequence_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    timeout: datetime.timedelta | None = None,
+    context_parallel_size: int = 1,
+) -> ParallelDims:
     """Build every group and return the grid. Must be called on all ranks after
     init_process_group. Keeps nothing: the caller hands the result to what needs it."""
     world = dist.get_world_size()
@@ -214,8 +227,9 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
     tp, sp, pp = tensor_model_parallel_size, sequence_parallel_size, pipeline_model_parallel_size
     cp = context_parallel_size
     if world % (tp * sp * pp * cp) != 0:
-        raise ValueError(f"world size {world} is not divisible by TP*SP*CP*PP = "
-                         f"{tp}*{sp}*{cp}*{pp}")
+        raise ValueError(
+            f"world size {world} is not divisible by TP*SP*CP*PP = {tp}*{sp}*{cp}*{pp}"
+        )
     grid = _grid(world, tp, sp, pp, cp)
     dp = grid.shape[1]
     where = (grid == rank).nonzero()[0].tolist()
@@ -239,8 +253,17 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1,
         if rank in ranks:
             groups["embedding"], embedding_ranks = group, ranks
     group_ranks["embedding"] = embedding_ranks or []
-    return ParallelDims(tp, sp, dp, pp, coords, GridGroups(**groups), GridGroups(**group_ranks),
-                        embedding_ranks or [], cp=cp)
+    return ParallelDims(
+        tp,
+        sp,
+        dp,
+        pp,
+        coords,
+        GridGroups(**groups),
+        GridGroups(**group_ranks),
+        embedding_ranks or [],
+        cp=cp,
+    )
 
 
 def single_rank_dims() -> ParallelDims:
@@ -248,5 +271,13 @@ def single_rank_dims() -> ParallelDims:
     None group is the identity. For models built without communication (generation, the
     parameter table's meta-device build)."""
     names = [f.name for f in fields(GridGroups)]
-    return ParallelDims(1, 1, 1, 1, dict.fromkeys(_AXES, 0), GridGroups(**dict.fromkeys(names)),
-                        GridGroups(**{n: [0] for n in names}), [])
+    return ParallelDims(
+        1,
+        1,
+        1,
+        1,
+        dict.fromkeys(_AXES, 0),
+        GridGroups(**dict.fromkeys(names)),
+        GridGroups(**{n: [0] for n in names}),
+        [],
+    )

@@ -18,6 +18,7 @@ Parameters are created through `new_parameter`, which records how to compute the
 (`init_spec`). Inside `deferred()` they are created on the meta device instead, to be sharded
 (ZeRO-3) and then `materialize`d shard by shard.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,18 +58,21 @@ def _mix_(z: torch.Tensor, shift: int, multiplier: Optional[int], scratch: torch
 def workspace(elements: int, device) -> tuple[torch.Tensor, ...]:
     """Buffers for standard_normal_at: allocated once per parameter and reused chunk after
     chunk, so that the allocator does not fragment the heap between parameters."""
-    return (torch.empty(elements, dtype=torch.int64, device=device),
-            torch.empty(elements, dtype=torch.int64, device=device),
-            torch.empty(elements, dtype=torch.float64, device=device),
-            torch.empty(elements, dtype=torch.float64, device=device))
+    return (
+        torch.empty(elements, dtype=torch.int64, device=device),
+        torch.empty(elements, dtype=torch.int64, device=device),
+        torch.empty(elements, dtype=torch.float64, device=device),
+        torch.empty(elements, dtype=torch.float64, device=device),
+    )
 
 
 def standard_normal_at(flat_index: torch.Tensor, key: int, buffers=None) -> torch.Tensor:
     """N(0, 1) values (fp64) of the elements at `flat_index` (int64) of the stream `key`,
     computed in place in `buffers` (see workspace(); allocated here when None)."""
     n = flat_index.numel()
-    z, scratch, angle, u1 = (b[:n].view(flat_index.shape)
-                             for b in (buffers or workspace(n, flat_index.device)))
+    z, scratch, angle, u1 = (
+        b[:n].view(flat_index.shape) for b in (buffers or workspace(n, flat_index.device))
+    )
     torch.bitwise_right_shift(flat_index, 1, out=z)
     z.add_(1).mul_(_GAMMA).add_(key)
     _mix_(z, 30, _MUL1, scratch)
@@ -76,13 +80,13 @@ def standard_normal_at(flat_index: torch.Tensor, key: int, buffers=None) -> torc
     _mix_(z, 31, None, scratch)
     # u2 ∈ [0, 1) from the low 32 bits, u1 ∈ (0, 1] from the high 32 bits.
     torch.bitwise_and(z, 0xFFFFFFFF, out=scratch)
-    angle.copy_(scratch).mul_(2.0 ** -32 * 2 * math.pi)
+    angle.copy_(scratch).mul_(2.0**-32 * 2 * math.pi)
     # Odd elements take the pair's sine: sin θ = cos(θ - π/2).
     torch.bitwise_and(flat_index, 1, out=scratch)
     u1.copy_(scratch)
     angle.sub_(u1.mul_(math.pi / 2))
     z.bitwise_right_shift_(32).bitwise_and_(0xFFFFFFFF).add_(1)
-    u1.copy_(z).mul_(2.0 ** -32)
+    u1.copy_(z).mul_(2.0**-32)
     return u1.log_().mul_(-2.0).sqrt_().mul_(angle.cos_())
 
 
@@ -119,6 +123,7 @@ class Constant(Init):
 @dataclass(frozen=True)
 class Normal(Init):
     """N(0, std²), counter-based (module docstring)."""
+
     std: float
     seed: int
     key: str
@@ -126,24 +131,26 @@ class Normal(Init):
     def fill_(self, out, global_shape, index):
         if out.numel() == 0:
             return out
-        strides = [math.prod(global_shape[d + 1:]) for d in range(len(global_shape))]
+        strides = [math.prod(global_shape[d + 1 :]) for d in range(len(global_shape))]
         index = [i.to(out.device) for i in index]
         key = stream_key(self.seed, self.key)
         row_elements = max(out[0].numel(), 1)
         rows_per_chunk = max(WORKSPACE_ELEMENTS // row_elements, 1)
         chunk = min(rows_per_chunk, out.shape[0]) * row_elements
-        flat_buffer, buffers = torch.empty(chunk, dtype=torch.int64, device=out.device), \
-            workspace(chunk, out.device)
+        flat_buffer, buffers = (
+            torch.empty(chunk, dtype=torch.int64, device=out.device),
+            workspace(chunk, out.device),
+        )
         for start in range(0, out.shape[0], rows_per_chunk):
-            rows = index[0][start:start + rows_per_chunk]
+            rows = index[0][start : start + rows_per_chunk]
             shape = [len(rows), *[len(i) for i in index[1:]]]
-            flat = flat_buffer[:math.prod(shape)].view(shape)
+            flat = flat_buffer[: math.prod(shape)].view(shape)
             flat.copy_((rows * strides[0]).view(-1, *[1] * (len(index) - 1)).expand(shape))
             for d in range(1, len(index)):
                 view = [1] * len(index)
                 view[d] = -1
                 flat.add_(index[d].view(view), alpha=strides[d])
-            out[start:start + len(rows)] = standard_normal_at(flat, key, buffers).mul_(self.std)
+            out[start : start + len(rows)] = standard_normal_at(flat, key, buffers).mul_(self.std)
         return out
 
 
@@ -165,7 +172,7 @@ class FromFull(Init):
 class InitSpec:
     init: Init
     global_shape: tuple
-    index: Index           # global positions held by this rank before ZeRO-3 sharding
+    index: Index  # global positions held by this rank before ZeRO-3 sharding
 
 
 _deferred = False
@@ -182,8 +189,9 @@ def deferred():
         _deferred = previous
 
 
-def new_parameter(init: Init, global_shape, index: Optional[Index] = None, *, device=None,
-                  dtype=torch.float32) -> nn.Parameter:
+def new_parameter(
+    init: Init, global_shape, index: Optional[Index] = None, *, device=None, dtype=torch.float32
+) -> nn.Parameter:
     """A parameter holding positions `index` (default: all) of a `global_shape` tensor."""
     global_shape = tuple(global_shape)
     index = full_index(global_shape) if index is None else tuple(index)
@@ -199,15 +207,21 @@ def _dim0_shard(param) -> tuple[torch.Tensor, int]:
     """(local tensor, offset of its first row in the unsharded parameter) of a parameter that
     is a DTensor sharded on dim 0 (FSDP2), or (param, 0)."""
     from torch.distributed.tensor import DTensor, Shard
+
     if not isinstance(param, DTensor):
         return param.data, 0
-    if any(not (isinstance(p, Shard) and p.dim == 0) for p in param.placements
-           if not p.is_replicate()):
-        raise ValueError(f"cannot materialise placements {param.placements}: only dim-0 "
-                         f"sharding (FSDP2) is supported")
+    if any(
+        not (isinstance(p, Shard) and p.dim == 0) for p in param.placements if not p.is_replicate()
+    ):
+        raise ValueError(
+            f"cannot materialise placements {param.placements}: only dim-0 "
+            f"sharding (FSDP2) is supported"
+        )
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh,
-                                                      param.placements)
+
+    _, offset = compute_local_shape_and_global_offset(
+        param.shape, param.device_mesh, param.placements
+    )
     return param.to_local(), offset[0] if offset else 0
 
 
@@ -229,6 +243,6 @@ def materialize(module: nn.Module, device) -> nn.Module:
         local, offset = _dim0_shard(param)
         if local.numel() == 0:
             continue
-        index = (spec.index[0][offset:offset + local.shape[0]], *spec.index[1:])
+        index = (spec.index[0][offset : offset + local.shape[0]], *spec.index[1:])
         spec.init.fill_(local, spec.global_shape, index)
     return module

@@ -5,6 +5,7 @@ these facts; everything that needs them (checkpoint resharding and conversion, Z
 Hugging Face and Megatron-LM mappings) reads them back from `param_spec(p)` or from the table
 built from a model (pipeline/param_table.py), never from the parameter's name.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -13,19 +14,19 @@ from typing import Optional
 import torch
 
 # Values of ParamSpec.fused: how the rows (dim 0) of a fused weight are organised.
-FUSED_QKV = "qkv"          # [query groups, q_per_group + 2, head_dim, ...]: each group's q, k, v
+FUSED_QKV = "qkv"  # [query groups, q_per_group + 2, head_dim, ...]: each group's q, k, v
 FUSED_GATE_UP = "gate_up"  # [gate; up] of a SwiGLU MLP (TP-split with stride 2)
 
 
 @dataclass(frozen=True)
 class ParamSpec:
-    partition_dim: Optional[int] = None   # TP split dimension; None = replicated over TP
-    partition_stride: int = 1             # blocks laid end to end along partition_dim
-    vocab_padded: bool = False            # dim 0 is the vocabulary, padded for the TP size
-    fused: Optional[str] = None           # FUSED_QKV, FUSED_GATE_UP or None
+    partition_dim: Optional[int] = None  # TP split dimension; None = replicated over TP
+    partition_stride: int = 1  # blocks laid end to end along partition_dim
+    vocab_padded: bool = False  # dim 0 is the vocabulary, padded for the TP size
+    fused: Optional[str] = None  # FUSED_QKV, FUSED_GATE_UP or None
     # How training treats the parameter in this run, not how it is stored (so not in to_json):
-    sequence_parallel: bool = False       # TP-replicated, sees a sequence chunk: grads sum over TP
-    tied_replica: bool = False            # the last stage's copy of the tied word embeddings
+    sequence_parallel: bool = False  # TP-replicated, sees a sequence chunk: grads sum over TP
+    tied_replica: bool = False  # the last stage's copy of the tied word embeddings
 
     @property
     def tensor_parallel(self) -> bool:
@@ -33,8 +34,12 @@ class ParamSpec:
 
     def to_json(self) -> dict:
         """The stored layout (the parameter table's columns)."""
-        return {"partition_dim": self.partition_dim, "partition_stride": self.partition_stride,
-                "vocab_padded": self.vocab_padded, "fused": self.fused}
+        return {
+            "partition_dim": self.partition_dim,
+            "partition_stride": self.partition_stride,
+            "vocab_padded": self.vocab_padded,
+            "fused": self.fused,
+        }
 
 
 def param_spec(p: torch.Tensor) -> ParamSpec:

@@ -8,6 +8,7 @@ ranks that hold different pieces of it. Two streams:
     (attention probabilities of a slice of heads) and on Megatron-SP sequence chunks.
 Works for the CPU generator and, on GPU, the CUDA generator of the current device.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -81,7 +82,7 @@ def model_parallel_seed(seed: int, dims: ParallelDims, device_type: str = "cpu")
     """Seed the default generator and the model-parallel stream (Megatron's offsets) for this
     rank's place in `dims`."""
     pp_rank = dims.pp_rank
-    sp_rank = dims.sequence_split[0]   # Ulysses × ring: each holds different tokens
+    sp_rank = dims.sequence_split[0]  # Ulysses × ring: each holds different tokens
     tp_rank, tp = dims.tp_rank, dims.tp
     default_seed = seed + 100 * pp_rank + 1009 * sp_rank
     model_parallel = seed + 2718 + 100 * pp_rank + tp_rank + tp * 1009 * sp_rank

@@ -7,6 +7,7 @@ already replays the default generator (preserve_rng_state); the RNG tracker's na
 so we snapshot them when the forward runs and swap the snapshot in for the recompute, putting
 back whatever the tracker holds by then (later layers have advanced it) afterwards.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -45,12 +46,14 @@ def checkpoint(function, *args):
     with the default generator and the tracker's streams exactly as they were."""
     if not torch.is_grad_enabled():
         return function(*args)
-    return _torch_checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True,
-                             context_fn=_tracker_contexts)
+    return _torch_checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_tracker_contexts
+    )
 
 
-def layers_to_checkpoint(num_layers: int, granularity, method, recompute_num_layers: int
-                         ) -> list[list[int]]:
+def layers_to_checkpoint(
+    num_layers: int, granularity, method, recompute_num_layers: int
+) -> list[list[int]]:
     """Megatron's full-recompute plans over this stage's layers, as runs of layer indices.
 
     uniform: consecutive chunks of `recompute_num_layers` layers, each checkpointed as one unit.
@@ -60,17 +63,20 @@ def layers_to_checkpoint(num_layers: int, granularity, method, recompute_num_lay
     if granularity != "full":
         return []
     if method == "uniform":
-        return [list(range(i, min(i + recompute_num_layers, num_layers)))
-                for i in range(0, num_layers, recompute_num_layers)]
+        return [
+            list(range(i, min(i + recompute_num_layers, num_layers)))
+            for i in range(0, num_layers, recompute_num_layers)
+        ]
     return [[i] for i in range(min(recompute_num_layers, num_layers))]
 
 
-def run_layers(layers, x: torch.Tensor, plan: list[list[int]], *args,
-               offloader=None) -> torch.Tensor:
+def run_layers(
+    layers, x: torch.Tensor, plan: list[list[int]], *args, offloader=None
+) -> torch.Tensor:
     """x through every layer in order; each run of indices in `plan` is one checkpoint, whose
     input is kept in host memory when an offloader (mpu.offload.HostOffloader) is given."""
     starts = {run[0]: run for run in plan}
-    chain: list = []   # this pass's offloaded inputs, in order
+    chain: list = []  # this pass's offloaded inputs, in order
     i = 0
     while i < len(layers):
         run = starts.get(i)

@@ -40,6 +40,7 @@ The main weights are saved with the model: checkpoints read each parameter's `ma
 Training checkpoints do not use this per-rank format: checkpoint/zero.py gathers the moments
 into the per-parameter form plain AdamW checkpoints use, so they load on any layout.
 """
+
 from __future__ import annotations
 
 import math
@@ -62,10 +63,18 @@ FORMAT = "megatron_ul.zero1.v2"
 class DistributedOptimizer:
     """Drop-in for the torch optimizer in train_step; owns gradient reduction and clipping."""
 
-    def __init__(self, model: torch.nn.Module, train: TrainConfig,
-                 dims: ParallelDims, *, max_bucket_elements: int,
-                 overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                 deferred_params=(), offload_fraction: float = 0.0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        train: TrainConfig,
+        dims: ParallelDims,
+        *,
+        max_bucket_elements: int,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        deferred_params=(),
+        offload_fraction: float = 0.0,
+    ):
         self.dims = dims
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if len({p.dtype for _, p in named}) != 1:
@@ -89,21 +98,26 @@ class DistributedOptimizer:
         for bucket in buckets:
             per_rank = math.ceil(sum(p.numel() for p in bucket) / self.size)
             self.bucket_ranges.append((offset, offset + per_rank * self.size))
-            self.shard_ranges.append((offset + self.rank * per_rank,
-                                      offset + (self.rank + 1) * per_rank))
+            self.shard_ranges.append(
+                (offset + self.rank * per_rank, offset + (self.rank + 1) * per_rank)
+            )
             offset += per_rank * self.size
         self.param_buffer = torch.zeros(offset, dtype=self.params[0].dtype, device=device)
         self.grad_buffer = torch.zeros(offset, dtype=torch.float32, device=device)
         self.pieces = self._bind_params(named, buckets)
         self.main_shards = self._main_shards(
-            offloaded_prefix([hi - lo for lo, hi in self.shard_ranges], offload_fraction))
+            offloaded_prefix([hi - lo for lo, hi in self.shard_ranges], offload_fraction)
+        )
         self._bind_main_shards()
         self.optimizer = self._build_inner(train)
         self.grad_sync = self
-        self._grads_in_flight: dict[int, Any] = {}   # async work handles
+        self._grads_in_flight: dict[int, Any] = {}  # async work handles
         self.launcher = BucketLauncher(
-            buckets, self._launch_grad_reduce, overlap=overlap_grad_reduce and self.size > 1,
-            deferred=frozenset([len(buckets) - 1]) if tied else frozenset())
+            buckets,
+            self._launch_grad_reduce,
+            overlap=overlap_grad_reduce and self.size > 1,
+            deferred=frozenset([len(buckets) - 1]) if tied else frozenset(),
+        )
         self.buckets = buckets
         self._params_in_flight: dict[int, Any] = {}
         self.overlap_param_gather = overlap_param_gather and self.size > 1
@@ -114,14 +128,15 @@ class DistributedOptimizer:
         """Make params/grads views of the buffers, bucket by bucket; return the pieces this
         rank owns."""
         pieces, by_id = [], {id(p): n for n, p in named}
-        for bucket, (offset, _), (lo_own, hi_own) in zip(buckets, self.bucket_ranges,
-                                                         self.shard_ranges):
+        for bucket, (offset, _), (lo_own, hi_own) in zip(
+            buckets, self.bucket_ranges, self.shard_ranges
+        ):
             for p in bucket:
                 n = p.numel()
-                view = self.param_buffer[offset:offset + n].view_as(p)
+                view = self.param_buffer[offset : offset + n].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-                grad = self.grad_buffer[offset:offset + n].view_as(p)
+                grad = self.grad_buffer[offset : offset + n].view_as(p)
                 if self.half:
                     attach_main_grad(p, grad)
                 else:
@@ -151,14 +166,16 @@ class DistributedOptimizer:
 
     @property
     def separate_main(self) -> bool:
-        return any(main.data_ptr() != self.param_buffer[lo:hi].data_ptr()
-                   for (main, _), (lo, hi) in zip(self.main_shards, self.shard_ranges))
+        return any(
+            main.data_ptr() != self.param_buffer[lo:hi].data_ptr()
+            for (main, _), (lo, hi) in zip(self.main_shards, self.shard_ranges)
+        )
 
     def _main_piece(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(main copy, gradient) of the owned flat range [lo, hi)."""
         for (main, grad), (own_lo, own_hi) in zip(self.main_shards, self.shard_ranges):
             if own_lo <= lo and hi <= own_hi:
-                return main[lo - own_lo:hi - own_lo], grad[lo - own_lo:hi - own_lo]
+                return main[lo - own_lo : hi - own_lo], grad[lo - own_lo : hi - own_lo]
         raise AssertionError(f"[{lo}, {hi}) is not owned by this rank")
 
     def _bind_main_shards(self) -> None:
@@ -179,10 +196,17 @@ class DistributedOptimizer:
             piece, grad = self._main_piece(lo, hi)
             piece.grad = grad
             (no_decay if p.dim() == 1 else decay).append(piece)
-        groups = [{"params": decay, "weight_decay": train.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
-                                 eps=train.adam_eps, foreach=True)
+        groups = [
+            {"params": decay, "weight_decay": train.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(
+            groups,
+            lr=train.lr,
+            betas=(train.adam_beta1, train.adam_beta2),
+            eps=train.adam_eps,
+            foreach=True,
+        )
 
     # ---- what train_step and the LR schedule use ------------------------------------------
     @property
@@ -195,16 +219,18 @@ class DistributedOptimizer:
         self.launcher.start(num_micro_batches)
 
     def _launch_grad_reduce(self, b: int) -> None:
-        sequence_parallel = [grad_of(p) for p in self.buckets[b]
-                             if param_spec(p).sequence_parallel]
+        sequence_parallel = [grad_of(p) for p in self.buckets[b] if param_spec(p).sequence_parallel]
         all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if self.size == 1:
             return
         (lo, hi), (own_lo, own_hi) = self.bucket_ranges[b], self.shard_ranges[b]
         record("reduce_scatter", self.grad_buffer[lo:hi], self.group)
         self._grads_in_flight[b] = dist.reduce_scatter_tensor(
-            self.grad_buffer[own_lo:own_hi], self.grad_buffer[lo:hi], group=self.group,
-            async_op=True)
+            self.grad_buffer[own_lo:own_hi],
+            self.grad_buffer[lo:hi],
+            group=self.group,
+            async_op=True,
+        )
 
     def finish(self) -> None:
         """Launch the buckets backward has not, and wait for all of them."""
@@ -251,7 +277,7 @@ class DistributedOptimizer:
             elif main.device == HOST:
                 grad.copy_(self.grad_buffer[lo:hi])
         if copied and self.grad_buffer.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()   # once per step: the host reads them
+            torch.cuda.current_stream().synchronize()  # once per step: the host reads them
 
     @torch.no_grad()
     def copy_main_to_model(self) -> None:
@@ -263,12 +289,16 @@ class DistributedOptimizer:
                 own.copy_(main, non_blocking=True)
         if self.size == 1:
             return
-        for b, ((lo, hi), (own_lo, own_hi)) in enumerate(zip(self.bucket_ranges,
-                                                             self.shard_ranges)):
+        for b, ((lo, hi), (own_lo, own_hi)) in enumerate(
+            zip(self.bucket_ranges, self.shard_ranges)
+        ):
             record("all_gather", self.param_buffer[lo:hi], self.group)
             self._params_in_flight[b] = dist.all_gather_into_tensor(
-                self.param_buffer[lo:hi], self.param_buffer[own_lo:own_hi], group=self.group,
-                async_op=True)
+                self.param_buffer[lo:hi],
+                self.param_buffer[own_lo:own_hi],
+                group=self.group,
+                async_op=True,
+            )
         if not self.overlap_param_gather:
             self.finish_param_sync()
 
@@ -284,12 +314,12 @@ class DistributedOptimizer:
         """Before a module's forward, wait for the buckets holding its own parameters."""
         bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         for module in model.modules():
-            own = {bucket_of[id(p)] for p in module.parameters(recurse=False)
-                   if id(p) in bucket_of}
+            own = {bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of}
             if own:
                 buckets = sorted(own)
                 module.register_forward_pre_hook(
-                    lambda _m, _args, buckets=buckets: self.finish_param_sync(buckets))
+                    lambda _m, _args, buckets=buckets: self.finish_param_sync(buckets)
+                )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero in place: the parameters' .grad must stay views of the gradient buffer."""
@@ -298,19 +328,26 @@ class DistributedOptimizer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"format": FORMAT, "dp_cp_sp_rank": self.rank, "dp_cp_sp_size": self.size,
-                "numel": self.numel, "padded_numel": self.param_buffer.numel(),
-                "shard": [tuple(r) for r in self.shard_ranges],
-                "pieces": [(name, offset, lo, hi) for name, _, offset, lo, hi in self.pieces],
-                "optimizer": self.optimizer.state_dict()}
+        return {
+            "format": FORMAT,
+            "dp_cp_sp_rank": self.rank,
+            "dp_cp_sp_size": self.size,
+            "numel": self.numel,
+            "padded_numel": self.param_buffer.numel(),
+            "shard": [tuple(r) for r in self.shard_ranges],
+            "pieces": [(name, offset, lo, hi) for name, _, offset, lo, hi in self.pieces],
+            "optimizer": self.optimizer.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         mine = self.state_dict()
         for key in ("format", "dp_cp_sp_rank", "dp_cp_sp_size", "numel", "shard", "pieces"):
             if _as_lists(state.get(key)) != _as_lists(mine[key]):
-                raise ValueError(f"distributed-optimizer checkpoint does not match this run "
-                                 f"({key}: saved {state.get(key)!r}, now {mine[key]!r}); load it "
-                                 f"with the same model and the same DP×SP size")
+                raise ValueError(
+                    f"distributed-optimizer checkpoint does not match this run "
+                    f"({key}: saved {state.get(key)!r}, now {mine[key]!r}); load it "
+                    f"with the same model and the same DP×SP size"
+                )
         self.optimizer.load_state_dict(state["optimizer"])
 
 

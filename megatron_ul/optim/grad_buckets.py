@@ -18,13 +18,14 @@ Deferred buckets hold a weight tied across pipeline stages (the word embedding o
 last stage): its gradient must first be summed over the embedding group, after backward, so
 these buckets are launched by `finish` only.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
 
 import torch
 
-DEFAULT_BUCKET_ELEMENTS = 40_000_000   # Megatron's default with --overlap-grad-reduce
+DEFAULT_BUCKET_ELEMENTS = 40_000_000  # Megatron's default with --overlap-grad-reduce
 
 
 def bucket_elements(ddp_bucket_size: Optional[int], dp_cp_sp_size: int) -> int:
@@ -34,8 +35,9 @@ def bucket_elements(ddp_bucket_size: Optional[int], dp_cp_sp_size: int) -> int:
     return max(DEFAULT_BUCKET_ELEMENTS, 1_000_000 * dp_cp_sp_size)
 
 
-def split_into_buckets(params: list[torch.nn.Parameter], max_elements: int
-                       ) -> list[list[torch.nn.Parameter]]:
+def split_into_buckets(
+    params: list[torch.nn.Parameter], max_elements: int
+) -> list[list[torch.nn.Parameter]]:
     """Consecutive runs of `params` of at most max_elements (a larger parameter is a bucket of
     its own)."""
     buckets: list[list[torch.nn.Parameter]] = [[]]
@@ -54,22 +56,28 @@ class BucketLauncher:
     (as soon as its last gradient is in), else (and for whatever the hooks did not launch)
     from `launch_remaining`."""
 
-    def __init__(self, buckets: list[list[torch.nn.Parameter]], launch: Callable[[int], None],
-                 overlap: bool, deferred: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        buckets: list[list[torch.nn.Parameter]],
+        launch: Callable[[int], None],
+        overlap: bool,
+        deferred: frozenset[int] = frozenset(),
+    ):
         self.buckets, self.launch, self.overlap = buckets, launch, overlap
         self.deferred = deferred
         self.launched = [False] * len(buckets)
         self.counts = [0] * len(buckets)
-        self.expected: Optional[int] = None     # micro-batches of the current step
-        self.launched_by_hooks = 0              # in the last step (logs and tests)
+        self.expected: Optional[int] = None  # micro-batches of the current step
+        self.launched_by_hooks = 0  # in the last step (logs and tests)
         self.hooks = []
         if overlap:
             for i, bucket in enumerate(buckets):
                 if i in deferred:
                     continue
                 for p in bucket:
-                    self.hooks.append(p.register_post_accumulate_grad_hook(
-                        lambda _p, i=i: self._accumulated(i)))
+                    self.hooks.append(
+                        p.register_post_accumulate_grad_hook(lambda _p, i=i: self._accumulated(i))
+                    )
 
     def start(self, num_micro_batches: int) -> None:
         """Arm the hooks for a step of `num_micro_batches` backward passes."""

@@ -8,6 +8,7 @@ of the global token-mean loss, whatever the layout.
 The sum runs in buckets (grad_buckets.py), after backward or, with --overlap-grad-reduce,
 while backward still runs; both give the same bits.
 """
+
 from __future__ import annotations
 
 import math
@@ -58,37 +59,44 @@ class DataParallelGradSync:
     `deferred_params` (weights tied across pipeline stages) get buckets of their own that are
     reduced only in `finish`, after the caller has summed them over the embedding group."""
 
-    def __init__(self, params: list[torch.nn.Parameter], max_bucket_elements: int,
-                 dims: ParallelDims, overlap: bool = False, deferred_params=()):
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        max_bucket_elements: int,
+        dims: ParallelDims,
+        overlap: bool = False,
+        deferred_params=(),
+    ):
         self.dims = dims
         deferred_ids = {id(p) for p in deferred_params}
         ordered = list(reversed(params))
-        buckets = split_into_buckets([p for p in ordered if id(p) not in deferred_ids],
-                                     max_bucket_elements)
+        buckets = split_into_buckets(
+            [p for p in ordered if id(p) not in deferred_ids], max_bucket_elements
+        )
         deferred = [p for p in ordered if id(p) in deferred_ids]
         self.buckets = buckets + ([deferred] if deferred else [])
         self.group = self.dims.dp_cp_sp_group
         self.in_flight: dict[int, tuple] = {}
         self.launcher = BucketLauncher(
-            self.buckets, self._launch,
+            self.buckets,
+            self._launch,
             overlap=overlap and dist.get_world_size(self.group) > 1,
-            deferred=frozenset(range(len(buckets), len(self.buckets))))
+            deferred=frozenset(range(len(buckets), len(self.buckets))),
+        )
 
     def start(self, num_micro_batches: int) -> None:
         self.launcher.start(num_micro_batches)
 
     def _launch(self, i: int) -> None:
         with_grad = [p for p in self.buckets[i] if grad_of(p) is not None]
-        sequence_parallel = [grad_of(p) for p in with_grad
-                             if param_spec(p).sequence_parallel]
+        sequence_parallel = [grad_of(p) for p in with_grad if param_spec(p).sequence_parallel]
         all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if dist.get_world_size(self.group) == 1 or not with_grad:
             return
         grads = [grad_of(p) for p in with_grad]
         flat = _flatten_dense_tensors(grads)
         record("all_reduce", flat, self.group)
-        self.in_flight[i] = (grads, flat, dist.all_reduce(flat, group=self.group,
-                                                          async_op=True))
+        self.in_flight[i] = (grads, flat, dist.all_reduce(flat, group=self.group, async_op=True))
 
     def finish(self) -> None:
         """Launch what backward has not, wait for every bucket and write the sums back."""
@@ -101,8 +109,9 @@ class DataParallelGradSync:
         self.in_flight.clear()
 
 
-def reduce_gradients(params: list[torch.nn.Parameter], dims: ParallelDims,
-                     max_bucket_elements: int | None = None) -> None:
+def reduce_gradients(
+    params: list[torch.nn.Parameter], dims: ParallelDims, max_bucket_elements: int | None = None
+) -> None:
     """Finish the backward pass without overlap: Megatron-SP replicated weights over TP,
     everything over dp_cp_sp (the groups of `dims`), in the buckets an
     overlapped run would use."""
@@ -114,15 +123,14 @@ def reduce_gradients(params: list[torch.nn.Parameter], dims: ParallelDims,
 def counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
     """Is this rank the one that counts p in the global norm (no double counting of copies)?"""
     spec = param_spec(p)
-    if spec.tied_replica:   # the tied output copy on the last PP stage
+    if spec.tied_replica:  # the tied output copy on the last PP stage
         return False
     if spec.tensor_parallel:
         return True
     return dims.tp_rank == 0
 
 
-def global_grad_norm(params: list[torch.nn.Parameter],
-                     dims: ParallelDims) -> float:
+def global_grad_norm(params: list[torch.nn.Parameter], dims: ParallelDims) -> float:
     """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
     grads = [grad_of(p) for p in params if grad_of(p) is not None and counts_once(p, dims)]
     # the parameters' device even when this rank counts no gradient (the reduction needs it)
@@ -135,8 +143,7 @@ def global_grad_norm(params: list[torch.nn.Parameter],
     return math.sqrt(sq.item())
 
 
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float,
-                   dims: ParallelDims) -> float:
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, dims: ParallelDims) -> float:
     """Scale all gradients so that their global norm is at most max_norm; returns the norm
     before clipping (what Megatron logs as grad-norm)."""
     norm = global_grad_norm(params, dims)

@@ -1,13 +1,22 @@
 """Learning-rate schedule: linear warmup, then constant, linear or cosine decay to min_lr
 (Megatron-LM's OptimizerParamScheduler; step 0 uses lr 0 when there is warmup)."""
+
 from __future__ import annotations
 
 import math
 
 
 class LRSchedule:
-    def __init__(self, optimizer, *, max_lr: float, min_lr: float, warmup_steps: int,
-                 decay_steps: int, decay_style: str):
+    def __init__(
+        self,
+        optimizer,
+        *,
+        max_lr: float,
+        min_lr: float,
+        warmup_steps: int,
+        decay_steps: int,
+        decay_style: str,
+    ):
         self.optimizer, self.max_lr, self.min_lr = optimizer, max_lr, min_lr
         self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
         self.decay_style = decay_style
@@ -45,8 +54,7 @@ class LRSchedule:
     HYPER_PARAMETERS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
 
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps,
-                **{k: getattr(self, k) for k in self.HYPER_PARAMETERS}}
+        return {"num_steps": self.num_steps, **{k: getattr(self, k) for k in self.HYPER_PARAMETERS}}
 
     def load_state_dict(self, state: dict) -> None:
         """Position and, where saved, the schedule itself (checkpoints before the schedule was

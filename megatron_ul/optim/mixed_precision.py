@@ -16,6 +16,7 @@ megatron-core's --optimizer-cpu-offload:
   the same arithmetic on the same values, bit for bit.
 An fp32 model that offloads nothing keeps torch's AdamW on the parameters themselves.
 """
+
 from __future__ import annotations
 
 import torch
@@ -58,14 +59,16 @@ def offloaded_prefix(sizes: list[int], fraction: float) -> int:
 def host_buffer(like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     """An empty host tensor shaped like `like`; pinned when `like` lives on a GPU, so copies
     to and from it can run asynchronously."""
-    return torch.empty(like.shape, dtype=dtype, device=HOST,
-                       pin_memory=like.device.type == "cuda")
+    return torch.empty(like.shape, dtype=dtype, device=HOST, pin_memory=like.device.type == "cuda")
 
 
 def main_copy(p: nn.Parameter, device) -> nn.Parameter:
     """An fp32 copy of p on `device` carrying p's attributes (TP layout, names' markers)."""
-    data = (host_buffer(p) if device == HOST else
-            torch.empty(p.shape, dtype=torch.float32, device=p.device))
+    data = (
+        host_buffer(p)
+        if device == HOST
+        else torch.empty(p.shape, dtype=torch.float32, device=p.device)
+    )
     data.copy_(p.detach())
     main = nn.Parameter(data)
     for key, value in vars(p).items():
@@ -78,13 +81,21 @@ class MainParamOptimizer:
     """AdamW over fp32 main copies of the model's parameters (plain data parallelism; ZeRO-1
     keeps its own main shard in distributed_optimizer.py)."""
 
-    def __init__(self, model: nn.Module, train: TrainConfig, groups: list[dict], *,
-                 offload_fraction: float, fused: bool):
+    def __init__(
+        self,
+        model: nn.Module,
+        train: TrainConfig,
+        groups: list[dict],
+        *,
+        offload_fraction: float,
+        fused: bool,
+    ):
         params = [p for g in groups for p in g["params"]]
         half = params[0].dtype != torch.float32
         order = [p for p in model.parameters() if p.requires_grad]
-        host = {id(p) for p in order[:offloaded_prefix([p.numel() for p in order],
-                                                        offload_fraction)]}
+        host = {
+            id(p) for p in order[: offloaded_prefix([p.numel() for p in order], offload_fraction)]
+        }
         self.pairs = []
         for p in params:
             device = HOST if id(p) in host else p.device
@@ -98,8 +109,12 @@ class MainParamOptimizer:
         main_groups = [{**g, "params": [main_of[id(p)] for p in g["params"]]} for g in groups]
         # fused needs every tensor on the GPU; foreach groups them by device.
         self.optimizer = torch.optim.AdamW(
-            main_groups, lr=train.lr, betas=(train.adam_beta1, train.adam_beta2),
-            eps=train.adam_eps, **({"fused": True} if fused and not host else {"foreach": True}))
+            main_groups,
+            lr=train.lr,
+            betas=(train.adam_beta1, train.adam_beta2),
+            eps=train.adam_eps,
+            **({"fused": True} if fused and not host else {"foreach": True}),
+        )
         self.offloaded_elements = sum(p.numel() for p in params if id(p) in host)
 
     @property
@@ -114,14 +129,14 @@ class MainParamOptimizer:
             if main is p or grad is None:
                 continue
             if main.device == grad.device:
-                main.grad = grad                    # the fp32 main_grad itself: no copy
+                main.grad = grad  # the fp32 main_grad itself: no copy
             else:
                 if main.grad is None:
                     main.grad = host_buffer(main)
                 main.grad.copy_(grad, non_blocking=True)
                 copies.append(grad)
         if copies and copies[0].device.type == "cuda":
-            torch.cuda.current_stream().synchronize()   # once per step: the host reads them
+            torch.cuda.current_stream().synchronize()  # once per step: the host reads them
         self.optimizer.step()
         self.copy_main_to_model()
 
@@ -135,7 +150,7 @@ class MainParamOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, _ in self.pairs:
             if getattr(p, "main_grad", None) is not None:
-                p.main_grad.zero_()      # persistent: the accumulation hooks add into it
+                p.main_grad.zero_()  # persistent: the accumulation hooks add into it
             p.grad = None if set_to_none else p.grad
 
     def state_dict(self) -> dict:

@@ -12,6 +12,7 @@ counter; when that reaches 0, scale = max(scale · 0.5, --min-loss-scale). After
 --loss-scale-window consecutive good steps, scale ·= 2 and the hysteresis counter refills to
 --hysteresis.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,15 @@ log = logging.getLogger("megatron_ul")
 class GradScaler:
     """--loss-scale S gives a constant scale; otherwise the scale is dynamic."""
 
-    def __init__(self, initial_scale: float, *, dynamic: bool = True, min_scale: float = 1.0,
-                 window: int = 1000, hysteresis: int = 2):
+    def __init__(
+        self,
+        initial_scale: float,
+        *,
+        dynamic: bool = True,
+        min_scale: float = 1.0,
+        window: int = 1000,
+        hysteresis: int = 2,
+    ):
         self.scale, self.dynamic, self.min_scale = float(initial_scale), dynamic, min_scale
         self.window, self.hysteresis = window, hysteresis
         self._growth_tracker, self._hysteresis_tracker = 0, hysteresis
@@ -57,28 +65,39 @@ class GradScaler:
     def unscale_and_check(self, params: list[torch.nn.Parameter], iteration: int = 0) -> bool:
         """Multiply this rank's gradients by 1/scale; True if every rank's are finite.
         Updates the scale and logs a skipped step."""
-        grads = [g.to_local() if isinstance(g, DTensor) else g
-                 for g in map(grad_of, params) if g is not None]
+        grads = [
+            g.to_local() if isinstance(g, DTensor) else g
+            for g in map(grad_of, params)
+            if g is not None
+        ]
         # On the training device: NCCL has no CPU tensors, and one host sync is enough.
         found = torch.zeros((), dtype=torch.float32, device=params[0].device)
         for g in grads:
             g.mul_(1.0 / self.scale)
             found = torch.maximum(found, (~torch.isfinite(g)).any().float())
         if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(found, op=dist.ReduceOp.MAX)   # skip everywhere or nowhere
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)  # skip everywhere or nowhere
         found_inf = bool(found.item())
         before = self.scale
         self.update(found_inf)
         if found_inf:
-            log.warning("iteration %d: fp16 gradients contain inf/nan at loss scale %g; "
-                        "skipping this step (loss scale now %g, %d skipped so far)",
-                        iteration, before, self.scale, self.skipped_steps)
+            log.warning(
+                "iteration %d: fp16 gradients contain inf/nan at loss scale %g; "
+                "skipping this step (loss scale now %g, %d skipped so far)",
+                iteration,
+                before,
+                self.scale,
+                self.skipped_steps,
+            )
         return not found_inf
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self._growth_tracker,
-                "hysteresis_tracker": self._hysteresis_tracker,
-                "skipped_steps": self.skipped_steps}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+            "skipped_steps": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = state["scale"]
@@ -93,5 +112,9 @@ def build_grad_scaler(train: TrainConfig) -> Optional[GradScaler]:
         return None
     if train.loss_scale is not None:
         return GradScaler(train.loss_scale, dynamic=False)
-    return GradScaler(train.initial_loss_scale, min_scale=train.min_loss_scale,
-                      window=train.loss_scale_window, hysteresis=train.hysteresis)
+    return GradScaler(
+        train.initial_loss_scale,
+        min_scale=train.min_loss_scale,
+        window=train.loss_scale_window,
+        hysteresis=train.hysteresis,
+    )

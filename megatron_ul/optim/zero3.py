@@ -18,6 +18,7 @@ shards are all-reduced over TP, and the clipping norm is computed from the local
 shards (dp_cp_sp all-reduce, then the model-parallel group; TP-replicated parameters counted on
 TP rank 0 only). The update is plain torch AdamW on the DTensor shards.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,9 @@ from ..mpu.param_spec import param_spec
 from .grads import all_reduce_coalesced, counts_once
 
 
-def shard_model(model: torch.nn.Module, dims: ParallelDims,
-                param_dtype: torch.dtype | None = None) -> torch.nn.Module:
+def shard_model(
+    model: torch.nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """fully_shard each transformer layer, then each model chunk as a root, over the dp_cp_sp
     mesh of `dims`, in place; a PipelineStageModel stays a plain container.
 
@@ -49,15 +51,21 @@ def shard_model(model: torch.nn.Module, dims: ParallelDims,
     mesh = dims.dp_cp_sp_mesh
     # FSDP2 makes new Parameter objects: keep what our layers attached (spec, init_spec).
     saved = {name: dict(vars(p)) for name, p in model.named_parameters()}
-    policy = (MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
-                                   cast_forward_inputs=False)
-              if param_dtype is not None else MixedPrecisionPolicy())
+    policy = (
+        MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False
+        )
+        if param_dtype is not None
+        else MixedPrecisionPolicy()
+    )
     for chunk in model_chunks(model):
-        sharded = [fully_shard(layer, mesh=mesh, mp_policy=policy)
-                   for layer in cast(nn.ModuleList, chunk.layers)]
+        sharded = [
+            fully_shard(layer, mesh=mesh, mp_policy=policy)
+            for layer in cast(nn.ModuleList, chunk.layers)
+        ]
         sharded.append(fully_shard(chunk, mesh=mesh, mp_policy=policy))
         for module in sharded:
-            module.set_gradient_divide_factor(1.0)   # SUM over dp_cp_sp, not the mean
+            module.set_gradient_divide_factor(1.0)  # SUM over dp_cp_sp, not the mean
             # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.
             module.set_force_sum_reduction_for_comms(True)
     for name, p in model.named_parameters():
@@ -73,17 +81,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 class Zero3Optimizer:
     """torch AdamW over the FSDP2 shards, plus the reduction and clipping FSDP2 leaves to us."""
 
-    def __init__(self, model: torch.nn.Module, train: TrainConfig,
-                 dims: ParallelDims):
+    def __init__(self, model: torch.nn.Module, train: TrainConfig, dims: ParallelDims):
         self.dims = dims
         self.params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in self.params if p.dim() != 1]
         no_decay = [p for p in self.params if p.dim() == 1]
-        groups = [{"params": decay, "weight_decay": train.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW(groups, lr=train.lr, eps=train.adam_eps,
-                                           betas=(train.adam_beta1, train.adam_beta2),
-                                           foreach=True)
+        groups = [
+            {"params": decay, "weight_decay": train.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            groups,
+            lr=train.lr,
+            eps=train.adam_eps,
+            betas=(train.adam_beta1, train.adam_beta2),
+            foreach=True,
+        )
 
     @property
     def param_groups(self):

@@ -5,6 +5,7 @@ Layer assignment follows Megatron: without interleaving, pp rank r holds the r-t
 block of num_layers/PP layers; with --num-layers-per-virtual-pipeline-stage n, the model is cut
 into PP·v blocks of n layers and virtual stage (model chunk) c on pp rank r holds block c·PP + r.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,28 +27,35 @@ from ..timers import NO_TIMERS, Timers
 def num_model_chunks(cfg: Config) -> int:
     """Virtual pipeline stages per pp rank (1 without interleaving)."""
     p = cfg.parallel
-    return chunks_per_stage(cfg.model.num_layers, p.pipeline_model_parallel_size,
-                            p.num_layers_per_virtual_pipeline_stage)
+    return chunks_per_stage(
+        cfg.model.num_layers,
+        p.pipeline_model_parallel_size,
+        p.num_layers_per_virtual_pipeline_stage,
+    )
 
 
 def chunks_per_stage(num_layers: int, pipeline_size: int, layers_per_chunk: int | None) -> int:
     """Model chunks per pp rank when chunks hold `layers_per_chunk` layers (None: one chunk);
     ValueError when the layers do not split that way (config_rules.validate says it with flags)."""
     if num_layers % pipeline_size != 0:
-        raise ValueError(f"--num-layers {num_layers} is not divisible by the pipeline size "
-                         f"{pipeline_size}")
+        raise ValueError(
+            f"--num-layers {num_layers} is not divisible by the pipeline size {pipeline_size}"
+        )
     if layers_per_chunk is None:
         return 1
     if pipeline_size == 1 or num_layers % (pipeline_size * layers_per_chunk) != 0:
-        raise ValueError(f"--num-layers {num_layers} does not split into {pipeline_size} "
-                         f"pipeline stages of chunks of {layers_per_chunk} layers; the virtual "
-                         f"pipeline size needs PP > 1 and num_layers divisible by "
-                         f"PP x {layers_per_chunk}")
+        raise ValueError(
+            f"--num-layers {num_layers} does not split into {pipeline_size} "
+            f"pipeline stages of chunks of {layers_per_chunk} layers; the virtual "
+            f"pipeline size needs PP > 1 and num_layers divisible by "
+            f"PP x {layers_per_chunk}"
+        )
     return num_layers // (pipeline_size * layers_per_chunk)
 
 
-def chunk_layer_numbers(num_layers: int, pipeline_size: int, chunks: int, pp_rank: int,
-                        chunk: int) -> list[int]:
+def chunk_layer_numbers(
+    num_layers: int, pipeline_size: int, chunks: int, pp_rank: int, chunk: int
+) -> list[int]:
     """1-based global layer numbers of model chunk `chunk` on pp rank `pp_rank`."""
     per_block = num_layers // (pipeline_size * chunks)
     block = chunk * pipeline_size + pp_rank
@@ -64,17 +72,37 @@ class PipelineStageModel(nn.Module):
         self.dims = chunks[0].dims
 
 
-def build_pipeline_model(cfg: Config, device, timers: Timers = NO_TIMERS,
-                         *, dims: ParallelDims) -> PipelineStageModel:
+def build_pipeline_model(
+    cfg: Config, device, timers: Timers = NO_TIMERS, *, dims: ParallelDims
+) -> PipelineStageModel:
     """This rank's model chunks."""
-    return PipelineStageModel(build_stage_chunks(
-        cfg.model, cfg.train.seed, cfg.parallel.sequence_parallel, dims.pp, dims.pp_rank,
-        num_model_chunks(cfg), device, timers, dims=dims))
+    return PipelineStageModel(
+        build_stage_chunks(
+            cfg.model,
+            cfg.train.seed,
+            cfg.parallel.sequence_parallel,
+            dims.pp,
+            dims.pp_rank,
+            num_model_chunks(cfg),
+            device,
+            timers,
+            dims=dims,
+        )
+    )
 
 
-def build_stage_chunks(model_cfg, seed: int, sequence_parallel: bool, pp: int, rank: int,
-                       chunks: int, device, timers: Timers = NO_TIMERS, *,
-                       dims: ParallelDims) -> list[GPTModel]:
+def build_stage_chunks(
+    model_cfg,
+    seed: int,
+    sequence_parallel: bool,
+    pp: int,
+    rank: int,
+    chunks: int,
+    device,
+    timers: Timers = NO_TIMERS,
+    *,
+    dims: ParallelDims,
+) -> list[GPTModel]:
     """The model chunks of pp rank `rank` (of `pp`, `chunks` chunks each) — the one rule that
     places layers, embeddings and heads on stages (pipeline/param_table.py reads it too). The
     tied output copy on the last stage is marked as a replica so the gradient norm counts the
@@ -83,11 +111,17 @@ def build_stage_chunks(model_cfg, seed: int, sequence_parallel: bool, pp: int, r
     for c in range(chunks):
         pre = rank == 0 and c == 0
         post = rank == pp - 1 and c == chunks - 1
-        chunk = GPTModel(model_cfg, seed=seed, sequence_parallel=sequence_parallel,
-                         pre_process=pre, post_process=post,
-                         layer_numbers=chunk_layer_numbers(model_cfg.num_layers, pp, chunks,
-                                                           rank, c),
-                         device=device, timers=timers, dims=dims)
+        chunk = GPTModel(
+            model_cfg,
+            seed=seed,
+            sequence_parallel=sequence_parallel,
+            pre_process=pre,
+            post_process=post,
+            layer_numbers=chunk_layer_numbers(model_cfg.num_layers, pp, chunks, rank, c),
+            device=device,
+            timers=timers,
+            dims=dims,
+        )
         if post and not pre and hasattr(chunk, "word_embeddings"):
             set_param_spec(chunk.word_embeddings.weight, tied_replica=True)
         out.append(chunk)
@@ -116,7 +150,7 @@ def chunk_named_parameters(model: nn.Module):
             match = _LAYER.match(name)
             if match:
                 layer = chunk.layers[int(match.group(1))]
-                name = f"layers.{layer.layer_number - 1}." + name[match.end():]
+                name = f"layers.{layer.layer_number - 1}." + name[match.end() :]
             if param_spec(p).tied_replica:
                 name = REPLICA_PREFIX + name
             yield index, name, p
@@ -127,20 +161,27 @@ def replicated_name(name: str) -> str:
     return name.removeprefix(REPLICA_PREFIX)
 
 
-def stage_layer_indices(num_layers: int, pipeline_size: int, chunks: int,
-                        pp_rank: int) -> list[int]:
+def stage_layer_indices(
+    num_layers: int, pipeline_size: int, chunks: int, pp_rank: int
+) -> list[int]:
     """0-based global indices (as in parameter names) of every layer pp rank `pp_rank` holds,
     over all its model chunks."""
-    return [n - 1 for c in range(chunks)
-            for n in chunk_layer_numbers(num_layers, pipeline_size, chunks, pp_rank, c)]
+    return [
+        n - 1
+        for c in range(chunks)
+        for n in chunk_layer_numbers(num_layers, pipeline_size, chunks, pp_rank, c)
+    ]
 
 
 def tied_embedding_weights(model: nn.Module) -> list[torch.nn.Parameter]:
     """Word-embedding weights this rank holds that are tied across the first and last stage."""
     weights = []
     for chunk in model_chunks(model):
-        if chunk.share_embeddings and hasattr(chunk, "word_embeddings") and (
-                chunk.pre_process or chunk.post_process):
+        if (
+            chunk.share_embeddings
+            and hasattr(chunk, "word_embeddings")
+            and (chunk.pre_process or chunk.post_process)
+        ):
             weights.append(chunk.word_embeddings.weight)
     return weights
 

@@ -16,6 +16,7 @@ stream's on every rank, so with two stages, where both streams share each link, 
 from a rank meets the k-th receive on its peer (tests/stand_ins/nccl_p2p.py checks all of it).
 The tags only label the two streams for gloo and the stand-in.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -42,18 +43,23 @@ class StageCommunicator:
     def _outgoing(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.detach().to(self.dtype).contiguous()
         if tuple(tensor.shape) != self.shape:
-            raise RuntimeError(f"pipeline send of shape {tuple(tensor.shape)}, expected "
-                               f"{self.shape}")
+            raise RuntimeError(
+                f"pipeline send of shape {tuple(tensor.shape)}, expected {self.shape}"
+            )
         record("send", tensor, self.group)
         return tensor
 
     def _buffer(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
-    def communicate(self, *, send_forward: Optional[torch.Tensor] = None,
-                    send_backward: Optional[torch.Tensor] = None, recv_forward: bool = False,
-                    recv_backward: bool = False
-                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def communicate(
+        self,
+        *,
+        send_forward: Optional[torch.Tensor] = None,
+        send_backward: Optional[torch.Tensor] = None,
+        recv_forward: bool = False,
+        recv_backward: bool = False,
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """One step's messages in one batch, completed before returning: send an activation
         to the next stage and/or a gradient to the previous one; receive an activation from
         the previous stage and/or a gradient from the next. Returns (activation, gradient)
@@ -62,17 +68,29 @@ class StageCommunicator:
         gradient = self._buffer() if recv_backward else None
         ops = []
         if send_forward is not None:
-            ops.append(dist.P2POp(dist.isend, self._outgoing(send_forward), self.next_rank,
-                                  self.group, FORWARD_TAG))
+            ops.append(
+                dist.P2POp(
+                    dist.isend,
+                    self._outgoing(send_forward),
+                    self.next_rank,
+                    self.group,
+                    FORWARD_TAG,
+                )
+            )
         if activation is not None:
-            ops.append(dist.P2POp(dist.irecv, activation, self.prev_rank, self.group,
-                                  FORWARD_TAG))
+            ops.append(dist.P2POp(dist.irecv, activation, self.prev_rank, self.group, FORWARD_TAG))
         if send_backward is not None:
-            ops.append(dist.P2POp(dist.isend, self._outgoing(send_backward), self.prev_rank,
-                                  self.group, BACKWARD_TAG))
+            ops.append(
+                dist.P2POp(
+                    dist.isend,
+                    self._outgoing(send_backward),
+                    self.prev_rank,
+                    self.group,
+                    BACKWARD_TAG,
+                )
+            )
         if gradient is not None:
-            ops.append(dist.P2POp(dist.irecv, gradient, self.next_rank, self.group,
-                                  BACKWARD_TAG))
+            ops.append(dist.P2POp(dist.irecv, gradient, self.next_rank, self.group, BACKWARD_TAG))
         if ops:
             for request in dist.batch_isend_irecv(ops):
                 request.wait()

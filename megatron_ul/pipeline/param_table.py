@@ -10,6 +10,7 @@ trainer uses (pipeline.model.build_stage_chunks) and reads the specs the layers 
 conversion, ZeRO state naming and the Hugging Face / Megatron-LM mappings consume this table
 instead of guessing from names.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -20,25 +21,38 @@ from torch import nn
 from ..config import ModelConfig
 from ..mpu.parallel_state import single_rank_dims
 from ..mpu.param_spec import full_shape, param_spec
-from .model import (REPLICA_PREFIX, PipelineStageModel, build_stage_chunks, chunk_named_parameters,
-                    chunks_per_stage, replicated_name)
+from .model import (
+    REPLICA_PREFIX,
+    PipelineStageModel,
+    build_stage_chunks,
+    chunk_named_parameters,
+    chunks_per_stage,
+    replicated_name,
+)
 
 
 def _entry(p: torch.Tensor, tp: int, stage: int, chunk: int, name: str) -> dict:
-    return {"shape": full_shape(p, tp), **param_spec(p).to_json(), "stage": stage,
-            "chunk": chunk,
-            "replica_of": replicated_name(name) if name.startswith(REPLICA_PREFIX) else None}
+    return {
+        "shape": full_shape(p, tp),
+        **param_spec(p).to_json(),
+        "stage": stage,
+        "chunk": chunk,
+        "replica_of": replicated_name(name) if name.startswith(REPLICA_PREFIX) else None,
+    }
 
 
 def local_parameter_table(model: nn.Module, tp: int, pp_rank: int) -> dict[str, dict]:
     """The table's entries for the parameters this rank holds (shapes merged over TP `tp`;
     ZeRO-3 DTensors report their global shape)."""
-    return {name: _entry(p, tp, pp_rank, chunk, name)
-            for chunk, name, p in chunk_named_parameters(model)}
+    return {
+        name: _entry(p, tp, pp_rank, chunk, name)
+        for chunk, name, p in chunk_named_parameters(model)
+    }
 
 
-def parameter_table(model_cfg: ModelConfig, tp: int = 1, pp: int = 1,
-                    layers_per_chunk: int | None = None) -> dict[str, dict]:
+def parameter_table(
+    model_cfg: ModelConfig, tp: int = 1, pp: int = 1, layers_per_chunk: int | None = None
+) -> dict[str, dict]:
     """The whole model's table for TP `tp` × PP `pp` (chunks of `layers_per_chunk` layers when
     interleaved). ValueError when the layers do not split into those stages."""
     chunks = chunks_per_stage(model_cfg.num_layers, pp, layers_per_chunk)
@@ -46,11 +60,12 @@ def parameter_table(model_cfg: ModelConfig, tp: int = 1, pp: int = 1,
     table = {}
     with torch.device("meta"):
         for stage in range(pp):
-            built = build_stage_chunks(cfg, 0, False, pp, stage, chunks, device=None,
-                                       dims=single_rank_dims())
+            built = build_stage_chunks(
+                cfg, 0, False, pp, stage, chunks, device=None, dims=single_rank_dims()
+            )
             for chunk, name, p in chunk_named_parameters(PipelineStageModel(built)):
                 table[name] = _entry(p, 1, stage, chunk, name)
-    for entry in table.values():     # built at TP1: pad the vocabulary for TP `tp`
+    for entry in table.values():  # built at TP1: pad the vocabulary for TP `tp`
         if entry["vocab_padded"]:
             entry["shape"][0] = model_cfg.padded_vocab_size(tp)
     return table

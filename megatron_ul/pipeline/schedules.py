@@ -18,6 +18,7 @@ next step runs (p2p.py says why NCCL needs this). The orders and steps are Megat
     (k mod PP·v) div PP (reversed for backwards); a steady-state forward and the backward
     after it are one step (send_forward_backward_recv_forward_backward), the rest one each.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,26 +34,38 @@ from ..timers import NO_TIMERS, Timers
 
 def micro_batch_loss_sum(model, batch: dict) -> torch.Tensor:
     """Sum over this rank's tokens of the masked per-token loss of one micro-batch."""
-    losses = model(batch["tokens"], batch["position_ids"], document_mask_of(batch),
-                   labels=batch["labels"])
+    losses = model(
+        batch["tokens"], batch["position_ids"], document_mask_of(batch), labels=batch["labels"]
+    )
     return (losses * batch["loss_mask"]).sum()
 
 
 def _autocast(device_type: str, autocast_dtype):
-    return (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype
-            else contextlib.nullcontext())
+    return (
+        torch.autocast(device_type, dtype=autocast_dtype)
+        if autocast_dtype
+        else contextlib.nullcontext()
+    )
 
 
-def forward_backward_no_pipelining(model, micro_batches: list[dict], num_tokens: torch.Tensor,
-                                   autocast_dtype=None, forward_only: bool = False,
-                                   timers: Timers = NO_TIMERS) -> torch.Tensor:
+def forward_backward_no_pipelining(
+    model,
+    micro_batches: list[dict],
+    num_tokens: torch.Tensor,
+    autocast_dtype=None,
+    forward_only: bool = False,
+    timers: Timers = NO_TIMERS,
+) -> torch.Tensor:
     """Run every micro-batch forward and backward on this rank; return the detached sum of
     masked token losses (not yet divided by num_tokens)."""
     device_type = num_tokens.device.type
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
     for batch in micro_batches:
-        with timers("forward"), _autocast(device_type, autocast_dtype), (
-                torch.no_grad() if forward_only else contextlib.nullcontext()):
+        with (
+            timers("forward"),
+            _autocast(device_type, autocast_dtype),
+            torch.no_grad() if forward_only else contextlib.nullcontext(),
+        ):
             loss_sum = micro_batch_loss_sum(model, batch)
         if not forward_only:
             with timers("backward"):
@@ -62,8 +75,9 @@ def forward_backward_no_pipelining(model, micro_batches: list[dict], num_tokens:
 
 
 # ---- operation orders ---------------------------------------------------------------------------
-def one_f_one_b_order(pipeline_size: int, pp_rank: int, num_micro_batches: int,
-                      forward_only: bool = False) -> list[tuple[str, int, int]]:
+def one_f_one_b_order(
+    pipeline_size: int, pp_rank: int, num_micro_batches: int, forward_only: bool = False
+) -> list[tuple[str, int, int]]:
     """Megatron's non-interleaved 1F1B order on one rank: [(op, chunk=0, micro-batch)]."""
     m = num_micro_batches
     if forward_only:
@@ -75,15 +89,30 @@ def one_f_one_b_order(pipeline_size: int, pp_rank: int, num_micro_batches: int,
     return order + [("B", 0, i) for i in range(m - warmup, m)]
 
 
-def interleaved_order(pipeline_size: int, pp_rank: int, num_micro_batches: int, chunks: int,
-                      forward_only: bool = False) -> list[tuple[str, int, int]]:
+def interleaved_order(
+    pipeline_size: int,
+    pp_rank: int,
+    num_micro_batches: int,
+    chunks: int,
+    forward_only: bool = False,
+) -> list[tuple[str, int, int]]:
     """Megatron's interleaved 1F1B order on one rank: [(op, model chunk, micro-batch)]."""
-    return [op for step in interleaved_steps(pipeline_size, pp_rank, num_micro_batches, chunks,
-                                             forward_only) for op in step]
+    return [
+        op
+        for step in interleaved_steps(
+            pipeline_size, pp_rank, num_micro_batches, chunks, forward_only
+        )
+        for op in step
+    ]
 
 
-def interleaved_steps(pipeline_size: int, pp_rank: int, num_micro_batches: int, chunks: int,
-                      forward_only: bool = False) -> list[tuple]:
+def interleaved_steps(
+    pipeline_size: int,
+    pp_rank: int,
+    num_micro_batches: int,
+    chunks: int,
+    forward_only: bool = False,
+) -> list[tuple]:
     """The interleaved order cut into communication steps, as Megatron communicates it: each
     warm-up forward and each cool-down backward is a step, and in the steady state a forward
     and the backward after it form one step (both run, then one batch sends both results)."""
@@ -105,7 +134,7 @@ def interleaved_steps(pipeline_size: int, pp_rank: int, num_micro_batches: int, 
     backward = [("B", *chunk_and_micro_batch(k, False)) for k in range(total)]
     steps: list[tuple] = [(op,) for op in forward[:warmup]]
     steps += [(forward[warmup + k], backward[k]) for k in range(total - warmup)]
-    return steps + [(op,) for op in backward[total - warmup:]]
+    return steps + [(op,) for op in backward[total - warmup :]]
 
 
 # ---- execution ---------------------------------------------------------------------------
@@ -125,34 +154,47 @@ def _messages(chunk, op: str) -> tuple[bool, bool]:
     return (not first, not last) if op == "F" else (not last, not first)
 
 
-def run_pipeline_steps(model, micro_batches: list[dict], num_tokens: torch.Tensor,
-                       steps: list[tuple], autocast_dtype=None, forward_only: bool = False,
-                       timers: Timers = NO_TIMERS) -> torch.Tensor:
+def run_pipeline_steps(
+    model,
+    micro_batches: list[dict],
+    num_tokens: torch.Tensor,
+    steps: list[tuple],
+    autocast_dtype=None,
+    forward_only: bool = False,
+    timers: Timers = NO_TIMERS,
+) -> torch.Tensor:
     """Execute one rank's operations, step by step; returns the detached loss sum (zero off
     the last stage). After each step ONE batch (p2p.py) sends what the step produced and
     receives what the next step needs, so every batch pairs with the neighbours' batches."""
     chunks = model_chunks(model)
     device = num_tokens.device
-    dtype = activation_dtype(model)   # half precision, or fp32 (residual or fp32 model)
-    comm = StageCommunicator(activation_shape(chunks[0], micro_batches[0]), dtype, device,
-                             model_dims(model))
+    dtype = activation_dtype(model)  # half precision, or fp32 (residual or fp32 model)
+    comm = StageCommunicator(
+        activation_shape(chunks[0], micro_batches[0]), dtype, device, model_dims(model)
+    )
     total = torch.zeros((), dtype=torch.float32, device=device)
-    saved: dict[tuple[int, int], tuple] = {}     # (chunk, micro-batch) -> (input, output)
+    saved: dict[tuple[int, int], tuple] = {}  # (chunk, micro-batch) -> (input, output)
     received = _exchange(comm, {}, steps[0], chunks)
     for s, step in enumerate(steps):
-        outgoing: dict[str, torch.Tensor] = {}   # "F": activation, "B": gradient to send
+        outgoing: dict[str, torch.Tensor] = {}  # "F": activation, "B": gradient to send
         for op, c, i in step:
             chunk, batch = chunks[c], micro_batches[i]
             if op == "F":
                 inp = received["F"]
                 if inp is not None:
                     inp.requires_grad_(not forward_only)
-                with timers("forward"), _autocast(device.type, autocast_dtype), (
-                        torch.no_grad() if forward_only else contextlib.nullcontext()):
-                    out = chunk(batch["tokens"], batch["position_ids"],
-                                document_mask_of(batch),
-                                labels=batch["labels"] if chunk.post_process else None,
-                                hidden_states=inp)
+                with (
+                    timers("forward"),
+                    _autocast(device.type, autocast_dtype),
+                    torch.no_grad() if forward_only else contextlib.nullcontext(),
+                ):
+                    out = chunk(
+                        batch["tokens"],
+                        batch["position_ids"],
+                        document_mask_of(batch),
+                        labels=batch["labels"] if chunk.post_process else None,
+                        hidden_states=inp,
+                    )
                 if chunk.post_process:
                     out = (out * batch["loss_mask"]).sum()
                     total += out.detach().float()
@@ -167,40 +209,57 @@ def run_pipeline_steps(model, micro_batches: list[dict], num_tokens: torch.Tenso
                     torch.autograd.backward(out, grad_tensors=received["B"])
                 if not chunk.pre_process:
                     outgoing["B"] = inp.grad
-        received = _exchange(comm, outgoing, steps[s + 1] if s + 1 < len(steps) else (),
-                             chunks)
+        received = _exchange(comm, outgoing, steps[s + 1] if s + 1 < len(steps) else (), chunks)
     return total
 
 
-def _exchange(comm: StageCommunicator, outgoing: dict, following: tuple,
-              chunks) -> dict[str, Optional[torch.Tensor]]:
+def _exchange(
+    comm: StageCommunicator, outgoing: dict, following: tuple, chunks
+) -> dict[str, Optional[torch.Tensor]]:
     """Send a step's results and receive the `following` step's inputs in one batch; returns
     {"F": activation or None, "B": gradient or None} for the following step."""
     needs = {op: _messages(chunks[c], op)[0] for op, c, _ in following}
     activation, gradient = comm.communicate(
-        send_forward=outgoing.get("F"), send_backward=outgoing.get("B"),
-        recv_forward=needs.get("F", False), recv_backward=needs.get("B", False))
+        send_forward=outgoing.get("F"),
+        send_backward=outgoing.get("B"),
+        recv_forward=needs.get("F", False),
+        recv_backward=needs.get("B", False),
+    )
     return {"F": activation, "B": gradient}
 
 
-def forward_backward_pipelining_without_interleaving(model, micro_batches, num_tokens,
-                                                     autocast_dtype=None, forward_only=False,
-                                                     timers: Timers = NO_TIMERS):
+def forward_backward_pipelining_without_interleaving(
+    model,
+    micro_batches,
+    num_tokens,
+    autocast_dtype=None,
+    forward_only=False,
+    timers: Timers = NO_TIMERS,
+):
     dims = model_dims(model)
-    steps = [(op,) for op in one_f_one_b_order(dims.pp, dims.pp_rank, len(micro_batches),
-                                               forward_only)]
-    return run_pipeline_steps(model, micro_batches, num_tokens, steps, autocast_dtype,
-                              forward_only, timers)
+    steps = [
+        (op,) for op in one_f_one_b_order(dims.pp, dims.pp_rank, len(micro_batches), forward_only)
+    ]
+    return run_pipeline_steps(
+        model, micro_batches, num_tokens, steps, autocast_dtype, forward_only, timers
+    )
 
 
-def forward_backward_pipelining_with_interleaving(model, micro_batches, num_tokens,
-                                                  autocast_dtype=None, forward_only=False,
-                                                  timers: Timers = NO_TIMERS):
+def forward_backward_pipelining_with_interleaving(
+    model,
+    micro_batches,
+    num_tokens,
+    autocast_dtype=None,
+    forward_only=False,
+    timers: Timers = NO_TIMERS,
+):
     dims = model_dims(model)
-    steps = interleaved_steps(dims.pp, dims.pp_rank, len(micro_batches),
-                              len(model_chunks(model)), forward_only)
-    return run_pipeline_steps(model, micro_batches, num_tokens, steps, autocast_dtype,
-                              forward_only, timers)
+    steps = interleaved_steps(
+        dims.pp, dims.pp_rank, len(micro_batches), len(model_chunks(model)), forward_only
+    )
+    return run_pipeline_steps(
+        model, micro_batches, num_tokens, steps, autocast_dtype, forward_only, timers
+    )
 
 
 def get_forward_backward_func(pipeline_size: int, chunks: int = 1) -> Callable:

@@ -1,5 +1,6 @@
 """Flags -> a validated Config: every problem of the command line, its paths and its data files
 in one report, on every rank, before any process group, model or checkpoint exists."""
+
 from __future__ import annotations
 
 from ..arguments import parse_args
@@ -18,7 +19,7 @@ def configure(argv=None, world_size: int | None = None) -> Config:
     unreadable = path_problems(cfg) + _resolve_vocabulary(cfg)
     resolved = resolve(cfg)
     found = unreadable + problems(resolved, given=cfg)
-    if not unreadable:   # the files exist and the vocabulary is known: read them
+    if not unreadable:  # the files exist and the vocabulary is known: read them
         found += _data_file_problems(resolved)
     if found:
         raise config_error(found)
@@ -33,7 +34,7 @@ def _data_file_problems(cfg: Config) -> list[str]:
         parse_data_path(d.data_path)
         parse_split(d.split)
     except ValueError:
-        return []   # config_rules reported the malformed flag
+        return []  # config_rules reported the malformed flag
     return data_problems(d.data_path, d.split, cfg.model.vocab_size, _needed_splits(cfg))
 
 

@@ -1,5 +1,6 @@
 """Wire the data pipeline into training: tokenizer, datasets, sampler, and per-rank
 micro-batches (each DP rank its samples, each SP×CP rank its slice of every sequence)."""
+
 from __future__ import annotations
 
 from typing import Iterator
@@ -33,9 +34,13 @@ def build_tokenizer_for(cfg: Config):
     resolved = _RESOLVED_TOKENIZERS.get(_tokenizer_key(cfg))
     if resolved is not None:
         return resolved
-    return build_tokenizer(d.tokenizer_type, vocab_file=d.vocab_file, merge_file=d.merge_file,
-                           tokenizer_model=d.tokenizer_model,
-                           vocab_size=cfg.model.vocab_size or None)
+    return build_tokenizer(
+        d.tokenizer_type,
+        vocab_file=d.vocab_file,
+        merge_file=d.merge_file,
+        tokenizer_model=d.tokenizer_model,
+        vocab_size=cfg.model.vocab_size or None,
+    )
 
 
 def set_vocab_from_tokenizer(cfg: Config, tokenizer) -> None:
@@ -65,23 +70,33 @@ def build_datasets(cfg: Config):
     if d.mock_data:
         eod = eod_token_for(cfg)
         train = MockGPTDataset(train_samples, m.seq_length, m.vocab_size, t.seed, eod)
-        valid = (MockGPTDataset(valid_samples, m.seq_length, m.vocab_size, t.seed + 1, eod)
-                 if valid_samples else None)
+        valid = (
+            MockGPTDataset(valid_samples, m.seq_length, m.vocab_size, t.seed + 1, eod)
+            if valid_samples
+            else None
+        )
         return train, valid, None
     # Without --data-cache-path the indices are cached beside the data (see docs/data.md).
     # The token ids were checked against the vocabulary by configure(), before the model.
-    return build_train_valid_test_datasets(d.data_path, d.split, m.seq_length,
-                                           (train_samples, valid_samples, 0), t.seed,
-                                           d.data_cache_path or "default")
+    return build_train_valid_test_datasets(
+        d.data_path,
+        d.split,
+        m.seq_length,
+        (train_samples, valid_samples, 0),
+        t.seed,
+        d.data_cache_path or "default",
+    )
 
 
-def global_batches(cfg: Config, dims: ParallelDims, dataset, device, eod_token,
-                   consumed_samples: int = 0) -> Iterator[list[dict]]:
+def global_batches(
+    cfg: Config, dims: ParallelDims, dataset, device, eod_token, consumed_samples: int = 0
+) -> Iterator[list[dict]]:
     """Yield, per iteration, this rank's list of micro-batch dicts on `device` (its data
     shard and sequence chunk from its place in `dims`)."""
     t = cfg.train
-    sampler = PretrainingSampler(len(dataset), consumed_samples, t.micro_batch_size,
-                                 dims.dp_rank, dims.dp)
+    sampler = PretrainingSampler(
+        len(dataset), consumed_samples, t.micro_batch_size, dims.dp_rank, dims.dp
+    )
     texts = micro_batch_iterator(dataset, sampler)
     sp_rank, sp = dims.sp_rank, dims.sp
     cp_rank, cp = dims.cp_rank, dims.cp
@@ -93,10 +108,18 @@ def global_batches(cfg: Config, dims: ParallelDims, dataset, device, eod_token,
                 text = next(texts)
             except StopIteration:
                 return
-            mb = build_micro_batch(text, sp_rank, sp, eod_token=eod_token,
-                                   reset_position_ids=d.reset_position_ids,
-                                   reset_attention_mask=d.reset_attention_mask,
-                                   eod_mask_loss=d.eod_mask_loss, cp_rank=cp_rank, cp_size=cp)
-            batch.append({k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                          for k, v in mb.items()})
+            mb = build_micro_batch(
+                text,
+                sp_rank,
+                sp,
+                eod_token=eod_token,
+                reset_position_ids=d.reset_position_ids,
+                reset_attention_mask=d.reset_attention_mask,
+                eod_mask_loss=d.eod_mask_loss,
+                cp_rank=cp_rank,
+                cp_size=cp,
+            )
+            batch.append(
+                {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+            )
         yield batch

@@ -1,5 +1,6 @@
 """--dry-run: print the resolved layout and a per-GPU memory estimate, without starting
 torch.distributed or building the model."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,13 @@ import torch
 
 from ..config import Config
 from ..model.attention_dispatch import planned_kernel
-from .memory_estimator import (GiB, estimate_config, init_peak_bytes, layout_from_config,
-                               recompute_of)
+from .memory_estimator import (
+    GiB,
+    estimate_config,
+    init_peak_bytes,
+    layout_from_config,
+    recompute_of,
+)
 
 
 def _number(x: float) -> str:
@@ -25,17 +31,26 @@ def precision_of(cfg: Config) -> tuple[str, torch.dtype]:
     if t.bf16:
         return "bf16 model (fp32 main parameters, gradients and Adam state)", torch.bfloat16
     if t.fp16:
-        scale = (f"constant loss scale {_number(t.loss_scale)}" if t.loss_scale is not None
-                 else f"dynamic loss scaling from {_number(t.initial_loss_scale)}")
-        return (f"fp16 model (fp32 main parameters, gradients and Adam state; {scale})",
-                torch.float16)
+        scale = (
+            f"constant loss scale {_number(t.loss_scale)}"
+            if t.loss_scale is not None
+            else f"dynamic loss scaling from {_number(t.initial_loss_scale)}"
+        )
+        return (
+            f"fp16 model (fp32 main parameters, gradients and Adam state; {scale})",
+            torch.float16,
+        )
     return "fp32", torch.float32
 
 
 def describe(cfg: Config) -> str:
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    tp, sp, pp, dp = (p.tensor_model_parallel_size, p.ds_sequence_parallel_size,
-                      p.pipeline_model_parallel_size, p.data_parallel_size)
+    tp, sp, pp, dp = (
+        p.tensor_model_parallel_size,
+        p.ds_sequence_parallel_size,
+        p.pipeline_model_parallel_size,
+        p.data_parallel_size,
+    )
     cp = p.context_parallel_size
     est = estimate_config(cfg)
     zero = p.zero_stage
@@ -55,9 +70,17 @@ def describe(cfg: Config) -> str:
         f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision {precision}, "
         f"{activation_bytes}-byte activations; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
-        "attention kernel on a GPU: " + planned_kernel(
-            m.use_flash_attn, activation_dtype, m.head_dim, m.num_attention_heads,
-            m.query_groups, cfg.data.reset_attention_mask, m.attention_window, cp > 1),
+        "attention kernel on a GPU: "
+        + planned_kernel(
+            m.use_flash_attn,
+            activation_dtype,
+            m.head_dim,
+            m.num_attention_heads,
+            m.query_groups,
+            cfg.data.reset_attention_mask,
+            m.attention_window,
+            cp > 1,
+        ),
         "long context: " + long_context(cfg),
         "memory estimate per GPU: " + est.describe(),
         f"initialisation peak per GPU: "
@@ -70,10 +93,14 @@ def describe(cfg: Config) -> str:
 def long_context(cfg: Config) -> str:
     """The long-sequence options in effect (docs/long_context.md)."""
     m, d = cfg.model, cfg.data
-    parts = [f"tiled loss {m.tiled_loss_chunk_size} tokens/chunk" if m.tiled_loss_chunk_size
-             else "loss untiled",
-             f"tiled MLP {m.tiled_mlp_chunk_size} tokens/chunk" if m.tiled_mlp_chunk_size
-             else "MLP untiled"]
+    parts = [
+        f"tiled loss {m.tiled_loss_chunk_size} tokens/chunk"
+        if m.tiled_loss_chunk_size
+        else "loss untiled",
+        f"tiled MLP {m.tiled_mlp_chunk_size} tokens/chunk"
+        if m.tiled_mlp_chunk_size
+        else "MLP untiled",
+    ]
     if m.activation_checkpoint_cpu_offload:
         parts.append("full-recompute layer inputs offloaded to host")
     if d.reset_attention_mask:
@@ -92,9 +119,11 @@ def fit_problem(cfg: Config) -> str | None:
     if est.total_bytes <= budget * GiB:
         return None
     name, value = est.largest_term()
-    return (f"the plan does not fit --gpu-memory-gb {budget:g}: estimated "
-            f"{est.total_bytes / GiB:.1f} GiB per GPU at its peak ({est.peak_phase}); the "
-            f"largest term is {name} ({value / GiB:.1f} GiB)")
+    return (
+        f"the plan does not fit --gpu-memory-gb {budget:g}: estimated "
+        f"{est.total_bytes / GiB:.1f} GiB per GPU at its peak ({est.peak_phase}); the "
+        f"largest term is {name} ({value / GiB:.1f} GiB)"
+    )
 
 
 def dry_run(cfg: Config) -> int:
@@ -103,7 +132,10 @@ def dry_run(cfg: Config) -> int:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr, flush=True)
         return 1
-    print(f"dry run: configuration is valid; estimated "
-          f"{estimate_config(cfg).total_bytes / GiB:.1f} GiB per GPU (+ CUDA context); "
-          f"not training", flush=True)
+    print(
+        f"dry run: configuration is valid; estimated "
+        f"{estimate_config(cfg).total_bytes / GiB:.1f} GiB per GPU (+ CUDA context); "
+        f"not training",
+        flush=True,
+    )
     return 0

@@ -1,6 +1,7 @@
 """When to save and when to stop: --save-interval, --exit-interval, --exit-duration-in-mins and
 --exit-signal-handler (SIGTERM, or SIGUSR1 from Slurm's --signal time-limit warning: save at the
 end of the current iteration, exit 0)."""
+
 from __future__ import annotations
 
 import logging
@@ -24,29 +25,39 @@ PROGRAM_START = time.monotonic()
 class RunControl:
     """Called after every iteration; saves checkpoints and decides whether to stop."""
 
-    def __init__(self, cfg: Config, model, optimizer, scheduler, start_iteration: int = 0,
-                 grad_scaler=None, position: Resume | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        model,
+        optimizer,
+        scheduler,
+        start_iteration: int = 0,
+        grad_scaler=None,
+        position: Resume | None = None,
+    ):
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.grad_scaler = grad_scaler
-        self.device = next(model.parameters()).device   # where collectives' tensors must live
+        self.device = next(model.parameters()).device  # where collectives' tensors must live
         self.iteration = self.last_saved = start_iteration
         # The data position: samples really consumed, whatever global batch earlier runs used.
         self.position = position or Resume(start_iteration)
-        self.pending = None     # an --async-save still being written
+        self.pending = None  # an --async-save still being written
         self.started = PROGRAM_START
-        self._previous_handlers = (catch_exit_signals() if cfg.checkpoint.exit_signal_handler
-                                   else {})
+        self._previous_handlers = catch_exit_signals() if cfg.checkpoint.exit_signal_handler else {}
 
     def _stop_flags(self) -> tuple[bool, bool]:
         """(signal, time limit), agreed over all ranks so that every rank stops together."""
         c = self.cfg.checkpoint
         if not c.exit_signal_handler and c.exit_duration_in_mins is None:
             return False, False
-        over_time = (c.exit_duration_in_mins is not None
-                     and time.monotonic() - self.started > c.exit_duration_in_mins * 60)
+        over_time = (
+            c.exit_duration_in_mins is not None
+            and time.monotonic() - self.started > c.exit_duration_in_mins * 60
+        )
         # On the training device: with NCCL the default group cannot reduce CPU tensors.
-        flags = torch.tensor([float(signal_received() is not None), float(over_time)],
-                             device=self.device)
+        flags = torch.tensor(
+            [float(signal_received() is not None), float(over_time)], device=self.device
+        )
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
@@ -63,8 +74,13 @@ class RunControl:
         if c.save and (stop or (c.save_interval and iteration % c.save_interval == 0)):
             self.save()
         if stop:
-            reason = ((signal_received() or "signal on another rank") if by_signal
-                      else "--exit-duration-in-mins" if by_time else "--exit-interval")
+            reason = (
+                (signal_received() or "signal on another rank")
+                if by_signal
+                else "--exit-duration-in-mins"
+                if by_time
+                else "--exit-interval"
+            )
             log.info("exiting at iteration %d (%s)", iteration, reason)
         return stop
 
@@ -82,11 +98,18 @@ class RunControl:
         latest before the next save or at the end of training."""
         self._complete_pending()
         finish = getattr(self.optimizer, "finish_param_sync", None)
-        if finish is not None:   # --overlap-param-gather: the parameters must be complete
+        if finish is not None:  # --overlap-param-gather: the parameters must be complete
             finish()
-        saved = save_checkpoint(self.cfg, self.model, self.optimizer, self.scheduler,
-                                self.iteration, grad_scaler=self.grad_scaler,
-                                position=self.position, background=self.cfg.checkpoint.async_save)
+        saved = save_checkpoint(
+            self.cfg,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.iteration,
+            grad_scaler=self.grad_scaler,
+            position=self.position,
+            background=self.cfg.checkpoint.async_save,
+        )
         self.pending = None if isinstance(saved, str) else saved
         self.last_saved = self.iteration
 

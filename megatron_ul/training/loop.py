@@ -1,4 +1,5 @@
 """The training loop: iterate global batches, step, evaluate, log."""
+
 from __future__ import annotations
 
 import logging
@@ -21,36 +22,57 @@ def autocast_dtype(cfg: Config):
     return None
 
 
-def train(cfg: Config, model, optimizer, scheduler, train_batches, valid_batches=None,
-          start_iteration: int = 0, after_iteration=None, grad_scaler=None,
-          timers: Timers = NO_TIMERS) -> list[float]:
+def train(
+    cfg: Config,
+    model,
+    optimizer,
+    scheduler,
+    train_batches,
+    valid_batches=None,
+    start_iteration: int = 0,
+    after_iteration=None,
+    grad_scaler=None,
+    timers: Timers = NO_TIMERS,
+) -> list[float]:
     """Run to --train-iters; returns the per-iteration global loss (same on every rank).
 
     after_iteration(iteration) -> bool (checkpointing and exit conditions) stops early on True.
     grad_scaler: the fp16 loss scaler (restored from a checkpoint); built here when None.
     timers: the run's phase timers (the model's all-to-alls report to the same object).
     """
-    metrics = MetricsLogger(cfg, model.padded_vocab_size,
-                            is_reporting_rank=is_reporting_rank(model_dims(model)),
-                            timers=timers)
+    metrics = MetricsLogger(
+        cfg,
+        model.padded_vocab_size,
+        is_reporting_rank=is_reporting_rank(model_dims(model)),
+        timers=timers,
+    )
     losses = []
     model.train()
     dtype = autocast_dtype(cfg)
     if grad_scaler is None:
-        grad_scaler = build_grad_scaler(cfg.train)   # fp16 only
+        grad_scaler = build_grad_scaler(cfg.train)  # fp16 only
     try:
         for iteration in range(start_iteration + 1, cfg.train.train_iters + 1):
             lr = scheduler.lr
-            loss, grad_norm = train_step(model, optimizer, next(train_batches),
-                                         clip_grad=cfg.train.clip_grad, autocast_dtype=dtype,
-                                         iteration=iteration, grad_scaler=grad_scaler,
-                                         timers=timers)
+            loss, grad_norm = train_step(
+                model,
+                optimizer,
+                next(train_batches),
+                clip_grad=cfg.train.clip_grad,
+                autocast_dtype=dtype,
+                iteration=iteration,
+                grad_scaler=grad_scaler,
+                timers=timers,
+            )
             if grad_scaler is None or not grad_scaler.last_step_skipped:
-                scheduler.step()   # Megatron does not advance the schedule on a skipped step
+                scheduler.step()  # Megatron does not advance the schedule on a skipped step
             losses.append(loss)
             metrics.iteration(iteration, loss, lr, grad_norm)
-            if (valid_batches is not None and cfg.train.eval_interval
-                    and iteration % cfg.train.eval_interval == 0):
+            if (
+                valid_batches is not None
+                and cfg.train.eval_interval
+                and iteration % cfg.train.eval_interval == 0
+            ):
                 run_evaluation(cfg, model, valid_batches, iteration, dtype)
             if after_iteration is not None and after_iteration(iteration):
                 break

@@ -6,6 +6,7 @@ Bytes are counted per storage, so views (ZeRO-1's parameters are views of one fl
 autograd often saves a view and its base) are counted once; DTensors (ZeRO-3) count their
 local shard only.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -39,9 +40,10 @@ def storage_bytes(tensors: Iterable[torch.Tensor], exclude: set | None = None) -
 
 
 def _optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
-    inner = getattr(optimizer, "optimizer", optimizer)   # ZeRO wrappers keep torch's AdamW here
-    return [v for state in inner.state.values() for v in state.values()
-            if isinstance(v, torch.Tensor)]
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wrappers keep torch's AdamW here
+    return [
+        v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)
+    ]
 
 
 def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
@@ -56,15 +58,19 @@ def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     if grad_shard is not None:
         grads.append(grad_shard)
     param_keys = {_storage_key(_local(p)) for p in params}
-    out = {"params": storage_bytes(params), "grads": storage_bytes(grads),
-           # ZeRO-1's master weights are the model's own storage: do not count them twice.
-           "optimizer": storage_bytes(_optimizer_state_tensors(optimizer), exclude=param_keys)}
+    out = {
+        "params": storage_bytes(params),
+        "grads": storage_bytes(grads),
+        # ZeRO-1's master weights are the model's own storage: do not count them twice.
+        "optimizer": storage_bytes(_optimizer_state_tensors(optimizer), exclude=param_keys),
+    }
     out["total"] = sum(out.values())
     return out
 
 
-def saved_activation_bytes(fn: Callable[[], object],
-                           exclude: Iterable[torch.Tensor] = ()) -> tuple[object, int]:
+def saved_activation_bytes(
+    fn: Callable[[], object], exclude: Iterable[torch.Tensor] = ()
+) -> tuple[object, int]:
     """Run fn() and return (its result, bytes of distinct storages autograd saved for backward).
 
     Pass the model's parameters as `exclude`: weights saved by matmuls are not activations.

@@ -44,6 +44,7 @@ tests/training/test_memory_estimator_measured.py, not against these formulas.
 Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU), kernels'
 internal workspaces (they show in peak RSS on CPU, not in live tensors).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -61,10 +62,10 @@ class Layout:
     sp: int = 1
     pp: int = 1
     dp: int = 1
-    sequence_parallel: bool = False   # Megatron-SP over the TP group
+    sequence_parallel: bool = False  # Megatron-SP over the TP group
     micro_batch_size: int = 1
     num_micro_batches: int = 1
-    cp: int = 1                       # ring-attention degree (--context-parallel-size)
+    cp: int = 1  # ring-attention degree (--context-parallel-size)
 
     @property
     def world(self) -> int:
@@ -86,8 +87,9 @@ class Precision:
     half_model: Megatron-LM's --bf16/--fp16: the model (parameters, activations, residual
     stream) in half precision, fp32 main parameters and fp32 main gradients (accumulated in
     fp32) next to Adam's two fp32 moments. fp32_residual: --fp32-residual-connection."""
+
     bf16: bool = False
-    dropout_mask_bytes: int = 1   # CUDA keeps a bool mask; the CPU kernel keeps a float mask
+    dropout_mask_bytes: int = 1  # CUDA keeps a bool mask; the CPU kernel keeps a float mask
     fused_attention: bool = True  # flash / SDPA: no N×N tensors kept for backward
     half_model: bool = False
     fp32_residual: bool = False
@@ -121,6 +123,7 @@ class Kernels:
     fp32/fp64, model/document_attention.py). optimizer_offload:
     --optimizer-offload-fraction (0 = off). host_is_device: offloaded bytes live in the same
     memory (a CPU run), so they count in the peak."""
+
     ring: str = "scores"
     documents: bool = False
     document_kernel: str = "accumulate"
@@ -133,25 +136,26 @@ class Kernels:
 # backpropagates, the residual-stream gradients alive besides the saved tensors (the incoming
 # one and the residual branch's), in [s, b, h] units of the residual dtype.
 BACKWARD_RESIDUAL_UNITS = 2
-RING_SCORE_UNITS = 5      # s, p, dp, dp - delta, ds of one unit alive in its backward
-CLIP_BYTES_PER_ELEMENT = 16   # the grad norm upcasts each gradient to fp64 and squares it
-FOREACH_ADAM_BYTES = 4        # _foreach_sqrt(exp_avg_sq): one fp32 list the size of the step
+RING_SCORE_UNITS = 5  # s, p, dp, dp - delta, ds of one unit alive in its backward
+CLIP_BYTES_PER_ELEMENT = 16  # the grad norm upcasts each gradient to fp64 and squares it
+FOREACH_ADAM_BYTES = 4  # _foreach_sqrt(exp_avg_sq): one fp32 list the size of the step
 
 
 @dataclass
 class MemoryEstimate:
     """Per-GPU bytes. The model state (parameters, gradients, optimizer) plus the largest
     phase: phases never coexist, so the peak is their maximum, not their sum."""
+
     params_per_rank: int
     parameter_bytes: float
     gradient_bytes: float
     optimizer_bytes: float
-    activation_bytes: float            # kept from forward to backward (all layers, head)
-    host_bytes: float = 0.0            # offloaded activations and optimizer state (host)
-    loss_working_bytes: float = 0.0    # the loss's short-lived logits (or tiled chunk)
+    activation_bytes: float  # kept from forward to backward (all layers, head)
+    host_bytes: float = 0.0  # offloaded activations and optimizer state (host)
+    loss_working_bytes: float = 0.0  # the loss's short-lived logits (or tiled chunk)
     backward_working_bytes: float = 0.0  # gradients alive while one layer backpropagates
-    phases: dict = field(default_factory=dict)   # phase -> bytes above params + optimizer
-    terms: dict = field(default_factory=dict)    # the largest phase's terms
+    phases: dict = field(default_factory=dict)  # phase -> bytes above params + optimizer
+    terms: dict = field(default_factory=dict)  # the largest phase's terms
     host_in_peak: bool = False
 
     @property
@@ -160,26 +164,38 @@ class MemoryEstimate:
 
     @property
     def total_bytes(self) -> float:
-        working = max(self.phases.values()) if self.phases else (
-            self.gradient_bytes + self.activation_bytes + self.loss_working_bytes
-            + self.backward_working_bytes)
+        working = (
+            max(self.phases.values())
+            if self.phases
+            else (
+                self.gradient_bytes
+                + self.activation_bytes
+                + self.loss_working_bytes
+                + self.backward_working_bytes
+            )
+        )
         return self.parameter_bytes + self.optimizer_bytes + working
 
     def largest_term(self) -> tuple[str, float]:
         """The biggest contribution to the peak (model state or a term of the peak phase)."""
-        every = {"parameters": self.parameter_bytes, "optimizer state": self.optimizer_bytes,
-                 **self.terms}
+        every = {
+            "parameters": self.parameter_bytes,
+            "optimizer state": self.optimizer_bytes,
+            **self.terms,
+        }
         name = max(every, key=every.get)
         return name, every[name]
 
     def rows(self) -> list[tuple[str, float]]:
-        rows = [("parameters", self.parameter_bytes), ("gradients", self.gradient_bytes),
-                ("optimizer state", self.optimizer_bytes),
-                ("activations kept", self.activation_bytes),
-                ("loss working set", self.loss_working_bytes),
-                ("backward working set", self.backward_working_bytes)]
-        rows += [(f"phase {name} (above params + optimizer)", v)
-                 for name, v in self.phases.items()]
+        rows = [
+            ("parameters", self.parameter_bytes),
+            ("gradients", self.gradient_bytes),
+            ("optimizer state", self.optimizer_bytes),
+            ("activations kept", self.activation_bytes),
+            ("loss working set", self.loss_working_bytes),
+            ("backward working set", self.backward_working_bytes),
+        ]
+        rows += [(f"phase {name} (above params + optimizer)", v) for name, v in self.phases.items()]
         rows.append((f"total (peak: {self.peak_phase})", self.total_bytes))
         return rows + ([("host memory (offloaded)", self.host_bytes)] if self.host_bytes else [])
 
@@ -211,8 +227,11 @@ def stage_parameters(m: ModelConfig, tp: int, pp: int) -> int:
     h = m.hidden_size
     layers = -(-m.num_layers // pp) * layer_parameters(m, tp)
     embedding = _embedding_parameters(m, tp)
-    position = (m.max_position_embeddings or m.seq_length) * h \
-        if m.position_embedding_type == "learned_absolute" else 0
+    position = (
+        (m.max_position_embeddings or m.seq_length) * h
+        if m.position_embedding_type == "learned_absolute"
+        else 0
+    )
     final_norm = h * (2 if m.normalization == "LayerNorm" else 1)
     head = embedding  # tied: the last stage keeps a copy; untied: its own output layer
     if pp == 1:
@@ -232,12 +251,13 @@ def _largest_parameter(m: ModelConfig, tp: int) -> int:
 @dataclass(frozen=True)
 class _Sizes:
     """Element counts of one rank's tensors for one micro-batch."""
-    s: float          # tokens per rank between layers: N / (SP·CP)
-    norm: float       # [s, b, h] (÷TP under Megatron-SP): norms, residual, layer inputs
-    hidden: float     # [s, b, h]: a TP rank's linear inputs are replicated (or gathered)
-    qkv: float        # q, k and v of this TP rank's heads
-    attn: float       # the attention output of this TP rank's heads
-    ffn: float        # one MLP intermediate [s, b, ffn/TP]
+
+    s: float  # tokens per rank between layers: N / (SP·CP)
+    norm: float  # [s, b, h] (÷TP under Megatron-SP): norms, residual, layer inputs
+    hidden: float  # [s, b, h]: a TP rank's linear inputs are replicated (or gathered)
+    qkv: float  # q, k and v of this TP rank's heads
+    attn: float  # the attention output of this TP rank's heads
+    ffn: float  # one MLP intermediate [s, b, ffn/TP]
 
 
 def _sizes(m: ModelConfig, layout: Layout) -> _Sizes:
@@ -245,9 +265,14 @@ def _sizes(m: ModelConfig, layout: Layout) -> _Sizes:
     s = m.seq_length / layout.sequence_ranks
     hidden = s * b * m.hidden_size
     d = m.head_dim
-    return _Sizes(s=s, norm=hidden / (tp if layout.sequence_parallel else 1), hidden=hidden,
-                  qkv=s * b * (m.num_attention_heads + 2 * m.query_groups) * d / tp,
-                  attn=s * b * m.num_attention_heads * d / tp, ffn=s * b * m.ffn_size / tp)
+    return _Sizes(
+        s=s,
+        norm=hidden / (tp if layout.sequence_parallel else 1),
+        hidden=hidden,
+        qkv=s * b * (m.num_attention_heads + 2 * m.query_groups) * d / tp,
+        attn=s * b * m.num_attention_heads * d / tp,
+        ffn=s * b * m.ffn_size / tp,
+    )
 
 
 def _mlp_elements(m: ModelConfig, layout: Layout, z: _Sizes) -> float:
@@ -260,8 +285,9 @@ def _mlp_elements(m: ModelConfig, layout: Layout, z: _Sizes) -> float:
     return (4 if m.swiglu else 2) * ffn
 
 
-def layer_terms(m: ModelConfig, layout: Layout, precision: Precision,
-                kernels: Kernels = Kernels()) -> dict[str, float]:
+def layer_terms(
+    m: ModelConfig, layout: Layout, precision: Precision, kernels: Kernels = Kernels()
+) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward (no recompute), per micro-batch, per
     rank, by term (model/transformer.py tensor by tensor)."""
     z, act, res = _sizes(m, layout), precision.act, precision.residual
@@ -283,20 +309,30 @@ def layer_terms(m: ModelConfig, layout: Layout, precision: Precision,
     if m.hidden_dropout > 0:
         terms["dropout masks"] = 2 * z.norm * precision.dropout_mask_bytes
     if not precision.fused_attention and not ring and not kernels.documents:
-        scores = m.num_attention_heads / (layout.tp * layout.sp) * layout.micro_batch_size \
-            * m.seq_length ** 2
+        scores = (
+            m.num_attention_heads
+            / (layout.tp * layout.sp)
+            * layout.micro_batch_size
+            * m.seq_length**2
+        )
         terms["attention scores (unfused kernel)"] = 2 * scores * act + (
-            scores * precision.dropout_mask_bytes if m.attention_dropout > 0 else 0)
+            scores * precision.dropout_mask_bytes if m.attention_dropout > 0 else 0
+        )
     return terms
 
 
-def layer_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
-                           recompute: str = "none", kernels: Kernels = Kernels()) -> float:
+def layer_activation_bytes(
+    m: ModelConfig,
+    layout: Layout,
+    precision: Precision,
+    recompute: str = "none",
+    kernels: Kernels = Kernels(),
+) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one rank."""
-    if recompute == "full":                  # only the layer's input is kept
+    if recompute == "full":  # only the layer's input is kept
         return _sizes(m, layout).norm * precision.residual
     terms = layer_terms(m, layout, precision, kernels)
-    if recompute == "selective":             # the attention core is recomputed: q, k, v stay
+    if recompute == "selective":  # the attention core is recomputed: q, k, v stay
         terms.pop("attention scores (unfused kernel)", None)
     return sum(terms.values())
 
@@ -308,13 +344,14 @@ def ring_working_bytes(m: ModelConfig, layout: Layout, kernels: Kernels) -> floa
         return 0.0
     heads = m.num_attention_heads / (layout.tp * layout.sp) * layout.micro_batch_size
     chunk = m.seq_length / (2 * layout.cp)
-    if kernels.ring == "fused":              # unit output (fp32) + log-sum-exp, and dq/dk/dv
+    if kernels.ring == "fused":  # unit output (fp32) + log-sum-exp, and dq/dk/dv
         return 4 * heads * chunk * m.head_dim * 4
     return RING_SCORE_UNITS * heads * chunk * chunk * 4
 
 
-def document_working_bytes(m: ModelConfig, layout: Layout, precision: Precision,
-                           kernels: Kernels) -> float:
+def document_working_bytes(
+    m: ModelConfig, layout: Layout, precision: Precision, kernels: Kernels
+) -> float:
     """Document attention's backward beyond dq/dk/dv. "accumulate": each document's
     gradients next to the full-size accumulators (one document as long as the sequence in the
     worst case). "in-place" (gradients added tile by tile): the longest document's recomputed
@@ -333,30 +370,39 @@ def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision)
     also the backward all-to-all's send copy and receive buffer of dq, dk, dv."""
     z = _sizes(m, layout)
     exchange = 2 * z.qkv * precision.act if layout.sp > 1 else 0.0
-    return (BACKWARD_RESIDUAL_UNITS * z.norm * precision.residual + z.attn * precision.act
-            + z.qkv * precision.act + exchange)
+    return (
+        BACKWARD_RESIDUAL_UNITS * z.norm * precision.residual
+        + z.attn * precision.act
+        + z.qkv * precision.act
+        + exchange
+    )
 
 
-def layer_backward_terms(m: ModelConfig, layout: Layout, precision: Precision,
-                         kernels: Kernels) -> dict[str, float]:
+def layer_backward_terms(
+    m: ModelConfig, layout: Layout, precision: Precision, kernels: Kernels
+) -> dict[str, float]:
     """One layer's backward at its larger stage: the MLP's (every saved tensor, the
     residual gradients and the MLP's own gradients) or the attention's (what the attention
     half saved, its gradients, and the ring's or the document kernel's working set)."""
     saved = layer_terms(m, layout, precision, kernels)
     z, res, act = _sizes(m, layout), precision.residual, precision.act
     residual_grads = BACKWARD_RESIDUAL_UNITS * z.norm * res
-    mlp_stage = {**saved, "residual-stream gradients": residual_grads,
-                 "MLP gradients": 0.75 * _mlp_elements(m, layout, z) * act}
+    mlp_stage = {
+        **saved,
+        "residual-stream gradients": residual_grads,
+        "MLP gradients": 0.75 * _mlp_elements(m, layout, z) * act,
+    }
     attention_stage = {
         "layer input (norm input)": z.norm * res,
         "norm output (QKV input)": z.norm * act,
         "q, k, v": saved["q, k, v"],
-        "backward working set (residual grads, d out, dq, dk, dv)":
-            backward_working_bytes(m, layout, precision),
+        "backward working set (residual grads, d out, dq, dk, dv)": backward_working_bytes(
+            m, layout, precision
+        ),
         "ring unit working set": ring_working_bytes(m, layout, kernels),
         "document attention backward": document_working_bytes(m, layout, precision, kernels),
     }
-    if layout.cp > 1:      # the ring keeps its fp32 output and log-sum-exp for backward
+    if layout.cp > 1:  # the ring keeps its fp32 output and log-sum-exp for backward
         attention_stage["attention output (ring, fp32)"] = z.attn * 4
     if sum(mlp_stage.values()) > sum(attention_stage.values()):
         return mlp_stage
@@ -382,8 +428,7 @@ def _logits_bytes(m: ModelConfig, layout: Layout, rows: float, element: float = 
     return rows * layout.micro_batch_size * m.padded_vocab_size(layout.tp) / layout.tp * element
 
 
-def loss_working_bytes(m: ModelConfig, layout: Layout,
-                       precision: Precision = Precision()) -> float:
+def loss_working_bytes(m: ModelConfig, layout: Layout, precision: Precision = Precision()) -> float:
     """The loss's short-lived buffers on the last stage: the logits, their fp32 upcast (half
     precision) and the shifted copy the softmax is made of; tiled, one chunk's,
     [c·TP_gathered, b, V/TP] each."""
@@ -394,8 +439,13 @@ def loss_working_bytes(m: ModelConfig, layout: Layout,
     return _logits_bytes(m, layout, m.tiled_loss_chunk_size * gathered, element)
 
 
-def kept_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
-                          recompute: str, kernels: Kernels = Kernels()) -> tuple[float, float]:
+def kept_activation_bytes(
+    m: ModelConfig,
+    layout: Layout,
+    precision: Precision,
+    recompute: str,
+    kernels: Kernels = Kernels(),
+) -> tuple[float, float]:
     """(on the device, in host memory): what all layers of the busiest stage keep from
     forward to backward."""
     layers = -(-m.num_layers // layout.pp)
@@ -403,13 +453,18 @@ def kept_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
     per_layer = layer_activation_bytes(m, layout, precision, recompute, kernels)
     total = layers * in_flight * per_layer
     if recompute == "full" and m.activation_checkpoint_cpu_offload:
-        device = min(total, 2 * per_layer)    # the one recomputed and the one prefetched
+        device = min(total, 2 * per_layer)  # the one recomputed and the one prefetched
         return device, total
     return total, 0.0
 
 
-def activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
-                     recompute: str = "none", kernels: Kernels = Kernels()) -> float:
+def activation_bytes(
+    m: ModelConfig,
+    layout: Layout,
+    precision: Precision,
+    recompute: str = "none",
+    kernels: Kernels = Kernels(),
+) -> float:
     """Peak activation bytes on the busiest rank (the first pipeline stage): everything kept,
     the one layer rebuilt during a full-recompute backward, the head."""
     device, _ = kept_activation_bytes(m, layout, precision, recompute, kernels)
@@ -421,8 +476,9 @@ def activation_bytes(m: ModelConfig, layout: Layout, precision: Precision,
 
 
 # ---- model state --------------------------------------------------------------------------------
-def _model_state(params: int, layout: Layout, zero_stage: int, precision: Precision,
-                 kernels: Kernels) -> tuple[float, float, float, float]:
+def _model_state(
+    params: int, layout: Layout, zero_stage: int, precision: Precision, kernels: Kernels
+) -> tuple[float, float, float, float]:
     """(parameters, gradients, optimizer state on the device, optimizer bytes on the host).
     ZeRO shards over dp × CP × SP (every replica of the weights). The optimizer's fp32 main
     parameters (half model), fp32 gradient copy and Adam moments move to host memory for
@@ -430,29 +486,40 @@ def _model_state(params: int, layout: Layout, zero_stage: int, precision: Precis
     shards = layout.dp * layout.sp * layout.cp
     param_bytes = precision.param * params / (shards if zero_stage >= 3 else 1)
     grad_bytes = 4 * params / (shards if zero_stage >= 2 else 1)
-    main = 4 if precision.half_model else 0          # fp32 main parameters
+    main = 4 if precision.half_model else 0  # fp32 main parameters
     stepped = params / (shards if zero_stage >= 1 else 1)
     optimizer = (8 + main) * stepped
-    host = kernels.optimizer_offload * (optimizer + 4 * stepped)   # + the fp32 gradient copy
+    host = kernels.optimizer_offload * (optimizer + 4 * stepped)  # + the fp32 gradient copy
     return param_bytes, grad_bytes, optimizer * (1 - kernels.optimizer_offload), host
 
 
-def _optimizer_working_bytes(m: ModelConfig, layout: Layout, zero_stage: int,
-                             stepped: float, kernels: Kernels) -> float:
+def _optimizer_working_bytes(
+    m: ModelConfig, layout: Layout, zero_stage: int, stepped: float, kernels: Kernels
+) -> float:
     """Temporaries of the step on the device: foreach AdamW's sqrt(exp_avg_sq) list (one
     per parameter under the per-tensor loop), and the gradient norm's fp64 copy and square of
     the largest gradient."""
     largest = _largest_parameter(m, layout.tp)
     adam = stepped if kernels.foreach_optimizer else min(stepped, largest)
     adam *= FOREACH_ADAM_BYTES * (1 - kernels.optimizer_offload)
-    clip = CLIP_BYTES_PER_ELEMENT * largest / (
-        layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
+    clip = (
+        CLIP_BYTES_PER_ELEMENT
+        * largest
+        / (layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
+    )
     return max(adam, clip)
 
 
 # ---- totals -------------------------------------------------------------------------------------
-def estimate(m: ModelConfig, layout: Layout, *, zero_stage: int = 0, recompute: str = "none",
-             precision: Precision = Precision(), kernels: Kernels = Kernels()) -> MemoryEstimate:
+def estimate(
+    m: ModelConfig,
+    layout: Layout,
+    *,
+    zero_stage: int = 0,
+    recompute: str = "none",
+    precision: Precision = Precision(),
+    kernels: Kernels = Kernels(),
+) -> MemoryEstimate:
     if recompute not in RECOMPUTE_CHOICES:
         raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES} (got {recompute!r})")
     if zero_stage not in (0, 1, 2, 3):
@@ -461,9 +528,10 @@ def estimate(m: ModelConfig, layout: Layout, *, zero_stage: int = 0, recompute: 
         raise ValueError(f"ring kernel must be 'scores' or 'fused' (got {kernels.ring!r})")
     params = stage_parameters(m, layout.tp, layout.pp)
     param_bytes, grad_bytes, optimizer_bytes, host_optimizer = _model_state(
-        params, layout, zero_stage, precision, kernels)
+        params, layout, zero_stage, precision, kernels
+    )
     kept, host_kept = kept_activation_bytes(m, layout, precision, recompute, kernels)
-    if kernels.host_is_device:   # a CPU run: the "host" copies are the tensors themselves
+    if kernels.host_is_device:  # a CPU run: the "host" copies are the tensors themselves
         kept = max(kept, host_kept)
         optimizer_bytes += host_optimizer
     per_layer_kept = layer_activation_bytes(m, layout, precision, recompute, kernels)
@@ -473,38 +541,68 @@ def estimate(m: ModelConfig, layout: Layout, *, zero_stage: int = 0, recompute: 
     ring = ring_working_bytes(m, layout, kernels)
     documents = document_working_bytes(m, layout, precision, kernels)
     grads_in_forward = grad_bytes if layout.num_micro_batches > 1 else 0.0
-    embedding_grad = 4 * _embedding_parameters(m, layout.tp) / (
-        layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
+    embedding_grad = (
+        4
+        * _embedding_parameters(m, layout.tp)
+        / (layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
+    )
     stepped = params / (layout.dp * layout.sp * layout.cp if zero_stage >= 1 else 1)
     output_grad = 4 * _embedding_parameters(m, layout.tp)
     layer_phase = {
-        "activations kept (other layers)": kept - (per_layer_kept if recompute == "full"
-                                                   else 0.0),
-        **(layer_backward_terms(m, layout, precision, kernels) if recompute == "full" else {
-            "backward working set": backward, "ring unit working set": ring,
-            "document attention backward": documents}),
+        "activations kept (other layers)": kept - (per_layer_kept if recompute == "full" else 0.0),
+        **(
+            layer_backward_terms(m, layout, precision, kernels)
+            if recompute == "full"
+            else {
+                "backward working set": backward,
+                "ring unit working set": ring,
+                "document attention backward": documents,
+            }
+        ),
         "gradients (all but the embedding's)": max(grad_bytes - embedding_grad, 0.0),
     }
-    forward_phase = {"activations kept": kept, "head": head, "loss working set": loss,
-                     "ring unit working set": ring / 2,
-                     "gradients (accumulating)": grads_in_forward}
+    forward_phase = {
+        "activations kept": kept,
+        "head": head,
+        "loss working set": loss,
+        "ring unit working set": ring / 2,
+        "gradients (accumulating)": grads_in_forward,
+    }
     # The output layer's gradient is summed chunk by chunk into a new tensor: two coexist.
-    loss_phase = {"activations kept": kept, "head": head, "loss working set": loss,
-                  "output-layer gradient (accumulating)": 2 * output_grad if layout.pp == 1
-                  else 0.0,
-                  "gradients (accumulating)": grads_in_forward}
-    step_phase = {"gradients": grad_bytes,
-                  "optimizer step temporaries": _optimizer_working_bytes(
-                      m, layout, zero_stage, stepped, kernels)}
-    phases = {"forward": forward_phase, "loss backward": loss_phase,
-              "layer backward": layer_phase, "optimizer": step_phase}
+    loss_phase = {
+        "activations kept": kept,
+        "head": head,
+        "loss working set": loss,
+        "output-layer gradient (accumulating)": 2 * output_grad if layout.pp == 1 else 0.0,
+        "gradients (accumulating)": grads_in_forward,
+    }
+    step_phase = {
+        "gradients": grad_bytes,
+        "optimizer step temporaries": _optimizer_working_bytes(
+            m, layout, zero_stage, stepped, kernels
+        ),
+    }
+    phases = {
+        "forward": forward_phase,
+        "loss backward": loss_phase,
+        "layer backward": layer_phase,
+        "optimizer": step_phase,
+    }
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     peak = max(totals, key=totals.get)
-    return MemoryEstimate(params, param_bytes, grad_bytes, optimizer_bytes,
-                          activation_bytes(m, layout, precision, recompute, kernels),
-                          host_kept + host_optimizer, loss, backward, phases=totals,
-                          terms={k: v for k, v in phases[peak].items() if v},
-                          host_in_peak=kernels.host_is_device)
+    return MemoryEstimate(
+        params,
+        param_bytes,
+        grad_bytes,
+        optimizer_bytes,
+        activation_bytes(m, layout, precision, recompute, kernels),
+        host_kept + host_optimizer,
+        loss,
+        backward,
+        phases=totals,
+        terms={k: v for k, v in phases[peak].items() if v},
+        host_in_peak=kernels.host_is_device,
+    )
 
 
 def init_peak_bytes(m: ModelConfig, layout: Layout, zero_stage: int = 0) -> float:
@@ -519,19 +617,29 @@ def init_peak_bytes(m: ModelConfig, layout: Layout, zero_stage: int = 0) -> floa
 
 def layout_from_config(cfg: Config) -> Layout:
     p, t = cfg.parallel, cfg.train
-    return Layout(tp=p.tensor_model_parallel_size, sp=p.ds_sequence_parallel_size,
-                  pp=p.pipeline_model_parallel_size, dp=max(p.data_parallel_size, 1),
-                  sequence_parallel=p.sequence_parallel, micro_batch_size=t.micro_batch_size,
-                  num_micro_batches=max(cfg.num_micro_batches, 1),
-                  cp=p.context_parallel_size)
+    return Layout(
+        tp=p.tensor_model_parallel_size,
+        sp=p.ds_sequence_parallel_size,
+        pp=p.pipeline_model_parallel_size,
+        dp=max(p.data_parallel_size, 1),
+        sequence_parallel=p.sequence_parallel,
+        micro_batch_size=t.micro_batch_size,
+        num_micro_batches=max(cfg.num_micro_batches, 1),
+        cp=p.context_parallel_size,
+    )
 
 
 def estimate_config(cfg: Config) -> MemoryEstimate:
     """The estimate for a resolved, validated Config (resolve() makes --use-distributed-optimizer
     ZeRO stage 1)."""
-    return estimate(cfg.model, layout_from_config(cfg), zero_stage=cfg.parallel.zero_stage,
-                    recompute=recompute_of(cfg), precision=precision_of(cfg),
-                    kernels=kernels_of(cfg))
+    return estimate(
+        cfg.model,
+        layout_from_config(cfg),
+        zero_stage=cfg.parallel.zero_stage,
+        recompute=recompute_of(cfg),
+        precision=precision_of(cfg),
+        kernels=kernels_of(cfg),
+    )
 
 
 def precision_of(cfg: Config) -> Precision:
@@ -543,8 +651,9 @@ def precision_of(cfg: Config) -> Precision:
 def kernels_of(cfg: Config) -> Kernels:
     t = cfg.train
     offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
-    return Kernels(ring="fused", documents=bool(cfg.data.reset_attention_mask),
-                   optimizer_offload=offload)
+    return Kernels(
+        ring="fused", documents=bool(cfg.data.reset_attention_mask), optimizer_offload=offload
+    )
 
 
 def recompute_of(cfg: Config) -> str:
@@ -556,25 +665,32 @@ def recompute_of(cfg: Config) -> str:
     return "none"
 
 
-def smallest_fitting_layout(m: ModelConfig, layout: Layout, gpu_memory_gb: float, *,
-                            zero_stage: int = 0, recompute: str = "none",
-                            precision: Precision = Precision(), max_world: int = 65536,
-                            reserve_gb: float = 2.0):
+def smallest_fitting_layout(
+    m: ModelConfig,
+    layout: Layout,
+    gpu_memory_gb: float,
+    *,
+    zero_stage: int = 0,
+    recompute: str = "none",
+    precision: Precision = Precision(),
+    max_world: int = 65536,
+    reserve_gb: float = 2.0,
+):
     """The fewest GPUs (keeping TP, PP and the micro-batch size) whose per-GPU estimate fits
     in gpu_memory_gb − reserve_gb: raise the Ulysses degree over the divisors of heads/TP that
     divide N, and the data-parallel degree (which helps only under ZeRO), in powers of two.
     Returns (layout, estimate) or None."""
     budget = (gpu_memory_gb - reserve_gb) * GiB
     heads_per_tp = m.num_attention_heads // layout.tp
-    sps = [s for s in range(1, heads_per_tp + 1)
-           if heads_per_tp % s == 0 and m.seq_length % s == 0]
+    sps = [s for s in range(1, heads_per_tp + 1) if heads_per_tp % s == 0 and m.seq_length % s == 0]
     best = None
     for sp in sps:
         dp = 1
         while layout.tp * sp * layout.pp * dp <= max_world:
             candidate = replace(layout, sp=sp, dp=dp)
-            est = estimate(m, candidate, zero_stage=zero_stage, recompute=recompute,
-                           precision=precision)
+            est = estimate(
+                m, candidate, zero_stage=zero_stage, recompute=recompute, precision=precision
+            )
             if est.total_bytes <= budget:
                 if best is None or candidate.world < best[0].world:
                     best = (candidate, est)

@@ -1,6 +1,7 @@
 """Measure what a model really holds: parameter, gradient and Adam bytes after one step, and
 the bytes autograd keeps for backward per transformer layer (saved_tensors_hooks, each storage
 counted once, parameters excluded). Compared with training/memory_estimator.py."""
+
 from __future__ import annotations
 
 import torch
@@ -41,7 +42,7 @@ def measure(rank: int, world: int, argv: list[str]) -> dict:
     cfg = configure(argv, world)
     device, dims = initialize_distributed(cfg)
     model = build_model(cfg, device, dims)
-    optimizer = build_optimizer(model, cfg.train, parallel=None, dims=dims)   # plain AdamW
+    optimizer = build_optimizer(model, cfg.train, parallel=None, dims=dims)  # plain AdamW
     train_ds, _, _ = build_datasets(cfg)
     batch = next(global_batches(cfg, dims, train_ds, device, None))[0]
     meter = SavedTensorMeter(model)
@@ -51,11 +52,13 @@ def measure(rank: int, world: int, argv: list[str]) -> dict:
     optimizer.step()
     params = list(model.parameters())
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    return {"saved": meter.bytes,
-            "param_bytes": sum(p.numel() * p.element_size() for p in params),
-            "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params),
-            "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
-            "params": sum(p.numel() for p in params)}
+    return {
+        "saved": meter.bytes,
+        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params),
+        "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
+        "params": sum(p.numel() for p in params),
+    }
 
 
 def measure_many(rank: int, world: int, argvs: list[list[str]]) -> list[dict]:

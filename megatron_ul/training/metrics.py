@@ -3,6 +3,7 @@ rank, MFU, peak memory, the per-iteration time split and an ETA.
 
 TensorBoard tags follow Megatron-LM ('lm loss', 'learning-rate', 'grad-norm').
 """
+
 from __future__ import annotations
 
 import logging
@@ -71,8 +72,9 @@ class MetricsLogger:
     """Accumulates per-iteration figures and reports every --log-interval iterations, with the
     time split read from the run's timers (--timing-log-level; built in training/pretrain)."""
 
-    def __init__(self, cfg: Config, padded_vocab: int, is_reporting_rank: bool,
-                 timers: Timers = NO_TIMERS):
+    def __init__(
+        self, cfg: Config, padded_vocab: int, is_reporting_rank: bool, timers: Timers = NO_TIMERS
+    ):
         self.cfg, self.reporting = cfg, is_reporting_rank
         self.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
         self.flops_per_iter = flops_per_token(cfg.model, padded_vocab) * self.tokens_per_iter
@@ -80,6 +82,7 @@ class MetricsLogger:
         self.writer = None
         if is_reporting_rank and cfg.logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
+
             self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir)
         self.timers = timers if timers.log_level >= 1 else None
         self._start = self._window_start = time.perf_counter()
@@ -102,10 +105,15 @@ class MetricsLogger:
     def _scalars(self, loss, lr, grad_norm, per_iter) -> dict[str, float]:
         tflops = self.flops_per_iter / per_iter / self.cfg.parallel.world_size / 1e12
         memory, _ = peak_memory_gib()
-        scalars = {"lm loss": loss, "learning-rate": lr, "grad-norm": grad_norm,
-                   "tokens-per-sec": self.tokens_per_iter / per_iter,
-                   "tflops-per-rank": tflops, "iteration-time": per_iter,
-                   "peak-memory-gib": memory}
+        scalars = {
+            "lm loss": loss,
+            "learning-rate": lr,
+            "grad-norm": grad_norm,
+            "tokens-per-sec": self.tokens_per_iter / per_iter,
+            "tflops-per-rank": tflops,
+            "iteration-time": per_iter,
+            "peak-memory-gib": memory,
+        }
         if self.peak:
             scalars["mfu"] = tflops / self.peak
         return scalars
@@ -123,15 +131,28 @@ class MetricsLogger:
     def _log(self, it: int, scalars: dict, split: dict, eta: float) -> None:
         _, memory_kind = peak_memory_gib()
         mfu = f" | MFU {scalars['mfu']:.1%}" if "mfu" in scalars else ""
-        log.info("iteration %6d/%6d | lm loss %.6E | lr %.3E | grad norm %.3f | "
-                 "%.1f ms/iter | tokens/s %.0f | TFLOP/s per rank %.3f%s | peak mem %.2f GiB "
-                 "(%s) | ETA %s", it, self.cfg.train.train_iters, scalars["lm loss"],
-                 scalars["learning-rate"], scalars["grad-norm"], scalars["iteration-time"] * 1e3,
-                 scalars["tokens-per-sec"], scalars["tflops-per-rank"], mfu,
-                 scalars["peak-memory-gib"], memory_kind, format_eta(eta))
+        log.info(
+            "iteration %6d/%6d | lm loss %.6E | lr %.3E | grad norm %.3f | "
+            "%.1f ms/iter | tokens/s %.0f | TFLOP/s per rank %.3f%s | peak mem %.2f GiB "
+            "(%s) | ETA %s",
+            it,
+            self.cfg.train.train_iters,
+            scalars["lm loss"],
+            scalars["learning-rate"],
+            scalars["grad-norm"],
+            scalars["iteration-time"] * 1e3,
+            scalars["tokens-per-sec"],
+            scalars["tflops-per-rank"],
+            mfu,
+            scalars["peak-memory-gib"],
+            memory_kind,
+            format_eta(eta),
+        )
         if split:
-            log.info("    time split (ms/iter): %s", " | ".join(
-                f"{name} {value:.1f}" for name, value in split.items()))
+            log.info(
+                "    time split (ms/iter): %s",
+                " | ".join(f"{name} {value:.1f}" for name, value in split.items()),
+            )
         if self.writer is not None:
             for tag, value in scalars.items():
                 self.writer.add_scalar(tag, value, it)

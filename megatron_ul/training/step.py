@@ -1,5 +1,6 @@
 """One optimizer step over a global batch: forward/backward, gradient reduction, clipping,
 update. Returns the global token-mean loss and the grad norm, identical on every rank."""
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,9 @@ def count_tokens(micro_batches: list[dict], device, dims: ParallelDims) -> torch
     return total.clamp_min(1.0)
 
 
-def global_mean_loss(local_loss_sum: torch.Tensor, num_tokens: torch.Tensor,
-                     dims: ParallelDims) -> float:
+def global_mean_loss(
+    local_loss_sum: torch.Tensor, num_tokens: torch.Tensor, dims: ParallelDims
+) -> float:
     group = dims.dp_cp_sp_group
     if dist.get_world_size(group) > 1:
         local_loss_sum = local_loss_sum.clone()
@@ -44,9 +46,17 @@ def schedule_for(model):
     return get_forward_backward_func(model_dims(model).pp, len(model_chunks(model)))
 
 
-def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
-               autocast_dtype=None, iteration: int = 0, grad_scaler=None,
-               timers: Timers = NO_TIMERS) -> tuple[float, float]:
+def train_step(
+    model,
+    optimizer,
+    micro_batches: list[dict],
+    *,
+    clip_grad: float,
+    autocast_dtype=None,
+    iteration: int = 0,
+    grad_scaler=None,
+    timers: Timers = NO_TIMERS,
+) -> tuple[float, float]:
     params = [p for p in model.parameters() if p.requires_grad]
     device = params[0].device
     # The exact count, rounded once to the fp32 the losses are divided by (the same value on
@@ -63,10 +73,12 @@ def train_step(model, optimizer, micro_batches: list[dict], *, clip_grad: float,
     loss = global_mean_loss(loss_sum, num_tokens, dims)
     if not math.isfinite(loss):
         # Megatron's --check-for-nan-in-loss-and-grad: stop rather than train on garbage.
-        raise FloatingPointError(f"iteration {iteration}: loss is {loss}; stopping. Lower --lr, "
-                                 f"raise --clip-grad's strictness or check the data")
+        raise FloatingPointError(
+            f"iteration {iteration}: loss is {loss}; stopping. Lower --lr, "
+            f"raise --clip-grad's strictness or check the data"
+        )
     if grad_scaler is not None and not grad_scaler.unscale_and_check(params, iteration):
-        optimizer.zero_grad(set_to_none=True)   # fp16 overflow: skip the step (logged)
+        optimizer.zero_grad(set_to_none=True)  # fp16 overflow: skip the step (logged)
         return loss, float("nan")
     # Tied embedding copies (first and last pipeline stage) sum their gradients.
     reduce_and_clip = getattr(optimizer, "reduce_and_clip_gradients", None)
@@ -104,8 +116,9 @@ def evaluate_loss(model, micro_batches: list[dict], autocast_dtype=None) -> floa
     num_tokens = count_tokens(micro_batches, device, dims).float()
     model.eval()
     try:
-        loss_sum = schedule_for(model)(model, micro_batches, num_tokens, autocast_dtype,
-                                       forward_only=True)
+        loss_sum = schedule_for(model)(
+            model, micro_batches, num_tokens, autocast_dtype, forward_only=True
+        )
     finally:
         model.train()
     return global_mean_loss(loss_sum, num_tokens, dims)

@@ -1,4 +1,5 @@
 """A one-rank gloo process group in the test process, for checkpoint tests that need no peers."""
+
 import os
 import shutil
 
@@ -47,8 +48,7 @@ def pristine(tmp_path_factory):
         out = {}
         for fmt in ("torch", "torch_dist"):
             out[fmt] = str(root / fmt)
-            setup(configure(TINY_TWO_ITERS + ["--save", out[fmt], "--ckpt-format", fmt],
-                            1)).train()
+            setup(configure(TINY_TWO_ITERS + ["--save", out[fmt], "--ckpt-format", fmt], 1)).train()
             files.release_save_dir(out[fmt])
     finally:
         dist.destroy_process_group()

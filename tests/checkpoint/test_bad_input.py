@@ -2,6 +2,7 @@
 overwritten or deleted: a missing directory, a save that never finished, a missing rank file,
 another model's checkpoint, corrupt files, a tracker pointing nowhere, and conversions that
 would overwrite."""
+
 import logging
 import os
 import shutil
@@ -13,7 +14,6 @@ from megatron_ul.checkpoint.reshard import convert
 from megatron_ul.config import ConfigError
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV, listing
-
 
 
 def _load_error(argv) -> str:
@@ -40,14 +40,16 @@ def test_unfinished_save_only_starts_from_scratch_and_says_so(tmp_path, single_r
     partial = tmp_path / "iter_0000002.tmp-0123abcd"
     (partial / "mp_rank_00").mkdir(parents=True)
     with caplog.at_level(logging.WARNING, logger="megatron_ul"):
-        trainer = _unchanged(str(tmp_path), lambda: setup(configure(
-            ARGV + ["--load", str(tmp_path)], 1)))
+        trainer = _unchanged(
+            str(tmp_path), lambda: setup(configure(ARGV + ["--load", str(tmp_path)], 1))
+        )
     assert trainer.start_iteration == 0
     assert str(partial) in caplog.text and "no complete checkpoint" in caplog.text
 
 
-@pytest.mark.parametrize("victim", ["mp_rank_00/model_optim_rng.pt", "rng/rank_00000.pt",
-                                    "metadata.json"])
+@pytest.mark.parametrize(
+    "victim", ["mp_rank_00/model_optim_rng.pt", "rng/rank_00000.pt", "metadata.json"]
+)
 def test_missing_file_is_named(saved, victim):
     path = os.path.join(saved, "iter_0000002", victim)
     os.remove(path)
@@ -56,8 +58,9 @@ def test_missing_file_is_named(saved, victim):
 
 
 def test_other_model_shapes_are_named(saved):
-    message = _unchanged(saved, lambda: _load_error(
-        [a if a != "32" else "64" for a in ARGV] + ["--load", saved]))
+    message = _unchanged(
+        saved, lambda: _load_error([a if a != "32" else "64" for a in ARGV] + ["--load", saved])
+    )
     assert os.path.join(saved, "iter_0000002", "metadata.json") in message
     assert "--hidden-size: checkpoint 32, this run 64" in message
 
@@ -100,9 +103,10 @@ def test_saving_an_existing_iteration_replaces_it_whole(saved, single_rank):
     trainer = setup(configure(ARGV + ["--save", saved, "--overwrite-checkpoints"], 1))
     old = listing(saved)
     from megatron_ul.checkpoint.io import save_checkpoint
+
     save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 2)
     left = sorted(n for n in os.listdir(saved) if n != files.LOCK)
-    assert left == ["iter_0000002", files.TRACKER]   # no tmp/old left
+    assert left == ["iter_0000002", files.TRACKER]  # no tmp/old left
     assert listing(saved).keys() == old.keys()
 
 
@@ -113,10 +117,12 @@ def test_kill_between_renames_loads_the_copy_set_aside(saved):
     assert setup(configure(ARGV + ["--load", saved], 1)).start_iteration == 2
 
 
-@pytest.mark.parametrize("tp, sp, named", [(8, 1, "--tensor-model-parallel-size"),
-                                           (4, 2, "--ds-sequence-parallel-size")])
-def test_conversion_target_is_validated_by_the_trainer_before_writing(saved, tmp_path, tp, sp,
-                                                                      named):
+@pytest.mark.parametrize(
+    "tp, sp, named", [(8, 1, "--tensor-model-parallel-size"), (4, 2, "--ds-sequence-parallel-size")]
+)
+def test_conversion_target_is_validated_by_the_trainer_before_writing(
+    saved, tmp_path, tp, sp, named
+):
     """4 heads: TP8, or TP4 × SP2, would be refused at start-up; convert refuses them first."""
     target = str(tmp_path / "out")
     with pytest.raises(files.CheckpointError, match="would be refused by the trainer") as info:
@@ -133,6 +139,7 @@ def test_failed_conversion_leaves_no_temporary(saved, tmp_path, monkeypatch):
         if len(calls) == 2:
             raise OSError(28, "No space left on device", path)
         real(obj, path)
+
     monkeypatch.setattr(files, "save_torch", disk_full_on_second_file)
     with pytest.raises(OSError):
         convert(saved, target, 2, 1)

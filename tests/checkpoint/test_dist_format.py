@@ -3,14 +3,21 @@ pieces through torch.distributed.checkpoint. A layout-changing load reads only t
 pieces that overlap what a rank holds and continues the loss curve; resume on the same layout
 is bit-exact; --async-save writes the same checkpoint as a synchronous save while training
 goes on; a flipped byte is named and not loaded."""
+
 import os
 
 import pytest
 
 from megatron_ul.checkpoint import files
 from megatron_ul.checkpoint.files import CheckpointError
-from tests.checkpoint.dist_runs import (DIST, ZERO1, ZERO3, async_against_sync,
-                                        bytes_read_on_layout_change, resume_on_other_layouts)
+from tests.checkpoint.dist_runs import (
+    DIST,
+    ZERO1,
+    ZERO3,
+    async_against_sync,
+    bytes_read_on_layout_change,
+    resume_on_other_layouts,
+)
 from tests.checkpoint.runs import NO_DROPOUT, TINY, assert_bitwise_resume, resume_on_layouts
 from tests.distributed import run_distributed
 
@@ -32,21 +39,37 @@ def test_loads_on_other_layouts_continuing_the_curve(tmp_path):
     """ZeRO-1 on TP2·SP2, resumed on ZeRO-3 SP2·DP2 (TP1: vocabulary padded for TP1), TP2·PP2
     (plain AdamW, the tied embedding copy read from the table's pieces) and ZeRO-1 on PP2
     interleaved ×DP2 — each rank reading only the pieces it holds."""
-    targets = {"zero3_sp2_dp2": ZERO3 + SP2, "plain_tp2_pp2": TP2 + PP2,
-               "zero1_pp2_interleaved_dp2": ZERO1 + PP2 + [
-                   "--num-layers-per-virtual-pipeline-stage", "1"]}
-    out = run_distributed(resume_on_other_layouts, 4, TINY + NO_DROPOUT + FOUR_LAYERS,
-                          ZERO1 + TP2 + SP2, targets, str(tmp_path))[0]
+    targets = {
+        "zero3_sp2_dp2": ZERO3 + SP2,
+        "plain_tp2_pp2": TP2 + PP2,
+        "zero1_pp2_interleaved_dp2": ZERO1 + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"],
+    }
+    out = run_distributed(
+        resume_on_other_layouts,
+        4,
+        TINY + NO_DROPOUT + FOUR_LAYERS,
+        ZERO1 + TP2 + SP2,
+        targets,
+        str(tmp_path),
+    )[0]
     _assert_continues(out)
 
 
 @pytest.mark.slow
 def test_loads_on_tp4_and_pp4(tmp_path):
-    targets = {"tp4": ["--tensor-model-parallel-size", "4"],
-               "pp4": ["--pipeline-model-parallel-size", "4"],
-               "zero3_tp2_pp2": ZERO3 + TP2 + PP2}
-    out = run_distributed(resume_on_other_layouts, 4, TINY + NO_DROPOUT + FOUR_LAYERS,
-                          ZERO3 + SP2, targets, str(tmp_path))[0]
+    targets = {
+        "tp4": ["--tensor-model-parallel-size", "4"],
+        "pp4": ["--pipeline-model-parallel-size", "4"],
+        "zero3_tp2_pp2": ZERO3 + TP2 + PP2,
+    }
+    out = run_distributed(
+        resume_on_other_layouts,
+        4,
+        TINY + NO_DROPOUT + FOUR_LAYERS,
+        ZERO3 + SP2,
+        targets,
+        str(tmp_path),
+    )[0]
     _assert_continues(out)
 
 
@@ -56,13 +79,16 @@ def test_layout_changing_load_reads_only_overlapping_pieces(tmp_path):
     never less than it holds; the loss curve continues, also from the checkpoint converted
     offline (tools/checkpoint/convert.py) to TP1 in the torch format."""
     block = 512
-    results = run_distributed(bytes_read_on_layout_change, 2, TINY + NO_DROPOUT, TP2, ZERO3,
-                              str(tmp_path), block)
+    results = run_distributed(
+        bytes_read_on_layout_change, 2, TINY + NO_DROPOUT, TP2, ZERO3, str(tmp_path), block
+    )
     for rank, r in enumerate(results):
         rep, stored = r["report"], r["stored_tensor_bytes"]
-        print(f"rank {rank}: read {rep.tensor_bytes_read} tensor bytes of {stored} stored "
-              f"({rep.tensor_bytes_read / stored:.0%}); it holds {rep.tensor_bytes_needed} "
-              f"in {rep.pieces} pieces; {rep.bytes_read} file bytes read")
+        print(
+            f"rank {rank}: read {rep.tensor_bytes_read} tensor bytes of {stored} stored "
+            f"({rep.tensor_bytes_read / stored:.0%}); it holds {rep.tensor_bytes_needed} "
+            f"in {rep.pieces} pieces; {rep.bytes_read} file bytes read"
+        )
         assert rep.tensor_bytes_needed <= rep.tensor_bytes_read <= 0.7 * stored
         assert 0.45 * stored <= rep.tensor_bytes_needed <= 0.55 * stored
         for run in ("resumed", "converted_to_tp1_torch"):
@@ -83,11 +109,12 @@ def test_async_save_equals_sync_save_while_training_goes_on(tmp_path):
         assert r["sync"] == r["async"]
         assert 3 in r["overlapped"]
         assert r["same_tensors"] == {2: True, 4: True}
-        assert r["resumed_from_async_2"] == r["sync"][2:]       # bitwise, dropout on
+        assert r["resumed_from_async_2"] == r["sync"][2:]  # bitwise, dropout on
 
 
 def test_flipped_byte_is_named_and_not_loaded(tmp_path, single_rank):
     from megatron_ul.training.pretrain import configure, setup
+
     d = str(tmp_path / "ckpt")
     argv = TINY + DIST + ["--train-iters", "2"]
     setup(configure(argv + ["--save", d], 1)).train()
@@ -97,7 +124,7 @@ def test_flipped_byte_is_named_and_not_loaded(tmp_path, single_rank):
     open(shard, "wb").write(bytes(data))
     with pytest.raises(CheckpointError, match=r"__0_0.distcp: corrupt"):
         setup(configure(argv + ["--load", d], 1))
-    index = os.path.join(d, "iter_0000002", ".metadata")     # DCP's index of the pieces
+    index = os.path.join(d, "iter_0000002", ".metadata")  # DCP's index of the pieces
     data = bytearray(open(index, "rb").read())
     data[len(data) // 2] ^= 0xFF
     open(index, "wb").write(bytes(data))
@@ -109,6 +136,7 @@ def test_flipped_byte_is_named_and_not_loaded(tmp_path, single_rank):
 def test_resume_is_bitwise_identical_on_every_layout(tmp_path):
     from tests.checkpoint.test_resume import LAYOUTS as PLAIN
     from tests.checkpoint.test_zero import LAYOUTS as ZERO, PIPELINES, ZERO3_PIPELINES
+
     layouts = {**PLAIN, **ZERO, **PIPELINES, **ZERO3_PIPELINES}
     results = run_distributed(resume_on_layouts, 4, TINY + DIST, layouts, str(tmp_path))
     assert_bitwise_resume(results, layouts)
@@ -119,6 +147,7 @@ def test_kill_during_async_write_leaves_the_previous_checkpoint_current(tmp_path
     the tracker still names iteration 1, which loads; iteration 2 is only a .tmp directory."""
     from megatron_ul.training.pretrain import configure, setup
     from tools.checkpoint.kill_trial import MODEL, outcome, start_child
+
     d = str(tmp_path / "ckpt")
     proc = start_child(d, DIST, background=True, write_delay=2.0)
     seen = []
@@ -138,7 +167,8 @@ def test_kill_during_async_write_leaves_the_previous_checkpoint_current(tmp_path
 def test_async_save_needs_torch_dist():
     from megatron_ul.config import ConfigError
     from megatron_ul.training.pretrain import configure
+
     with pytest.raises(ConfigError, match="--async-save needs --ckpt-format torch_dist"):
         configure(TINY + ["--async-save"], 1)
-    with pytest.raises(SystemExit):                  # argparse: not a choice
+    with pytest.raises(SystemExit):  # argparse: not a choice
         configure(TINY + ["--ckpt-format", "zarr"], 1)

@@ -1,6 +1,7 @@
 """Errors keep their cause and reach every rank: DCP's root cause (disk full) and a missing
 rank file's name are in the message; an error on one rank is raised, naming that rank, on
 rank 0 too; tools/generate.py reads a torch_dist checkpoint's own saved arguments."""
+
 import errno
 import os
 
@@ -18,12 +19,14 @@ from tests.distributed import run_distributed
 
 def test_a_full_disk_under_dcp_is_named(pristine, tmp_path, single_rank, monkeypatch):
     save = copy_of(pristine, "torch_dist", tmp_path / "ckpt")
-    trainer = setup(configure(ARGV + ["--load", save, "--save", save, "--ckpt-format",
-                                      "torch_dist"], 1))
-    long_name = os.path.join(save, "x" * 300, "__0_0.distcp")   # a long path before the cause
+    trainer = setup(
+        configure(ARGV + ["--load", save, "--save", save, "--ckpt-format", "torch_dist"], 1)
+    )
+    long_name = os.path.join(save, "x" * 300, "__0_0.distcp")  # a long path before the cause
 
     def full(self, plan, planner):
         raise OSError(errno.ENOSPC, "No space left on device", long_name)
+
     monkeypatch.setattr(FileSystemWriter, "write_data", full)
     with pytest.raises(files.CheckpointError) as info:
         save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 3)
@@ -34,10 +37,11 @@ def test_a_full_disk_under_dcp_is_named(pristine, tmp_path, single_rank, monkeyp
 
 def test_generate_reads_a_torch_dist_checkpoints_arguments(pristine, tmp_path, capsys):
     from tools import generate
+
     save = copy_of(pristine, "torch_dist", tmp_path / "ckpt")
     try:
         assert generate.main(["--load", save, "--prompt", "1 2", "--max-new-tokens", "2"]) == 0
-    finally:   # the tool sets up a one-process group for itself; later tests make their own
+    finally:  # the tool sets up a one-process group for itself; later tests make their own
         if dist.is_initialized():
             dist.destroy_process_group()
     assert capsys.readouterr().out.startswith("1 2 ")
@@ -60,9 +64,13 @@ def one_rank_fails(rank: int, world: int, argv: list[str], save: str, victim: st
     return load_error(rank, world, argv + ["--load", save])
 
 
-@pytest.mark.parametrize("fmt,victim,named", [
-    ("torch", "rng/rank_00001.pt", "rank 1: "),
-    ("torch_dist", "__1_0.distcp", "missing (stored pieces")])
+@pytest.mark.parametrize(
+    "fmt,victim,named",
+    [
+        ("torch", "rng/rank_00001.pt", "rank 1: "),
+        ("torch_dist", "__1_0.distcp", "missing (stored pieces"),
+    ],
+)
 def test_one_ranks_error_reaches_rank_0_with_its_cause(tmp_path, fmt, victim, named):
     save = str(tmp_path / "ckpt")
     messages = run_distributed(one_rank_fails, 2, ARGV + ["--ckpt-format", fmt], save, victim)

@@ -1,12 +1,14 @@
 """Hugging Face import/export: our logits match GPT2LMHeadModel's and LlamaForCausalLM's within
 1e-5 (fp32) after import, and theirs match ours after export (vocab padding, tied and untied
 heads, GQA, Conv1D transposes and gelu_new all exercised)."""
+
 import pytest
 import torch
 
 transformers = pytest.importorskip(
-    "transformers", reason="transformers is an optional test dependency "
-                           "(pip install -r requirements-dev.txt)")
+    "transformers",
+    reason="transformers is an optional test dependency (pip install -r requirements-dev.txt)",
+)
 pytest.importorskip("safetensors", reason="safetensors is needed for Hugging Face files")
 
 from megatron_ul.checkpoint.hf import export_checkpoint, import_checkpoint  # noqa: E402
@@ -15,7 +17,7 @@ from megatron_ul.config import CheckpointConfig, Config, ModelConfig  # noqa: E4
 from megatron_ul.model.gpt import GPTModel  # noqa: E402
 from megatron_ul.mpu.parallel_state import single_rank_dims  # noqa: E402
 
-VOCAB = 100   # not a multiple of 128: our table is padded, theirs is not
+VOCAB = 100  # not a multiple of 128: our table is padded, theirs is not
 
 
 def _perturb(model):
@@ -44,18 +46,38 @@ def _their_logits(hf_model, tokens):
 
 
 def _hf_models():
-    gpt2 = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32,
-                                   vocab_size=VOCAB, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
-    llama = dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=8,
-                 num_key_value_heads=2, intermediate_size=48, vocab_size=VOCAB,
-                 max_position_embeddings=32, rms_norm_eps=1e-5, rope_theta=5000.0)
+    gpt2 = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        n_positions=32,
+        vocab_size=VOCAB,
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+    )
+    llama = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        intermediate_size=48,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+    )
     gpt2_untied = transformers.GPT2Config(**{**gpt2.to_dict(), "tie_word_embeddings": False})
-    return {"gpt2": lambda: transformers.GPT2LMHeadModel(gpt2),
-            "gpt2-untied": lambda: transformers.GPT2LMHeadModel(gpt2_untied),
-            "llama-untied": lambda: transformers.LlamaForCausalLM(
-                transformers.LlamaConfig(**llama, tie_word_embeddings=False)),
-            "llama-tied": lambda: transformers.LlamaForCausalLM(
-                transformers.LlamaConfig(**llama, tie_word_embeddings=True))}
+    return {
+        "gpt2": lambda: transformers.GPT2LMHeadModel(gpt2),
+        "gpt2-untied": lambda: transformers.GPT2LMHeadModel(gpt2_untied),
+        "llama-untied": lambda: transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**llama, tie_word_embeddings=False)
+        ),
+        "llama-tied": lambda: transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**llama, tie_word_embeddings=True)
+        ),
+    }
 
 
 @pytest.mark.parametrize("kind", list(_hf_models()))
@@ -65,8 +87,9 @@ def test_import_then_export_matches_hugging_face(kind, tmp_path, single_rank):
     theirs.save_pretrained(tmp_path / "hf", safe_serialization=True)
     _, fields = import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ours"))
     ours = _ours(fields)
-    cfg = Config(model=ours.cfg, checkpoint=CheckpointConfig(load=str(tmp_path / "ours"),
-                                                             finetune=True))
+    cfg = Config(
+        model=ours.cfg, checkpoint=CheckpointConfig(load=str(tmp_path / "ours"), finetune=True)
+    )
     load_checkpoint(cfg, ours, None, None)
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
     import_diff = (_our_logits(ours, tokens) - _their_logits(theirs, tokens)).abs().max()
@@ -96,14 +119,18 @@ def test_export_carries_the_imported_special_tokens(tmp_path, single_rank):
     export_checkpoint(str(tmp_path / "ours"), str(tmp_path / "hf2"))
     back = transformers.AutoConfig.from_pretrained(tmp_path / "hf2")
     assert (back.bos_token_id, back.eos_token_id) == (5, 7)
-    export_checkpoint(str(tmp_path / "ours"), str(tmp_path / "hf3"),
-                      special_tokens={"bos_token_id": 1, "eos_token_id": 2})
+    export_checkpoint(
+        str(tmp_path / "ours"),
+        str(tmp_path / "hf3"),
+        special_tokens={"bos_token_id": 1, "eos_token_id": 2},
+    )
     back = transformers.AutoConfig.from_pretrained(tmp_path / "hf3")
     assert (back.bos_token_id, back.eos_token_id) == (1, 2)
 
 
 def test_import_validates_the_target_layout_before_writing(tmp_path, single_rank):
     from megatron_ul.checkpoint.files import CheckpointError
+
     _hf_models()["gpt2"]().save_pretrained(tmp_path / "hf", safe_serialization=True)
     with pytest.raises(CheckpointError, match="--tensor-model-parallel-size"):
         import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ours"), tp=8)
@@ -118,10 +145,20 @@ class _NoSchedule:
 def test_swiglu_model_without_ffn_hidden_size_exports_its_real_width(tmp_path, single_rank):
     """Megatron's default SwiGLU width (8h/3 rounded down to 64) is what the weights have and
     what config.json must say; 4h would make from_pretrained fail on a size mismatch."""
-    fields = dict(num_layers=2, hidden_size=32, num_attention_heads=8, num_query_groups=2,
-                  vocab_size=VOCAB, seq_length=16, max_position_embeddings=16,
-                  position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
-                  add_bias_linear=False, untie_embeddings_and_output_weights=True)
+    fields = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=8,
+        num_query_groups=2,
+        vocab_size=VOCAB,
+        seq_length=16,
+        max_position_embeddings=16,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+    )
     ours = _ours(fields)
     assert ours.cfg.ffn_hidden_size is None and ours.cfg.ffn_size == 64 != 4 * 32
     cfg = Config(model=ours.cfg, checkpoint=CheckpointConfig(save=str(tmp_path / "ours")))

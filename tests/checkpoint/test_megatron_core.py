@@ -8,6 +8,7 @@ files the tests write are built by our exporter's megatron_args (Megatron-LM's t
 not run here). The megatron-core tests skip without megatron-core; the layout round trip needs
 nothing extra.
 """
+
 import contextlib
 import os
 
@@ -22,10 +23,22 @@ from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import NO_DROPOUT, TINY
 from tools.checkpoint import megatron_core as tool
 
-LLAMA = ["--position-embedding-type", "rope", "--rotary-base", "500000", "--swiglu",
-         "--normalization", "RMSNorm", "--untie-embeddings-and-output-weights",
-         "--group-query-attention", "--num-query-groups", "2", "--num-attention-heads", "8",
-         "--disable-bias-linear"]
+LLAMA = [
+    "--position-embedding-type",
+    "rope",
+    "--rotary-base",
+    "500000",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--untie-embeddings-and-output-weights",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--num-attention-heads",
+    "8",
+    "--disable-bias-linear",
+]
 VARIANTS = {"gpt2": [], "llama": LLAMA}
 VOCAB, SEQ = 200, 16
 # Llama-style covers GQA, RoPE, SwiGLU, RMSNorm and the untied head; GPT-2 (tied, learned
@@ -34,8 +47,20 @@ CORE_VARIANTS = [pytest.param("gpt2", marks=pytest.mark.slow), "llama"]
 
 
 def _train(variant: str, save: str, layers: int = 4) -> None:
-    argv = TINY + NO_DROPOUT + ["--num-layers", str(layers), "--train-iters", "1",
-                                "--lr-warmup-iters", "0", "--save", save]
+    argv = (
+        TINY
+        + NO_DROPOUT
+        + [
+            "--num-layers",
+            str(layers),
+            "--train-iters",
+            "1",
+            "--lr-warmup-iters",
+            "0",
+            "--save",
+            save,
+        ]
+    )
     setup(configure(argv + VARIANTS[variant], 1)).train()
 
 
@@ -47,16 +72,19 @@ def _our_logits(load_dir: str) -> torch.Tensor:
     model = load_for_generation(load_dir)
     with torch.no_grad():
         logits = model(_tokens(), torch.arange(SEQ).expand(2, SEQ))[..., :VOCAB]
-    return logits.transpose(0, 1)         # ours are [s, b, vocab]
+    return logits.transpose(0, 1)  # ours are [s, b, vocab]
 
 
 def _core_logits(model) -> torch.Tensor:
     causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
     model.eval()
     with torch.no_grad():
-        out = model(input_ids=_tokens(), position_ids=torch.arange(SEQ).expand(2, SEQ),
-                    attention_mask=causal)
-    return out[..., :VOCAB].float()       # [b, s, vocab]
+        out = model(
+            input_ids=_tokens(),
+            position_ids=torch.arange(SEQ).expand(2, SEQ),
+            attention_mask=causal,
+        )
+    return out[..., :VOCAB].float()  # [b, s, vocab]
 
 
 def _model_of(load_dir: str) -> dict:
@@ -69,14 +97,17 @@ def core_parallel(single_rank, monkeypatch):
     """megatron-core's TP1/PP1 model-parallel state on the test's one-rank gloo group."""
     core = pytest.importorskip("megatron.core", reason="megatron-core not installed")
     from megatron.core import parallel_state
+
     # its attention takes a scratch buffer on torch.cuda.current_device(); here that is the CPU
     monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
     # ... and forks the CUDA dropout generator; dropout is 0, so no generator is needed
-    if not torch.cuda.is_available():   # its writer waits for host copies: none here
+    if not torch.cuda.is_available():  # its writer waits for host copies: none here
         monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     from megatron.core import tensor_parallel
-    monkeypatch.setattr(tensor_parallel.get_cuda_rng_tracker(), "fork",
-                        lambda *a, **k: contextlib.nullcontext())
+
+    monkeypatch.setattr(
+        tensor_parallel.get_cuda_rng_tracker(), "fork", lambda *a, **k: contextlib.nullcontext()
+    )
     parallel_state.initialize_model_parallel(1, 1)
     yield core
     parallel_state.destroy_model_parallel()
@@ -84,9 +115,11 @@ def core_parallel(single_rank, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("variant", CORE_VARIANTS)
-def test_export_loads_into_megatron_core_with_the_same_logits(variant, fmt, tmp_path,
-                                                              core_parallel):
+def test_export_loads_into_megatron_core_with_the_same_logits(
+    variant, fmt, tmp_path, core_parallel
+):
     from megatron.core import dist_checkpointing
+
     src, out = str(tmp_path / "src"), str(tmp_path / "core")
     _train(variant, src)
     iter_dir, flags = export_core(src, out, fmt, "local")
@@ -117,8 +150,9 @@ def _save_core(model, m: dict, fmt: str, save_dir: str, iteration: int = 3) -> N
     """A checkpoint as Megatron-LM's save_checkpoint lays it out, written by megatron-core."""
     from megatron.core import dist_checkpointing
     from megatron.core.enums import ModelType
+
     args = megatron_lm.megatron_args(m, 1, 1, iteration, {}, core=(fmt, "local"))
-    args.model_type = ModelType.encoder_or_decoder    # as Megatron-LM's pretrain() records it
+    args.model_type = ModelType.encoder_or_decoder  # as Megatron-LM's pretrain() records it
     iter_dir = os.path.join(save_dir, files.iteration_dir_name(iteration))
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
     if fmt == "torch":
@@ -133,10 +167,14 @@ def _save_core(model, m: dict, fmt: str, save_dir: str, iteration: int = 3) -> N
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 @pytest.mark.parametrize("variant", CORE_VARIANTS)
-def test_megatron_core_checkpoint_imports_with_the_same_logits(variant, fmt, tmp_path,
-                                                               core_parallel):
-    shape_of, core_dir, ours = str(tmp_path / "shape"), str(tmp_path / "core"), str(
-        tmp_path / "ours")
+def test_megatron_core_checkpoint_imports_with_the_same_logits(
+    variant, fmt, tmp_path, core_parallel
+):
+    shape_of, core_dir, ours = (
+        str(tmp_path / "shape"),
+        str(tmp_path / "core"),
+        str(tmp_path / "ours"),
+    )
     _train(variant, shape_of, layers=2)
     m = _model_of(shape_of)
     model = _perturbed_core_model(m)
@@ -155,22 +193,44 @@ def test_torch_format_tp2_pp2_round_trip_is_exact(variant, spec, tmp_path, singl
     src, tp2pp2, core, back = (str(tmp_path / n) for n in ("src", "tp2pp2", "core", "back"))
     _train(variant, src)
     reshard.convert(src, tp2pp2, tp=2, pp=2)
-    assert tool.main(["export", "--load-dir", tp2pp2, "--save-dir", core, "--ckpt-format",
-                      "torch", "--transformer-impl", spec]) == 0
+    assert (
+        tool.main(
+            [
+                "export",
+                "--load-dir",
+                tp2pp2,
+                "--save-dir",
+                core,
+                "--ckpt-format",
+                "torch",
+                "--transformer-impl",
+                spec,
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "only the model weights are converted" in printed
     assert f"--ckpt-format torch --transformer-impl {spec}" in printed
     iter_dir = os.path.join(core, "iter_0000001")
-    assert sorted(os.listdir(iter_dir)) == ["mp_rank_00_000", "mp_rank_00_001",
-                                            "mp_rank_01_000", "mp_rank_01_001"]
+    assert sorted(os.listdir(iter_dir)) == [
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+        "mp_rank_01_000",
+        "mp_rank_01_001",
+    ]
     first = torch.load(files.model_file(iter_dir, 0, 0, 2), weights_only=False)["model"]
     last = torch.load(files.model_file(iter_dir, 1, 1, 2), weights_only=False)["model"]
-    norm = ("self_attention.linear_qkv.layer_norm_weight" if spec == "transformer_engine"
-            else "input_layernorm.weight")
-    assert f"decoder.layers.1.{norm}" in last and "decoder.layers.2.mlp.linear_fc2.weight" \
-        not in last
+    norm = (
+        "self_attention.linear_qkv.layer_norm_weight"
+        if spec == "transformer_engine"
+        else "input_layernorm.weight"
+    )
+    assert (
+        f"decoder.layers.1.{norm}" in last and "decoder.layers.2.mlp.linear_fc2.weight" not in last
+    )
     assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
-    assert last["output_layer.weight"].shape[0] == 224 // 2     # tied copy or untied head
+    assert last["output_layer.weight"].shape[0] == 224 // 2  # tied copy or untied head
     assert "decoder.final_layernorm.weight" in last
     assert tool.main(["import", "--load-dir", core, "--save-dir", back]) == 0
     a, b = (reshard.read_full(os.path.join(d, "iter_0000001"), False) for d in (src, back))
@@ -192,20 +252,21 @@ def test_unknown_megatron_core_tensor_is_refused_naming_it(tmp_path, single_rank
 
 def test_torch_dist_export_without_megatron_core_says_so(tmp_path, monkeypatch, saved):
     import builtins
+
     real_import = builtins.__import__
 
     def no_megatron(name, *args, **kwargs):
         if name.startswith("megatron.core") or name == "megatron":
             raise ImportError(f"No module named {name!r}")
         return real_import(name, *args, **kwargs)
+
     monkeypatch.setattr(builtins, "__import__", no_megatron)
     with pytest.raises(CheckpointError, match="needs megatron-core"):
         export_core(saved, str(tmp_path / "core"), "torch_dist")
     assert not os.path.exists(tmp_path / "core")
 
 
-def core_tp_logits(rank: int, world: int, model: dict, iter_dir: str,
-                   save: bool) -> torch.Tensor:
+def core_tp_logits(rank: int, world: int, model: dict, iter_dir: str, save: bool) -> torch.Tensor:
     """On each of `world` ranks: megatron-core's GPTModel at TP `world` either loads its stage
     file of `iter_dir` strictly or (`save`) is perturbed and saves its state_dict() there, as
     Megatron-LM lays the files out; returns its vocabulary-parallel logits
@@ -213,7 +274,8 @@ def core_tp_logits(rank: int, world: int, model: dict, iter_dir: str,
     import contextlib as ctx
 
     from megatron.core import parallel_state, tensor_parallel
-    torch.cuda.current_device = lambda: "cpu"            # as in core_parallel above
+
+    torch.cuda.current_device = lambda: "cpu"  # as in core_parallel above
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: ctx.nullcontext()
     parallel_state.initialize_model_parallel(world, 1)
     # replicated parameters (learned positions) come from torch's default generator: the same
@@ -222,19 +284,29 @@ def core_tp_logits(rank: int, world: int, model: dict, iter_dir: str,
     try:
         path = files.model_file(iter_dir, rank, 0, 1)
         if save:
-            core = _perturbed_core_model(model, tp=world)   # same noise: replicas agree
+            core = _perturbed_core_model(model, tp=world)  # same noise: replicas agree
             args = megatron_lm.megatron_args(model, world, 1, 3, {}, core=("torch", "local"))
             os.makedirs(os.path.dirname(path))
-            torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 3,
-                        "model": core.state_dict()}, path)
+            torch.save(
+                {
+                    "args": args,
+                    "checkpoint_version": 3.0,
+                    "iteration": 3,
+                    "model": core.state_dict(),
+                },
+                path,
+            )
         else:
             core = megatron_core.core_model(model, tp=world)
             core.load_state_dict(torch.load(path, weights_only=False)["model"], strict=True)
         causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
         core.eval()
         with torch.no_grad():
-            return core(input_ids=_tokens(), position_ids=torch.arange(SEQ).expand(2, SEQ),
-                        attention_mask=causal).float()
+            return core(
+                input_ids=_tokens(),
+                position_ids=torch.arange(SEQ).expand(2, SEQ),
+                attention_mask=causal,
+            ).float()
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -247,6 +319,7 @@ def test_tp2_checkpoints_match_megatron_core_at_tp2(variant, tmp_path, single_ra
     state_dict() files import, with the same logits."""
     pytest.importorskip("megatron.core", reason="megatron-core not installed")
     from tests.distributed import run_distributed
+
     src, out, saved, ours = (str(tmp_path / n) for n in ("src", "core", "saved", "ours"))
     _train(variant, src)
     iter_dir, _ = export_core(src, out, "torch", "local", tp=2, pp=1)

@@ -9,6 +9,7 @@ needs triton and omegaconf installed; no GPU, no apex, no transformer_engine):
     saved with --rotary-base 500000 and NullTokenizer --vocab-size 199, imports without
     --trust-pickle and computes Megatron's logits over all its 200 tokens.
 """
+
 import os
 import subprocess
 import sys
@@ -24,10 +25,14 @@ from tests.checkpoint.runs import NO_DROPOUT, TINY
 from tests.checkpoint.test_megatron_lm import LLAMA
 
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    not MEGATRON_LM_DIR or not os.path.isdir(os.path.join(MEGATRON_LM_DIR or "", "megatron",
-                                                          "legacy", "model")),
-    reason="MEGATRON_LM_DIR (a Megatron-LM checkout with megatron/legacy) not set")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not MEGATRON_LM_DIR
+        or not os.path.isdir(os.path.join(MEGATRON_LM_DIR or "", "megatron", "legacy", "model")),
+        reason="MEGATRON_LM_DIR (a Megatron-LM checkout with megatron/legacy) not set",
+    ),
+]
 # Megatron-LM's legacy attention views its query split as [sq, b, np, hn], which only works
 # with one query group per TP rank (more groups raise in its forward, on any device).
 LLAMA_ONE_GROUP = [x if x != "2" else "1" for x in LLAMA]
@@ -36,8 +41,13 @@ REFERENCE = os.path.join(os.path.dirname(__file__), "megatron_lm_reference.py")
 
 def _megatron(command: str, positional: list, flags: list) -> None:
     env = dict(os.environ, PYTHONPATH=MEGATRON_LM_DIR, PYTHONWARNINGS="ignore")
-    result = subprocess.run([sys.executable, REFERENCE, command, *positional, "--", *flags],
-                            env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, REFERENCE, command, *positional, "--", *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
@@ -63,7 +73,7 @@ def test_megatron_lm_loads_our_export_with_the_printed_flags(variant, tmp_path, 
     tokens, tokens_file = _tokens(tmp_path, 200)
     _megatron("logits", [str(tmp_path / "theirs.pt"), tokens_file], flags + ["--load", meg])
     theirs = torch.load(tmp_path / "theirs.pt")
-    assert theirs["padded_vocab_size"] == 208      # 200 rows padded to 16: exactly ours
+    assert theirs["padded_vocab_size"] == 208  # 200 rows padded to 16: exactly ours
     diff = float((_our_logits(ours, tokens)[..., :200] - theirs["logits"][..., :200]).abs().max())
     print(f"{variant}: ours vs Megatron-LM on our export: max |logit diff| {diff:.2e}")
     assert diff <= 1e-5
@@ -71,21 +81,51 @@ def test_megatron_lm_loads_our_export_with_the_printed_flags(variant, tmp_path, 
 
 def test_megatron_lm_saved_checkpoint_imports_as_megatron_computes(tmp_path, single_rank):
     meg, ours = str(tmp_path / "meg"), str(tmp_path / "ours")
-    flags = ["--use-legacy-models", "--ckpt-format", "torch", "--transformer-impl", "local",
-             "--num-layers", "2",
-             "--hidden-size", "32", "--num-attention-heads", "8", "--group-query-attention",
-             "--num-query-groups", "1", "--seq-length", "16", "--max-position-embeddings", "16",
-             "--position-embedding-type", "rope", "--rotary-base", "500000", "--swiglu",
-             "--normalization", "RMSNorm", "--disable-bias-linear",
-             "--untie-embeddings-and-output-weights", "--tokenizer-type", "NullTokenizer",
-             "--vocab-size", "199", "--make-vocab-size-divisible-by", "16"]
+    flags = [
+        "--use-legacy-models",
+        "--ckpt-format",
+        "torch",
+        "--transformer-impl",
+        "local",
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "8",
+        "--group-query-attention",
+        "--num-query-groups",
+        "1",
+        "--seq-length",
+        "16",
+        "--max-position-embeddings",
+        "16",
+        "--position-embedding-type",
+        "rope",
+        "--rotary-base",
+        "500000",
+        "--swiglu",
+        "--normalization",
+        "RMSNorm",
+        "--disable-bias-linear",
+        "--untie-embeddings-and-output-weights",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "199",
+        "--make-vocab-size-divisible-by",
+        "16",
+    ]
     _megatron("save", [meg], flags)
-    import_megatron(meg, ours)      # no trust_pickle: enums and numpy RNG state admitted
+    import_megatron(meg, ours)  # no trust_pickle: enums and numpy RNG state admitted
     meta = reshard.read_full(os.path.join(ours, "iter_0000003"), False).metadata["model"]
     assert meta["vocab_size"] == 200 and meta["rotary_base"] == 10000
     tokens, tokens_file = _tokens(tmp_path, 200)
-    _megatron("logits", [str(tmp_path / "theirs.pt"), tokens_file],
-              flags + ["--load", meg, "--no-load-optim", "--no-load-rng"])
+    _megatron(
+        "logits",
+        [str(tmp_path / "theirs.pt"), tokens_file],
+        flags + ["--load", meg, "--no-load-optim", "--no-load-rng"],
+    )
     theirs = torch.load(tmp_path / "theirs.pt")["logits"]
     # softmax over 200 rows on both sides: the EOD row (id 199) is a real token
     diff = float((_our_logits(ours, tokens)[..., :200] - theirs[..., :200]).abs().max())

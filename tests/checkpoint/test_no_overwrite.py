@@ -2,6 +2,7 @@
 the run (it never starts from scratch over them); a run whose saves would land on complete
 checkpoints stops at start-up; a save never replaces a complete checkpoint of its iteration
 without --overwrite-checkpoints. Both formats."""
+
 import os
 import shutil
 
@@ -68,8 +69,10 @@ def test_a_save_never_replaces_a_complete_iteration_without_the_flag(saved_in):
     d, fmt = saved_in
     trainer = setup(configure(ARGV + fmt + ["--load", d, "--save", d], 1))
     before = _checkpoints(d)
-    with pytest.raises(files.CheckpointError, match="iteration 2 is already there; not "
-                                                    "replaced.*--overwrite-checkpoints"):
+    with pytest.raises(
+        files.CheckpointError,
+        match="iteration 2 is already there; not replaced.*--overwrite-checkpoints",
+    ):
         save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 2)
     assert _checkpoints(d) == before
     trainer.cfg.checkpoint.overwrite_checkpoints = True

@@ -2,13 +2,18 @@
 interleaved PP2); here a TP2·PP2 checkpoint with tied embeddings converted to PP1, back to PP2
 interleaved, and resharded on load to PP4 continues the original loss curve within 1e-5, and
 a PP2 checkpoint exports to Hugging Face GPT-2 with matching logits."""
+
 import os
 
 import pytest
 import torch
 
-from tests.checkpoint.runs import (NO_DROPOUT, TINY, assert_continues_the_curve,
-                                   convert_pipeline_chain)
+from tests.checkpoint.runs import (
+    NO_DROPOUT,
+    TINY,
+    assert_continues_the_curve,
+    convert_pipeline_chain,
+)
 from tests.distributed import run_distributed
 from tests.training.equivalence import run_layout
 
@@ -20,29 +25,44 @@ def test_interleaved_stage_names_follow_the_runtime_assignment():
     pipeline's chunk c·PP + r rule), and the last stage gets the tied table's replica."""
     from megatron_ul.config import ModelConfig
     from megatron_ul.pipeline.param_table import parameter_table, stage_parameter_names
+
     model = ModelConfig(num_layers=4, max_position_embeddings=16, vocab_size=100)
 
     def stage(s, pp=2, vp=1, **kw):
         table = parameter_table(ModelConfig(**{**model.__dict__, **kw}), 1, pp, vp)
-        return [n for n in stage_parameter_names(table, s)
-                if n.endswith("fc1.weight") or "word_embeddings" in n]
-    assert stage(0) == ["word_embeddings.weight", "layers.0.mlp.fc1.weight",
-                        "layers.2.mlp.fc1.weight"]
-    assert stage(1) == ["layers.1.mlp.fc1.weight", "replica.word_embeddings.weight",
-                        "layers.3.mlp.fc1.weight"]
+        return [
+            n
+            for n in stage_parameter_names(table, s)
+            if n.endswith("fc1.weight") or "word_embeddings" in n
+        ]
+
+    assert stage(0) == [
+        "word_embeddings.weight",
+        "layers.0.mlp.fc1.weight",
+        "layers.2.mlp.fc1.weight",
+    ]
+    assert stage(1) == [
+        "layers.1.mlp.fc1.weight",
+        "replica.word_embeddings.weight",
+        "layers.3.mlp.fc1.weight",
+    ]
     assert "replica.word_embeddings.weight" not in stage(
-        1, untie_embeddings_and_output_weights=True)
+        1, untie_embeddings_and_output_weights=True
+    )
 
 
 def test_bad_virtual_pipeline_target_is_refused_before_writing(tmp_path, single_rank):
     from megatron_ul.checkpoint.files import CheckpointError
     from megatron_ul.checkpoint.reshard import convert
     from megatron_ul.training.pretrain import configure, setup
+
     src = str(tmp_path / "src")
     one_iter = ["--train-iters", "1", "--lr-warmup-iters", "0", "--save", src]
     setup(configure(TINY + one_iter, 1)).train()
-    with pytest.raises(CheckpointError, match="refused by the trainer(.|\n)*"
-                                              "--num-layers-per-virtual-pipeline-stage = 2×3"):
+    with pytest.raises(
+        CheckpointError,
+        match="refused by the trainer(.|\n)*--num-layers-per-virtual-pipeline-stage = 2×3",
+    ):
         convert(src, str(tmp_path / "out"), tp=1, pp=2, vp=3)
     assert not os.path.exists(tmp_path / "out")
 
@@ -69,14 +89,19 @@ def test_pp2_checkpoint_exports_to_hugging_face_and_generates(tmp_path, single_r
     from megatron_ul.config import ModelConfig
     from megatron_ul.inference.generate import load_for_generation
     from megatron_ul.model.gpt import GPTModel
+
     save = str(tmp_path / "pp2")
-    _, trained = run_layout(TINY + NO_DROPOUT + ["--train-iters", "2", "--save", save,
-                                                 "--pipeline-model-parallel-size", "2"], 2)
+    _, trained = run_layout(
+        TINY
+        + NO_DROPOUT
+        + ["--train-iters", "2", "--save", save, "--pipeline-model-parallel-size", "2"],
+        2,
+    )
     meta = read_json(os.path.join(save, "iter_0000002", METADATA), "metadata")
     assert meta["layout"]["pp"] == 2 and "replica.word_embeddings.weight" in meta["params"]
     ours = GPTModel(ModelConfig(**meta["model"]), seed=0, dims=single_rank).eval()
     params = dict(ours.named_parameters())
-    assert params.keys() == trained.keys()          # global names are the PP1 module names
+    assert params.keys() == trained.keys()  # global names are the PP1 module names
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(trained[name])

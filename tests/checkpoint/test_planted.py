@@ -2,6 +2,7 @@
 is planted in each kind of file of both formats — with metadata.json's records and its own
 checksum updated to match, as a tamperer would — and loading, generating from and converting
 the checkpoint refuse it without ever running it."""
+
 import io
 import os
 import pickle
@@ -51,7 +52,7 @@ def _plant_in_distcp(iter_dir: str, marker: str) -> None:
     torch.save({"x": Planted(marker)}, payload)
     data = open(os.path.join(iter_dir, rel), "rb").read()
     with open(os.path.join(iter_dir, dist_io.DCP_METADATA), "rb") as f:
-        index = pickle.load(f)                    # our own, trusted: the test wrote it
+        index = pickle.load(f)  # our own, trusted: the test wrote it
     first = min(index.storage_data, key=lambda k: index.storage_data[k].offset)
     info = index.storage_data[first]
     info.offset, info.length = len(data), len(payload.getvalue())
@@ -73,7 +74,7 @@ def plant(save_dir: str, kind: str, marker: str) -> None:
         _reseal(iter_dir, kind, planted)
     elif kind.endswith(".distcp"):
         _plant_in_distcp(iter_dir, marker)
-    else:                                          # a torch.save'd .pt file
+    else:  # a torch.save'd .pt file
         buffer = io.BytesIO()
         torch.save({"iteration": 2, "model": Planted(marker)}, buffer)
         _reseal(iter_dir, kind, buffer.getvalue())
@@ -89,21 +90,36 @@ def _load(save_dir: str, fmt: str) -> int:
 
 def _generate(save_dir: str, fmt: str) -> int:
     from tools import generate
+
     return generate.main(["--load", save_dir, "--prompt", "1 2", "--max-new-tokens", "1"])
 
 
 def _convert(save_dir: str, fmt: str) -> int:
-    return convert_cli(["--load-dir", save_dir, "--save-dir", save_dir + "-converted",
-                        "--target-tensor-parallel-size", "1"])
+    return convert_cli(
+        [
+            "--load-dir",
+            save_dir,
+            "--save-dir",
+            save_dir + "-converted",
+            "--target-tensor-parallel-size",
+            "1",
+        ]
+    )
 
 
-KINDS = {"torch": ["mp_rank_00/model_optim_rng.pt", "rng/rank_00000.pt", files.METADATA,
-                   "tracker"],
-         "torch_dist": [dist_io.DCP_METADATA, "__0_0.distcp", files.COMMON_FILE,
-                        "rng/rank_00000.pt", files.METADATA, "tracker"]}
+KINDS = {
+    "torch": ["mp_rank_00/model_optim_rng.pt", "rng/rank_00000.pt", files.METADATA, "tracker"],
+    "torch_dist": [
+        dist_io.DCP_METADATA,
+        "__0_0.distcp",
+        files.COMMON_FILE,
+        "rng/rank_00000.pt",
+        files.METADATA,
+        "tracker",
+    ],
+}
 # Generation and conversion read no RNG states.
-READERS = {"load": (_load, None), "generate": (_generate, "rng/"),
-           "convert": (_convert, "rng/")}
+READERS = {"load": (_load, None), "generate": (_generate, "rng/"), "convert": (_convert, "rng/")}
 
 
 def _cases():
@@ -113,8 +129,13 @@ def _cases():
         for fmt, kinds in KINDS.items():
             for kind in kinds:
                 quick = reader == "load" or kind in (dist_io.DCP_METADATA, "__0_0.distcp")
-                yield pytest.param(reader, fmt, kind, id=f"{reader}-{fmt}-{kind}",
-                                   marks=() if quick else pytest.mark.slow)
+                yield pytest.param(
+                    reader,
+                    fmt,
+                    kind,
+                    id=f"{reader}-{fmt}-{kind}",
+                    marks=() if quick else pytest.mark.slow,
+                )
 
 
 @pytest.mark.parametrize("reader,fmt,kind", list(_cases()))
@@ -145,10 +166,14 @@ def test_pretrain_gpt_refuses_a_planted_dcp_index(pristine, tmp_path):
     shutil.copytree(pristine["torch_dist"], save)
     marker = str(tmp_path / "ran")
     plant(save, dist_io.DCP_METADATA, marker)
-    out = subprocess.run([sys.executable, "pretrain_gpt.py", *ARGV, "--load", save,
-                          "--ckpt-format", "torch_dist"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(free_port())})
+    out = subprocess.run(
+        [sys.executable, "pretrain_gpt.py", *ARGV, "--load", save, "--ckpt-format", "torch_dist"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT, "MASTER_PORT": str(free_port())},
+    )
     assert not os.path.exists(marker)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "refused to unpickle builtins.exec" in out.stderr and "Traceback" not in out.stderr
@@ -171,12 +196,17 @@ def test_restricted_load_refuses_what_is_not_listed():
         restricted_load(data[:-3], {("torch", "Size")}, "y")
 
 
-@pytest.mark.parametrize("edit,named", [
-    ("record", "do not match the SHA-256 it carries"),       # edited, not resealed
-    ("no files", "records no files"),                        # resealed without any records
-    ("no record", "rank_00000.pt: not among the files")])    # resealed without one record
-def test_metadata_json_is_sealed_and_every_file_needs_a_record(pristine, tmp_path, single_rank,
-                                                                edit, named):
+@pytest.mark.parametrize(
+    "edit,named",
+    [
+        ("record", "do not match the SHA-256 it carries"),  # edited, not resealed
+        ("no files", "records no files"),  # resealed without any records
+        ("no record", "rank_00000.pt: not among the files"),
+    ],
+)  # resealed without one record
+def test_metadata_json_is_sealed_and_every_file_needs_a_record(
+    pristine, tmp_path, single_rank, edit, named
+):
     save = str(tmp_path / "ckpt")
     shutil.copytree(pristine["torch"], save)
     iter_dir = os.path.join(save, ITER)

@@ -2,17 +2,19 @@
 the fp16 loss scaler: exact resume on the same layout, and ZeRO optimizer state that loads on
 another DP×SP / TP size and with another optimizer (ZeRO state is saved gathered, name-keyed,
 like plain AdamW's: checkpoint/zero.py)."""
+
 import pytest
 
 from megatron_ul.optim.precision import GradScaler
-from tests.checkpoint.runs import (NO_DROPOUT, TINY, assert_bitwise_resume,
-                                   resume_on_layouts)
-from tests.checkpoint.zero_runs import SP2, TP2_SP2, ZERO1, ZERO3, fp16_resume, \
-    zero_across_layouts
+from tests.checkpoint.runs import NO_DROPOUT, TINY, assert_bitwise_resume, resume_on_layouts
+from tests.checkpoint.zero_runs import SP2, TP2_SP2, ZERO1, ZERO3, fp16_resume, zero_across_layouts
 from tests.distributed import run_distributed
 
-LAYOUTS = {"ZeRO1-SP2-DP2": ZERO1 + SP2, "ZeRO3-SP2-DP2": ZERO3 + SP2,
-           "ZeRO3-TP2-SP2": ZERO3 + TP2_SP2}
+LAYOUTS = {
+    "ZeRO1-SP2-DP2": ZERO1 + SP2,
+    "ZeRO3-SP2-DP2": ZERO3 + SP2,
+    "ZeRO3-TP2-SP2": ZERO3 + TP2_SP2,
+}
 
 
 def test_zero_resume_is_bitwise_identical(tmp_path):
@@ -37,21 +39,42 @@ def test_fp16_loss_scaler_is_saved_and_restored(tmp_path):
     # A scale near the fp16 overflow threshold, growing after every good step: the first
     # steps overflow and are skipped, so the scaler's state at iteration 2 differs from a fresh
     # one's, and the restored scaler must equal the saved one.
-    argv = TINY + ZERO1 + SP2 + ["--fp16", "--initial-loss-scale", str(2 ** 22),
-                                 "--hysteresis", "1", "--loss-scale-window", "1"]
+    argv = (
+        TINY
+        + ZERO1
+        + SP2
+        + [
+            "--fp16",
+            "--initial-loss-scale",
+            str(2**22),
+            "--hysteresis",
+            "1",
+            "--loss-scale-window",
+            "1",
+        ]
+    )
     r = run_distributed(fp16_resume, 4, argv, str(tmp_path))[0]
     print(r)
-    fresh = GradScaler(2 ** 22, window=1, hysteresis=1).state_dict()
+    fresh = GradScaler(2**22, window=1, hysteresis=1).state_dict()
     assert r["saved"]["skipped_steps"] >= 1 and r["saved"] != fresh
     assert r["restored"] == r["saved"]
     assert r["resumed"] == r["full"][2:]
 
 
-PIPELINES = {"ZeRO1-TP2-PP2": ZERO1 + ["--tensor-model-parallel-size", "2",
-                                        "--pipeline-model-parallel-size", "2"],
-             "ZeRO1-PP2-interleaved-SP2": ZERO1 + SP2 + [
-                 "--num-layers", "4", "--pipeline-model-parallel-size", "2",
-                 "--num-layers-per-virtual-pipeline-stage", "1"]}
+PIPELINES = {
+    "ZeRO1-TP2-PP2": ZERO1
+    + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    "ZeRO1-PP2-interleaved-SP2": ZERO1
+    + SP2
+    + [
+        "--num-layers",
+        "4",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ],
+}
 
 
 @pytest.mark.slow
@@ -64,10 +87,19 @@ def test_zero1_pipeline_resume_is_bitwise_identical(tmp_path):
         assert resumed == full[2:], layout
 
 
-ZERO3_PIPELINES = {"ZeRO3-PP2-DP2": ZERO3 + ["--pipeline-model-parallel-size", "2"],
-                   "ZeRO3-PP2-interleaved-SP2": ZERO3 + SP2 + [
-                       "--num-layers", "4", "--pipeline-model-parallel-size", "2",
-                       "--num-layers-per-virtual-pipeline-stage", "1"]}
+ZERO3_PIPELINES = {
+    "ZeRO3-PP2-DP2": ZERO3 + ["--pipeline-model-parallel-size", "2"],
+    "ZeRO3-PP2-interleaved-SP2": ZERO3
+    + SP2
+    + [
+        "--num-layers",
+        "4",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-layers-per-virtual-pipeline-stage",
+        "1",
+    ],
+}
 
 
 @pytest.mark.slow

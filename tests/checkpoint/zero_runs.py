@@ -1,4 +1,5 @@
 """Module-level functions run on spawned gloo ranks by the ZeRO / fp16 checkpoint tests."""
+
 from __future__ import annotations
 
 import os
@@ -23,14 +24,23 @@ def zero_across_layouts(rank: int, world: int, argv: list[str], tmp: str) -> dic
     The LR schedule is fixed by --lr-decay-iters 6 so that runs stopping at 4 follow it too.
     Returns each run's losses."""
     src, tp2, plain = (os.path.join(tmp, n) for n in ("zero1", "zero1_tp2", "plain"))
-    run = lambda flags, iters: train(rank, world, argv + ["--lr-decay-iters", "6",  # noqa
-                                                          "--train-iters", str(iters)] + flags)
+
+    def run(flags, iters):
+        return train(
+            rank, world, argv + ["--lr-decay-iters", "6", "--train-iters", str(iters)] + flags
+        )
+
     out = {"original": run(ZERO1 + SP2 + ["--save", src, "--save-interval", "2"], 6)}
 
     def convert_to_tp2():
         files.write_tracker(src, 2)
-        assert convert_cli(["--load-dir", src, "--save-dir", tp2,
-                            "--target-tensor-parallel-size", "2"]) == 0
+        assert (
+            convert_cli(
+                ["--load-dir", src, "--save-dir", tp2, "--target-tensor-parallel-size", "2"]
+            )
+            == 0
+        )
+
     _on_rank0(convert_to_tp2)
     out["zero1_tp2_sp2_convert"] = run(ZERO1 + TP2_SP2 + ["--load", tp2], 4)
     out["zero3_tp2_sp2_on_load"] = run(ZERO3 + TP2_SP2 + ["--load", src], 4)
@@ -42,8 +52,9 @@ def zero_across_layouts(rank: int, world: int, argv: list[str], tmp: str) -> dic
 def fp16_resume(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
     """Exact resume under --fp16 with ZeRO-1; also the scaler state saved and restored."""
     full, resumed = train_then_resume(rank, world, argv, save_dir, 2, 4)
-    saved = files.load_torch(files.model_file(os.path.join(save_dir, "iter_0000002"), 0, 0, 1),
-                             "")["grad_scaler"]
+    saved = files.load_torch(files.model_file(os.path.join(save_dir, "iter_0000002"), 0, 0, 1), "")[
+        "grad_scaler"
+    ]
     trainer = setup(configure(argv + ["--train-iters", "4", "--load", save_dir], world))
     restored = trainer.grad_scaler.state_dict()
     return {"full": full, "resumed": resumed, "saved": saved, "restored": restored}

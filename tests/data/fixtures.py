@@ -37,7 +37,9 @@ def byte_level_gpt2_files(folder):
     return vocab, merges, encoder
 
 
-SP_TEXTS = [f"line {i}: the quick brown fox {'jumps ' * (i % 5)}over {i * 7} lazy dogs." for i in range(300)]
+SP_TEXTS = [
+    f"line {i}: the quick brown fox {'jumps ' * (i % 5)}over {i * 7} lazy dogs." for i in range(300)
+]
 
 
 def train_sentencepiece(folder, vocab_size=300, name="sp", **options):
@@ -46,8 +48,14 @@ def train_sentencepiece(folder, vocab_size=300, name="sp", **options):
 
     prefix = os.path.join(folder, name)
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(SP_TEXTS), model_prefix=prefix, vocab_size=vocab_size, model_type="bpe",
-        num_threads=1, minloglevel=2, **options)
+        sentence_iterator=iter(SP_TEXTS),
+        model_prefix=prefix,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        num_threads=1,
+        minloglevel=2,
+        **options,
+    )
     return prefix + ".model"
 
 
@@ -59,27 +67,51 @@ def hf_tokenizer_folder(folder):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(SP_TEXTS, trainer=trainer)
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+        single="<s> $A",
+        pair="<s> $A <s> $B",
+        special_tokens=[("<s>", tokenizer.token_to_id("<s>"))],
+    )
     os.makedirs(folder, exist_ok=True)
     tokenizer.save(os.path.join(folder, "tokenizer.json"))
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as handle:
-        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-                   "unk_token": "<unk>", "model_max_length": 1000000}, handle)
+        json.dump(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "model_max_length": 1000000,
+            },
+            handle,
+        )
     return folder
 
 
 def expected_index_bytes(dtype_code, lengths, document_indices, itemsize):
     """An MMIDIDX .idx written out field by field from Megatron's documented layout."""
-    pointers = np.concatenate([[0], np.cumsum(np.asarray(lengths[:-1], dtype=np.int64) * itemsize)]) \
-        if len(lengths) else np.zeros(0, np.int64)
-    return (b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", dtype_code)
-            + struct.pack("<Q", len(lengths)) + struct.pack("<Q", len(document_indices))
-            + struct.pack(f"<{len(lengths)}i", *lengths) + struct.pack(f"<{len(lengths)}q", *pointers.tolist())
-            + struct.pack(f"<{len(document_indices)}q", *document_indices))
+    pointers = (
+        np.concatenate([[0], np.cumsum(np.asarray(lengths[:-1], dtype=np.int64) * itemsize)])
+        if len(lengths)
+        else np.zeros(0, np.int64)
+    )
+    return (
+        b"MMIDIDX\x00\x00"
+        + struct.pack("<Q", 1)
+        + struct.pack("<B", dtype_code)
+        + struct.pack("<Q", len(lengths))
+        + struct.pack("<Q", len(document_indices))
+        + struct.pack(f"<{len(lengths)}i", *lengths)
+        + struct.pack(f"<{len(lengths)}q", *pointers.tolist())
+        + struct.pack(f"<{len(document_indices)}q", *document_indices)
+    )
 
 
 def read_pair(prefix):

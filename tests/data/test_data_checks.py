@@ -1,5 +1,6 @@
 """The --data-path files are checked before the model is built (one line per problem, naming the
 file, exit 2 on every rank), and the preprocessing tools never leave a half-written output."""
+
 import errno
 import os
 import shutil
@@ -16,9 +17,22 @@ from tests.refusals import refusal
 from tools import merge_datasets, preprocess_data
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MODEL = ["--num-layers", "1", "--hidden-size", "16", "--num-attention-heads", "2",
-         "--seq-length", "8", "--train-iters", "2", "--tokenizer-type", "NullTokenizer",
-         "--vocab-size", "100"]     # NullTokenizer: ids 0..99 and EOD 100
+MODEL = [
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "16",
+    "--num-attention-heads",
+    "2",
+    "--seq-length",
+    "8",
+    "--train-iters",
+    "2",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "100",
+]  # NullTokenizer: ids 0..99 and EOD 100
 
 
 def write_dataset(prefix, documents, dtype=np.uint16):
@@ -46,7 +60,7 @@ def test_good_data_passes(prefix):
 
 def test_bin_rewritten_in_place_with_an_id_outside_the_vocabulary(prefix, capsys, monkeypatch):
     """Same size, same index, same mtime: only the contents tell, and they are read."""
-    pretrain.configure(["--data-path", prefix, *MODEL], world_size=1)   # reads the ids once
+    pretrain.configure(["--data-path", prefix, *MODEL], world_size=1)  # reads the ids once
     stat = os.stat(prefix + ".bin")
     tokens = np.memmap(prefix + ".bin", dtype=np.uint16, mode="r+")
     tokens[123] = 4000
@@ -57,24 +71,46 @@ def test_bin_rewritten_in_place_with_an_id_outside_the_vocabulary(prefix, capsys
     assert f"--data-path {prefix}: token id 4000 does not fit the vocabulary of 101" in err
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda p: truncate(p + ".bin", 100), "bytes but"),
-    (lambda p: truncate(p + ".idx", HEADER_SIZE - 3), "truncated index"),
-    (lambda p: truncate(p + ".idx", os.path.getsize(p + ".idx") - 8), "does not match its header"),
-    (lambda p: _poke(p + ".idx", HEADER_SIZE, struct.pack("<i", -5)), "negative sequence length"),
-    (lambda p: _poke(p + ".idx", HEADER_SIZE, struct.pack("<i", 7)),
-     "sequence pointers disagree with sequence lengths"),
-    (lambda p: _poke(p + ".idx", 9 + 8, struct.pack("<B", 7)), "cannot hold token ids"),
-    (lambda p: _poke(p + ".idx", 9 + 8, struct.pack("<B", 42)), "unknown dtype code 42"),
-    (lambda p: shutil.copy(write_dataset(p + "x", [[1, 2, 3]]) + ".bin", p + ".bin"),
-     "the pair does not match"),
-], ids=["truncated bin", "truncated idx header", "truncated idx", "negative length",
-        "corrupt length", "float dtype", "unknown dtype", "size mismatch"])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (lambda p: truncate(p + ".bin", 100), "bytes but"),
+        (lambda p: truncate(p + ".idx", HEADER_SIZE - 3), "truncated index"),
+        (
+            lambda p: truncate(p + ".idx", os.path.getsize(p + ".idx") - 8),
+            "does not match its header",
+        ),
+        (
+            lambda p: _poke(p + ".idx", HEADER_SIZE, struct.pack("<i", -5)),
+            "negative sequence length",
+        ),
+        (
+            lambda p: _poke(p + ".idx", HEADER_SIZE, struct.pack("<i", 7)),
+            "sequence pointers disagree with sequence lengths",
+        ),
+        (lambda p: _poke(p + ".idx", 9 + 8, struct.pack("<B", 7)), "cannot hold token ids"),
+        (lambda p: _poke(p + ".idx", 9 + 8, struct.pack("<B", 42)), "unknown dtype code 42"),
+        (
+            lambda p: shutil.copy(write_dataset(p + "x", [[1, 2, 3]]) + ".bin", p + ".bin"),
+            "the pair does not match",
+        ),
+    ],
+    ids=[
+        "truncated bin",
+        "truncated idx header",
+        "truncated idx",
+        "negative length",
+        "corrupt length",
+        "float dtype",
+        "unknown dtype",
+        "size mismatch",
+    ],
+)
 def test_damaged_files_are_named_before_the_model(prefix, damage, message, capsys, monkeypatch):
     damage(prefix)
     err = refusal(["--data-path", prefix, *MODEL], capsys, monkeypatch)
     assert f"--data-path {prefix}: " in err and message in err, err
-    assert err.count("\n  ") == 1   # one line
+    assert err.count("\n  ") == 1  # one line
 
 
 def _poke(path, offset, data):
@@ -96,8 +132,9 @@ def test_every_problem_of_a_blend_in_one_report(tmp_path, prefix, capsys, monkey
     bad = write_dataset(tmp_path / "bad", [[1, 2, 500]])
     truncated = write_dataset(tmp_path / "truncated", [[1, 2, 3]] * 4)
     truncate(truncated + ".bin", 5)
-    err = refusal(["--data-path", "1", prefix, "1", bad, "1", truncated, *MODEL], capsys,
-                  monkeypatch)
+    err = refusal(
+        ["--data-path", "1", prefix, "1", bad, "1", truncated, *MODEL], capsys, monkeypatch
+    )
     assert f"--data-path {bad}: token id 500" in err and f"--data-path {truncated}: " in err
     assert f"--data-path {prefix}:" not in err
 
@@ -106,11 +143,20 @@ def test_every_problem_of_a_blend_in_one_report(tmp_path, prefix, capsys, monkey
 def test_every_rank_reports_damaged_data(prefix):
     """Two ranks as srun starts them: each names the file and exits 2 before any collective."""
     truncate(prefix + ".bin", 100)
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="1")
-    ranks = [subprocess.Popen([sys.executable, "pretrain_gpt.py", "--data-path", prefix, *MODEL],
-                              cwd=ROOT, env=dict(env, RANK=str(r)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    )
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "pretrain_gpt.py", "--data-path", prefix, *MODEL],
+            cwd=ROOT,
+            env=dict(env, RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for rank in ranks:
         _, err = rank.communicate(timeout=120)
         assert rank.returncode == 2 and f"--data-path {prefix}: " in err and "bytes but" in err
@@ -120,13 +166,16 @@ def test_every_rank_reports_damaged_data(prefix):
 @pytest.fixture
 def disk_full_after(monkeypatch):
     """The builders' .bin writes fail with ENOSPC after `n` successful writes."""
+
     def arm(n):
         opened = IndexedDatasetBuilder.__init__
 
         def init(self, *args, **kwargs):
             opened(self, *args, **kwargs)
             self.data_file = _FailingFile(self.data_file, n)
+
         monkeypatch.setattr(IndexedDatasetBuilder, "__init__", init)
+
     return arm
 
 
@@ -136,7 +185,7 @@ class _FailingFile:
 
     def write(self, data):
         if self.writes == 0:
-            self.handle.write(bytes(data)[:len(data) // 2])   # half of it reached the disk
+            self.handle.write(bytes(data)[: len(data) // 2])  # half of it reached the disk
             raise OSError(errno.ENOSPC, "No space left on device")
         self.writes -= 1
         return self.handle.write(data)
@@ -146,28 +195,41 @@ class _FailingFile:
 
 
 def _files(folder):
-    return sorted((name, os.path.getsize(os.path.join(folder, name)))
-                  for name in os.listdir(folder) if not name.endswith(".jsonl"))
+    return sorted(
+        (name, os.path.getsize(os.path.join(folder, name)))
+        for name in os.listdir(folder)
+        if not name.endswith(".jsonl")
+    )
 
 
-def test_preprocess_failing_mid_write_keeps_the_previous_output(tmp_path, disk_full_after,
-                                                                 monkeypatch, capsys):
+def test_preprocess_failing_mid_write_keeps_the_previous_output(
+    tmp_path, disk_full_after, monkeypatch, capsys
+):
     source = tmp_path / "in.jsonl"
     source.write_text("".join(f'{{"text": "{i} {i + 1} {i + 2}"}}\n' for i in range(60)))
-    args = ["--input", str(source), "--output-prefix", str(tmp_path / "out"),
-            "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+    args = [
+        "--input",
+        str(source),
+        "--output-prefix",
+        str(tmp_path / "out"),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "100",
+    ]
     assert preprocess_data.main(args) == 0
     before = _files(tmp_path)
     monkeypatch.setattr(preprocess_data, "LINES_PER_CHUNK", 5)
     disk_full_after(3)
     assert preprocess_data.main(args) == 1
     assert "No space left on device" in capsys.readouterr().err
-    assert _files(tmp_path) == before          # no temporary left, the old pair untouched
+    assert _files(tmp_path) == before  # no temporary left, the old pair untouched
     IndexedDataset(str(tmp_path / "out_text_document"))
 
 
-def test_merge_failing_mid_write_keeps_the_previous_output(tmp_path, prefix, disk_full_after,
-                                                            capsys):
+def test_merge_failing_mid_write_keeps_the_previous_output(
+    tmp_path, prefix, disk_full_after, capsys
+):
     other = write_dataset(tmp_path / "e", [[5, 6, 7]] * 10)
     out = str(tmp_path / "merged" / "m")
     assert merge_datasets.main(["--input", prefix, other, "--output-prefix", out]) == 0

@@ -6,8 +6,13 @@ import numpy as np
 import pytest
 
 from megatron_ul.data import gpt_dataset, index_cache
-from megatron_ul.data.gpt_dataset import (GPTDataset, build_sample_index, build_train_valid_test_datasets,
-                                          parse_data_path, split_ranges)
+from megatron_ul.data.gpt_dataset import (
+    GPTDataset,
+    build_sample_index,
+    build_train_valid_test_datasets,
+    parse_data_path,
+    split_ranges,
+)
 from megatron_ul.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_ul.data.mock import MockGPTDataset
 from megatron_ul.local_ranks import run_on_local_ranks
@@ -59,7 +64,9 @@ def test_sample_index_matches_megatron_loop():
         ours = build_sample_index(sizes, doc_idx, seq_length)
         num_samples = ours.shape[0] - 1
         assert num_samples == (int(sizes.sum()) * 3 - 1) // seq_length
-        np.testing.assert_array_equal(ours, megatron_sample_index(sizes, doc_idx, seq_length, num_samples))
+        np.testing.assert_array_equal(
+            ours, megatron_sample_index(sizes, doc_idx, seq_length, num_samples)
+        )
 
 
 @pytest.mark.parametrize("num_samples", [10, 200])  # one epoch, and several epochs
@@ -75,10 +82,15 @@ def test_samples_are_windows_of_the_shuffled_document_stream(tmp_path, num_sampl
         text = gpt[index]["text"]
         assert text.dtype == np.int64 and len(text) == seq_length + 1
         sample = int(gpt.shuffle_index[index])
-        np.testing.assert_array_equal(text, stream[sample * seq_length: sample * seq_length + seq_length + 1])
+        np.testing.assert_array_equal(
+            text, stream[sample * seq_length : sample * seq_length + seq_length + 1]
+        )
         seen.add(sample)
     assert seen == set(range(len(gpt)))  # the shuffle is a permutation
-    assert sorted(np.bincount(gpt.document_index)[:30].tolist()) == [len(gpt.document_index) // 30] * 30
+    assert (
+        sorted(np.bincount(gpt.document_index)[:30].tolist())
+        == [len(gpt.document_index) // 30] * 30
+    )
 
 
 def test_index_determinism_and_cache(tmp_path):
@@ -136,7 +148,13 @@ def test_split_ranges_and_parsing():
     assert parse_data_path(["0.3", "x", "0.7", "y"]) == (["x", "y"], [0.3, 0.7])
     assert parse_data_path(["0.3 x 0.7 y"]) == (["x", "y"], [0.3, 0.7])
     assert parse_data_path(["x", "y"]) == (["x", "y"], None)
-    for bad in (["0.3", "x", "y"], ["nan", "x"], ["inf", "x", "1", "y"], ["0", "x", "1", "y"], ["-1", "x"]):
+    for bad in (
+        ["0.3", "x", "y"],
+        ["nan", "x"],
+        ["inf", "x", "1", "y"],
+        ["0", "x", "1", "y"],
+        ["-1", "x"],
+    ):
         with pytest.raises(ValueError, match="--data-path"):
             parse_data_path(bad)
 
@@ -145,22 +163,38 @@ def test_split_documents_are_disjoint(tmp_path):
     # Each document holds only its own id, so a sample reveals which documents it used.
     documents = [np.full(10, doc_id) for doc_id in range(100)]
     prefix = write_dataset(tmp_path / "d", documents)
-    train, valid, test = build_train_valid_test_datasets([prefix], "80,15,5", 9, (50, 20, 5), seed=0)
-    used = [set(np.concatenate([split[i]["text"] for i in range(len(split))]).tolist())
-            for split in (train, valid, test)]
-    assert used[0] <= set(range(80)) and used[1] <= set(range(80, 95)) and used[2] <= set(range(95, 100))
-    assert build_train_valid_test_datasets([prefix], "100,0,0", 9, (50, 20, 5), seed=0)[1:] == (None, None)
+    train, valid, test = build_train_valid_test_datasets(
+        [prefix], "80,15,5", 9, (50, 20, 5), seed=0
+    )
+    used = [
+        set(np.concatenate([split[i]["text"] for i in range(len(split))]).tolist())
+        for split in (train, valid, test)
+    ]
+    assert (
+        used[0] <= set(range(80))
+        and used[1] <= set(range(80, 95))
+        and used[2] <= set(range(95, 100))
+    )
+    assert build_train_valid_test_datasets([prefix], "100,0,0", 9, (50, 20, 5), seed=0)[1:] == (
+        None,
+        None,
+    )
 
 
 def test_blending_proportions_within_one_percent(tmp_path):
     # Token ranges tell the source of every sample without trusting the blend's own bookkeeping.
     ranges = [(0, 1000), (1000, 2000), (2000, 3000)]
-    prefixes = [write_dataset(tmp_path / f"p{i}", documents_with_token_range(10 + i, 300, low, high, False))
-                for i, (low, high) in enumerate(ranges)]
+    prefixes = [
+        write_dataset(tmp_path / f"p{i}", documents_with_token_range(10 + i, 300, low, high, False))
+        for i, (low, high) in enumerate(ranges)
+    ]
     weights = [0.2, 0.5, 0.3]
-    data_path = [item for weight, prefix in zip(weights, prefixes) for item in (str(weight), prefix)]
-    train, _, _ = build_train_valid_test_datasets(data_path, "1", 32, (10000, 0, 0), seed=7,
-                                                  cache_path=str(tmp_path / "cache"))
+    data_path = [
+        item for weight, prefix in zip(weights, prefixes) for item in (str(weight), prefix)
+    ]
+    train, _, _ = build_train_valid_test_datasets(
+        data_path, "1", 32, (10000, 0, 0), seed=7, cache_path=str(tmp_path / "cache")
+    )
     assert len(train) == 10000
     sources = np.array([train[i]["text"][0] // 1000 for i in range(len(train))])
     for source, weight in enumerate(weights):
@@ -208,20 +242,140 @@ def test_fixed_indices_recorded_from_megatron_core(tmp_path):
     (tests/data/test_data_vs_megatron_core.py compares live when it is installed)."""
     p = write_dataset(tmp_path / "p", documents_with_token_range(2, 20, 0, 100))
     q = write_dataset(tmp_path / "q", documents_with_token_range(3, 15, 100, 200))
-    train, valid, test = build_train_valid_test_datasets([p], "80,15,5", 8, (60, 10, 5), 3, cache_path=None)
+    train, valid, test = build_train_valid_test_datasets(
+        [p], "80,15,5", 8, (60, 10, 5), 3, cache_path=None
+    )
     assert [split.sequence_range for split in (train, valid, test)] == [(0, 16), (16, 19), (19, 20)]
-    assert train.document_index.tolist() == [4, 1, 5, 14, 12, 11, 4, 15, 2, 2, 0, 1, 7, 10, 7, 13, 12, 13, 6, 6, 9,
-                                             11, 15, 3, 5, 0, 8, 14, 3, 9, 8, 10]
+    assert train.document_index.tolist() == [
+        4,
+        1,
+        5,
+        14,
+        12,
+        11,
+        4,
+        15,
+        2,
+        2,
+        0,
+        1,
+        7,
+        10,
+        7,
+        13,
+        12,
+        13,
+        6,
+        6,
+        9,
+        11,
+        15,
+        3,
+        5,
+        0,
+        8,
+        14,
+        3,
+        9,
+        8,
+        10,
+    ]
     assert train.sample_index[:6].tolist() == [[0, 0], [1, 8], [1, 16], [1, 24], [1, 32], [3, 1]]
     assert train.shuffle_index.tolist() == [
-        19, 40, 9, 47, 26, 36, 3, 22, 58, 6, 53, 34, 25, 12, 8, 35, 4, 2, 62, 17, 50, 39, 49, 5, 13, 31, 23, 11, 60,
-        59, 32, 44, 38, 16, 27, 10, 52, 1, 54, 55, 57, 51, 18, 41, 45, 0, 28, 14, 21, 30, 20, 37, 48, 15, 61, 43, 56,
-        7, 24, 42, 29, 33, 46]
+        19,
+        40,
+        9,
+        47,
+        26,
+        36,
+        3,
+        22,
+        58,
+        6,
+        53,
+        34,
+        25,
+        12,
+        8,
+        35,
+        4,
+        2,
+        62,
+        17,
+        50,
+        39,
+        49,
+        5,
+        13,
+        31,
+        23,
+        11,
+        60,
+        59,
+        32,
+        44,
+        38,
+        16,
+        27,
+        10,
+        52,
+        1,
+        54,
+        55,
+        57,
+        51,
+        18,
+        41,
+        45,
+        0,
+        28,
+        14,
+        21,
+        30,
+        20,
+        37,
+        48,
+        15,
+        61,
+        43,
+        56,
+        7,
+        24,
+        42,
+        29,
+        33,
+        46,
+    ]
     assert train[0]["text"].tolist() == [26, 10, 29, 41, 81, 45, 9, 33, 60]
-    weighted = build_train_valid_test_datasets(["0.7", p, "0.3", q], "1", 8, (40, 0, 0), 5, cache_path=None)[0]
+    weighted = build_train_valid_test_datasets(
+        ["0.7", p, "0.3", q], "1", 8, (40, 0, 0), 5, cache_path=None
+    )[0]
     assert weighted.dataset_index.tolist() == [0, 1, 0, 0, 1, 0, 0, 1, 0, 0] * 4
     assert weighted.dataset_sample_index.tolist()[:12] == [0, 0, 1, 2, 1, 3, 4, 2, 5, 6, 7, 3]
     # Unweighted: one epoch per prefix (41 and 26 samples), the blend capped at their sum.
-    unweighted = build_train_valid_test_datasets([p, q], "1", 8, (1000, 0, 0), 5, cache_path=None)[0]
+    unweighted = build_train_valid_test_datasets([p, q], "1", 8, (1000, 0, 0), 5, cache_path=None)[
+        0
+    ]
     assert len(unweighted) == 67 and [len(d) for d in unweighted.datasets] == [41, 26]
-    assert unweighted.dataset_index[:20].tolist() == [0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 0, 1, 0, 1, 0, 0, 1, 0, 0, 1]
+    assert unweighted.dataset_index[:20].tolist() == [
+        0,
+        1,
+        0,
+        1,
+        0,
+        0,
+        1,
+        0,
+        1,
+        0,
+        0,
+        1,
+        0,
+        1,
+        0,
+        0,
+        1,
+        0,
+        0,
+        1,
+    ]

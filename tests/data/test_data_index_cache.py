@@ -17,7 +17,9 @@ def all_samples(dataset):
 
 
 def build(prefix, cache):
-    return GPTDataset(IndexedDataset(prefix), (0, len(IndexedDataset(prefix))), 60, 8, seed=1, cache_path=cache)
+    return GPTDataset(
+        IndexedDataset(prefix), (0, len(IndexedDataset(prefix))), 60, 8, seed=1, cache_path=cache
+    )
 
 
 def cache_files(cache):
@@ -29,14 +31,17 @@ def test_rewritten_data_under_the_same_prefix_gets_new_indices(tmp_path):
     cache = str(tmp_path / "cache")
     prefix = write_dataset(tmp_path / "d", documents_with_token_range(1, 40, 0, 500))
     build(prefix, cache)
-    # Same prefix, same number of documents, different lengths: the old indices would read wrong tokens.
+    # Same prefix, same number of documents, different lengths: the old indices would read
+    # wrong tokens.
     write_dataset(tmp_path / "d", documents_with_token_range(2, 40, 0, 500))
     rebuilt = build(prefix, cache)
     np.testing.assert_array_equal(all_samples(rebuilt), all_samples(build(prefix, None)))
     assert len(cache_files(cache)) == 8  # two index sets side by side
 
 
-@pytest.mark.parametrize("damage", ["delete_array", "truncate_array", "garbage_marker", "wrong_values"])
+@pytest.mark.parametrize(
+    "damage", ["delete_array", "truncate_array", "garbage_marker", "wrong_values"]
+)
 def test_damaged_cache_is_named_and_rebuilt(tmp_path, caplog, damage):
     cache = str(tmp_path / "cache")
     prefix = write_dataset(tmp_path / "d", documents_with_token_range(3, 40, 0, 500))
@@ -58,8 +63,11 @@ def test_damaged_cache_is_named_and_rebuilt(tmp_path, caplog, damage):
     with caplog.at_level(logging.WARNING, logger="megatron_ul"):
         dataset = build(prefix, cache)
     assert "rebuilding" in caplog.text
-    assert (os.path.basename(shuffle) in caplog.text) or (os.path.basename(marker) in caplog.text) \
+    assert (
+        (os.path.basename(shuffle) in caplog.text)
+        or (os.path.basename(marker) in caplog.text)
         or "-*.npy: corrupt" in caplog.text
+    )
     np.testing.assert_array_equal(all_samples(dataset), reference)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="megatron_ul"):
@@ -80,7 +88,9 @@ def test_read_only_cache(tmp_path, monkeypatch, caplog):
     loaded = build(prefix, cache)  # a hit needs no write
     assert isinstance(loaded.shuffle_index, np.memmap)
     with caplog.at_level(logging.WARNING, logger="megatron_ul"):
-        other = GPTDataset(IndexedDataset(prefix), (0, 40), 90, 8, seed=2, cache_path=cache)  # a miss
+        other = GPTDataset(
+            IndexedDataset(prefix), (0, 40), 90, 8, seed=2, cache_path=cache
+        )  # a miss
     assert "not writable" in caplog.text and len(other) >= 90
     assert {path: os.path.getmtime(path) for path in cache_files(cache)} == before
 

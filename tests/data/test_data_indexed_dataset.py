@@ -8,8 +8,12 @@ import sys
 import numpy as np
 import pytest
 
-from megatron_ul.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder, IndexedDatasetError,
-                                              token_dtype_for_vocab)
+from megatron_ul.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    IndexedDatasetError,
+    token_dtype_for_vocab,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -57,22 +61,30 @@ def test_multi_sequence_documents_and_fast_path_agree(tmp_path):
     fast.add_documents(tokens, [2, 4, 4])
     fast.finalize(str(tmp_path / "fast.idx"))
     assert (tmp_path / "fast.bin").read_bytes() == (tmp_path / "slow.bin").read_bytes()
-    np.testing.assert_array_equal(IndexedDataset(str(tmp_path / "fast")).document_indices, [0, 1, 2, 3])
+    np.testing.assert_array_equal(
+        IndexedDataset(str(tmp_path / "fast")).document_indices, [0, 1, 2, 3]
+    )
 
 
 def test_header_bytes_match_documented_layout(tmp_path):
-    prefix = write_dataset(tmp_path / "h", [np.array([5, 6, 7]), np.array([], dtype=int), np.array([8, 9])])
+    prefix = write_dataset(
+        tmp_path / "h", [np.array([5, 6, 7]), np.array([], dtype=int), np.array([8, 9])]
+    )
     raw = (tmp_path / "h.idx").read_bytes()
-    expected = (b"MMIDIDX\x00\x00"
-                + (1).to_bytes(8, "little")            # version
-                + bytes([8])                           # dtype code 8 = uint16
-                + (3).to_bytes(8, "little")            # sequences
-                + (4).to_bytes(8, "little")            # document_indices entries (documents + 1)
-                + b"".join(n.to_bytes(4, "little") for n in (3, 0, 2))
-                + b"".join(n.to_bytes(8, "little") for n in (0, 6, 6))      # byte pointers
-                + b"".join(n.to_bytes(8, "little") for n in (0, 1, 2, 3)))
+    expected = (
+        b"MMIDIDX\x00\x00"
+        + (1).to_bytes(8, "little")  # version
+        + bytes([8])  # dtype code 8 = uint16
+        + (3).to_bytes(8, "little")  # sequences
+        + (4).to_bytes(8, "little")  # document_indices entries (documents + 1)
+        + b"".join(n.to_bytes(4, "little") for n in (3, 0, 2))
+        + b"".join(n.to_bytes(8, "little") for n in (0, 6, 6))  # byte pointers
+        + b"".join(n.to_bytes(8, "little") for n in (0, 1, 2, 3))
+    )
     assert raw == expected
-    assert (tmp_path / "h.bin").read_bytes() == b"".join(n.to_bytes(2, "little") for n in (5, 6, 7, 8, 9))
+    assert (tmp_path / "h.bin").read_bytes() == b"".join(
+        n.to_bytes(2, "little") for n in (5, 6, 7, 8, 9)
+    )
     assert IndexedDataset(prefix).num_documents == 3
 
 
@@ -88,16 +100,19 @@ def corrupt(path, transform):
     open(path, "wb").write(bytes(transform(data)))
 
 
-@pytest.mark.parametrize("name, damage, file_suffix", [
-    ("truncated idx", lambda d: d[:-5], ".idx"),
-    ("idx cut inside header", lambda d: d[:20], ".idx"),
-    ("bad magic", lambda d: b"XXIDIDX\x00\x00" + d[9:], ".idx"),
-    ("bad dtype code", lambda d: d[:17] + bytes([42]) + d[18:], ".idx"),
-    ("bad version", lambda d: d[:9] + struct.pack("<Q", 7) + d[17:], ".idx"),
-    ("corrupt length", lambda d: d[:34] + struct.pack("<i", 999) + d[38:], ".idx"),
-    ("truncated bin", lambda d: d[:-2], ".bin"),
-    ("bin too long", lambda d: d + b"\x00\x00", ".bin"),
-])
+@pytest.mark.parametrize(
+    "name, damage, file_suffix",
+    [
+        ("truncated idx", lambda d: d[:-5], ".idx"),
+        ("idx cut inside header", lambda d: d[:20], ".idx"),
+        ("bad magic", lambda d: b"XXIDIDX\x00\x00" + d[9:], ".idx"),
+        ("bad dtype code", lambda d: d[:17] + bytes([42]) + d[18:], ".idx"),
+        ("bad version", lambda d: d[:9] + struct.pack("<Q", 7) + d[17:], ".idx"),
+        ("corrupt length", lambda d: d[:34] + struct.pack("<i", 999) + d[38:], ".idx"),
+        ("truncated bin", lambda d: d[:-2], ".bin"),
+        ("bin too long", lambda d: d + b"\x00\x00", ".bin"),
+    ],
+)
 def test_damaged_files_raise_naming_the_file(tmp_path, name, damage, file_suffix):
     prefix = write_dataset(tmp_path / "c", random_documents(count=5))
     corrupt(prefix + file_suffix, damage)
@@ -127,9 +142,21 @@ def test_merge_datasets_tool(tmp_path):
     first = write_dataset(tmp_path / "x", first_docs)
     second = write_dataset(tmp_path / "y", second_docs)
     output = str(tmp_path / "out" / "xy")
-    result = subprocess.run([sys.executable, "-m", "tools.merge_datasets",
-                             "--input", first, second, "--output-prefix", output],
-                            capture_output=True, text=True, cwd=REPO_ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.merge_datasets",
+            "--input",
+            first,
+            second,
+            "--output-prefix",
+            output,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode == 0, result.stderr
     merged = IndexedDataset(output)
     assert len(merged) == len(first_docs) + len(second_docs)

@@ -29,8 +29,17 @@ def null_documents(count, seed=0):
 
 
 def null_args(input_path, prefix, *extra):
-    return ["--input", input_path, "--output-prefix", str(prefix), "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", "100", *extra]
+    return [
+        "--input",
+        input_path,
+        "--output-prefix",
+        str(prefix),
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "100",
+        *extra,
+    ]
 
 
 def output_files(directory):
@@ -44,8 +53,20 @@ def test_tokens_and_documents_written_in_order(tmp_path, monkeypatch, workers):
     lines = [{"text": " ".join(map(str, doc)), "title": str(len(doc))} for doc in documents]
     source = write_jsonl(tmp_path / "in.jsonl.gz", lines)
     prefix = tmp_path / "out"
-    code = preprocess_data.main(null_args(source, prefix, "--json-keys", "text", "title", "--append-eod",
-                                          "--workers", str(workers), "--log-interval", "10"))
+    code = preprocess_data.main(
+        null_args(
+            source,
+            prefix,
+            "--json-keys",
+            "text",
+            "title",
+            "--append-eod",
+            "--workers",
+            str(workers),
+            "--log-interval",
+            "10",
+        )
+    )
     assert code == 0
     text = IndexedDataset(f"{prefix}_text_document")
     assert text.dtype == np.uint16 and len(text) == 50 == text.num_documents
@@ -53,21 +74,52 @@ def test_tokens_and_documents_written_in_order(tmp_path, monkeypatch, workers):
         assert text[index].tolist() == document + [100]  # NullTokenizer: EOD = --vocab-size
     titles = IndexedDataset(f"{prefix}_title_document")
     assert [titles[i].tolist() for i in range(50)] == [[len(doc), 100] for doc in documents]
-    assert output_files(tmp_path) == ["out_text_document.bin", "out_text_document.idx",
-                                      "out_title_document.bin", "out_title_document.idx"]
+    assert output_files(tmp_path) == [
+        "out_text_document.bin",
+        "out_text_document.idx",
+        "out_title_document.bin",
+        "out_title_document.idx",
+    ]
 
 
 def test_sentencepiece_output_matches_tokenizer(tmp_path):
     import sentencepiece
 
-    texts = [f"line {i}: the quick brown fox {'jumps ' * (i % 5)}over {i * 7} lazy dogs." for i in range(300)]
+    texts = [
+        f"line {i}: the quick brown fox {'jumps ' * (i % 5)}over {i * 7} lazy dogs."
+        for i in range(300)
+    ]
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": text} for text in texts])
-    code = train_tokenizer.main(["--input", source, "--model-prefix", str(tmp_path / "sp"), "--vocab-size", "300",
-                                 "--threads", "1"])
+    code = train_tokenizer.main(
+        [
+            "--input",
+            source,
+            "--model-prefix",
+            str(tmp_path / "sp"),
+            "--vocab-size",
+            "300",
+            "--threads",
+            "1",
+        ]
+    )
     assert code == 0
     model = str(tmp_path / "sp.model")
-    assert preprocess_data.main(["--input", source, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
-                                 "GPTSentencePieceTokenizer", "--tokenizer-model", model, "--append-eod"]) == 0
+    assert (
+        preprocess_data.main(
+            [
+                "--input",
+                source,
+                "--output-prefix",
+                str(tmp_path / "o"),
+                "--tokenizer-type",
+                "GPTSentencePieceTokenizer",
+                "--tokenizer-model",
+                model,
+                "--append-eod",
+            ]
+        )
+        == 0
+    )
     processor = sentencepiece.SentencePieceProcessor(model_file=model)
     dataset = IndexedDataset(str(tmp_path / "o_text_document"))
     for index, text in enumerate(texts):
@@ -76,8 +128,16 @@ def test_sentencepiece_output_matches_tokenizer(tmp_path):
 
 
 def test_malformed_and_missing_key_lines_are_skipped_with_line_numbers(tmp_path, capsys):
-    lines = ['{"text": "1 2 3"}', '{"text": "4 5', '{"other": "6"}', "", '{"text": "7 8"}', "[1, 2]",
-             '{"text": "5 101"}', '{"text": 12}']
+    lines = [
+        '{"text": "1 2 3"}',
+        '{"text": "4 5',
+        '{"other": "6"}',
+        "",
+        '{"text": "7 8"}',
+        "[1, 2]",
+        '{"text": "5 101"}',
+        '{"text": 12}',
+    ]
     source = write_jsonl(tmp_path / "in.jsonl", lines)
     assert preprocess_data.main(null_args(source, tmp_path / "out")) == 0
     stderr = capsys.readouterr().err
@@ -95,9 +155,18 @@ def test_malformed_and_missing_key_lines_are_skipped_with_line_numbers(tmp_path,
 def test_strict_stops_nonzero_and_leaves_nothing(tmp_path):
     lines = [{"text": "1 2"}] * 5 + ['{"text": broken'] + [{"text": "3"}] * 5
     source = write_jsonl(tmp_path / "in.jsonl", lines)
-    result = subprocess.run([sys.executable, "-m", "tools.preprocess_data",
-                             *null_args(source, tmp_path / "out"), "--strict"],
-                            capture_output=True, text=True, cwd=REPO_ROOT)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.preprocess_data",
+            *null_args(source, tmp_path / "out"),
+            "--strict",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     assert result.returncode != 0
     assert "line 6: malformed JSON" in result.stderr and "--strict" in result.stderr
     assert output_files(tmp_path) == []
@@ -123,8 +192,21 @@ def test_unwritable_prefix_and_missing_tokenizer_file(tmp_path, capsys):
     blocker.write_text("not a directory")
     assert preprocess_data.main(null_args(source, blocker / "sub" / "out")) == 1
     assert "--output-prefix" in capsys.readouterr().err
-    assert preprocess_data.main(["--input", source, "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
-                                 "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "none.model")]) == 1
+    assert (
+        preprocess_data.main(
+            [
+                "--input",
+                source,
+                "--output-prefix",
+                str(tmp_path / "o"),
+                "--tokenizer-type",
+                "SentencePieceTokenizer",
+                "--tokenizer-model",
+                str(tmp_path / "none.model"),
+            ]
+        )
+        == 1
+    )
     assert "--tokenizer-model" in capsys.readouterr().err
     assert output_files(tmp_path) == ["a_file"]
 
@@ -166,5 +248,8 @@ def test_make_demo_corpus(tmp_path):
     output = tmp_path / "corpus.jsonl"
     assert make_demo_corpus.main(["--input-dir", str(folder), "--output", str(output)]) == 0
     records = [json.loads(line) for line in output.read_text().splitlines()]
-    assert [(r["source"], r["text"]) for r in records] == [("a.py", "print('a')\n"), ("pkg/b.py", "x = 1\n")]
+    assert [(r["source"], r["text"]) for r in records] == [
+        ("a.py", "print('a')\n"),
+        ("pkg/b.py", "x = 1\n"),
+    ]
     assert os.path.isfile(os.path.join(make_demo_corpus.default_input_dir(), "os.py"))

@@ -8,8 +8,15 @@ import random
 import pytest
 import regex
 
-from megatron_ul.data.tokenizers import (GPT2BPETokenizer, GPTSentencePieceTokenizer, HuggingFaceTokenizer,
-                                         Llama2Tokenizer, NullTokenizer, SentencePieceTokenizer, build_tokenizer)
+from megatron_ul.data.tokenizers import (
+    GPT2BPETokenizer,
+    GPTSentencePieceTokenizer,
+    HuggingFaceTokenizer,
+    Llama2Tokenizer,
+    NullTokenizer,
+    SentencePieceTokenizer,
+    build_tokenizer,
+)
 from tests.data.fixtures import SP_TEXTS, hf_tokenizer_folder
 
 SAMPLE_TEXTS = [
@@ -25,10 +32,35 @@ SAMPLE_TEXTS = [
 
 def make_corpus(seed=0, num_lines=400):
     rng = random.Random(seed)
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "data", "token", "model",
-             "train", "café", "naïve", "日本", "λx", "print(x)", "for i in range(10):", "42", "3.5"]
-    return ["".join(rng.choice([" ", "  ", "\t", ", ", ". "]) + rng.choice(words) for _ in range(rng.randint(3, 15)))
-            for _ in range(num_lines)]
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "lazy",
+        "dog",
+        "data",
+        "token",
+        "model",
+        "train",
+        "café",
+        "naïve",
+        "日本",
+        "λx",
+        "print(x)",
+        "for i in range(10):",
+        "42",
+        "3.5",
+    ]
+    return [
+        "".join(
+            rng.choice([" ", "  ", "\t", ", ", ". "]) + rng.choice(words)
+            for _ in range(rng.randint(3, 15))
+        )
+        for _ in range(num_lines)
+    ]
 
 
 # ---------------------------------------------------------------- SentencePiece
@@ -40,8 +72,14 @@ def sp_model(tmp_path_factory):
 
     directory = tmp_path_factory.mktemp("sp")
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(make_corpus()), model_prefix=str(directory / "m"), vocab_size=400,
-        model_type="bpe", byte_fallback=True, minloglevel=2, num_threads=1)
+        sentence_iterator=iter(make_corpus()),
+        model_prefix=str(directory / "m"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        minloglevel=2,
+        num_threads=1,
+    )
     return str(directory / "m.model")
 
 
@@ -56,7 +94,9 @@ def test_gpt_sentencepiece_matches_sentencepiece(sp_model):
     texts = SAMPLE_TEXTS + make_corpus(seed=1, num_lines=50)
     for text in texts:
         assert tokenizer.tokenize(text) == reference.encode(text)
-        assert tokenizer.detokenize(tokenizer.tokenize(text)) == reference.decode(reference.encode(text))
+        assert tokenizer.detokenize(tokenizer.tokenize(text)) == reference.decode(
+            reference.encode(text)
+        )
     assert tokenizer.tokenize_batch(texts) == [reference.encode(text) for text in texts]
     assert any(len(tokenizer.tokenize(text)) > 1 for text in texts)
 
@@ -71,11 +111,24 @@ def test_megatron_sentencepiece_special_tokens(sp_model):
     tokenizer = build_tokenizer("SentencePieceTokenizer", tokenizer_model=sp_model)
     assert isinstance(tokenizer, SentencePieceTokenizer)
     assert tokenizer.vocab_size == 405 and tokenizer.eod == 402
-    assert tokenizer.special_tokens == {"<CLS>": 400, "<SEP>": 401, "<EOD>": 402, "<MASK>": 403, "<PAD>": 404,
-                                        "<s>": 1, "</s>": 2}
+    assert tokenizer.special_tokens == {
+        "<CLS>": 400,
+        "<SEP>": 401,
+        "<EOD>": 402,
+        "<MASK>": 403,
+        "<PAD>": 404,
+        "<s>": 1,
+        "</s>": 2,
+    }
     text = "a <EOD>b</s><s><MASK> c<SEP>"
-    expected = (reference.encode("a ") + [402] + reference.encode("b") + [2, 1, 403] + reference.encode(" c")
-                + [401])
+    expected = (
+        reference.encode("a ")
+        + [402]
+        + reference.encode("b")
+        + [2, 1, 403]
+        + reference.encode(" c")
+        + [401]
+    )
     assert tokenizer.tokenize(text) == expected
     texts = SAMPLE_TEXTS + [text]
     assert tokenizer.tokenize_batch(texts) == [tokenizer.tokenize(t) for t in texts]
@@ -93,7 +146,10 @@ def test_llama2_tokenizer_prepends_bos(sp_model):
     assert tokenizer.vocab_size == 400 and tokenizer.eod == reference.eos_id() == 2
     assert tokenizer.tokenize("hello") == [1] + reference.encode("hello")
     assert tokenizer.tokenize("") == [1]
-    assert tokenizer.tokenize_batch(["x", "y z"]) == [tokenizer.tokenize("x"), tokenizer.tokenize("y z")]
+    assert tokenizer.tokenize_batch(["x", "y z"]) == [
+        tokenizer.tokenize("x"),
+        tokenizer.tokenize("y z"),
+    ]
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -108,8 +164,11 @@ def test_huggingface_tokenizer_both_backends_agree(tmp_path):
     assert ids == [light.tokenize(text) for text in texts]
     assert all(token_ids[0] == 1 for token_ids in ids)  # <s> from the post-processor
     assert light.eod == 2 and light.vocab_size == 400
-    assert light.detokenize(light.tokenize("the quick fox")) == "<s>the quick fox" or \
-        light.detokenize(light.tokenize("the quick fox")).endswith("the quick fox")
+    assert light.detokenize(
+        light.tokenize("the quick fox")
+    ) == "<s>the quick fox" or light.detokenize(light.tokenize("the quick fox")).endswith(
+        "the quick fox"
+    )
     pytest.importorskip("transformers")
     full = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder)
     assert full.backend == "transformers"
@@ -140,7 +199,9 @@ def reference_byte_table():
     return table
 
 
-REFERENCE_PATTERN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+REFERENCE_PATTERN = regex.compile(
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+)
 
 
 class ReferenceBPE:
@@ -224,7 +285,9 @@ def write_gpt2_files(directory, merges):
         vocab.setdefault(piece, len(vocab))
     vocab_file, merge_file = directory / "vocab.json", directory / "merges.txt"
     vocab_file.write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
-    merge_file.write_text("#version: 0.2\n" + "\n".join(f"{a} {b}" for a, b in merges) + "\n", encoding="utf-8")
+    merge_file.write_text(
+        "#version: 0.2\n" + "\n".join(f"{a} {b}" for a, b in merges) + "\n", encoding="utf-8"
+    )
     return vocab, str(vocab_file), str(merge_file)
 
 
@@ -283,13 +346,19 @@ def test_vocab_file_that_is_not_json_names_the_file(tmp_path):
         build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab), merge_file=str(merges))
 
 
-@pytest.mark.parametrize("kwargs, flag", [
-    ({"tokenizer_type": "SentencePieceTokenizer"}, "--tokenizer-model"),
-    ({"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "/nonexistent/x.model"}, "--tokenizer-model"),
-    ({"tokenizer_type": "GPT2BPETokenizer", "merge_file": "m.txt"}, "--vocab-file"),
-    ({"tokenizer_type": "NullTokenizer"}, "--vocab-size"),
-    ({"tokenizer_type": "NoSuchTokenizer"}, "--tokenizer-type"),
-])
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"tokenizer_type": "SentencePieceTokenizer"}, "--tokenizer-model"),
+        (
+            {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": "/nonexistent/x.model"},
+            "--tokenizer-model",
+        ),
+        ({"tokenizer_type": "GPT2BPETokenizer", "merge_file": "m.txt"}, "--vocab-file"),
+        ({"tokenizer_type": "NullTokenizer"}, "--vocab-size"),
+        ({"tokenizer_type": "NoSuchTokenizer"}, "--tokenizer-type"),
+    ],
+)
 def test_build_tokenizer_errors_name_the_flag(kwargs, flag):
     with pytest.raises((ValueError, FileNotFoundError), match=flag):
         build_tokenizer(**kwargs)
@@ -298,7 +367,9 @@ def test_build_tokenizer_errors_name_the_flag(kwargs, flag):
 def test_gpt2_missing_merge_file_names_flag(gpt2_files):
     _, _, vocab_file, _ = gpt2_files
     with pytest.raises(FileNotFoundError, match="--merge-file"):
-        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file="/nonexistent/merges.txt")
+        build_tokenizer(
+            "GPT2BPETokenizer", vocab_file=vocab_file, merge_file="/nonexistent/merges.txt"
+        )
 
 
 def test_training_flag_accepts_every_tokenizer_type():
@@ -318,14 +389,20 @@ def test_gpt2_merges_read_as_megatron_reads_them(tmp_path, layout):
     merges = [("h", "e"), ("l", "l"), ("he", "ll"), ("Ġ", "w"), ("o", "r")]
     vocab, vocab_file, merge_file = write_gpt2_files(tmp_path, merges)
     body = [f"{a} {b}" for a, b in merges]
-    text = {"header": "#version: 0.2\n" + "\n".join(body) + "\n",
-            "no-header": "\n".join(body) + "\n",
-            "no-final-newline": "#version: 0.2\n" + "\n".join(body),
-            "blank-line": "#version: 0.2\n" + "\n".join(body[:2] + [""] + body[2:]) + "\n"}[layout]
+    text = {
+        "header": "#version: 0.2\n" + "\n".join(body) + "\n",
+        "no-header": "\n".join(body) + "\n",
+        "no-final-newline": "#version: 0.2\n" + "\n".join(body),
+        "blank-line": "#version: 0.2\n" + "\n".join(body[:2] + [""] + body[2:]) + "\n",
+    }[layout]
     with open(merge_file, "w", encoding="utf-8") as handle:
         handle.write(text)
-    used = {"header": merges, "no-header": merges[1:], "no-final-newline": merges[:-1],
-            "blank-line": merges}[layout]
+    used = {
+        "header": merges,
+        "no-header": merges[1:],
+        "no-final-newline": merges[:-1],
+        "blank-line": merges,
+    }[layout]
     reference = ReferenceBPE(vocab, used)
     tokenizer = GPT2BPETokenizer(vocab_file, merge_file)
     for sample in ["hello world", "he hell or word", "llama"]:

@@ -1,5 +1,6 @@
 """Sampling rules, and tools/generate.py end to end on a checkpoint saved under TP2 (merged to
 TP1 on load)."""
+
 import os
 import subprocess
 import sys
@@ -39,9 +40,22 @@ def _logits_and_greedy(rank: int, world: int, load_dir: str):
 
 
 def _generate_cli(load: str) -> list[str]:
-    out = subprocess.run([sys.executable, "-m", "tools.generate", "--load", load, "--prompt",
-                          "5 17 42", "--max-new-tokens", "6"], capture_output=True, text=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.generate",
+            "--load",
+            load,
+            "--prompt",
+            "5 17 42",
+            "--max-new-tokens",
+            "6",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout.split()
 
@@ -54,8 +68,9 @@ def test_generate_cli_on_a_tp2_checkpoint(tmp_path):
     tp1, tp2 = str(tmp_path / "tp1"), str(tmp_path / "tp2")
     run_distributed(train, 1, argv + ["--save", tp1])
     run_distributed(train, 2, argv + ["--tensor-model-parallel-size", "2", "--save", tp2])
-    (merged, _), (reference, greedy) = (run_distributed(_logits_and_greedy, 1, d)[0]
-                                        for d in (tp2, tp1))
+    (merged, _), (reference, greedy) = (
+        run_distributed(_logits_and_greedy, 1, d)[0] for d in (tp2, tp1)
+    )
     assert merged.shape == reference.shape and merged.shape[-1] >= 200
     assert (merged - reference).abs().max() < 1e-5
     ids = _generate_cli(tp2)

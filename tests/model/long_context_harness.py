@@ -1,5 +1,6 @@
 """Run one GPTModel forward+backward on fixed data with and without a long-context option on
 the same ranks, and report the largest loss and gradient differences (shard by shard)."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,12 +13,39 @@ from megatron_ul.model.gpt import GPTModel
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
 
-MODEL = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "32",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
-         "--attention-dropout", "0", "--hidden-dropout", "0"]
-LLAMA = ["--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
-         "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-         "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+MODEL = [
+    "--mock-data",
+    "--vocab-size",
+    "1000",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+]
+LLAMA = [
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+]
 
 
 def _batch(cfg, dims, seed: int = 0):
@@ -34,19 +62,31 @@ def _batch(cfg, dims, seed: int = 0):
 
 def loss_and_grads(cfg, dims, autocast_dtype=None, attention_mask_fn=None):
     model_parallel_seed(cfg.train.seed, dims)
-    model = GPTModel(cfg.model, seed=cfg.train.seed,
-                     sequence_parallel=cfg.parallel.sequence_parallel, dims=dims)
+    model = GPTModel(
+        cfg.model, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel, dims=dims
+    )
     tokens, positions, labels, mask = _batch(cfg, dims)
     mask_arg = attention_mask_fn(cfg) if attention_mask_fn else None
-    with (torch.autocast("cpu", dtype=autocast_dtype) if autocast_dtype
-          else torch.autocast("cpu", enabled=False)):
+    with (
+        torch.autocast("cpu", dtype=autocast_dtype)
+        if autocast_dtype
+        else torch.autocast("cpu", enabled=False)
+    ):
         losses = model(tokens, positions, mask_arg, labels=labels)
     (losses * mask).sum().backward()
     return losses.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def compare_runs(rank, world, base_argv, option_argv, sizes, autocast_dtype=None,
-                 attention_mask_fn=None, option_mask_fn=None):
+def compare_runs(
+    rank,
+    world,
+    base_argv,
+    option_argv,
+    sizes,
+    autocast_dtype=None,
+    attention_mask_fn=None,
+    option_mask_fn=None,
+):
     """(max |loss diff| / max |loss|, max over params of max|grad diff| / max|grad|) between
     base_argv and base_argv + option_argv (each with its own attention mask function)."""
     tp, sp = sizes
@@ -54,11 +94,12 @@ def compare_runs(rank, world, base_argv, option_argv, sizes, autocast_dtype=None
     base = validate(resolve(parse_args(base_argv, world)))
     option = validate(resolve(parse_args(base_argv + option_argv, world)))
     ref_loss, ref_grads = loss_and_grads(base, dims, autocast_dtype, attention_mask_fn)
-    loss, grads = loss_and_grads(option, dims, autocast_dtype,
-                                 option_mask_fn or attention_mask_fn)
+    loss, grads = loss_and_grads(option, dims, autocast_dtype, option_mask_fn or attention_mask_fn)
     loss_diff = float((loss - ref_loss).abs().max() / ref_loss.abs().max())
-    grad_diff = max(float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
-                    for n, g in ref_grads.items())
+    grad_diff = max(
+        float((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30))
+        for n, g in ref_grads.items()
+    )
     return loss_diff, grad_diff
 
 

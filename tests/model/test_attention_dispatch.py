@@ -1,18 +1,23 @@
 """One decision for the attention kernel (model/attention_dispatch.py): for every shape and
 dtype the model produces, a CUDA run never reaches SDPA's math kernel (O(N²) memory), judged by
 the stand-in of torch's CUDA backend rules; --dry-run reports the same decision."""
+
 import itertools
 
 import pytest
 import torch
 
-from megatron_ul.model.attention_dispatch import (AttentionCall, attention_kernel,
-                                                  planned_kernel, sdpa_cuda_backend,
-                                                  sdpa_expands_kv)
+from megatron_ul.model.attention_dispatch import (
+    AttentionCall,
+    attention_kernel,
+    planned_kernel,
+    sdpa_cuda_backend,
+    sdpa_expands_kv,
+)
 
 CUDA = torch.device("cuda")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-HEADS = ((8, 8), (8, 2), (8, 1), (12, 6))      # (query heads, kv heads) per rank
+HEADS = ((8, 8), (8, 2), (8, 1), (12, 6))  # (query heads, kv heads) per rank
 HEAD_DIMS = (16, 64, 128)
 
 
@@ -31,18 +36,19 @@ def test_sdpa_rules_follow_torch_sdp_utils():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_no_model_shape_reaches_the_math_kernel_on_cuda(dtype):
     for (hq, hk), d, docs, window, ring in itertools.product(
-            HEADS, HEAD_DIMS, (False, True), (None, 64), (False, True)):
+        HEADS, HEAD_DIMS, (False, True), (None, 64), (False, True)
+    ):
         call = AttentionCall(CUDA, dtype, d, hq, hk, docs, window, ring, False)
         kernel = attention_kernel(call)
         assert "math" not in kernel, (call, kernel)
-        if kernel.startswith("sdpa"):   # what local_attention passes after expanding k/v
+        if kernel.startswith("sdpa"):  # what local_attention passes after expanding k/v
             heads = hq if sdpa_expands_kv(CUDA, dtype, d, hq, hk) else hk
             assert sdpa_cuda_backend(dtype, d, hq, heads, False) != "math", call
 
 
 def test_fp32_gqa_on_cuda_expands_kv_and_names_the_efficient_kernel():
     assert sdpa_expands_kv(CUDA, torch.float32, 64, 8, 2)
-    assert not sdpa_expands_kv(CUDA, torch.bfloat16, 64, 8, 2)    # flash takes GQA
+    assert not sdpa_expands_kv(CUDA, torch.bfloat16, 64, 8, 2)  # flash takes GQA
     assert not sdpa_expands_kv(torch.device("cpu"), torch.float32, 64, 8, 2)
     call = AttentionCall(CUDA, torch.float32, 64, 8, 2)
     assert attention_kernel(call) == "sdpa efficient"
@@ -51,13 +57,17 @@ def test_fp32_gqa_on_cuda_expands_kv_and_names_the_efficient_kernel():
 def test_dry_run_names_each_path():
     bf16 = torch.bfloat16
     assert planned_kernel(True, bf16, 128, 32, 8, False, None, False) == (
-        "flash-attn where flash-attn is installed, else sdpa flash")
+        "flash-attn where flash-attn is installed, else sdpa flash"
+    )
     assert planned_kernel(True, bf16, 128, 32, 8, True, None, False) == (
-        "flash-attn varlen where flash-attn is installed, else document tiles")
+        "flash-attn varlen where flash-attn is installed, else document tiles"
+    )
     assert planned_kernel(False, torch.float32, 64, 8, 2, False, None, True) == (
-        "ring: sdpa-efficient")
+        "ring: sdpa-efficient"
+    )
     assert planned_kernel(False, bf16, 64, 8, 2, True, 64, True) == (
-        "ring: sdpa-efficient / sdpa-efficient")
+        "ring: sdpa-efficient / sdpa-efficient"
+    )
 
 
 def _logged(caplog) -> list[str]:
@@ -83,18 +93,29 @@ def test_the_log_names_each_path_once_with_the_decided_kernel(monkeypatch, caplo
     documents = DocumentMask(torch.tensor([0, 5, 16], dtype=torch.int32), 1)
     alone = Ring(None, 0, 1, 0, 0)
     runs = [
-        (lambda: local_attention(q, k, v, backend="sdpa", dropout_p=0.0),
-         AttentionCall(cpu, torch.float32, 8, 4, 4), "causal"),
-        (lambda: document_attention(q, k, v, backend="sdpa", dropout_p=0.0, documents=documents,
-                                    window=4),
-         AttentionCall(cpu, torch.float32, 8, 4, 4, True, 4), "documents + window 4"),
-        (lambda: ring_attention(q, k, v, alone, attention_mask=documents),
-         AttentionCall(cpu, torch.float32, 8, 4, 4, True, ring=True), "ring unit kernel"),
+        (
+            lambda: local_attention(q, k, v, backend="sdpa", dropout_p=0.0),
+            AttentionCall(cpu, torch.float32, 8, 4, 4),
+            "causal",
+        ),
+        (
+            lambda: document_attention(
+                q, k, v, backend="sdpa", dropout_p=0.0, documents=documents, window=4
+            ),
+            AttentionCall(cpu, torch.float32, 8, 4, 4, True, 4),
+            "documents + window 4",
+        ),
+        (
+            lambda: ring_attention(q, k, v, alone, attention_mask=documents),
+            AttentionCall(cpu, torch.float32, 8, 4, 4, True, ring=True),
+            "ring unit kernel",
+        ),
     ]
     with caplog.at_level(logging.INFO, logger=attention.__name__):
         for run, _, _ in runs + runs:
             run()
     kernels = [attention_kernel(call).removeprefix("ring: ") for _, call, _ in runs]
     assert kernels == ["sdpa cpu-flash", "document blocks", "cpu-flash / cpu-flash"]
-    assert _logged(caplog) == [f"attention: {path} = {kernel} (cpu)"
-                               for (_, _, path), kernel in zip(runs, kernels)]
+    assert _logged(caplog) == [
+        f"attention: {path} = {kernel} (cpu)" for (_, _, path), kernel in zip(runs, kernels)
+    ]

@@ -1,6 +1,7 @@
 """--reset-attention-mask in O(N) and --window-size through the whole model: equal to the dense
 [b, 1, N, N] mask path (fp32, 1e-6) on one process and under Ulysses/TP; training with document
 masking on TP2×SP2 and SP2×PP2 reproduces the single-process loss curve."""
+
 import functools
 
 import pytest
@@ -12,7 +13,7 @@ from tests.distributed import run_distributed
 from tests.model.long_context_harness import LLAMA, MODEL, compare_runs, slow_except
 from tests.training.equivalence import BASE, compare, run_layout
 
-OFFSETS = [0, 5, 6, 20, 32, 40, 64]   # two samples of 32 tokens; a 1-token document
+OFFSETS = [0, 5, 6, 20, 32, 40, 64]  # two samples of 32 tokens; a 1-token document
 
 
 def documents(cfg):
@@ -28,21 +29,40 @@ def dense(cfg, window=None):
     return masked
 
 
-LAYOUTS = {"single": ([], (1, 1), 1), "SP2": (["--ds-sequence-parallel-size", "2"], (1, 2), 2),
-           "TP2-SP2": (["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2"],
-                       (2, 2), 4)}
+LAYOUTS = {
+    "single": ([], (1, 1), 1),
+    "SP2": (["--ds-sequence-parallel-size", "2"], (1, 2), 2),
+    "TP2-SP2": (
+        ["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2"],
+        (2, 2),
+        4,
+    ),
+}
 
 
 def _cases(rank, world, layout):
     flags, sizes, _ = LAYOUTS[layout]
     out = {}
     for name, extra in {"gpt": [], "llama-gqa-rope": LLAMA}.items():
-        out[name] = compare_runs(rank, world, MODEL + flags + extra, [], sizes,
-                                 attention_mask_fn=dense, option_mask_fn=documents)
+        out[name] = compare_runs(
+            rank,
+            world,
+            MODEL + flags + extra,
+            [],
+            sizes,
+            attention_mask_fn=dense,
+            option_mask_fn=documents,
+        )
     # the window: written into the dense reference mask, a flag on the O(N) path
-    out["window"] = compare_runs(rank, world, MODEL + flags + LLAMA, ["--window-size", "4", "0"],
-                                 sizes, attention_mask_fn=functools.partial(dense, window=4),
-                                 option_mask_fn=documents)
+    out["window"] = compare_runs(
+        rank,
+        world,
+        MODEL + flags + LLAMA,
+        ["--window-size", "4", "0"],
+        sizes,
+        attention_mask_fn=functools.partial(dense, window=4),
+        option_mask_fn=documents,
+    )
     return out
 
 
@@ -54,9 +74,22 @@ def test_documents_equal_dense_mask(layout):
 
 
 # Training: NullTokenizer's EOD is vocab-1, so a 16-token vocabulary puts ~2 EODs in a sample.
-DOCS = (BASE + LLAMA + ["--num-attention-heads", "8", "--tokenizer-type", "NullTokenizer",
-                        "--vocab-size", "16", "--make-vocab-size-divisible-by", "8",
-                        "--reset-attention-mask", "--reset-position-ids"])
+DOCS = (
+    BASE
+    + LLAMA
+    + [
+        "--num-attention-heads",
+        "8",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "16",
+        "--make-vocab-size-divisible-by",
+        "8",
+        "--reset-attention-mask",
+        "--reset-position-ids",
+    ]
+)
 TRAIN_LAYOUTS = {
     "TP2-SP2": (["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2"], 4),
     "SP2-PP2": (["--ds-sequence-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 4),
@@ -79,11 +112,17 @@ def test_document_masking_training_matches_single_process(layout):
 
 
 def _flash_cases(rank, world):
-    import flash_attn   # the stand-in (fixture): counts its calls in this rank
-    diffs = compare_runs(rank, world, MODEL + LLAMA + ["--ds-sequence-parallel-size", "2",
-                                                       "--window-size", "6", "0"],
-                         ["--use-flash-attn"], (1, 2), autocast_dtype=torch.bfloat16,
-                         attention_mask_fn=documents)
+    import flash_attn  # the stand-in (fixture): counts its calls in this rank
+
+    diffs = compare_runs(
+        rank,
+        world,
+        MODEL + LLAMA + ["--ds-sequence-parallel-size", "2", "--window-size", "6", "0"],
+        ["--use-flash-attn"],
+        (1, 2),
+        autocast_dtype=torch.bfloat16,
+        attention_mask_fn=documents,
+    )
     return diffs, flash_attn.calls["flash_attn_varlen_func"]
 
 
@@ -91,5 +130,5 @@ def test_flash_varlen_path_under_ulysses(flash_attn_stand_in):
     """SP2, bf16, documents + window: flash_attn_varlen_func (strict stand-in) after the
     all-to-all gives the memory-linear SDPA path's losses and gradients (bf16 rounding)."""
     for (loss_diff, grad_diff), calls in run_distributed(_flash_cases, 2):
-        assert calls == 2   # one varlen call per layer (the backward differentiates it)
+        assert calls == 2  # one varlen call per layer (the backward differentiates it)
         assert loss_diff < 2e-2 and grad_diff < 5e-2, (loss_diff, grad_diff)

@@ -1,6 +1,7 @@
 """The strict CPU stand-in of flash_attn (tests/stand_ins/flash_attn) enforces the real
 kernel's input contract and computes what FlashAttention-2 documents; and megatron_ul's local
 attention sends a call to it only where the real kernel could run, logging which path ran."""
+
 import logging
 import math
 
@@ -34,42 +35,56 @@ def reference(q, k, v, causal=True, window=(-1, -1), scale=None):
 
 def _qkv(b=2, sq=8, sk=8, hq=4, hk=2, d=16, dtype=torch.bfloat16, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(b, s, h, d, generator=g).to(dtype) for s, h in ((sq, hq), (sk, hk),
-                                                                     (sk, hk))]
+    return [
+        torch.randn(b, s, h, d, generator=g).to(dtype) for s, h in ((sq, hq), (sk, hk), (sk, hk))
+    ]
 
 
-@pytest.mark.parametrize("causal,window,sq,sk", [(True, (-1, -1), 8, 8), (False, (-1, -1), 8, 8),
-                                                 (True, (3, -1), 8, 8), (False, (2, 1), 8, 8),
-                                                 (True, (-1, -1), 4, 8), (True, (-1, -1), 8, 4)])
+@pytest.mark.parametrize(
+    "causal,window,sq,sk",
+    [
+        (True, (-1, -1), 8, 8),
+        (False, (-1, -1), 8, 8),
+        (True, (3, -1), 8, 8),
+        (False, (2, 1), 8, 8),
+        (True, (-1, -1), 4, 8),
+        (True, (-1, -1), 8, 4),
+    ],
+)
 def test_stand_in_matches_written_out_attention(flash_attn_stand_in, causal, window, sq, sk):
     q, k, v = _qkv(sq=sq, sk=sk)
     out = flash_attn_stand_in.flash_attn_func(q, k, v, causal=causal, window_size=window)
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
-    torch.testing.assert_close(out.double(), reference(q, k, v, causal, window),
-                               atol=1e-2, rtol=1e-2)
-    if sq > sk and causal:   # bottom-right alignment: the first sq - sk queries see nothing
-        assert out[:, :sq - sk].abs().max() == 0
+    torch.testing.assert_close(
+        out.double(), reference(q, k, v, causal, window), atol=1e-2, rtol=1e-2
+    )
+    if sq > sk and causal:  # bottom-right alignment: the first sq - sk queries see nothing
+        assert out[:, : sq - sk].abs().max() == 0
 
 
 def test_stand_in_varlen_equals_each_sequence_alone(flash_attn_stand_in):
     q, k, v = _qkv(b=1, sq=10, sk=10, dtype=torch.float16)
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)
     out, lse, _ = flash_attn_stand_in.flash_attn_varlen_func(
-        q[0], k[0], v[0], cu, cu, 7, 7, causal=True, return_attn_probs=True)
+        q[0], k[0], v[0], cu, cu, 7, 7, causal=True, return_attn_probs=True
+    )
     assert out.shape == q[0].shape and lse.shape == (4, 10) and lse.dtype == torch.float32
     for a, b in ((0, 3), (3, 10)):
         alone = flash_attn_stand_in.flash_attn_func(q[:, a:b], k[:, a:b], v[:, a:b], causal=True)
         torch.testing.assert_close(out[a:b], alone[0])
 
 
-@pytest.mark.parametrize("case,match", [
-    ("fp32", "only support fp16 and bf16"),
-    ("mixed", "same dtype"),
-    ("strided", "contiguous last dimension"),
-    ("heads", "must divide number of heads"),
-    ("window", "window_size"),
-    ("head_dim", "at most 256"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("fp32", "only support fp16 and bf16"),
+        ("mixed", "same dtype"),
+        ("strided", "contiguous last dimension"),
+        ("heads", "must divide number of heads"),
+        ("window", "window_size"),
+        ("head_dim", "at most 256"),
+    ],
+)
 def test_stand_in_refuses_what_the_kernel_refuses(flash_attn_stand_in, case, match):
     q, k, v = _qkv()
     if case == "fp32":
@@ -90,12 +105,15 @@ def test_stand_in_refuses_what_the_kernel_refuses(flash_attn_stand_in, case, mat
         flash_attn_stand_in.flash_attn_func(q, k, v)
 
 
-def test_stand_in_refuses_cpu_without_the_test_hook_and_bad_cu_seqlens(flash_attn_stand_in,
-                                                                       monkeypatch):
+def test_stand_in_refuses_cpu_without_the_test_hook_and_bad_cu_seqlens(
+    flash_attn_stand_in, monkeypatch
+):
     q, k, v = _qkv(b=1)
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    for bad, match in ((cu.long(), "int32"), (torch.tensor([0, 9], dtype=torch.int32),
-                                             "end at the packed length")):
+    for bad, match in (
+        (cu.long(), "int32"),
+        (torch.tensor([0, 9], dtype=torch.int32), "end at the packed length"),
+    ):
         with pytest.raises(RuntimeError, match=match):
             flash_attn_stand_in.flash_attn_varlen_func(q[0], k[0], v[0], bad, bad, 8, 8)
     with pytest.raises(RuntimeError, match="max_seqlen"):
@@ -113,8 +131,10 @@ def test_rotary_returns_the_activation_dtype():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = apply_rotary(x, cos, sin)
         assert out.dtype == torch.bfloat16
-        expected = (x.double() * cos.double()
-                    + torch.cat([-x[..., 4:], x[..., :4]], -1).double() * sin.double())
+        expected = (
+            x.double() * cos.double()
+            + torch.cat([-x[..., 4:], x[..., :4]], -1).double() * sin.double()
+        )
         torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
 
 
@@ -122,26 +142,37 @@ def _path_logged(caplog):
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention:")]
 
 
-@pytest.mark.parametrize("dtype,mask,expect_flash", [
-    (torch.bfloat16, False, True), (torch.float16, False, True),
-    (torch.float32, False, False), (torch.bfloat16, True, False)])
-def test_local_attention_uses_flash_only_where_it_can_run(flash_attn_stand_in, caplog,
-                                                          monkeypatch, dtype, mask, expect_flash):
+@pytest.mark.parametrize(
+    "dtype,mask,expect_flash",
+    [
+        (torch.bfloat16, False, True),
+        (torch.float16, False, True),
+        (torch.float32, False, False),
+        (torch.bfloat16, True, False),
+    ],
+)
+def test_local_attention_uses_flash_only_where_it_can_run(
+    flash_attn_stand_in, caplog, monkeypatch, dtype, mask, expect_flash
+):
     monkeypatch.setattr(attention, "_announced", set())
     get_rng_tracker().reset("cpu")
     get_rng_tracker().add(MODEL_PARALLEL_RNG, 0)
-    q, k, v = (t.transpose(0, 1) for t in _qkv(dtype=dtype))   # [N, b, h, d]
+    q, k, v = (t.transpose(0, 1) for t in _qkv(dtype=dtype))  # [N, b, h, d]
     causal_mask = ~torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8) if mask else None
     with caplog.at_level(logging.INFO, logger=attention.__name__):
-        out = attention.local_attention(q, k, v, backend="flash", dropout_p=0.0,
-                                        attention_mask=causal_mask)
+        out = attention.local_attention(
+            q, k, v, backend="flash", dropout_p=0.0, attention_mask=causal_mask
+        )
     assert out.dtype == dtype and out.shape == q.shape
     assert (flash_attn_stand_in.calls["flash_attn_func"] == 1) == expect_flash
     logged = _path_logged(caplog)
     assert len(logged) == 1 and (("flash-attn" in logged[0].split("(")[0]) == expect_flash)
-    torch.testing.assert_close(out.transpose(0, 1).double(),
-                               reference(*(t.transpose(0, 1) for t in (q, k, v))),
-                               atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(
+        out.transpose(0, 1).double(),
+        reference(*(t.transpose(0, 1) for t in (q, k, v))),
+        atol=2e-2,
+        rtol=2e-2,
+    )
 
 
 def test_without_flash_attn_installed_sdpa_is_selected_and_says_why(monkeypatch, caplog):
@@ -150,8 +181,9 @@ def test_without_flash_attn_installed_sdpa_is_selected_and_says_why(monkeypatch,
     with caplog.at_level(logging.INFO, logger=attention.__name__):
         assert attention.select_backend(True, torch.device("cuda")) == "sdpa"
         assert attention.select_backend(False, torch.device("cpu")) == "sdpa"
-    assert _path_logged(caplog) == ["attention: torch SDPA (--use-flash-attn given, but "
-                                    "flash-attn is not installed)"]
+    assert _path_logged(caplog) == [
+        "attention: torch SDPA (--use-flash-attn given, but flash-attn is not installed)"
+    ]
 
 
 def test_mixed_qkv_dtypes_are_refused_before_any_kernel():

@@ -1,6 +1,7 @@
 """The lean layer: RMSNorm as one autograd Function (saves its input and the reciprocal RMS
 only), LayerNorm's native kernel (input, mean, rstd), and q, k, v split out of the fused QKV
 output into owned buffers with one fused-size gradient buffer in backward."""
+
 import weakref
 
 import pytest
@@ -21,6 +22,7 @@ def _saved_storages(fn, exclude):
     def pack(t):
         storages.append((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()))
         return t
+
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     skip = {p.untyped_storage().data_ptr() for p in exclude}
@@ -49,8 +51,9 @@ def test_rms_norm_saves_only_its_input_and_the_reciprocal_rms():
     _, saved = _saved_storages(lambda: norm(x), norm.parameters())
     assert sorted(saved.values()) == [S * B * 4, S * B * H * 4]
     # the composite kernel keeps a second [s, b, h] tensor (its normalised input)
-    _, composite = _saved_storages(lambda: F.rms_norm(x, (H,), norm.weight, 1e-5),
-                                   norm.parameters())
+    _, composite = _saved_storages(
+        lambda: F.rms_norm(x, (H,), norm.weight, 1e-5), norm.parameters()
+    )
     assert sum(composite.values()) >= 2 * S * B * H * 4
 
 
@@ -63,16 +66,18 @@ def test_layer_norm_saves_its_input_mean_and_rstd():
 
 def _fused(groups=2, per_group=3, d=16):
     torch.manual_seed(1)
-    return torch.randn(S, B, groups * (per_group + 2) * d, requires_grad=True), groups, \
-        per_group, d
+    return torch.randn(S, B, groups * (per_group + 2) * d, requires_grad=True), groups, per_group, d
 
 
 def test_split_qkv_equals_indexing_and_owns_its_buffers():
     fused, groups, per_group, d = _fused()
     view = fused.view(S, B, groups, per_group + 2, d)
     q, k, v = split_qkv(view, per_group)
-    want = (view[:, :, :, :per_group].reshape(S, B, groups * per_group, d),
-            view[:, :, :, per_group], view[:, :, :, per_group + 1])
+    want = (
+        view[:, :, :, :per_group].reshape(S, B, groups * per_group, d),
+        view[:, :, :, per_group],
+        view[:, :, :, per_group + 1],
+    )
     for a, b in zip((q, k, v), want):
         assert torch.equal(a, b)
         assert a.is_contiguous()
@@ -100,8 +105,12 @@ def test_split_qkv_backward_builds_one_fused_size_buffer():
         return tracker.peak("backward")[1].bytes - start
 
     def by_index(view):
-        return (view[:, :, :, :per_group].reshape(S, B, groups * per_group, d),
-                view[:, :, :, per_group], view[:, :, :, per_group + 1])
+        return (
+            view[:, :, :, :per_group].reshape(S, B, groups * per_group, d),
+            view[:, :, :, per_group],
+            view[:, :, :, per_group + 1],
+        )
+
     lean, indexed = backward_peak(lambda t: split_qkv(t, per_group)), backward_peak(by_index)
     assert lean <= 1.05 * fused_bytes < 2 * fused_bytes <= indexed
 
@@ -110,57 +119,92 @@ def test_attention_keeps_no_view_of_the_fused_qkv_output():
     from megatron_ul.training.pretrain import build_model, configure
     from megatron_ul.mpu.parallel_state import single_rank_dims
     from megatron_ul.mpu.random import model_parallel_seed
-    cfg = configure(["--mock-data", "--vocab-size", "128", "--num-layers", "1",
-                     "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
-                     "--micro-batch-size", "1", "--global-batch-size", "1",
-                     "--position-embedding-type", "rope", "--attention-dropout", "0",
-                     "--hidden-dropout", "0", "--normalization", "RMSNorm", "--swiglu",
-                     "--reset-attention-mask", "--tokenizer-type", "NullTokenizer"], 1)
+
+    cfg = configure(
+        [
+            "--mock-data",
+            "--vocab-size",
+            "128",
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "64",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "64",
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "1",
+            "--position-embedding-type",
+            "rope",
+            "--attention-dropout",
+            "0",
+            "--hidden-dropout",
+            "0",
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--reset-attention-mask",
+            "--tokenizer-type",
+            "NullTokenizer",
+        ],
+        1,
+    )
     dims = single_rank_dims()
     model_parallel_seed(0, dims)
     model = build_model(cfg, torch.device("cpu"), dims)
     tokens = torch.randint(0, 127, (1, 64))
     positions = torch.arange(64).unsqueeze(0)
     fused_bytes = 64 * 3 * 64 * 4
-    outputs = []   # a weak reference: a view saved for backward would keep it alive
+    outputs = []  # a weak reference: a view saved for backward would keep it alive
     hook = model.layers[0].attention.qkv.register_forward_hook(
-        lambda _m, _i, out: outputs.append(weakref.ref(out)))
-    loss, saved = _saved_storages(lambda: model(tokens, positions, None, tokens),
-                                  model.parameters())
+        lambda _m, _i, out: outputs.append(weakref.ref(out))
+    )
+    loss, saved = _saved_storages(
+        lambda: model(tokens, positions, None, tokens), model.parameters()
+    )
     hook.remove()
     assert outputs and outputs[0]() is None, "the fused QKV output is kept for backward"
     assert fused_bytes not in saved.values()
     del loss
-    total = saved_activation_bytes(lambda: model(tokens, positions, None, tokens),
-                                   model.parameters())[1]
+    total = saved_activation_bytes(
+        lambda: model(tokens, positions, None, tokens), model.parameters()
+    )[1]
     assert total > 0
 
 
 @pytest.fixture
 def rng_tracker():
     from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
+
     get_rng_tracker().reset()
     get_rng_tracker().add(MODEL_PARALLEL_RNG, 5)
 
 
 def _one_document(n, heads, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, 1, heads, 16, generator=g, dtype=dtype, requires_grad=True)
-            for _ in range(3)]
+    return [
+        torch.randn(n, 1, heads, 16, generator=g, dtype=dtype, requires_grad=True) for _ in range(3)
+    ]
 
 
 def test_document_backward_in_tiles_equals_one_call_per_document(monkeypatch, rng_tracker):
     """Tiled in-place gradients equal the per-document backward of SDPA (fp64), with uneven
     tiles over documents of several lengths, one of them a single token."""
     from megatron_ul.model import document_attention as da
+
     offsets = torch.tensor([0, 1, 23, 60, 64], dtype=torch.int32)
     q, k, v = _one_document(64, 4, torch.float64)
     w = torch.randn(64, 1, 4, 16, dtype=torch.float64)
 
     def grads():
-        out = da.document_attention(q, k, v, backend="sdpa", dropout_p=0.0,
-                                    documents=da.DocumentMask(offsets, 1))
+        out = da.document_attention(
+            q, k, v, backend="sdpa", dropout_p=0.0, documents=da.DocumentMask(offsets, 1)
+        )
         return torch.autograd.grad((out * w).sum(), (q, k, v))
+
     monkeypatch.setattr(da, "_writes_in_place", lambda *args: False)
     want = grads()
     monkeypatch.undo()
@@ -173,12 +217,14 @@ def test_document_backward_holds_no_whole_document_gradients(rng_tracker):
     """A single 4096-token document's backward: dq, dk, dv accumulators, the recomputed output
     and tile-sized pieces; the per-document path also held the document's own dq, dk, dv."""
     from megatron_ul.model import document_attention as da
+
     n = 4096
     q, k, v = _one_document(n, 4, torch.float32)
     unit = q.numel() * 4
     offsets = torch.tensor([0, n], dtype=torch.int32)
-    out = da.document_attention(q, k, v, backend="sdpa", dropout_p=0.0,
-                                documents=da.DocumentMask(offsets, 1))
+    out = da.document_attention(
+        q, k, v, backend="sdpa", dropout_p=0.0, documents=da.DocumentMask(offsets, 1)
+    )
     grad = torch.ones_like(out)
     with LiveTensorTracker(preexisting=[q, k, v, out, grad]) as tracker:
         tracker.phase = "backward"

@@ -2,6 +2,7 @@
 sequence, forward and backward, for MHA and GQA, with and without a document mask and a sliding
 window; it computes only the chunk × chunk units that the masks do not exclude; and it composes
 with Ulysses (hybrid U×R) inside DistributedAttention."""
+
 import math
 
 import torch
@@ -50,15 +51,19 @@ def needed_units(mask, ring_rank, ring_size):
     for this ring rank's queries (its two chunks against all 2R chunks)."""
     c = N // (2 * ring_size)
     visible = ~mask
-    return sum(bool(visible[..., i * c:(i + 1) * c, j * c:(j + 1) * c].any())
-               for i in (ring_rank, 2 * ring_size - 1 - ring_rank) for j in range(2 * ring_size))
+    return sum(
+        bool(visible[..., i * c : (i + 1) * c, j * c : (j + 1) * c].any())
+        for i in (ring_rank, 2 * ring_size - 1 - ring_rank)
+        for j in range(2 * ring_size)
+    )
 
 
 def documents(starts=(5, 19), batch_rows=(0,)):
     """Documents starting at `starts` in the batch rows given (the other rows hold one
     document), as the data pipeline gives them: offsets over the flattened batch."""
-    offsets = [row * N + s for row in range(B)
-               for s in ((0, *starts) if row in batch_rows else (0,))]
+    offsets = [
+        row * N + s for row in range(B) for s in ((0, *starts) if row in batch_rows else (0,))
+    ]
     return DocumentMask(torch.tensor(offsets + [B * N], dtype=torch.int32), B)
 
 
@@ -79,8 +84,9 @@ def _compare(attend, positions, hq, hk, mask, label):
     out = attend(*mine)
     ref = reference_attention(*full, mask=mask)
     torch.testing.assert_close(out, ref.detach()[positions], msg=f"forward {label}")
-    weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7),
-                          dtype=torch.float64)
+    weights = torch.randn(
+        ref.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64
+    )
     (out * weights[positions]).sum().backward()
     (ref * weights).sum().backward()
     for name, a, b in zip("qkv", mine, full):
@@ -96,12 +102,20 @@ def _check_ring(rank, world):
             mask = window_mask(window, None if docs is None else dense_document_mask(docs))
             for hq, hk in CASES:
                 with measure_ring_time() as times:
-                    _compare(lambda q, k, v, d=docs, w=window: ring_attention(
-                                 q, k, v, ring, attention_mask=d, window=w),
-                             positions, hq, hk, mask, f"R={world} hq={hq} hk={hk} "
-                             f"documents={docs is not None} window={window}")
-                computed[docs is not None, window] = (times["forward_blocks"],
-                                                      needed_units(mask, ring.rank, world))
+                    _compare(
+                        lambda q, k, v, d=docs, w=window: ring_attention(
+                            q, k, v, ring, attention_mask=d, window=w
+                        ),
+                        positions,
+                        hq,
+                        hk,
+                        mask,
+                        f"R={world} hq={hq} hk={hk} documents={docs is not None} window={window}",
+                    )
+                computed[docs is not None, window] = (
+                    times["forward_blocks"],
+                    needed_units(mask, ring.rank, world),
+                )
     if world == 2:
         _check_half_precision(ring, positions)
         return computed, _count_skipped_blocks(ring)
@@ -122,11 +136,10 @@ def _check_half_precision(ring, positions):
     assert out.dtype == torch.bfloat16 and all(t.grad.dtype == torch.bfloat16 for t in mine)
     torch.testing.assert_close(out.float(), ref.detach()[positions], atol=2e-2, rtol=2e-2)
     full_weights = torch.zeros(ref.shape)
-    full_weights[positions] = weights   # the other ranks' outputs do not enter this loss...
+    full_weights[positions] = weights  # the other ranks' outputs do not enter this loss...
     (ref * full_weights).sum().backward()
     # ...so only this rank's dq is comparable (dk, dv also collect the other ranks' queries)
-    torch.testing.assert_close(mine[0].grad.float(), full[0].grad[positions], atol=2e-2,
-                               rtol=2e-2)
+    torch.testing.assert_close(mine[0].grad.float(), full[0].grad[positions], atol=2e-2, rtol=2e-2)
 
 
 def _count_skipped_blocks(ring):
@@ -136,15 +149,21 @@ def _count_skipped_blocks(ring):
     mask = dense_document_mask(docs)
     positions = ring_local_positions(ring.rank, ring.size, N)
     with measure_ring_time() as times:
-        _compare(lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=docs),
-                 positions, 4, 2, mask, "R=2 document-aligned mask")
+        _compare(
+            lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=docs),
+            positions,
+            4,
+            2,
+            mask,
+            "R=2 document-aligned mask",
+        )
     return times["forward_blocks"]
 
 
 def _count_ring_bytes(ring, world):
     """p2p bytes of one forward and backward, with the narrowest window (the ring still
     carries every block: a rank with nothing to compute passes k/v and dk/dv on)."""
-    q, k, v = (t[:N // world].clone().requires_grad_() for t in _inputs(4, 2))
+    q, k, v = (t[: N // world].clone().requires_grad_() for t in _inputs(4, 2))
     with comm_stats.count_communication() as counts:
         out = ring_attention(q, k, v, ring, window=1)
         forward = counts["p2p"]["bytes"]
@@ -173,10 +192,10 @@ def test_ring_r4_and_hybrid_u2r2_match_full_attention_and_send_what_they_should(
     units a window or document mask leaves visible are computed (window 1 leaves some ranks
     whole steps with nothing to compute)."""
     world = 4
-    kv_bytes = 2 * (N // world) * B * 2 * D * 8     # k and v, float64
+    kv_bytes = 2 * (N // world) * B * 2 * D * 8  # k and v, float64
     for computed, (forward, backward), hybrid_ok in run_distributed(_check_ring, world):
         _assert_only_needed_units(computed)
-        assert computed[False, None][1] == 2 * world + 1     # causal: 3 + 2(R-1) units
+        assert computed[False, None][1] == 2 * world + 1  # causal: 3 + 2(R-1) units
         assert computed[False, 1][1] < computed[False, 5][1] < computed[False, None][1]
         assert forward == (world - 1) * kv_bytes
         assert backward == (world - 1) * kv_bytes + world * kv_bytes
@@ -190,10 +209,14 @@ def _check_hybrid(rank, world):
     ring = Ring.from_dims(dims)
     positions = rank_positions(N, dims.sp_rank, ulysses, ring.rank, ring.size)
     for window in (None, 5):
-        attention = DistributedAttention(ulysses, "sdpa", dims.sp_group,
-                                         window=window, ring=ring)
-        for hq, hk in CASES:   # kv heads 1 < U: replicated before the all-to-all
-            _compare(lambda q, k, v, a=attention: a(q, k, v, dropout_p=0.0), positions, hq, hk,
-                     window_mask(window), f"U2xR{world // ulysses} hq={hq} hk={hk} "
-                     f"window={window}")
+        attention = DistributedAttention(ulysses, "sdpa", dims.sp_group, window=window, ring=ring)
+        for hq, hk in CASES:  # kv heads 1 < U: replicated before the all-to-all
+            _compare(
+                lambda q, k, v, a=attention: a(q, k, v, dropout_p=0.0),
+                positions,
+                hq,
+                hk,
+                window_mask(window),
+                f"U2xR{world // ulysses} hq={hq} hk={hk} window={window}",
+            )
     return True

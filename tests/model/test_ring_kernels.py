@@ -7,6 +7,7 @@ identity here and is tested in test_ring_attention.py) reproduce full causal att
 documents and windows on each kernel choice: torch's CPU flash kernel in fp64, and in bf16 the
 flash-attn stand-in (tests/stand_ins/flash_attn) for unmasked units with the stand-in of torch's
 CUDA efficient kernel (tests/stand_ins/sdpa_efficient_cuda.py) for masked ones."""
+
 import dataclasses
 import math
 
@@ -18,8 +19,15 @@ from megatron_ul.model import lse_kernels
 from megatron_ul.model.attention_dispatch import ring_unit_kernels
 from megatron_ul.model.document_attention import DocumentMask
 from tests.dense_masks import dense_document_mask
-from megatron_ul.model.ring_attention import (Ring, backward_step, chunked, forward_step,
-                                              measure_ring_time, packed_kv, ring_plan)
+from megatron_ul.model.ring_attention import (
+    Ring,
+    backward_step,
+    chunked,
+    forward_step,
+    measure_ring_time,
+    packed_kv,
+    ring_plan,
+)
 from tests.stand_ins.sdpa_efficient_cuda import EfficientOps
 
 N, B, D = 32, 2, 8
@@ -43,7 +51,7 @@ def _bias(b, sq, sk, dtype, empty_row=False):
     hidden[..., 0] = False
     if empty_row:
         hidden[:, :, 1] = True
-    bias = torch.zeros(b, 1, sq, 32, dtype=dtype)[..., :sk]   # rows 16-aligned, as the ring's
+    bias = torch.zeros(b, 1, sq, 32, dtype=dtype)[..., :sk]  # rows 16-aligned, as the ring's
     return bias.masked_fill_(hidden, float("-inf"))
 
 
@@ -54,16 +62,21 @@ def efficient_stand_in(monkeypatch):
     return ops
 
 
-CASES = [("cpu-flash", torch.float64), ("reference", torch.float64),
-         ("cpu-flash", torch.bfloat16), ("sdpa-efficient", torch.bfloat16),
-         ("sdpa-efficient", torch.float32), ("flash-attn", torch.bfloat16)]
+CASES = [
+    ("cpu-flash", torch.float64),
+    ("reference", torch.float64),
+    ("cpu-flash", torch.bfloat16),
+    ("sdpa-efficient", torch.bfloat16),
+    ("sdpa-efficient", torch.float32),
+    ("flash-attn", torch.bfloat16),
+]
 
 
-@pytest.mark.parametrize("name,dtype", CASES, ids=[f"{n}-{d}".replace("torch.", "")
-                                                   for n, d in CASES])
+@pytest.mark.parametrize(
+    "name,dtype", CASES, ids=[f"{n}-{d}".replace("torch.", "") for n, d in CASES]
+)
 @pytest.mark.parametrize("masking", ["causal", "bias"])
-def test_unit_kernel_matches_explicit_softmax(name, dtype, masking, efficient_stand_in,
-                                              request):
+def test_unit_kernel_matches_explicit_softmax(name, dtype, masking, efficient_stand_in, request):
     if name == "flash-attn":
         request.getfixturevalue("flash_attn_stand_in")
     kernel = lse_kernels.kernel_named(name)
@@ -79,9 +92,8 @@ def test_unit_kernel_matches_explicit_softmax(name, dtype, masking, efficient_st
     tol = dict(atol=1e-10, rtol=1e-10) if dtype == torch.float64 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.double(), ref.detach(), **tol)
     assert out.dtype == dtype and lse.dtype == lse_kernels.lse_dtype(dtype)
-    if bias is not None:   # a row without keys merges as a no-op: out 0, lse -inf
-        empty_out, empty_lse = kernel.forward(q, k, v, False, _bias(2, 24, 24, dtype, True),
-                                              scale)
+    if bias is not None:  # a row without keys merges as a no-op: out 0, lse -inf
+        empty_out, empty_lse = kernel.forward(q, k, v, False, _bias(2, 24, 24, dtype, True), scale)
         assert torch.isneginf(empty_lse[:, :, 1]).all() and (empty_out[:, :, 1] == 0).all()
     dout = torch.randn(ref.shape, generator=g).to(dtype)
     grads = kernel.backward(dout, q, k, v, out, lse, causal, bias, scale)
@@ -105,7 +117,7 @@ def _reference(q, k, v, documents, window):
         hidden = hidden | dense_document_mask(documents)
     bias = torch.zeros(hidden.shape, dtype=torch.float64).masked_fill(hidden, float("-inf"))
     bias = bias.expand(B, 1, N, N) if bias.dim() == 4 else bias.expand(B, 1, N, N)
-    out = _explicit(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), False, bias, D ** -0.5)
+    out = _explicit(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), False, bias, D**-0.5)
     return out.permute(2, 0, 1, 3)
 
 
@@ -115,12 +127,27 @@ def _virtual_ring(q, k, v, world, documents, window, kernels=None):
     weights = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=q.dtype)
     length = N // world
     pos = [ring_local_positions(r, world, N) for r in range(world)]
-    plans = [ring_plan(Ring(None, r, world, 0, 0), length, q.device, q.dtype, D,
-                       window=window, documents=documents) for r in range(world)]
+    plans = [
+        ring_plan(
+            Ring(None, r, world, 0, 0),
+            length,
+            q.device,
+            q.dtype,
+            D,
+            window=window,
+            documents=documents,
+        )
+        for r in range(world)
+    ]
     if kernels is not None:
-        plans = [dataclasses.replace(p, dense=lse_kernels.kernel_named(kernels[0]),
-                                     masked=lse_kernels.kernel_named(kernels[1]))
-                 for p in plans]
+        plans = [
+            dataclasses.replace(
+                p,
+                dense=lse_kernels.kernel_named(kernels[0]),
+                masked=lse_kernels.kernel_named(kernels[1]),
+            )
+            for p in plans
+        ]
     blocks = [packed_kv(k[p], v[p]) for p in pos]
     acc = lse_kernels.lse_dtype(q.dtype)
     outs, lses = [], []
@@ -128,8 +155,9 @@ def _virtual_ring(q, k, v, world, documents, window, kernels=None):
         out = torch.zeros(q[pos[r]].shape, dtype=acc)
         lse = torch.full(chunked(out).shape[:4], float("-inf"), dtype=acc)
         for src in range(world):
-            forward_step(chunked(q[pos[r]]), chunked(out), lse, blocks[src], plan.step(src),
-                         D ** -0.5, plan)
+            forward_step(
+                chunked(q[pos[r]]), chunked(out), lse, blocks[src], plan.step(src), D**-0.5, plan
+            )
         outs.append(out.to(q.dtype))
         lses.append(lse)
     dkv = [torch.zeros(b.shape, dtype=acc) for b in blocks]
@@ -137,17 +165,27 @@ def _virtual_ring(q, k, v, world, documents, window, kernels=None):
     for r, plan in enumerate(plans):
         dq = torch.zeros(outs[r].shape, dtype=acc)
         for src in range(world):
-            backward_step(chunked(q[pos[r]]), chunked(weights[pos[r]]), chunked(outs[r]),
-                          lses[r], blocks[src], chunked(dq), dkv[src], plan.step(src),
-                          D ** -0.5, plan)
+            backward_step(
+                chunked(q[pos[r]]),
+                chunked(weights[pos[r]]),
+                chunked(outs[r]),
+                lses[r],
+                blocks[src],
+                chunked(dq),
+                dkv[src],
+                plan.step(src),
+                D**-0.5,
+                plan,
+            )
         dqs.append(dq)
     return pos, weights, outs, dqs, dkv
 
 
 def _check_virtual_ring(dtype, world, documents, window, tol, kernels=None):
     g = torch.Generator().manual_seed(world)
-    q, k, v = (torch.randn(N, B, h, D, generator=g, dtype=torch.float64).to(dtype)
-               for h in (4, 2, 2))
+    q, k, v = (
+        torch.randn(N, B, h, D, generator=g, dtype=torch.float64).to(dtype) for h in (4, 2, 2)
+    )
     pos, weights, outs, dqs, dkv = _virtual_ring(q, k, v, world, documents, window, kernels)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = _reference(*leaves, documents, window)
@@ -159,8 +197,13 @@ def _check_virtual_ring(dtype, world, documents, window, tol, kernels=None):
         torch.testing.assert_close(dkv[r][1].double(), leaves[2].grad[pos[r]], **tol)
 
 
-MASKS = [(None, None), (_documents((5, 19), (0,)), None), (None, 5),
-         (_documents((5, 19), (0,)), 5), (_documents((8, 24), (0, 1)), None)]
+MASKS = [
+    (None, None),
+    (_documents((5, 19), (0,)), None),
+    (None, 5),
+    (_documents((5, 19), (0,)), 5),
+    (_documents((8, 24), (0, 1)), None),
+]
 MASK_IDS = ["causal", "documents", "window", "documents-window", "aligned-documents"]
 
 
@@ -172,9 +215,16 @@ def test_virtual_ring_on_cpu_flash_fp64_is_exact(world, documents, window):
 
 @pytest.mark.parametrize("documents,window", MASKS, ids=MASK_IDS)
 def test_virtual_ring_on_flash_attn_and_efficient_stand_ins_bf16(
-        documents, window, flash_attn_stand_in, efficient_stand_in):
-    _check_virtual_ring(torch.bfloat16, 4, documents, window, dict(atol=3e-2, rtol=3e-2),
-                        kernels=("flash-attn", "sdpa-efficient"))
+    documents, window, flash_attn_stand_in, efficient_stand_in
+):
+    _check_virtual_ring(
+        torch.bfloat16,
+        4,
+        documents,
+        window,
+        dict(atol=3e-2, rtol=3e-2),
+        kernels=("flash-attn", "sdpa-efficient"),
+    )
     calls = flash_attn_stand_in.calls
     assert calls["_flash_attn_forward"] > 0 and calls["_flash_attn_backward"] > 0
     # documents at chunk boundaries (8, 24 with C = 4) leave every unit whole or skipped
@@ -187,12 +237,13 @@ def test_plan_skips_units_from_document_offsets_without_device_syncs():
     computes 2 units, rank 1 (chunks 1, 2) 3; the plan reads only the host offsets, so a
     DocumentMask whose tensor would sync on every read costs one copy per micro-batch."""
     docs = _documents((8, 24), (0, 1))
-    docs.offsets, docs.token_documents()   # the one device->host copy of a micro-batch
-    docs.cu_seqlens = None   # any later read of the device tensor would fail
+    docs.offsets, docs.token_documents()  # the one device->host copy of a micro-batch
+    docs.cu_seqlens = None  # any later read of the device tensor would fail
     units = []
     for r in range(2):
-        plan = ring_plan(Ring(None, r, 2, 0, 0), 16, torch.device("cpu"), torch.float32, D,
-                         documents=docs)
+        plan = ring_plan(
+            Ring(None, r, 2, 0, 0), 16, torch.device("cpu"), torch.float32, D, documents=docs
+        )
         units.append(sum(len(plan.step(src)) for src in range(2)))
     assert units == [2, 3]
 
@@ -203,10 +254,11 @@ def test_kernel_choice_per_device_and_dtype(flash_attn_stand_in):
     assert ring_unit_kernels(cpu, torch.bfloat16, 64, True) == ("flash-attn", "cpu-flash")
     assert ring_unit_kernels(cpu, torch.float32, 64, True) == ("cpu-flash", "cpu-flash")
     assert ring_unit_kernels(cuda, torch.bfloat16, 64, True) == ("flash-attn", "sdpa-efficient")
-    assert ring_unit_kernels(cuda, torch.bfloat16, 264, True) == ("sdpa-efficient",
-                                                                  "sdpa-efficient")
-    assert ring_unit_kernels(cuda, torch.float32, 64, False) == ("sdpa-efficient",
-                                                                  "sdpa-efficient")
+    assert ring_unit_kernels(cuda, torch.bfloat16, 264, True) == (
+        "sdpa-efficient",
+        "sdpa-efficient",
+    )
+    assert ring_unit_kernels(cuda, torch.float32, 64, False) == ("sdpa-efficient", "sdpa-efficient")
     assert ring_unit_kernels(cuda, torch.float64, 64, False) == ("reference", "reference")
     with pytest.raises(ValueError, match="--kv-channels"):
         ring_unit_kernels(cuda, torch.bfloat16, 36, False)
@@ -216,6 +268,7 @@ def test_ring_refuses_a_dense_mask_and_an_odd_local_sequence():
     ring = Ring(None, 0, 2, 1, 1)
     q = torch.randn(6, 1, 2, D)
     from megatron_ul.model.ring_attention import ring_attention
+
     with pytest.raises(TypeError, match="DocumentMask"):
         ring_attention(q, q, q, ring, attention_mask=torch.zeros(1, 1, 12, 12, dtype=torch.bool))
     with pytest.raises(ValueError, match="even local sequence"):

@@ -3,6 +3,7 @@ sequence and within 1.5× of Ulysses alone at the same tokens per rank (measured
 tools/bench/bench_ring.py's memory table is: every CPU allocation and free of one forward +
 backward, 2 gloo ranks). A C×C score tensor per unit (the explicit fp32 kernel) grew 3.8× per
 doubling."""
+
 import pytest
 
 from tools.bench.bench_ring import memory_rows

@@ -4,6 +4,7 @@ CPU flash kernel, forward and backward, for documents that start anywhere in a t
 in one tile), windows that cut tiles, GQA; within bf16 rounding on the stand-in of torch's CUDA
 efficient kernel (the kernel a CUDA run without flash-attn uses); kernel calls per tile do not
 grow with the number of documents."""
+
 import pytest
 import torch
 
@@ -14,8 +15,13 @@ from tests.dense_masks import dense_document_mask
 from tests.stand_ins.sdpa_efficient_cuda import EfficientOps
 
 N, B = 96, 2
-CASES = [((), None), ((5, 19, 40, 41, 42, 80), None), ((5, 19, 40, 41, 42, 80), 7), ((), 20),
-         ((32, 64), 30)]
+CASES = [
+    ((), None),
+    ((5, 19, 40, 41, 42, 80), None),
+    ((5, 19, 40, 41, 42, 80), 7),
+    ((), 20),
+    ((32, 64), 30),
+]
 
 
 def _reference(q, k, v, hidden):
@@ -33,8 +39,10 @@ def _check(starts, window, tile, dtype, kernel, tol, monkeypatch):
     if window is not None:
         hidden = hidden | (torch.arange(N).unsqueeze(1) - torch.arange(N).unsqueeze(0) > window)
     g = torch.Generator().manual_seed(tile)
-    full = [torch.randn(N, B, h, 8, generator=g, dtype=torch.float64).requires_grad_()
-            for h in (4, 2, 2)]
+    full = [
+        torch.randn(N, B, h, 8, generator=g, dtype=torch.float64).requires_grad_()
+        for h in (4, 2, 2)
+    ]
     mine = [t.detach().to(dtype).requires_grad_() for t in full]
     out = tiled.tiled_document_attention(*mine, documents, window, None, kernel)
     ref = _reference(*full, hidden)
@@ -50,23 +58,31 @@ def _check(starts, window, tile, dtype, kernel, tol, monkeypatch):
 @pytest.mark.parametrize("starts,window", CASES)
 @pytest.mark.parametrize("tile", [16, 32])
 def test_tiles_match_the_dense_reference_fp64(starts, window, tile, monkeypatch):
-    _check(starts, window, tile, torch.float64, "cpu-flash", dict(atol=1e-12, rtol=1e-12),
-           monkeypatch)
+    _check(
+        starts, window, tile, torch.float64, "cpu-flash", dict(atol=1e-12, rtol=1e-12), monkeypatch
+    )
 
 
 @pytest.mark.parametrize("starts,window", CASES[1:3])
 def test_tiles_on_the_efficient_kernel_stand_in_bf16(starts, window, monkeypatch):
     ops = EfficientOps()
     monkeypatch.setattr(lse_kernels, "cuda_ops", ops)
-    _check(starts, window, 16, torch.bfloat16, "sdpa-efficient", dict(atol=3e-2, rtol=3e-2),
-           monkeypatch)
+    _check(
+        starts,
+        window,
+        16,
+        torch.bfloat16,
+        "sdpa-efficient",
+        dict(atol=3e-2, rtol=3e-2),
+        monkeypatch,
+    )
     assert ops.calls["forward"] > 0 and ops.calls["backward"] > 0
 
 
 def test_calls_per_tile_do_not_grow_with_documents():
     n = 20480
     few = tiled.plan([[0, 4096, 12000]], n, None)
-    many = tiled.plan([list(range(0, n, 2))], n, None)       # 10240 two-token documents
+    many = tiled.plan([list(range(0, n, 2))], n, None)  # 10240 two-token documents
     tiles = n // tiled.TILE
     assert len(many) <= 2 * tiles and len(few) <= 3 * tiles
     assert max(c.k1 - c.k0 for c in many + few if c.masked) <= 3 * tiled.TILE

@@ -1,6 +1,7 @@
 """Tiled output layer + loss: per-token losses and every gradient equal the untiled path
 (fp32 within 1e-6) for tied and untied heads, TP (vocab-parallel), Megatron-SP, Ulysses, loss
 masks, uneven last chunks; bf16/fp16 autocast within their rounding; PP via a training run."""
+
 import pytest
 import torch
 
@@ -9,7 +10,7 @@ from tests.model.long_context_harness import LLAMA, MODEL, compare_runs, slow_ex
 from tests.training.equivalence import BASE, GPT2_STYLE, compare, run_layout
 
 UNTIED = ["--untie-embeddings-and-output-weights"]
-TILED = ["--tiled-loss-chunk-size", "5"]      # 32 tokens -> chunks of 5, last one 2
+TILED = ["--tiled-loss-chunk-size", "5"]  # 32 tokens -> chunks of 5, last one 2
 
 
 def _single_process_cases(rank, world):
@@ -25,21 +26,24 @@ def test_tiled_loss_equals_untiled_single_process():
     res = run_distributed(_single_process_cases, 1)[0]
     for name in ("tied", "untied", "llama"):
         assert res[name][0] <= 1e-6 and res[name][1] <= 1e-6, (name, res[name])
-    for name in ("bf16", "fp16"):   # same low-precision matmuls per row: rounding-level only
+    for name in ("bf16", "fp16"):  # same low-precision matmuls per row: rounding-level only
         assert res[name][0] <= 2e-2 and res[name][1] <= 5e-2, (name, res[name])
 
 
-LAYOUTS = {"TP2": (["--tensor-model-parallel-size", "2"], (2, 1)),
-           "TP2-megatron-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-                               (2, 1)),
-           "SP2": (["--ds-sequence-parallel-size", "2"], (1, 2))}
+LAYOUTS = {
+    "TP2": (["--tensor-model-parallel-size", "2"], (2, 1)),
+    "TP2-megatron-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"], (2, 1)),
+    "SP2": (["--ds-sequence-parallel-size", "2"], (1, 2)),
+}
 
 
 def _layout_cases(rank, world, layout):
     flags, sizes = LAYOUTS[layout]
-    chunk = ["--tiled-loss-chunk-size", "3"]   # 16 (or 8) local tokens, uneven last chunk
-    return {name: compare_runs(rank, world, MODEL + flags + extra, chunk, sizes)
-            for name, extra in {"tied": [], "untied": UNTIED}.items()}
+    chunk = ["--tiled-loss-chunk-size", "3"]  # 16 (or 8) local tokens, uneven last chunk
+    return {
+        name: compare_runs(rank, world, MODEL + flags + extra, chunk, sizes)
+        for name, extra in {"tied": [], "untied": UNTIED}.items()
+    }
 
 
 @pytest.mark.parametrize("layout", slow_except({"TP2", "TP2-megatron-sp"}, LAYOUTS))
@@ -53,7 +57,8 @@ def test_tiled_loss_equals_untiled_parallel(layout):
 def test_tiled_loss_pipeline_training_matches_single_process():
     model = BASE + GPT2_STYLE
     ref = run_layout(model, 1)
-    pp = run_layout(model + ["--pipeline-model-parallel-size", "2", "--tiled-loss-chunk-size",
-                             "7"], 2)
+    pp = run_layout(
+        model + ["--pipeline-model-parallel-size", "2", "--tiled-loss-chunk-size", "7"], 2
+    )
     loss_diff, param_diff = compare(ref, pp, 4, 4)
     assert loss_diff < 1e-5 and param_diff < 1e-5

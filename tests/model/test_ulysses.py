@@ -1,5 +1,6 @@
 """Ulysses attention on SP ranks equals plain causal attention on the full sequence, forward
 and backward, for MHA, GQA with kv heads < SP, MQA and kv heads not divisible by SP."""
+
 import math
 
 import torch
@@ -40,15 +41,18 @@ def _check(rank, world):
         mine = [t.detach().chunk(world, 0)[sp_rank].clone().requires_grad_() for t in full]
         out = attention(*mine, dropout_p=0.0)
         ref = reference_attention(*full)
-        torch.testing.assert_close(out, ref.detach().chunk(world, 0)[sp_rank],
-                                   msg=f"forward hq={hq} hk={hk}")
-        weights = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7),
-                              dtype=torch.float64)
+        torch.testing.assert_close(
+            out, ref.detach().chunk(world, 0)[sp_rank], msg=f"forward hq={hq} hk={hk}"
+        )
+        weights = torch.randn(
+            ref.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64
+        )
         (out * weights.chunk(world, 0)[sp_rank]).sum().backward()
         (ref * weights).sum().backward()
         for name, a, b in zip("qkv", mine, full):
-            torch.testing.assert_close(a.grad, b.grad.chunk(world, 0)[sp_rank],
-                                       msg=f"grad {name} hq={hq} hk={hk}")
+            torch.testing.assert_close(
+                a.grad, b.grad.chunk(world, 0)[sp_rank], msg=f"grad {name} hq={hq} hk={hk}"
+            )
     return True
 
 
@@ -66,12 +70,13 @@ def _check_all_to_all(rank, world):
     back = ulysses_all_to_all(swapped, scatter_dim=0, gather_dim=2, group=group)
     assert torch.equal(back, mine)
     # backward of an all-to-all is the inverse all-to-all
-    grad = torch.randn(swapped.shape, dtype=torch.float64,
-                       generator=torch.Generator().manual_seed(rank))
+    grad = torch.randn(
+        swapped.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(rank)
+    )
     swapped.backward(grad)
     gathered = [torch.empty_like(grad) for _ in range(world)]
     torch.distributed.all_gather(gathered, grad, group=group)
-    full_grad = torch.cat(gathered, dim=2)           # the gradient of the full head-sharded view
+    full_grad = torch.cat(gathered, dim=2)  # the gradient of the full head-sharded view
     assert torch.equal(mine.grad, full_grad.chunk(world, 0)[rank])
     return True
 
@@ -103,10 +108,11 @@ def test_each_rank_receives_only_the_distinct_kv_heads_it_attends():
     """12 q / 6 kv heads at SP 4: replicated 2-fold, rank j attends heads (3j + t) // 2 —
     two distinct ones, so two are sent instead of three; unpack rebuilds the three."""
     from megatron_ul.model.ulysses import kv_heads_to_send
+
     r = kv_replication_factor(6, 4)
     for rank in range(4):
         send, unpack = kv_heads_to_send(6, 4, r, rank)
         assert send.tolist() == [[0, 1], [1, 2], [3, 4], [4, 5]]
         assert send[rank][unpack].tolist() == [(3 * rank + t) // 2 for t in range(3)]
-    assert kv_heads_to_send(2, 4, kv_replication_factor(2, 4), 0) == (None, None)   # 8/2 SP4
+    assert kv_heads_to_send(2, 4, kv_replication_factor(2, 4), 0) == (None, None)  # 8/2 SP4
     assert kv_heads_to_send(8, 4, 1, 0) == (None, None)

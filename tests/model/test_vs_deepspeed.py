@@ -2,6 +2,7 @@
 bit-equal outputs and input gradients (MHA), and bit-equal outputs with GQA 12 q / 6 kv heads at
 SP 4 while sending fewer bytes. Skipped without deepspeed (a benchmark-only dependency:
 tools/bench/bench_vs_deepspeed.py says how to install it)."""
+
 import pytest
 
 pytest.importorskip("deepspeed")
@@ -18,6 +19,7 @@ def test_mha_outputs_and_gradients_are_bit_equal_to_deepspeed():
 
 def test_gqa_below_sp_sends_no_more_than_deepspeed():
     results = run_distributed(compare_all, 4, [(64, 12, 6, "bf16")], 0)
-    assert all(case[0] for rank in results for case in rank)            # outputs bit-equal
+    assert all(case[0] for rank in results for case in rank)  # outputs bit-equal
     assert max(case[4] for rank in results for case in rank) <= max(
-        case[5] for rank in results for case in rank)                   # bytes, max rank
+        case[5] for rank in results for case in rank
+    )  # bytes, max rank

@@ -1,5 +1,6 @@
 """TP layers, Megatron-SP mappings and vocab-parallel cross entropy against plain PyTorch
 (fp64), forward and backward, on 2 TP ranks."""
+
 import torch
 import torch.nn.functional as F
 
@@ -15,6 +16,7 @@ S, B, H_IN, H_OUT, VOCAB, PADDED = 8, 3, 6, 10, 13, 16
 def _fill(seed):
     def init(w):
         w.copy_(_full(seed, *w.shape))
+
     return FromFull(init)
 
 
@@ -27,15 +29,30 @@ def _check_mlp(rank, world, dims, sequence_parallel):
     """Column -> Row parallel MLP equals the dense computation; grads match their slices."""
     tp_rank = dims.tp_rank
     x_full = _full(0, S, B, H_IN).requires_grad_()
-    col = ColumnParallelLinear(H_IN, H_OUT, _fill(1), sequence_parallel=sequence_parallel,
-                               dtype=torch.float64, tp_group=dims.tp_group)
-    row = RowParallelLinear(H_OUT, H_IN, _fill(2), sequence_parallel=sequence_parallel,
-                            dtype=torch.float64, tp_group=dims.tp_group)
+    col = ColumnParallelLinear(
+        H_IN,
+        H_OUT,
+        _fill(1),
+        sequence_parallel=sequence_parallel,
+        dtype=torch.float64,
+        tp_group=dims.tp_group,
+    )
+    row = RowParallelLinear(
+        H_OUT,
+        H_IN,
+        _fill(2),
+        sequence_parallel=sequence_parallel,
+        dtype=torch.float64,
+        tp_group=dims.tp_group,
+    )
     with torch.no_grad():
         col.bias.copy_(_full(3, H_OUT).chunk(world)[tp_rank])
         row.bias.copy_(_full(4, H_IN))
-    x = (x_full.detach().chunk(world, 0)[tp_rank] if sequence_parallel
-         else x_full.detach()).clone().requires_grad_()
+    x = (
+        (x_full.detach().chunk(world, 0)[tp_rank] if sequence_parallel else x_full.detach())
+        .clone()
+        .requires_grad_()
+    )
     y = row(torch.tanh(col(x)))
     y.pow(2).sum().backward()
 
@@ -62,8 +79,9 @@ def _check_mlp(rank, world, dims, sequence_parallel):
 def _check_swiglu_stride(rank, world, dims):
     """stride=2 gives each rank matching chunks of both halves ([gate; up]) of the weight."""
     tp_rank = dims.tp_rank
-    col = ColumnParallelLinear(H_IN, 2 * H_OUT, _fill(1), stride=2, dtype=torch.float64,
-                               tp_group=dims.tp_group)
+    col = ColumnParallelLinear(
+        H_IN, 2 * H_OUT, _fill(1), stride=2, dtype=torch.float64, tp_group=dims.tp_group
+    )
     gate, up = _full(1, 2 * H_OUT, H_IN).chunk(2, 0)
     expected = torch.cat([gate.chunk(world, 0)[tp_rank], up.chunk(world, 0)[tp_rank]])
     torch.testing.assert_close(col.weight.detach(), expected)
@@ -73,8 +91,9 @@ def _check_swiglu_stride(rank, world, dims):
 def _check_embedding_and_cross_entropy(rank, world, dims):
     tp_rank = dims.tp_rank
     ids = torch.randint(0, VOCAB, (S, B), generator=torch.Generator().manual_seed(5))
-    emb = VocabParallelEmbedding(PADDED, H_IN, _fill(6), dtype=torch.float64,
-                                 tp_group=dims.tp_group)
+    emb = VocabParallelEmbedding(
+        PADDED, H_IN, _fill(6), dtype=torch.float64, tp_group=dims.tp_group
+    )
     out = emb(ids)
     table = _full(6, PADDED, H_IN).requires_grad_()
     ref = F.embedding(ids, table)
@@ -87,8 +106,9 @@ def _check_embedding_and_cross_entropy(rank, world, dims):
     local = logits_full.detach().chunk(world, -1)[tp_rank].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(local, ids, VOCAB, dims.tp_group)
     # reference: padded rows (ids >= VOCAB) take no part in the softmax
-    ref_loss = F.cross_entropy(logits_full[..., :VOCAB].reshape(-1, VOCAB), ids.reshape(-1),
-                               reduction="none").view(S, B)
+    ref_loss = F.cross_entropy(
+        logits_full[..., :VOCAB].reshape(-1, VOCAB), ids.reshape(-1), reduction="none"
+    ).view(S, B)
     torch.testing.assert_close(loss, ref_loss.detach())
     weights = _full(8, S, B)
     (loss * weights).sum().backward()

@@ -2,6 +2,7 @@
 complete, a lone send before a receive on both peers is a deadlock named rank by rank, small
 messages only pass when they fit the (optional) eager buffer, tags never match anything, and
 mismatched or misused buffers are errors."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -15,8 +16,9 @@ RING3 = Group((0, 1, 2))
 def _exchange_batched(rank):
     peer = 1 - rank
     out, got = torch.full((4,), float(rank)), torch.empty(4)
-    for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, peer, PAIR),
-                                           dist.P2POp(dist.irecv, got, peer, PAIR)]):
+    for request in dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, out, peer, PAIR), dist.P2POp(dist.irecv, got, peer, PAIR)]
+    ):
         request.wait()
     return got
 
@@ -40,8 +42,12 @@ def test_send_then_receive_on_both_peers_is_a_named_deadlock():
     with pytest.raises(Deadlock) as error:
         run_ranks(_exchange_send_first, 2)
     message = str(error.value)
-    for text in ("rank 0 waits for", "rank 1 waits for", "running isend[send #0 0->1",
-                 "queued irecv[recv #0 1<-0"):
+    for text in (
+        "rank 0 waits for",
+        "rank 1 waits for",
+        "running isend[send #0 0->1",
+        "queued irecv[recv #0 1<-0",
+    ):
         assert text in message, message
 
 
@@ -58,13 +64,18 @@ def test_a_ring_of_lone_sends_deadlocks_and_a_ring_of_batches_does_not():
             nxt, prev = (rank + 1) % 3, (rank - 1) % 3
             out, got = torch.full((2,), float(rank)), torch.empty(2)
             if batched:
-                for r in dist.batch_isend_irecv([dist.P2POp(dist.isend, out, nxt, RING3),
-                                                 dist.P2POp(dist.irecv, got, prev, RING3)]):
+                for r in dist.batch_isend_irecv(
+                    [
+                        dist.P2POp(dist.isend, out, nxt, RING3),
+                        dist.P2POp(dist.irecv, got, prev, RING3),
+                    ]
+                ):
                     r.wait()
             else:
                 dist.send(out, nxt, group=RING3)
                 dist.recv(got, prev, group=RING3)
             return got
+
         return body
 
     assert [g[0].item() for g in run_ranks(ring(True), 3)] == [2.0, 0.0, 1.0]
@@ -78,6 +89,7 @@ def _pair(sender, receiver):
             sender()
         else:
             receiver()
+
     return body
 
 
@@ -90,16 +102,18 @@ def test_tags_do_not_match_messages():
 
     def receiver():
         second, first = torch.empty(2), torch.empty(2)
-        for r in dist.batch_isend_irecv([dist.P2POp(dist.irecv, second, 0, PAIR, 2),
-                                         dist.P2POp(dist.irecv, first, 0, PAIR, 1)]):
+        for r in dist.batch_isend_irecv(
+            [dist.P2POp(dist.irecv, second, 0, PAIR, 2), dist.P2POp(dist.irecv, first, 0, PAIR, 1)]
+        ):
             r.wait()
 
     with pytest.raises(MessageMismatch, match="tag 1 != 2"):
         run_ranks(_pair(sender, receiver), 2, eager_bytes=1 << 10)
 
 
-@pytest.mark.parametrize("shape,dtype,problem", [((3,), torch.float32, "shape"),
-                                                 ((2,), torch.float64, "dtype")])
+@pytest.mark.parametrize(
+    "shape,dtype,problem", [((3,), torch.float32, "shape"), ((2,), torch.float64, "dtype")]
+)
 def test_a_mismatched_receive_is_an_error(shape, dtype, problem):
     def sender():
         dist.send(torch.zeros(2), 1, group=PAIR)
@@ -127,7 +141,7 @@ def test_a_send_buffer_written_before_completion_is_an_error():
 
 
 def test_a_receive_buffer_holds_nan_until_its_wait():
-    signal = Group((0, 1))      # another communicator: rank 0 sends only once rank 1 looked
+    signal = Group((0, 1))  # another communicator: rank 0 sends only once rank 1 looked
     seen = {}
 
     def sender():

@@ -1,6 +1,7 @@
 """Shard-only initialisation (mpu/param_init.py): the generator's numbers, its distribution,
 and that every layout computes exactly the single-process values while computing only its own
 elements."""
+
 import functools
 import math
 
@@ -26,7 +27,7 @@ def _reference_normal(i: int, key: int) -> float:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
     z ^= z >> 31
-    u1, u2 = ((z >> 32) + 1) * 2.0 ** -32, (z & 0xFFFFFFFF) * 2.0 ** -32
+    u1, u2 = ((z >> 32) + 1) * 2.0**-32, (z & 0xFFFFFFFF) * 2.0**-32
     angle = u2 * 2 * math.pi - (i & 1) * (math.pi / 2)
     return math.sqrt(-2.0 * math.log(u1)) * math.cos(angle)
 
@@ -44,7 +45,7 @@ def test_distribution_is_normal_with_the_configured_std():
     x = Normal(std, 7, "w").values((n,), full_index((n,)), "cpu", torch.float64) / std
     assert abs(float(x.mean())) < 5 / math.sqrt(n)
     assert abs(float(x.std()) - 1) < 3e-3
-    assert abs(float(x.pow(4).mean()) - 3) < 0.03          # kurtosis of a normal
+    assert abs(float(x.pow(4).mean()) - 3) < 0.03  # kurtosis of a normal
     # P(|x| < 1), P(|x| < 2) of N(0, 1)
     assert abs(float((x.abs() < 1).double().mean()) - 0.682689) < 2e-3
     assert abs(float((x.abs() < 2).double().mean()) - 0.954500) < 1e-3
@@ -67,7 +68,7 @@ def test_a_shard_is_the_slice_of_the_full_tensor(dim, stride):
             index[dim] = tp_index(shape[dim], stride, tp, rank)
             shard = init.values(shape, index, "cpu", torch.float32)
             assert torch.equal(shard, tp_slice(full, dim, stride, tp, rank))
-            rows = (index[0][3:7], *index[1:])       # a ZeRO-3 row range of that shard
+            rows = (index[0][3:7], *index[1:])  # a ZeRO-3 row range of that shard
             assert torch.equal(init.values(shape, rows, "cpu", torch.float32), shard[3:7])
 
 
@@ -103,8 +104,11 @@ def _init_on_rank(rank, world, argv):
         if isinstance(p.init_spec.init, Normal):
             held += local.numel()
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        params[name] = (full.detach().clone(), param_spec(p).partition_dim,
-                        param_spec(p).partition_stride)
+        params[name] = (
+            full.detach().clone(),
+            param_spec(p).partition_dim,
+            param_spec(p).partition_stride,
+        )
     return {"params": params, "computed": sum(computed), "held": held}
 
 
@@ -114,24 +118,29 @@ def _single_process(model: str) -> dict:
     return {name: value for name, (value, _, _) in params.items()}
 
 
-@pytest.mark.parametrize("model,layout", [
-    pytest.param(m, lay, marks=() if (m, lay) in DEFAULT else pytest.mark.slow)
-    for m in MODELS for lay in LAYOUTS])
-def test_every_layout_initialises_the_single_process_values_computing_only_its_shard(model,
-                                                                                   layout):
+@pytest.mark.parametrize(
+    "model,layout",
+    [
+        pytest.param(m, lay, marks=() if (m, lay) in DEFAULT else pytest.mark.slow)
+        for m in MODELS
+        for lay in LAYOUTS
+    ],
+)
+def test_every_layout_initialises_the_single_process_values_computing_only_its_shard(model, layout):
     argv = BASE + MODELS[model]
     reference = _single_process(model)
     flags, world = LAYOUTS[layout]
     results = run_distributed(_init_on_rank, world, argv + flags)
     for r in results:
-        assert r["computed"] == r["held"]        # drew exactly its own elements, nothing more
+        assert r["computed"] == r["held"]  # drew exactly its own elements, nothing more
         for name, (value, dim, stride) in r["params"].items():
             name = name.removeprefix("replica.")
             want = reference[name]
-            if dim is not None and value.shape != want.shape:   # a TP shard
+            if dim is not None and value.shape != want.shape:  # a TP shard
                 tp = want.shape[dim] // value.shape[dim]
-                matches = [torch.equal(value, tp_slice(want, dim, stride, tp, t))
-                           for t in range(tp)]
+                matches = [
+                    torch.equal(value, tp_slice(want, dim, stride, tp, t)) for t in range(tp)
+                ]
                 assert any(matches), name
             else:
                 assert torch.equal(value, want), name

@@ -1,6 +1,7 @@
 """Dropout streams: the default generator matches across TP ranks (replicated activations) and
 differs across SP ranks (different tokens); the model-parallel stream differs across TP and SP
 ranks (different heads / sequence chunks) and forking it leaves the default stream untouched."""
+
 import torch
 
 from megatron_ul.mpu import parallel_state as ps
@@ -18,8 +19,14 @@ def _draws(rank, world):
     model_parallel_seed(1234, dims)
     torch.rand(4)
     replay = torch.rand(4)  # the fork did not advance the default stream
-    return {"tp": dims.tp_rank, "sp": dims.sp_rank,
-            "default": default_a, "forked": forked, "default_b": default_b, "replay": replay}
+    return {
+        "tp": dims.tp_rank,
+        "sp": dims.sp_rank,
+        "default": default_a,
+        "forked": forked,
+        "default_b": default_b,
+        "replay": replay,
+    }
 
 
 def test_rng_streams_match_and_differ_where_they_must():

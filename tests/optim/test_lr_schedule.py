@@ -1,6 +1,7 @@
 """The learning-rate schedule against Megatron's: points whose values follow from the shape of
 each curve alone, and, where megatron-core is installed, Megatron's own OptimizerParamScheduler
 stepped the way Megatron-LM's training loop steps it (in samples, one global batch a step)."""
+
 import math
 
 import pytest
@@ -13,8 +14,14 @@ MAX_LR, MIN_LR, WARMUP, DECAY = 3e-4, 3e-5, 10, 110
 
 def schedule(style, warmup=WARMUP, decay=DECAY):
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    return LRSchedule(optimizer, max_lr=MAX_LR, min_lr=MIN_LR, warmup_steps=warmup,
-                      decay_steps=decay, decay_style=style)
+    return LRSchedule(
+        optimizer,
+        max_lr=MAX_LR,
+        min_lr=MIN_LR,
+        warmup_steps=warmup,
+        decay_steps=decay,
+        decay_style=style,
+    )
 
 
 def lrs(sched, steps):
@@ -43,8 +50,8 @@ def test_constant_holds_the_peak_after_warmup_and_past_the_decay_horizon():
 def test_decay_reaches_min_lr_at_the_horizon_and_stays_there(style):
     seen = lrs(schedule(style), DECAY + 20)
     assert seen[DECAY] == pytest.approx(MIN_LR, rel=1e-12)
-    assert set(seen[DECAY + 1:]) == {MIN_LR}
-    decaying = seen[WARMUP:DECAY + 1]
+    assert set(seen[DECAY + 1 :]) == {MIN_LR}
+    decaying = seen[WARMUP : DECAY + 1]
     assert all(a > b for a, b in zip(decaying, decaying[1:])), "monotone decay"
 
 
@@ -82,10 +89,18 @@ def test_matches_megatron_cores_scheduler_stepped_in_samples(style, warmup):
     group = {"lr": 1.0, "weight_decay": 0.0}
     optimizer = type("Optimizer", (), {"param_groups": [group]})()
     reference = scheduler_module.OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=MAX_LR, min_lr=MIN_LR,
-        lr_warmup_steps=warmup * global_batch, lr_decay_steps=DECAY * global_batch,
-        lr_decay_style=style, start_wd=0.0, end_wd=0.0, wd_incr_steps=DECAY * global_batch,
-        wd_incr_style="constant")
+        optimizer,
+        init_lr=0.0,
+        max_lr=MAX_LR,
+        min_lr=MIN_LR,
+        lr_warmup_steps=warmup * global_batch,
+        lr_decay_steps=DECAY * global_batch,
+        lr_decay_style=style,
+        start_wd=0.0,
+        end_wd=0.0,
+        wd_incr_steps=DECAY * global_batch,
+        wd_incr_style="constant",
+    )
     theirs = []
     for _ in range(DECAY + 10):
         theirs.append(group["lr"])

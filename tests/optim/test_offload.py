@@ -13,11 +13,23 @@ from tests.training.equivalence import run_layout
 
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
 OFFLOAD = ["--activation-checkpoint-cpu-offload"]
-LAYOUTS = {"single": ([], 1),
-           "TP2-SP2-megatron-sp": (["--tensor-model-parallel-size", "2",
-                                    "--ds-sequence-parallel-size", "2", "--sequence-parallel"], 4),
-           "PP2-tiled": (["--pipeline-model-parallel-size", "2", "--tiled-mlp-chunk-size", "8",
-                          "--num-layers", "4"], 2)}
+LAYOUTS = {
+    "single": ([], 1),
+    "TP2-SP2-megatron-sp": (
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--ds-sequence-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+        4,
+    ),
+    "PP2-tiled": (
+        ["--pipeline-model-parallel-size", "2", "--tiled-mlp-chunk-size", "8", "--num-layers", "4"],
+        2,
+    ),
+}
 
 
 @pytest.mark.parametrize("layout", slow_except({"single"}, LAYOUTS))
@@ -30,13 +42,14 @@ def test_offload_is_bit_identical(layout, per_checkpoint):
 
 def _handle_counts(rank, world, argv):
     from megatron_ul.training.pretrain import setup
+
     trainer = setup(configure(argv, world))
     trainer.train()
     return trainer.model.offloader.counts
 
 
 def test_every_offloaded_input_is_prefetched_then_fetched():
-    argv = DROPOUT_ON + FULL + OFFLOAD    # 3 layers, one checkpoint each; 5 steps × 4 micro
+    argv = DROPOUT_ON + FULL + OFFLOAD  # 3 layers, one checkpoint each; 5 steps × 4 micro
     counts = run_distributed(_handle_counts, 1, argv)[0]
     assert counts["offloaded"] == counts["prefetched"] == counts["fetched"] == 5 * 4 * 3
 
@@ -49,5 +62,6 @@ def test_offload_needs_full_recompute():
 @pytest.mark.slow
 def test_offload_is_bit_identical_under_zero3():
     from tests.training.equivalence import run_zero_layout
+
     argv = DROPOUT_ON + FULL + ["--ds-sequence-parallel-size", "2", "--zero-stage", "3"]
     assert_identical(run_zero_layout(argv, 2)[:2], run_zero_layout(argv + OFFLOAD, 2)[:2])

@@ -2,6 +2,7 @@
 On a CPU run the host is the device, so training must be bit-identical to the on-device
 optimizer (plain DP and ZeRO-1, fp32 and bf16, all or part of the parameters), and a
 checkpoint written with offload resumes without it, and the other way round, bitwise."""
+
 import os
 
 import pytest
@@ -57,12 +58,15 @@ def test_offloaded_step_is_bit_identical_on_cpu_in_every_case():
 def resume_across_offload(rank: int, world: int, tmp: str) -> dict:
     """4 iterations saving at 2 with and without offload; each resumed by the other."""
     out = {}
-    for name, (save_extra, load_extra) in {"saved-without": ([], OFFLOAD),
-                                           "saved-with": (OFFLOAD, [])}.items():
+    for name, (save_extra, load_extra) in {
+        "saved-without": ([], OFFLOAD),
+        "saved-with": (OFFLOAD, []),
+    }.items():
         save_dir = os.path.join(tmp, name)
         argv = TINY + ["--bf16", "--use-distributed-optimizer", "--train-iters", "4"]
-        full = setup(configure(argv + save_extra + ["--save", save_dir, "--save-interval",
-                                                    "2"], world)).train()
+        full = setup(
+            configure(argv + save_extra + ["--save", save_dir, "--save-interval", "2"], world)
+        ).train()
         dist.barrier()
         if rank == 0:
             files.write_tracker(save_dir, 2)
@@ -78,13 +82,21 @@ def test_offload_and_on_device_checkpoints_resume_each_other_bitwise(tmp_path):
         assert resumed == full[2:], name
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--optimizer-offload-fraction", "0.5"], "--optimizer-offload-fraction needs "
-                                              "--optimizer-cpu-offload"),
-    (OFFLOAD + ["--optimizer-offload-fraction", "1.5"], r"--optimizer-offload-fraction must "
-                                                        r"be in \[0, 1\]"),
-    (OFFLOAD + ["--zero-stage", "3"], "--optimizer-cpu-offload with --zero-stage 3"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--optimizer-offload-fraction", "0.5"],
+            "--optimizer-offload-fraction needs --optimizer-cpu-offload",
+        ),
+        (
+            OFFLOAD + ["--optimizer-offload-fraction", "1.5"],
+            r"--optimizer-offload-fraction must "
+            r"be in \[0, 1\]",
+        ),
+        (OFFLOAD + ["--zero-stage", "3"], "--optimizer-cpu-offload with --zero-stage 3"),
+    ],
+)
 def test_bad_offload_flags_are_refused(flags, message):
     with pytest.raises(ConfigError, match=message):
         configure(TINY + ["--train-iters", "1", "--lr-warmup-iters", "0"] + flags, 1)

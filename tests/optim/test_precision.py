@@ -1,5 +1,6 @@
 """fp16 with fp32 master weights and Megatron's loss scaling: scale arithmetic, exact unscaling,
 skipped overflow steps (logged, nothing updated), and training that tracks fp32."""
+
 import logging
 import math
 
@@ -59,8 +60,19 @@ def train_fp16_and_watch(rank, world, argv):
 def test_overflowing_steps_are_skipped_and_logged():
     # 2^120 overflows fp16 gradients; halving every step (hysteresis 1) cannot reach a usable
     # scale within 3 iterations, so every step is skipped and nothing may change.
-    argv = BASE + GPT2_STYLE + ["--fp16", "--initial-loss-scale", str(2.0**120),
-                                "--hysteresis", "1", "--train-iters", "3"]
+    argv = (
+        BASE
+        + GPT2_STYLE
+        + [
+            "--fp16",
+            "--initial-loss-scale",
+            str(2.0**120),
+            "--hysteresis",
+            "1",
+            "--train-iters",
+            "3",
+        ]
+    )
     out = run_distributed(train_fp16_and_watch, 1, argv)[0]
     assert len(out["skips"]) == 3 and "iteration 1" in out["skips"][0]
     assert not out["moved"]
@@ -71,7 +83,7 @@ def test_fp16_tracks_fp32():
     fp32 = run_layout(BASE + GPT2_STYLE, 1)
     fp16 = run_layout(BASE + GPT2_STYLE + ["--fp16", "--initial-loss-scale", "4096"], 1)
     assert max(abs(a - b) for a, b in zip(fp32[0], fp16[0])) < 2e-2
-    assert fp32[0] != fp16[0]   # it really computed in half precision
+    assert fp32[0] != fp16[0]  # it really computed in half precision
     for name, ref in fp32[1].items():
         assert float((fp16[1][name] - ref).abs().max() / ref.abs().max()) < 5e-2, name
 
@@ -79,9 +91,19 @@ def test_fp16_tracks_fp32():
 @pytest.mark.slow
 def test_fp16_with_zero1_over_sp2_tracks_fp32():
     fp32 = run_layout(BASE + GPT2_STYLE, 1)
-    fp16 = run_layout(BASE + GPT2_STYLE + ["--fp16", "--initial-loss-scale", "4096",
-                                           "--ds-sequence-parallel-size", "2",
-                                           "--use-distributed-optimizer"], 2)
+    fp16 = run_layout(
+        BASE
+        + GPT2_STYLE
+        + [
+            "--fp16",
+            "--initial-loss-scale",
+            "4096",
+            "--ds-sequence-parallel-size",
+            "2",
+            "--use-distributed-optimizer",
+        ],
+        2,
+    )
     assert max(abs(a - b) for a, b in zip(fp32[0], fp16[0])) < 2e-2
 
 

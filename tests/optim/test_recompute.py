@@ -1,6 +1,7 @@
 """Activation recomputation changes memory, not results: with dropout ON, every recompute
 mode gives bit-identical per-step losses and final parameters to the run without it, because
 the recomputed forward replays both the default generator and the RNG tracker's streams."""
+
 import functools
 
 import pytest
@@ -14,20 +15,43 @@ from megatron_ul.mpu.recompute import checkpoint
 from megatron_ul.training.pretrain import configure
 from tests.training.equivalence import BASE, GPT2_STYLE, run_layout
 
-DROPOUT_ON = BASE + GPT2_STYLE + ["--attention-dropout", "0.2", "--hidden-dropout", "0.2",
-                                  "--num-layers", "3"]
+DROPOUT_ON = (
+    BASE
+    + GPT2_STYLE
+    + ["--attention-dropout", "0.2", "--hidden-dropout", "0.2", "--num-layers", "3"]
+)
 MODES = {
-    "full-uniform-2": ["--recompute-granularity", "full", "--recompute-method", "uniform",
-                       "--recompute-num-layers", "2"],
-    "full-block-2": ["--recompute-granularity", "full", "--recompute-method", "block",
-                     "--recompute-num-layers", "2"],
+    "full-uniform-2": [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--recompute-num-layers",
+        "2",
+    ],
+    "full-block-2": [
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "block",
+        "--recompute-num-layers",
+        "2",
+    ],
     "selective": ["--recompute-granularity", "selective"],
 }
 LAYOUTS = {
     "single": ([], 1),
     # Megatron-SP puts hidden dropout on the tracker's per-rank stream as well.
-    "TP2-SP2-megatron-sp": (["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size",
-                             "2", "--sequence-parallel"], 4),
+    "TP2-SP2-megatron-sp": (
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--ds-sequence-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+        4,
+    ),
 }
 
 
@@ -48,9 +72,14 @@ def assert_identical(reference, candidate):
 DEFAULT = {("TP2-SP2-megatron-sp", "full-uniform-2")}  # the checkpoint unit test covers the rest
 
 
-@pytest.mark.parametrize("layout,mode", [
-    pytest.param(layout, mode, marks=() if (layout, mode) in DEFAULT else pytest.mark.slow)
-    for layout in LAYOUTS for mode in MODES])
+@pytest.mark.parametrize(
+    "layout,mode",
+    [
+        pytest.param(layout, mode, marks=() if (layout, mode) in DEFAULT else pytest.mark.slow)
+        for layout in LAYOUTS
+        for mode in MODES
+    ],
+)
 def test_recompute_is_bit_identical_with_dropout(layout, mode):
     flags, world = LAYOUTS[layout]
     assert_identical(without_recompute(layout), run_layout(DROPOUT_ON + flags + MODES[mode], world))
@@ -83,10 +112,14 @@ def test_checkpoint_replays_tracker_and_default_streams():
     assert not plain.equal(direct)
 
 
-@pytest.mark.parametrize("flags", [["--recompute-granularity", "full"],
-                                   ["--recompute-granularity", "selective",
-                                    "--recompute-method", "block"],
-                                   ["--recompute-method", "uniform"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--recompute-granularity", "full"],
+        ["--recompute-granularity", "selective", "--recompute-method", "block"],
+        ["--recompute-method", "uniform"],
+    ],
+)
 def test_bad_recompute_flags_are_refused(flags):
     with pytest.raises(ConfigError, match="--recompute-"):
         configure(BASE + GPT2_STYLE + flags, 1)

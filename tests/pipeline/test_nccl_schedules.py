@@ -3,6 +3,7 @@ tests/stand_ins/nccl_p2p.py: in-order per communicator, rendezvous sends, tags i
 reproduce one process's loss and gradients, for 1F1B on PP2 and PP4 and the interleaved schedule,
 with m >= 2·PP micro-batches. The communication pattern the schedules used before (a lone isend
 per result, a blocking recv per input) deadlocks under the same rules."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +12,7 @@ from megatron_ul.pipeline.schedules import interleaved_order, one_f_one_b_order
 from tests.pipeline.nccl_harness import run_pipeline, run_reference
 from tests.stand_ins.nccl_p2p import Deadlock, Group, run_ranks
 
-LAYOUTS = [(2, 1, 4), (4, 1, 8), (2, 2, 4), (4, 2, 8)]   # (PP, model chunks, micro-batches)
+LAYOUTS = [(2, 1, 4), (4, 1, 8), (2, 2, 4), (4, 2, 8)]  # (PP, model chunks, micro-batches)
 SLOW_LAYOUTS = [(2, 1, 1), (3, 1, 6), (2, 3, 4), (3, 2, 6), (4, 2, 4), (4, 1, 2)]
 
 
@@ -49,21 +50,32 @@ def _lone_sends_and_receives(pp, chunks, m, eager_bytes=0):
     last = pp * chunks - 1
 
     def rank_body(rank):
-        order = (one_f_one_b_order(pp, rank, m) if chunks == 1
-                 else interleaved_order(pp, rank, m, chunks))
+        order = (
+            one_f_one_b_order(pp, rank, m)
+            if chunks == 1
+            else interleaved_order(pp, rank, m, chunks)
+        )
         pending = []
         for op, c, _ in order:
             stage = c * pp + rank
-            receives, sends = (stage > 0, stage < last) if op == "F" else (stage < last,
-                                                                           stage > 0)
+            receives, sends = (stage > 0, stage < last) if op == "F" else (stage < last, stage > 0)
             toward_next = op == "F"
             if receives:
-                dist.recv(torch.empty(8, 2, 16), (rank - 1 if toward_next else rank + 1) % pp,
-                          group=group, tag=1 if toward_next else 2)
+                dist.recv(
+                    torch.empty(8, 2, 16),
+                    (rank - 1 if toward_next else rank + 1) % pp,
+                    group=group,
+                    tag=1 if toward_next else 2,
+                )
             if sends:
-                pending.append(dist.isend(torch.zeros(8, 2, 16),
-                                          (rank + 1 if toward_next else rank - 1) % pp,
-                                          group=group, tag=1 if toward_next else 2))
+                pending.append(
+                    dist.isend(
+                        torch.zeros(8, 2, 16),
+                        (rank + 1 if toward_next else rank - 1) % pp,
+                        group=group,
+                        tag=1 if toward_next else 2,
+                    )
+                )
         for request in pending:
             request.wait()
 

@@ -2,6 +2,7 @@
 parameters within 1e-5 (relative), fp32, same seed and data, dropout off. Parameters from every
 stage are merged under global layer names (tests/training/equivalence.py), and the tied
 embedding's last-stage copy must equal the first stage's exactly."""
+
 import functools
 
 import pytest
@@ -20,16 +21,23 @@ FOUR_LAYERS = ["--num-layers", "4"]
 # name -> (model, layout flags, world size, layer flags); the reference uses the same layers.
 LAYOUTS = {
     "PP2": ("gpt2-tied", PP2, 2, []),
-    "PP2-interleaved": ("gpt2-tied", PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], 2,
-                        FOUR_LAYERS),
+    "PP2-interleaved": (
+        "gpt2-tied",
+        PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"],
+        2,
+        FOUR_LAYERS,
+    ),
     "TP2-PP2": ("llama-gqa-rope", TP2 + PP2, 4, []),
     "SP2-PP2": ("gpt2-tied", SP2 + PP2, 4, []),
     "TP2-SP2-PP2": ("llama-gqa-rope", TP2 + SP2 + PP2, 8, []),
     "TP2-SP2-PP2-megatron-sp": ("gpt2-tied", TP2 + SP2 + PP2 + ["--sequence-parallel"], 8, []),
     "SP2-PP2-DP2": ("llama-gqa-rope", SP2 + PP2, 8, []),
-    "SP2-PP2-interleaved-gqa": ("llama-gqa-rope",
-                                SP2 + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], 4,
-                                FOUR_LAYERS),
+    "SP2-PP2-interleaved-gqa": (
+        "llama-gqa-rope",
+        SP2 + PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"],
+        4,
+        FOUR_LAYERS,
+    ),
 }
 DEFAULT = ("PP2", "PP2-interleaved", "TP2-PP2", "SP2-PP2")
 
@@ -44,8 +52,10 @@ def check_layout(layout: str) -> None:
     model_flags, heads, groups = MODELS[model]
     candidate = run_layout(BASE + model_flags + layers + flags, world)
     loss_diff, param_diff = compare(reference(model, tuple(layers)), candidate, heads, groups)
-    print(f"{layout} ({model}, {world} ranks): max loss diff {loss_diff:.2e}, "
-          f"max param rel diff {param_diff:.2e}")
+    print(
+        f"{layout} ({model}, {world} ranks): max loss diff {loss_diff:.2e}, "
+        f"max param rel diff {param_diff:.2e}"
+    )
     assert loss_diff < 1e-5
     assert param_diff < 1e-5
 

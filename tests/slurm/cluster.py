@@ -11,6 +11,7 @@ running after stop().
 The client commands find this cluster through SLURM_CONF (cluster.env). Also usable by hand:
     python tests/slurm/cluster.py     (prints SLURM_CONF=..., stays up until Ctrl-C)
 """
+
 from __future__ import annotations
 
 import atexit
@@ -27,8 +28,17 @@ DEBIAN_PACKAGES = ["slurmd", "slurmctld", "slurm-client", "munge"]
 BINARIES = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue"]
 NODES = ("node1", "node2")
 # Job states after which a job runs no more (squeue/scontrol's long names).
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
 
 
 class SlurmUnavailable(RuntimeError):
@@ -36,8 +46,11 @@ class SlurmUnavailable(RuntimeError):
 
 
 def missing_binaries() -> list[str]:
-    return [b for b in BINARIES if shutil.which(b) is None
-            and not os.path.exists(os.path.join("/usr/sbin", b))]
+    return [
+        b
+        for b in BINARIES
+        if shutil.which(b) is None and not os.path.exists(os.path.join("/usr/sbin", b))
+    ]
 
 
 def ensure_slurm(install: bool = True) -> None:
@@ -45,8 +58,10 @@ def ensure_slurm(install: bool = True) -> None:
     if not missing_binaries():
         return
     if not install or os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise SlurmUnavailable(f"missing {missing_binaries()}; install them with: apt-get "
-                               f"install -y {' '.join(DEBIAN_PACKAGES)}")
+        raise SlurmUnavailable(
+            f"missing {missing_binaries()}; install them with: apt-get "
+            f"install -y {' '.join(DEBIAN_PACKAGES)}"
+        )
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     cmd = ["apt-get", "install", "-y", "--no-install-recommends", *DEBIAN_PACKAGES]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -54,8 +69,10 @@ def ensure_slurm(install: bool = True) -> None:
         subprocess.run(["apt-get", "update", "-qq"], env=env, capture_output=True)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if done.returncode != 0 or missing_binaries():
-        raise SlurmUnavailable(f"apt-get install {' '.join(DEBIAN_PACKAGES)} failed:\n"
-                               f"{done.stdout[-2000:]}{done.stderr[-2000:]}")
+        raise SlurmUnavailable(
+            f"apt-get install {' '.join(DEBIAN_PACKAGES)} failed:\n"
+            f"{done.stdout[-2000:]}{done.stderr[-2000:]}"
+        )
 
 
 def _sbin(name: str) -> str:
@@ -127,8 +144,15 @@ PartitionName=priority Nodes={node_list} PriorityTier=2 PreemptMode=OFF
 class SlurmCluster:
     """munged + slurmctld + one slurmd per node name, on loopback. Use as a context manager."""
 
-    def __init__(self, cpus_per_node: int = 4, kill_wait: int = 10, grace_time: int = 30,
-                 cred_expire: int = 10, install: bool = True, keep_dir: bool = False):
+    def __init__(
+        self,
+        cpus_per_node: int = 4,
+        kill_wait: int = 10,
+        grace_time: int = 30,
+        cred_expire: int = 10,
+        install: bool = True,
+        keep_dir: bool = False,
+    ):
         self.cpus_per_node, self.kill_wait, self.grace_time = cpus_per_node, kill_wait, grace_time
         self.cred_expire = cred_expire
         self.install, self.keep_dir = install, keep_dir
@@ -147,18 +171,22 @@ class SlurmCluster:
     def start(self) -> None:
         ensure_slurm(self.install)
         self.dir = tempfile.mkdtemp(prefix="slurm-test-")
-        atexit.register(self.stop)   # also when the test run ends without the fixture's teardown
+        atexit.register(self.stop)  # also when the test run ends without the fixture's teardown
         os.chmod(self.dir, 0o755)  # munged refuses group/world-writable socket directories
         try:
             self._start_munge()
             self._write_conf()
             self.env = dict(os.environ, SLURM_CONF=self.conf)
             self._spawn([_sbin("slurmctld"), "-D", "-i", "-f", self.conf], "slurmctld.out")
-            self._wait_for(lambda: self._run(["scontrol", "ping"]).returncode == 0,
-                           "slurmctld to answer scontrol ping", 30)
+            self._wait_for(
+                lambda: self._run(["scontrol", "ping"]).returncode == 0,
+                "slurmctld to answer scontrol ping",
+                30,
+            )
             for node in NODES:
-                self._spawn([_sbin("slurmd"), "-D", "-N", node, "-f", self.conf],
-                            f"slurmd.{node}.out")
+                self._spawn(
+                    [_sbin("slurmd"), "-D", "-N", node, "-f", self.conf], f"slurmd.{node}.out"
+                )
             self._wait_for(self._nodes_idle, "both slurmd nodes to be idle", 60)
         except BaseException:
             self.stop()
@@ -194,8 +222,14 @@ class SlurmCluster:
     def _spawn(self, cmd: list[str], log: str) -> subprocess.Popen:
         out = open(os.path.join(self.dir, log), "wb")
         # A session of its own: a Ctrl-C in the test's terminal does not reach the daemons.
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=self.dir,
-                                env=self.env or None, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=self.dir,
+            env=self.env or None,
+            start_new_session=True,
+        )
         out.close()
         self.procs.append(proc)
         return proc
@@ -205,32 +239,51 @@ class SlurmCluster:
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(key, 0o400)
-        proc = self._spawn([_sbin("munged"), "--foreground", "--force",
-                            f"--socket={self.dir}/munge.socket", f"--key-file={key}",
-                            f"--pid-file={self.dir}/munged.pid",
-                            f"--log-file={self.dir}/munged.log",
-                            f"--seed-file={self.dir}/munged.seed"], "munged.out")
+        proc = self._spawn(
+            [
+                _sbin("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={self.dir}/munge.socket",
+                f"--key-file={key}",
+                f"--pid-file={self.dir}/munged.pid",
+                f"--log-file={self.dir}/munged.log",
+                f"--seed-file={self.dir}/munged.seed",
+            ],
+            "munged.out",
+        )
         socket_path = os.path.join(self.dir, "munge.socket")
-        self._wait_for(lambda: os.path.exists(socket_path) or proc.poll() is not None,
-                       "munged's socket", 15)
+        self._wait_for(
+            lambda: os.path.exists(socket_path) or proc.poll() is not None, "munged's socket", 15
+        )
         if proc.poll() is not None:
-            raise SlurmUnavailable("munged exited: " + self.read("munged.out")
-                                   + self.read("munged.log"))
+            raise SlurmUnavailable(
+                "munged exited: " + self.read("munged.out") + self.read("munged.log")
+            )
 
     def _write_conf(self) -> None:
         ports = _free_ports(1 + len(NODES))
         nodes = "\n".join(
             f"NodeName={name} NodeHostname={socket.gethostname()} NodeAddr=127.0.0.1 "
             f"Port={port} CPUs={self.cpus_per_node} RealMemory=4000 State=UNKNOWN"
-            for name, port in zip(NODES, ports[1:]))
+            for name, port in zip(NODES, ports[1:])
+        )
         os.makedirs(os.path.join(self.dir, "ctld"))
         for name in NODES:
             os.makedirs(os.path.join(self.dir, f"slurmd.{name}"))
         with open(self.conf, "w") as f:
-            f.write(SLURM_CONF.format(host=socket.gethostname(), ctld_port=ports[0],
-                                      dir=self.dir, nodes=nodes, node_list=",".join(NODES),
-                                      kill_wait=self.kill_wait, grace_time=self.grace_time,
-                                      cred_expire=self.cred_expire))
+            f.write(
+                SLURM_CONF.format(
+                    host=socket.gethostname(),
+                    ctld_port=ports[0],
+                    dir=self.dir,
+                    nodes=nodes,
+                    node_list=",".join(NODES),
+                    kill_wait=self.kill_wait,
+                    grace_time=self.grace_time,
+                    cred_expire=self.cred_expire,
+                )
+            )
 
     def _nodes_idle(self) -> bool:
         out = self._run(["sinfo", "-h", "-N", "-o", "%N %t"]).stdout.split()
@@ -257,8 +310,9 @@ class SlurmCluster:
 
     # -- helpers -----------------------------------------------------------------------------
     def _run(self, cmd: list[str], timeout: float = 30, **kw) -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, env=self.env, capture_output=True, text=True,
-                              timeout=timeout, **kw)
+        return subprocess.run(
+            cmd, env=self.env, capture_output=True, text=True, timeout=timeout, **kw
+        )
 
     def _wait_for(self, ready, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -267,8 +321,10 @@ class SlurmCluster:
                 return
             for proc in self.procs:
                 if proc.poll() is not None:
-                    raise SlurmUnavailable(f"{proc.args[0]} exited ({proc.returncode}) while "
-                                           f"waiting for {what}:\n{self.logs()}")
+                    raise SlurmUnavailable(
+                        f"{proc.args[0]} exited ({proc.returncode}) while "
+                        f"waiting for {what}:\n{self.logs()}"
+                    )
             time.sleep(0.2)
         raise SlurmUnavailable(f"timed out waiting for {what}:\n{self.logs()}")
 
@@ -280,14 +336,21 @@ class SlurmCluster:
             return ""
 
     def logs(self) -> str:
-        names = ["munged.log", "slurmctld.log", "slurmctld.out"] + \
-            [f"slurmd.{n}.{ext}" for n in NODES for ext in ("log", "out")]
+        names = ["munged.log", "slurmctld.log", "slurmctld.out"] + [
+            f"slurmd.{n}.{ext}" for n in NODES for ext in ("log", "out")
+        ]
         return "\n".join(f"--- {n}\n{self.read(n)[-3000:]}" for n in names)
 
     # -- jobs --------------------------------------------------------------------------------
     def sbatch(self, args: list[str], env: Optional[dict] = None, cwd: Optional[str] = None) -> str:
-        done = subprocess.run(["sbatch", "--parsable", *args], env={**self.env, **(env or {})},
-                              cwd=cwd, capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            ["sbatch", "--parsable", *args],
+            env={**self.env, **(env or {})},
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"sbatch {' '.join(args)} failed: {done.stderr}")
         return done.stdout.strip().split(";")[0]
@@ -304,8 +367,13 @@ class SlurmCluster:
     def state(self, job_id: str) -> str:
         return self.job(job_id).get("JobState", "UNKNOWN")
 
-    def wait(self, job_id: str, states: Iterable[str] = FINAL_STATES, timeout: float = 300,
-             poll: float = 0.5) -> dict[str, str]:
+    def wait(
+        self,
+        job_id: str,
+        states: Iterable[str] = FINAL_STATES,
+        timeout: float = 300,
+        poll: float = 0.5,
+    ) -> dict[str, str]:
         """Wait until the job is in one of states; returns its fields."""
         states = set(states)
         deadline = time.monotonic() + timeout
@@ -314,8 +382,10 @@ class SlurmCluster:
             if info.get("JobState") in states:
                 return info
             time.sleep(poll)
-        raise TimeoutError(f"job {job_id} not in {sorted(states)} after {timeout} s: "
-                           f"{self.job(job_id)}\n{self.logs()}")
+        raise TimeoutError(
+            f"job {job_id} not in {sorted(states)} after {timeout} s: "
+            f"{self.job(job_id)}\n{self.logs()}"
+        )
 
     def scontrol(self, *args: str) -> subprocess.CompletedProcess:
         return self._run(["scontrol", *args])
@@ -335,9 +405,12 @@ class SlurmCluster:
                     env = set(f.read().split(b"\0"))
             except OSError:
                 continue
-            if (os.path.basename(argv[0]).startswith(b"python") and program.encode() in argv
-                    and f"SLURM_JOB_ID={job_id}".encode() in env
-                    and f"SLURM_PROCID={procid}".encode() in env):
+            if (
+                os.path.basename(argv[0]).startswith(b"python")
+                and program.encode() in argv
+                and f"SLURM_JOB_ID={job_id}".encode() in env
+                and f"SLURM_PROCID={procid}".encode() in env
+            ):
                 pids.append(int(pid))
         return pids
 
@@ -347,7 +420,7 @@ def _raise_keyboard_interrupt(signum, frame):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)   # stop the cluster on kill too
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)  # stop the cluster on kill too
     with SlurmCluster() as c:
         print(f"export SLURM_CONF={c.conf}   # Ctrl-C stops the cluster", flush=True)
         try:

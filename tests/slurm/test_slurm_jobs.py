@@ -21,6 +21,7 @@ Opt-in (about 3 minutes; installs Debian's slurm-wlm packages as root where miss
     RUN_SLURM_TESTS=1 python -m pytest -q -s tests/slurm
 RUN_SLURM_TESTS=require (.ci/run) fails instead of skipping when Slurm cannot be set up.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,24 +40,54 @@ from tests.slurm.cluster import SlurmCluster, SlurmUnavailable
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(
     not os.environ.get("RUN_SLURM_TESTS"),
-    reason="real Slurm cluster (~3 min, installs slurm-wlm as root): set RUN_SLURM_TESTS=1")
+    reason="real Slurm cluster (~3 min, installs slurm-wlm as root): set RUN_SLURM_TESTS=1",
+)
 
-SCRIPT_1B = "scripts/slurm/pretrain_gpt_1.2B_1M.sbatch"    # full recompute
-SCRIPT_7B = "scripts/slurm/pretrain_gpt_7B_128K.sbatch"    # ZeRO-3
+SCRIPT_1B = "scripts/slurm/pretrain_gpt_1.2B_1M.sbatch"  # full recompute
+SCRIPT_7B = "scripts/slurm/pretrain_gpt_7B_128K.sbatch"  # ZeRO-3
 SCRIPT_30B = "scripts/slurm/pretrain_gpt_30B_128K.sbatch"  # ZeRO-3
 VOCAB = 256
 ITERS = 100
 # The CPU recipe of docs/operations.md: a small model through the unchanged scripts.
-CPU_ENV = {"NUM_LAYERS": "2", "HIDDEN_SIZE": "64", "NUM_HEADS": "4", "SEQ_LENGTH": "128",
-           "MICRO_BATCH": "4", "PRECISION": "", "OMP_NUM_THREADS": "1",
-           "TOKENIZER_TYPE": "NullTokenizer", "VOCAB_SIZE": str(VOCAB),
-           "TRAIN_ITERS": str(ITERS), "SAVE_INTERVAL": "10"}
+CPU_ENV = {
+    "NUM_LAYERS": "2",
+    "HIDDEN_SIZE": "64",
+    "NUM_HEADS": "4",
+    "SEQ_LENGTH": "128",
+    "MICRO_BATCH": "4",
+    "PRECISION": "",
+    "OMP_NUM_THREADS": "1",
+    "TOKENIZER_TYPE": "NullTokenizer",
+    "VOCAB_SIZE": str(VOCAB),
+    "TRAIN_ITERS": str(ITERS),
+    "SAVE_INTERVAL": "10",
+}
 # Two nodes, one rank each, no GPUs; test jobs share the nodes (--exclusive=user); the time-limit
 # warning is sent by hand in (b) (`scancel --signal=USR1`, the path #SBATCH --signal takes).
-CPU_SBATCH = ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-node=0", "--exclusive=user",
-              "--time=10", "--signal=USR1@0"]
-FLAGS = ["--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--split", "98,2,0",
-         "--log-interval", "1", "--timing-log-level", "0", "--distributed-timeout-minutes", "1"]
+CPU_SBATCH = [
+    "--nodes=2",
+    "--ntasks-per-node=1",
+    "--gpus-per-node=0",
+    "--exclusive=user",
+    "--time=10",
+    "--signal=USR1@0",
+]
+FLAGS = [
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "3e-4",
+    "--lr-warmup-iters",
+    "2",
+    "--split",
+    "98,2,0",
+    "--log-interval",
+    "1",
+    "--timing-log-level",
+    "0",
+    "--distributed-timeout-minutes",
+    "1",
+]
 ITERATION = re.compile(r"iteration +(\d+)/ *\d+ \| lm loss (\S+)")
 TIMES: dict[str, float] = {}
 
@@ -68,8 +99,10 @@ def write_corpus(path: str, documents: int = 400) -> None:
     with open(path, "w") as f:
         for _ in range(documents):
             a, s, n = rng.randrange(VOCAB - 1), rng.choice([1, 2, 3, 5, 7]), rng.randrange(100, 400)
-            f.write(json.dumps({"text": " ".join(str((a + i * s) % (VOCAB - 1))
-                                                 for i in range(n))}) + "\n")
+            f.write(
+                json.dumps({"text": " ".join(str((a + i * s) % (VOCAB - 1)) for i in range(n))})
+                + "\n"
+            )
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +112,7 @@ def cluster():
         c = SlurmCluster(cpus_per_node=4, kill_wait=10, grace_time=30, cred_expire=10)
         c.start()
     except SlurmUnavailable as e:
-        if os.environ.get("RUN_SLURM_TESTS") == "require":   # .ci/run: a skip would hide it
+        if os.environ.get("RUN_SLURM_TESTS") == "require":  # .ci/run: a skip would hide it
             raise
         pytest.skip(str(e))
     TIMES["cluster start (incl. install check)"] = time.monotonic() - start
@@ -92,11 +125,27 @@ def cluster():
 def workdir(tmp_path_factory, cluster):
     d = tmp_path_factory.mktemp("slurm-runs")
     write_corpus(str(d / "corpus.jsonl"))
-    subprocess.run([sys.executable, "-m", "tools.preprocess_data",
-                    "--input", str(d / "corpus.jsonl"), "--tokenizer-type", "NullTokenizer",
-                    "--vocab-size", str(VOCAB),
-                    "--append-eod", "--output-prefix", str(d / "counting"), "--workers", "1"],
-                   cwd=ROOT, check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.preprocess_data",
+            "--input",
+            str(d / "corpus.jsonl"),
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            str(VOCAB),
+            "--append-eod",
+            "--output-prefix",
+            str(d / "counting"),
+            "--workers",
+            "1",
+        ],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+    )
     return d
 
 
@@ -106,17 +155,30 @@ class Run:
     def __init__(self, cluster, workdir, name, script, env=None, sbatch=None, flags=None):
         self.cluster, self.name, self.script = cluster, name, script
         self.dir = workdir / name
-        self.env = {**CPU_ENV, "DATA_PATH": str(workdir / "counting_text_document"),
-                    "RUN_DIR": str(self.dir), **(env or {})}
+        self.env = {
+            **CPU_ENV,
+            "DATA_PATH": str(workdir / "counting_text_document"),
+            "RUN_DIR": str(self.dir),
+            **(env or {}),
+        }
         self.sbatch_args = [*CPU_SBATCH, *(sbatch or [])]
         self.flags = [*FLAGS, *(flags or [])]
         self.jobs: list[str] = []
 
     def submit(self, env=None, sbatch=None, flags=None) -> str:
         out = str(self.dir.parent / f"{self.name}-%j.out")
-        job = self.cluster.sbatch([*self.sbatch_args, *(sbatch or []), f"--output={out}",
-                                   self.script, *self.flags, *(flags or [])],
-                                  env={**self.env, **(env or {})}, cwd=ROOT)
+        job = self.cluster.sbatch(
+            [
+                *self.sbatch_args,
+                *(sbatch or []),
+                f"--output={out}",
+                self.script,
+                *self.flags,
+                *(flags or []),
+            ],
+            env={**self.env, **(env or {})},
+            cwd=ROOT,
+        )
         self.jobs.append(job)
         return job
 
@@ -133,8 +195,9 @@ class Run:
         pattern = re.compile(rf"iteration +{iteration}/")
         while not pattern.search(self.log(job)):
             state = self.cluster.state(job or self.jobs[-1])
-            assert time.monotonic() < deadline, \
+            assert time.monotonic() < deadline, (
                 f"no iteration {iteration}; {state}\n{self.log(job)}"
+            )
             time.sleep(0.1)
 
     def wait(self, states, job=None, timeout: float = 300) -> dict:
@@ -159,9 +222,14 @@ def assert_clean(log: str) -> None:
 def time_limit_run(cluster, workdir):
     """(c) is submitted first and runs beside the others: it needs a minute to reach its limit.
     The 'priority' partition: the preemption in (b) cannot touch it."""
-    run = Run(cluster, workdir, "timelimit", SCRIPT_30B,
-              env={"TRAIN_ITERS": "100000", "SAVE_INTERVAL": "20", "EXIT_DURATION_IN_MINS": "none"},
-              sbatch=["--partition=priority", "--time=1"])
+    run = Run(
+        cluster,
+        workdir,
+        "timelimit",
+        SCRIPT_30B,
+        env={"TRAIN_ITERS": "100000", "SAVE_INTERVAL": "20", "EXIT_DURATION_IN_MINS": "none"},
+        sbatch=["--partition=priority", "--time=1"],
+    )
     run.submit()
     run.started = time.monotonic()
     return run
@@ -189,7 +257,7 @@ def test_two_node_job_completes_and_loss_falls(reference):
     print(f"(a) loss {first:.3f} -> {last:.3f}")
     assert last < first - 1.0, log
     assert reference.tracker() == ITERS
-    assert reference.storage(ITERS) == "torch_dist"    # the scripts' default format
+    assert reference.storage(ITERS) == "torch_dist"  # the scripts' default format
     assert "ranks exited with status 0" in log and "requeueing" not in log
     assert_clean(log)
     # everything of the run under RUN_DIR: checkpoints, TensorBoard, a link to the job's log
@@ -213,8 +281,10 @@ def test_killed_rank_fails_fast_and_resubmission_resumes(cluster, workdir, refer
     failed_after = time.monotonic() - killed_at
     before = run.losses()
     saved = run.tracker()
-    print(f"(d) job failed {failed_after:.1f} s after the SIGKILL (collective timeout 60 s); "
-          f"logged up to iteration {max(before)}, last checkpoint {saved}")
+    print(
+        f"(d) job failed {failed_after:.1f} s after the SIGKILL (collective timeout 60 s); "
+        f"logged up to iteration {max(before)}, last checkpoint {saved}"
+    )
     assert info["JobState"] == "FAILED", run.log()
     assert failed_after < 60, "the job must fail within the 60 s collective timeout, not hang"
     assert "task 1: Killed" in run.log() and 20 <= saved <= max(before)
@@ -251,14 +321,18 @@ def test_time_limit_kill_leaves_a_loadable_checkpoint(cluster, time_limit_run):
     assert "DUE TO TIME LIMIT" in log and "exiting at iteration" in log, log
     losses = run.losses()
     saved = run.tracker()
-    print(f"(c) killed at its 1-minute limit after iteration {max(losses)}; "
-          f"last checkpoint {saved}")
+    print(
+        f"(c) killed at its 1-minute limit after iteration {max(losses)}; last checkpoint {saved}"
+    )
     assert saved == max(losses), "the SIGTERM at the time limit saves the last iteration"
     assert run.storage(saved) == "torch_dist"
 
     # a few more iterations than the checkpoint's schedule planned: keep its LR schedule
-    run.submit(env={"TRAIN_ITERS": str(saved + 3), "TP": "2"}, sbatch=["--time=5"],
-               flags=["--use-checkpoint-opt_param-scheduler"])
+    run.submit(
+        env={"TRAIN_ITERS": str(saved + 3), "TP": "2"},
+        sbatch=["--time=5"],
+        flags=["--use-checkpoint-opt_param-scheduler"],
+    )
     info = run.wait({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"})
     TIMES["(c) time limit + resubmitted"] = time.monotonic() - run.started
     log = run.log()
@@ -274,8 +348,9 @@ def test_time_limit_kill_leaves_a_loadable_checkpoint(cluster, time_limit_run):
     assert float(resumed[saved + 1]) < float(losses[1]) - 1.0
 
 
-def test_warned_then_preempted_job_resumes_with_identical_losses(cluster, workdir, reference,
-                                                                  time_limit_run):
+def test_warned_then_preempted_job_resumes_with_identical_losses(
+    cluster, workdir, reference, time_limit_run
+):
     """(b) SIGUSR1 (the time-limit warning) mid-run: the ranks save and exit 0, the batch script
     requeues the job. Then a job in the higher-priority partition preempts it: SIGTERM, save,
     requeue by Slurm. Each restart resumes from its checkpoint; the losses equal (a)'s.
@@ -286,14 +361,22 @@ def test_warned_then_preempted_job_resumes_with_identical_losses(cluster, workdi
     job = run.submit()
     run.wait_for_iteration(10, job)
     assert cluster.scancel("--signal=USR1", job).returncode == 0
-    cluster.wait(job, {"PENDING"}, timeout=120)   # requeued by its own batch script
+    cluster.wait(job, {"PENDING"}, timeout=120)  # requeued by its own batch script
     first = run.tracker()
     assert 10 <= first < ITERS, run.log()
 
     run.wait_for_iteration(first + 5, job)
-    preemptor = cluster.sbatch(["--partition=priority", "--nodes=2", "--exclusive",
-                                "--output=/dev/null", "--wrap", "sleep 1"])
-    cluster.wait(job, {"PENDING"}, timeout=120)   # preempted and requeued
+    preemptor = cluster.sbatch(
+        [
+            "--partition=priority",
+            "--nodes=2",
+            "--exclusive",
+            "--output=/dev/null",
+            "--wrap",
+            "sleep 1",
+        ]
+    )
+    cluster.wait(job, {"PENDING"}, timeout=120)  # preempted and requeued
     second = run.tracker()
     assert first < second < ITERS, run.log()
     cluster.wait(preemptor, {"COMPLETED"}, timeout=60)
@@ -307,14 +390,17 @@ def test_warned_then_preempted_job_resumes_with_identical_losses(cluster, workdi
     assert f"exiting at iteration {second} (SIGTERM)" in log
     for iteration in (first, second):
         assert f"loaded checkpoint {run.dir}/checkpoints/iter_{iteration:07d}" in log
-    assert run.losses() == reference.losses()   # every iteration, bit for bit (as logged)
+    assert run.losses() == reference.losses()  # every iteration, bit for bit (as logged)
     assert all(run.storage(i) == "torch_dist" for i in (first, second, ITERS))
     # --async-save took effect: rank 0 logs both lines; a synchronous save completes before
     # the next iteration, a background one at the earliest after it
-    overlapped = [k for k in range(10, ITERS, 10)
-                  if (done := log.find(f"saved checkpoint at iteration {k} ")) >= 0
-                  and (after := re.search(rf"iteration +{k + 1}/", log)) is not None
-                  and after.start() < done]
+    overlapped = [
+        k
+        for k in range(10, ITERS, 10)
+        if (done := log.find(f"saved checkpoint at iteration {k} ")) >= 0
+        and (after := re.search(rf"iteration +{k + 1}/", log)) is not None
+        and after.start() < done
+    ]
     print(f"(b) background saves completed after the next iteration: {overlapped}")
     assert overlapped, log
 
@@ -353,7 +439,7 @@ def test_signals_during_start_up_requeue_and_the_job_completes(cluster, workdir)
     run = Run(cluster, workdir, "startup", SCRIPT_1B, env={"TRAIN_ITERS": str(iters)})
     job = run.submit()
     before = [_signal_during_start_up(cluster, run, job, signal.SIGUSR1)]
-    cluster.wait(job, {"PENDING"}, timeout=180)   # requeued by its own batch script
+    cluster.wait(job, {"PENDING"}, timeout=180)  # requeued by its own batch script
     assert run.tracker() == 1, run.log()
     before.append(_signal_during_start_up(cluster, run, job, signal.SIGTERM))
     cluster.wait(job, {"PENDING"}, timeout=180)
@@ -362,7 +448,7 @@ def test_signals_during_start_up_requeue_and_the_job_completes(cluster, workdir)
     TIMES["(e) signals during start-up"] = time.monotonic() - start
     log = run.log()
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "2", log
-    assert before == [0, 1], log   # no iteration of that start had run when it was signalled
+    assert before == [0, 1], log  # no iteration of that start had run when it was signalled
     assert "exiting at iteration 1 (SIGUSR1)" in log and "exiting at iteration 2 (SIGTERM)" in log
     assert log.count("requeueing job") == 2 and run.tracker() == iters
     assert sorted(run.losses()) == list(range(1, iters + 1))

@@ -26,6 +26,7 @@ Usage: `run_ranks(fn, world)` runs fn(rank) on `world` threads with torch.distri
 irecv, send, recv, batch_isend_irecv, P2POp, get_rank and get_world_size replaced, and returns
 the results in rank order; `Group(ranks)` is the process group the code is handed.
 """
+
 from __future__ import annotations
 
 import threading
@@ -37,7 +38,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 
-WAIT_LIMIT_S = 120.0     # a safety net only: deadlocks are detected, not timed out
+WAIT_LIMIT_S = 120.0  # a safety net only: deadlocks are detected, not timed out
 
 
 class Deadlock(RuntimeError):
@@ -51,6 +52,7 @@ class MessageMismatch(RuntimeError):
 @dataclass(frozen=True, eq=False)
 class Group:
     """A process group of the simulated world: its global ranks, in group order."""
+
     ranks: tuple[int, ...]
 
     def size(self) -> int:
@@ -62,28 +64,30 @@ class Group:
 
 @dataclass(eq=False)
 class _Op:
-    kind: str                  # "send" or "recv"
-    rank: int                  # the rank that posted it
+    kind: str  # "send" or "recv"
+    rank: int  # the rank that posted it
     peer: int
     tensor: torch.Tensor
     tag: int
     kernel: "_Kernel"
-    seq: int = -1              # index among this direction's messages on the rank pair
+    seq: int = -1  # index among this direction's messages on the rank pair
     snapshot: Optional[torch.Tensor] = None
     done: bool = False
 
     def describe(self) -> str:
         arrow = "->" if self.kind == "send" else "<-"
         state = "done" if self.done else "pending"
-        return (f"{self.kind} #{self.seq} {self.rank}{arrow}{self.peer} tag={self.tag} "
-                f"{tuple(self.tensor.shape)} {self.tensor.dtype} [{state}]")
+        return (
+            f"{self.kind} #{self.seq} {self.rank}{arrow}{self.peer} tag={self.tag} "
+            f"{tuple(self.tensor.shape)} {self.tensor.dtype} [{state}]"
+        )
 
 
 @dataclass(eq=False)
 class _Kernel:
     rank: int
     group: Group
-    label: str                 # "batch_isend_irecv" or the single op's name
+    label: str  # "batch_isend_irecv" or the single op's name
     ops: list = field(default_factory=list)
     running: bool = False
 
@@ -115,9 +119,9 @@ class _World:
     def __init__(self, world_size: int, eager_bytes: int):
         self.world_size, self.eager_bytes = world_size, eager_bytes
         self.lock = threading.Condition()
-        self.queues: dict = defaultdict(list)          # (rank, group) -> kernels in issue order
-        self.posted: dict = defaultdict(list)          # (group, kind, rank, peer) -> ops
-        self.blocked: dict[int, _Op] = {}              # rank -> the op it waits for
+        self.queues: dict = defaultdict(list)  # (rank, group) -> kernels in issue order
+        self.posted: dict = defaultdict(list)  # (group, kind, rank, peer) -> ops
+        self.blocked: dict[int, _Op] = {}  # rank -> the op it waits for
         self.finished: set[int] = set()
         self.failure: Optional[BaseException] = None
 
@@ -136,7 +140,7 @@ class _World:
                 if kind == "send":
                     op.snapshot = tensor.detach().clone()
                 elif tensor.is_floating_point():
-                    tensor.data.fill_(float("nan"))      # unread until the data arrives
+                    tensor.data.fill_(float("nan"))  # unread until the data arrives
                 kernel.ops.append(op)
             queue = self.queues[(rank, group)]
             queue.append(kernel)
@@ -149,7 +153,7 @@ class _World:
         kernel.running = True
         for op in kernel.ops:
             if op.kind == "send" and _nbytes(op.tensor) <= self.eager_bytes:
-                op.done = True                          # fits NCCL's buffer: no rendezvous
+                op.done = True  # fits NCCL's buffer: no rendezvous
             self._try_match(op)
         self._retire(kernel)
 
@@ -172,14 +176,19 @@ class _World:
         if send.tensor.dtype != recv.tensor.dtype:
             problems.append(f"dtype {send.tensor.dtype} != {recv.tensor.dtype}")
         if send.tag != recv.tag:
-            problems.append(f"tag {send.tag} != {recv.tag}: NCCL ignores tags, so this message "
-                            f"lands in the buffer of the other stream")
+            problems.append(
+                f"tag {send.tag} != {recv.tag}: NCCL ignores tags, so this message "
+                f"lands in the buffer of the other stream"
+            )
         if not _same_bits(send.snapshot, send.tensor):
             problems.append("the send buffer was written before the send completed")
         if problems:
-            raise self._fail(MessageMismatch(
-                f"send {send.describe()} matched receive {recv.describe()}: "
-                + "; ".join(problems)))
+            raise self._fail(
+                MessageMismatch(
+                    f"send {send.describe()} matched receive {recv.describe()}: "
+                    + "; ".join(problems)
+                )
+            )
         recv.tensor.data.copy_(send.snapshot)
         send.done = recv.done = True
 
@@ -199,12 +208,15 @@ class _World:
             self.blocked[rank] = op
             try:
                 self._check_deadlock()
-                ok = self.lock.wait_for(lambda: op.kernel.done or self.failure is not None,
-                                        timeout=WAIT_LIMIT_S)
+                ok = self.lock.wait_for(
+                    lambda: op.kernel.done or self.failure is not None, timeout=WAIT_LIMIT_S
+                )
                 self._raise_failure()
                 if not ok:
-                    raise TimeoutError(f"rank {rank}: {op.describe()} still pending after "
-                                       f"{WAIT_LIMIT_S} s (the stand-in missed a deadlock?)")
+                    raise TimeoutError(
+                        f"rank {rank}: {op.describe()} still pending after "
+                        f"{WAIT_LIMIT_S} s (the stand-in missed a deadlock?)"
+                    )
             finally:
                 self.blocked.pop(rank, None)
 
@@ -229,22 +241,31 @@ class _World:
         if not live:
             left = [k for queue in self.queues.values() for k in queue]
             if left:
-                raise self._fail(Deadlock("every rank finished with operations never "
-                                          "completed:\n  " +
-                                          "\n  ".join(f"rank {k.rank}: {k.describe()}"
-                                                      for k in left)))
+                raise self._fail(
+                    Deadlock(
+                        "every rank finished with operations never "
+                        "completed:\n  "
+                        + "\n  ".join(f"rank {k.rank}: {k.describe()}" for k in left)
+                    )
+                )
 
     def _report(self, stuck: dict) -> str:
-        lines = ["NCCL p2p deadlock: every unfinished rank waits for an operation that cannot "
-                 "complete (in-order per communicator, rendezvous sends, tags ignored)"]
+        lines = [
+            "NCCL p2p deadlock: every unfinished rank waits for an operation that cannot "
+            "complete (in-order per communicator, rendezvous sends, tags ignored)"
+        ]
         for rank in sorted(stuck):
             lines.append(f"  rank {rank} waits for {stuck[rank].describe()}")
-            for (r, group), queue in sorted(self.queues.items(),
-                                            key=lambda item: (item[0][0], item[0][1].ranks)):
+            for (r, group), queue in sorted(
+                self.queues.items(), key=lambda item: (item[0][0], item[0][1].ranks)
+            ):
                 if r == rank and queue:
-                    lines.append(f"    on group {list(group.ranks)}: " + " ; ".join(
-                        ("running " if k.running else "queued ") + k.describe()
-                        for k in queue))
+                    lines.append(
+                        f"    on group {list(group.ranks)}: "
+                        + " ; ".join(
+                            ("running " if k.running else "queued ") + k.describe() for k in queue
+                        )
+                    )
         for rank in sorted(self.finished):
             lines.append(f"  rank {rank} has finished")
         return "\n".join(lines)
@@ -276,16 +297,21 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _check_op(rank: int, group: Optional[Group], kind: str, peer: int, tensor) -> None:
     if not isinstance(group, Group):
-        raise TypeError(f"rank {rank}: {kind} on group {group!r}; the stand-in needs the "
-                        f"Group the code was handed (a p2p call on the default group?)")
+        raise TypeError(
+            f"rank {rank}: {kind} on group {group!r}; the stand-in needs the "
+            f"Group the code was handed (a p2p call on the default group?)"
+        )
     if rank not in group.ranks or peer not in group.ranks:
-        raise ValueError(f"rank {rank}: {kind} with peer {peer} outside group {group.ranks} "
-                         f"(peers are global ranks)")
+        raise ValueError(
+            f"rank {rank}: {kind} with peer {peer} outside group {group.ranks} "
+            f"(peers are global ranks)"
+        )
     if peer == rank:
         raise ValueError(f"rank {rank}: {kind} to itself")
     if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous():
-        raise ValueError(f"rank {rank}: {kind} of a non-contiguous tensor (NCCL needs "
-                         f"contiguous buffers)")
+        raise ValueError(
+            f"rank {rank}: {kind} of a non-contiguous tensor (NCCL needs contiguous buffers)"
+        )
 
 
 # ---- the torch.distributed replacements ---------------------------------------------------------
@@ -338,8 +364,12 @@ def batch_isend_irecv(p2p_op_list):
     group = p2p_op_list[0].group
     if any(op.group is not group for op in p2p_op_list):
         raise ValueError("batch_isend_irecv over several groups (NCCL groups one communicator)")
-    ops = _world().post(_current_rank(), group, "batch_isend_irecv",
-                        [(op.kind, op.peer, op.tensor, op.tag) for op in p2p_op_list])
+    ops = _world().post(
+        _current_rank(),
+        group,
+        "batch_isend_irecv",
+        [(op.kind, op.peer, op.tensor, op.tag) for op in p2p_op_list],
+    )
     return [_Work(_world(), op) for op in ops]
 
 
@@ -352,9 +382,16 @@ def get_world_size(group=None):
     return _world().world_size if group is None else group.size()
 
 
-_REPLACED = {"isend": isend, "irecv": irecv, "send": send, "recv": recv, "P2POp": P2POp,
-             "batch_isend_irecv": batch_isend_irecv, "get_rank": get_rank,
-             "get_world_size": get_world_size}
+_REPLACED = {
+    "isend": isend,
+    "irecv": irecv,
+    "send": send,
+    "recv": recv,
+    "P2POp": P2POp,
+    "batch_isend_irecv": batch_isend_irecv,
+    "get_rank": get_rank,
+    "get_world_size": get_world_size,
+}
 
 
 def run_ranks(fn: Callable[[int], object], world_size: int, eager_bytes: int = 0) -> list:
@@ -366,16 +403,18 @@ def run_ranks(fn: Callable[[int], object], world_size: int, eager_bytes: int = 0
 
     def body(rank: int) -> None:
         _state.rank, _state.world = rank, world
-        torch.set_num_threads(1)        # ranks are the parallelism; don't oversubscribe cores
+        torch.set_num_threads(1)  # ranks are the parallelism; don't oversubscribe cores
         try:
             results[rank] = fn(rank)
             world.finish(rank)
-        except BaseException as error:      # noqa: BLE001 - reported by the caller
+        except BaseException as error:  # noqa: BLE001 - reported by the caller
             errors[rank] = error
             world.abort(rank, error)
 
-    threads = [threading.Thread(target=body, args=(r,), name=f"stand-in rank {r}")
-               for r in range(world_size)]
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"stand-in rank {r}")
+        for r in range(world_size)
+    ]
     patches = [mock.patch.object(dist, name, value) for name, value in _REPLACED.items()]
     for patch in patches:
         patch.start()

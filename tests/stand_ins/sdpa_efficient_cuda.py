@@ -14,6 +14,7 @@ one dtype; [b, h, s, d] with equal head counts for q, k and v (no GQA); head dim
 [b, h, sq rounded up to 32]; is_causal top-left aligned. Computed in fp32 with the softmax
 written out. Install with `monkeypatch.setattr(lse_kernels, "cuda_ops", EfficientOps())`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,13 +24,14 @@ HALF = (torch.float16, torch.bfloat16)
 
 def _check(q, k, v, bias):
     if q.dtype not in (torch.float32, *HALF) or not (q.dtype == k.dtype == v.dtype):
-        raise RuntimeError(f"efficient attention: unsupported dtypes {q.dtype} {k.dtype} "
-                           f"{v.dtype}")
+        raise RuntimeError(f"efficient attention: unsupported dtypes {q.dtype} {k.dtype} {v.dtype}")
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise RuntimeError("efficient attention expects [batch, heads, seq, dim] inputs")
     if q.shape[1] != k.shape[1] or k.shape[1] != v.shape[1]:
-        raise RuntimeError("efficient attention requires equal numbers of query and key/value "
-                           f"heads (got {q.shape[1]}, {k.shape[1]}, {v.shape[1]})")
+        raise RuntimeError(
+            "efficient attention requires equal numbers of query and key/value "
+            f"heads (got {q.shape[1]}, {k.shape[1]}, {v.shape[1]})"
+        )
     alignment = 8 if q.dtype in HALF else 4
     if q.shape[-1] % alignment or v.shape[-1] % alignment:
         raise RuntimeError(f"efficient attention requires head dims divisible by {alignment}")
@@ -39,11 +41,14 @@ def _check(q, k, v, bias):
     if bias is not None:
         b, h, sq, _ = q.shape
         if bias.dtype != q.dtype or tuple(bias.shape) != (b, h, sq, k.shape[2]):
-            raise RuntimeError(f"attn_bias must be {q.dtype} [b, h, sq, sk] (got "
-                               f"{tuple(bias.shape)} {bias.dtype})")
+            raise RuntimeError(
+                f"attn_bias must be {q.dtype} [b, h, sq, sk] (got {tuple(bias.shape)} {bias.dtype})"
+            )
         if bias.stride(-1) != 1 or bias.stride(-2) % 16:
-            raise RuntimeError("attn_bias is not correctly aligned (strideM): its rows must "
-                               "start at multiples of 16 elements")
+            raise RuntimeError(
+                "attn_bias is not correctly aligned (strideM): its rows must "
+                "start at multiples of 16 elements"
+            )
 
 
 def _scores(q, k, bias, causal, scale):
@@ -59,8 +64,9 @@ class EfficientOps:
     def __init__(self):
         self.calls = {"forward": 0, "backward": 0}
 
-    def _scaled_dot_product_efficient_attention(self, q, k, v, attn_bias, compute_log_sumexp,
-                                                dropout_p=0.0, is_causal=False, *, scale=None):
+    def _scaled_dot_product_efficient_attention(
+        self, q, k, v, attn_bias, compute_log_sumexp, dropout_p=0.0, is_causal=False, *, scale=None
+    ):
         _check(q, k, v, attn_bias)
         assert dropout_p == 0.0, "the stand-in models no dropout"
         self.calls["forward"] += 1
@@ -75,14 +81,28 @@ class EfficientOps:
         return out, padded, seed, seed
 
     def _scaled_dot_product_efficient_attention_backward(
-            self, grad_out, q, k, v, attn_bias, out, logsumexp, philox_seed, philox_offset,
-            dropout_p, grad_input_mask, is_causal=False, *, scale=None):
+        self,
+        grad_out,
+        q,
+        k,
+        v,
+        attn_bias,
+        out,
+        logsumexp,
+        philox_seed,
+        philox_offset,
+        dropout_p,
+        grad_input_mask,
+        is_causal=False,
+        *,
+        scale=None,
+    ):
         _check(q, k, v, attn_bias)
         b, h, sq, _ = q.shape
-        if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (
-                b, h, -(-sq // 32) * 32):
-            raise RuntimeError(f"logsumexp must be fp32 [b, h, sq rounded up to 32] (got "
-                               f"{tuple(logsumexp.shape)})")
+        if logsumexp.dtype != torch.float32 or tuple(logsumexp.shape) != (b, h, -(-sq // 32) * 32):
+            raise RuntimeError(
+                f"logsumexp must be fp32 [b, h, sq rounded up to 32] (got {tuple(logsumexp.shape)})"
+            )
         for name, t in (("grad_out", grad_out), ("out", out)):
             if t.shape != q.shape or t.dtype != q.dtype:
                 raise RuntimeError(f"{name} must have query's shape and dtype")

@@ -1,6 +1,7 @@
 """The layout-equivalence harness (the one every suite uses: layouts, pipeline, ZeRO,
 recompute): train the same model on the same data under a parallel layout and under a single
 process, and compare per-step losses and final parameters."""
+
 from __future__ import annotations
 
 import torch
@@ -13,23 +14,63 @@ from megatron_ul.pipeline.model import global_named_parameters
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
 
-BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
-        "--seq-length", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-        "--train-iters", "5", "--lr", "1e-3", "--lr-warmup-iters", "1", "--min-lr", "1e-4",
-        "--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "42",
-        "--log-interval", "100", "--distributed-timeout-minutes", "1.5",
-        # Adam turns a gradient error δg into an update error of up to lr·δg/eps on elements
-        # whose gradient is about eps in size (a rare token's embedding row has some). At eps
-        # 1e-6 (gain 1000) fp32 rounding alone moved such an element by 1.16e-5 of its tensor's
-        # largest value in 5 steps (the one-process fp32 run against the same run in fp64), so
-        # the test compared seeds, not layouts: Llama TP2 missed 1e-5 for 5 of 25 seeds (either
-        # initialisation) while agreeing to 2e-14 in fp64. At 1e-5 the gain is 100.
-        "--adam-eps", "1e-5"]
+BASE = [
+    "--mock-data",
+    "--vocab-size",
+    "1000",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "5",
+    "--lr",
+    "1e-3",
+    "--lr-warmup-iters",
+    "1",
+    "--min-lr",
+    "1e-4",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--seed",
+    "42",
+    "--log-interval",
+    "100",
+    "--distributed-timeout-minutes",
+    "1.5",
+    # Adam turns a gradient error δg into an update error of up to lr·δg/eps on elements
+    # whose gradient is about eps in size (a rare token's embedding row has some). At eps
+    # 1e-6 (gain 1000) fp32 rounding alone moved such an element by 1.16e-5 of its tensor's
+    # largest value in 5 steps (the one-process fp32 run against the same run in fp64), so
+    # the test compared seeds, not layouts: Llama TP2 missed 1e-5 for 5 of 25 seeds (either
+    # initialisation) while agreeing to 2e-14 in fp64. At 1e-5 the gain is 100.
+    "--adam-eps",
+    "1e-5",
+]
 
 GPT2_STYLE = ["--num-attention-heads", "4"]
-LLAMA_GQA = ["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
-             "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-             "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+LLAMA_GQA = [
+    "--num-attention-heads",
+    "8",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--position-embedding-type",
+    "rope",
+    "--normalization",
+    "RMSNorm",
+    "--swiglu",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+]
 
 
 def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
@@ -45,18 +86,28 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
     # Global names (layer numbers, not per-stage indices), so pipeline stages merge.
     for name, p in global_named_parameters(trainer.model):
         full = p.full_tensor() if isinstance(p, DTensor) else p
-        shards[name] = (full.detach().clone(), param_spec(p).partition_dim,
-                        param_spec(p).partition_stride)
-    if dims.dp_cp_sp_rank != 0:   # keep DP, CP and SP coordinate 0
+        shards[name] = (
+            full.detach().clone(),
+            param_spec(p).partition_dim,
+            param_spec(p).partition_stride,
+        )
+    if dims.dp_cp_sp_rank != 0:  # keep DP, CP and SP coordinate 0
         shards = {}
-    return {"losses": losses, "tp_rank": dims.tp_rank, "shards": shards,
-            "optimizer_state": _optimizer_state_bytes(trainer.optimizer)}
+    return {
+        "losses": losses,
+        "tp_rank": dims.tp_rank,
+        "shards": shards,
+        "optimizer_state": _optimizer_state_bytes(trainer.optimizer),
+    }
 
 
 def _optimizer_state_bytes(optimizer) -> int:
     state = optimizer.state_dict()
-    inner = state["optimizer"]["state"] if "optimizer" in state and "format" in state \
+    inner = (
+        state["optimizer"]["state"]
+        if "optimizer" in state and "format" in state
         else state["state"]
+    )
     total = 0
     for per_param in inner.values():
         for value in per_param.values():
@@ -88,8 +139,9 @@ def merge_tp_shards(per_rank: list[dict]) -> dict[str, torch.Tensor]:
         full[name] = merge_tp([by_tp[t][name][0] for t in range(tp)], dim, stride)
     for name in [n for n in by_tp[0] if n.startswith("replica.")]:
         for t in range(tp):
-            assert torch.equal(by_tp[t][name][0], by_tp[t][name[len("replica."):]][0]), \
+            assert torch.equal(by_tp[t][name][0], by_tp[t][name[len("replica.") :]][0]), (
                 f"tied embedding copies diverged on TP rank {t}"
+            )
     return full
 
 
@@ -115,8 +167,9 @@ def run_zero_layout(argv: list[str], world: int):
 def _key_bias_mask(bias: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
     """True on the key rows of a fused QKV bias laid out [groups, heads/groups + 2, d]."""
     per_group = heads // groups
-    mask = torch.zeros(groups, per_group + 2, bias.numel() // (groups * (per_group + 2)),
-                       dtype=torch.bool)
+    mask = torch.zeros(
+        groups, per_group + 2, bias.numel() // (groups * (per_group + 2)), dtype=torch.bool
+    )
     mask[:, per_group] = True
     return mask.flatten()
 

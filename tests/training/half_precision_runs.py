@@ -1,14 +1,17 @@
 """Runs for the --bf16/--fp16 equivalence tests: the equivalence harness, with every parameter
 compared at the model's precision (ZeRO-3 holds fp32 shards, the other layouts half-precision
 parameters: both are rounded to the half dtype before they are compared)."""
+
 from __future__ import annotations
 
 import torch
 
 from tests.training.equivalence import run_layout
 
-HALF = {"bf16": (["--bf16"], torch.bfloat16),
-        "fp16": (["--fp16", "--initial-loss-scale", "4096"], torch.float16)}
+HALF = {
+    "bf16": (["--bf16"], torch.bfloat16),
+    "fp16": (["--fp16", "--initial-loss-scale", "4096"], torch.float16),
+}
 
 
 def run_half(argv: list[str], world: int, precision: str):
@@ -23,6 +26,7 @@ def max_diffs(reference, candidate) -> tuple[float, float]:
     losses, params = candidate
     assert params.keys() == ref_params.keys()
     loss_diff = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    param_diff = max(float((params[n] - r).abs().max() / r.abs().max())
-                     for n, r in ref_params.items())
+    param_diff = max(
+        float((params[n] - r).abs().max() / r.abs().max()) for n, r in ref_params.items()
+    )
     return loss_diff, param_diff

@@ -4,6 +4,7 @@ fp16 step or every --exit-signal-handler run on GPUs.
 
 No GPU here: the parameters live on the `meta` device instead, which differs from the CPU just
 as `cuda` does; the collective is replaced by a recorder that notes the device and stops."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -53,7 +54,7 @@ def test_fp16_scaler_reduces_found_inf_on_the_parameters_device(handed):
 def test_exit_flags_are_reduced_on_the_parameters_device(handed):
     cfg = Config()
     cfg.checkpoint.exit_duration_in_mins = 60.0
-    cfg.train.global_batch_size = 1   # resolved, as setup() hands it (the data position)
+    cfg.train.global_batch_size = 1  # resolved, as setup() hands it (the data position)
     control = RunControl(cfg, torch.nn.Linear(2, 2, device=META), None, None)
     with pytest.raises(Handed):
         control.after_iteration(1)
@@ -61,8 +62,8 @@ def test_exit_flags_are_reduced_on_the_parameters_device(handed):
 
 
 def test_grad_norm_is_reduced_on_the_parameters_device_even_without_gradients(handed):
-    dims = SimpleNamespace(pp_tp_group=None, tp_rank=0)      # the model-parallel group
-    p = torch.nn.Parameter(torch.zeros(4, device=META))   # no .grad on this rank
+    dims = SimpleNamespace(pp_tp_group=None, tp_rank=0)  # the model-parallel group
+    p = torch.nn.Parameter(torch.zeros(4, device=META))  # no .grad on this rank
     with pytest.raises(Handed):
         grads_module.global_grad_norm([p], dims)
     assert handed == [(META, torch.float64)]
@@ -77,16 +78,23 @@ def test_token_count_is_reduced_in_fp64_on_the_training_device(handed, monkeypat
 
 def test_token_count_is_exact_past_fp32s_integers(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
-    n = 2**24 + 1   # the first integer fp32 cannot hold
+    n = 2**24 + 1  # the first integer fp32 cannot hold
     batches = [{"loss_mask": torch.ones(1, 2**23)}, {"loss_mask": torch.ones(1, 2**23 + 1)}]
-    assert int(step_module.count_tokens(batches, torch.device("cpu"),
-                                         SimpleNamespace(dp_cp_sp_group=None)).item()) == n
+    assert (
+        int(
+            step_module.count_tokens(
+                batches, torch.device("cpu"), SimpleNamespace(dp_cp_sp_group=None)
+            ).item()
+        )
+        == n
+    )
 
 
 def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
     """Barriers and object collectives (checkpoint saves) then use this rank's GPU instead of
     guessing one from the global rank."""
     from megatron_ul import initialize
+
     seen = {}
 
     def init_process_group(backend, **kwargs):

@@ -1,6 +1,7 @@
 """--exit-signal-handler as the Slurm scripts use it: SIGUSR1 (the #SBATCH --signal time-limit
 warning) saves and exits 0 like SIGTERM, and a signal that arrives while the model is still being
 built is not fatal: training stops after its first iteration, saved."""
+
 import os
 import signal
 import subprocess
@@ -14,11 +15,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def run_and_signal(save: str, sig: int, when: str) -> tuple[int, str]:
     """Start a one-process run, send `sig` when a line containing `when` is printed."""
-    cmd = [sys.executable, "pretrain_gpt.py", *TINY, "--train-iters", "100000",
-           "--log-interval", "1", "--save", save, "--exit-signal-handler"]
+    cmd = [
+        sys.executable,
+        "pretrain_gpt.py",
+        *TINY,
+        "--train-iters",
+        "100000",
+        "--log-interval",
+        "1",
+        "--save",
+        save,
+        "--exit-signal-handler",
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
     seen = []
     for line in proc.stdout:
         seen.append(line)

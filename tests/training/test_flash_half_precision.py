@@ -2,6 +2,7 @@
 GQA, RoPE, --use-flash-attn under --bf16 and --fp16. The flash path must run (and take its
 fp16/bf16-only, equal-dtype inputs), reproduce the SDPA path within half-precision tolerance,
 and keep the Ulysses all-to-all in the activation dtype: half the bytes of fp32."""
+
 import functools
 
 import pytest
@@ -11,8 +12,14 @@ from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
 from tests.training.equivalence import BASE, LLAMA_GQA
 
-TP2_SP2 = ["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2",
-           "--train-iters", "3"]
+TP2_SP2 = [
+    "--tensor-model-parallel-size",
+    "2",
+    "--ds-sequence-parallel-size",
+    "2",
+    "--train-iters",
+    "3",
+]
 RUNS = {  # name -> extra flags
     "fp32-sdpa": [],
     "bf16-sdpa": ["--bf16"],
@@ -23,8 +30,13 @@ RUNS = {  # name -> extra flags
     # flash path; document masking runs per document through flash_attn_varlen_func
     "fp32-sdpa-eod": ["--eod-mask-loss", "--reset-position-ids"],
     "bf16-flash-eod": ["--bf16", "--use-flash-attn", "--eod-mask-loss", "--reset-position-ids"],
-    "bf16-flash-documents": ["--bf16", "--use-flash-attn", "--eod-mask-loss",
-                             "--reset-position-ids", "--reset-attention-mask"],
+    "bf16-flash-documents": [
+        "--bf16",
+        "--use-flash-attn",
+        "--eod-mask-loss",
+        "--reset-position-ids",
+        "--reset-attention-mask",
+    ],
 }
 
 
@@ -32,14 +44,18 @@ def train_each(rank, world, runs: dict):
     """Train every run on the same 4 ranks (one spawn); per run: losses, bytes sent by this
     rank's Ulysses all-to-alls, flash_attn calls."""
     import flash_attn  # the stand-in (the test's fixture put it on sys.path)
+
     results = {}
     for name, argv in runs.items():
         before = sum(flash_attn.calls.values())
         trainer = setup(configure(argv, world))
         with count_communication() as counts:
             losses = trainer.train()
-        results[name] = {"losses": losses, "all_to_all_bytes": counts["all_to_all"]["bytes"],
-                         "flash_calls": sum(flash_attn.calls.values()) - before}
+        results[name] = {
+            "losses": losses,
+            "all_to_all_bytes": counts["all_to_all"]["bytes"],
+            "flash_calls": sum(flash_attn.calls.values()) - before,
+        }
     return results
 
 
@@ -67,7 +83,7 @@ def test_flash_path_runs_and_matches_sdpa_in_bf16_and_fp16(results):
         # and both track fp32 (the half-precision tolerance of tests/optim/test_precision.py)
         fp32 = r["fp32-sdpa"]["losses"]
         assert max(abs(a - b) for a, b in zip(flash, fp32)) < 2e-2
-        assert flash != fp32   # it really ran in half precision
+        assert flash != fp32  # it really ran in half precision
 
 
 def test_ulysses_all_to_all_moves_half_the_bytes_in_bf16(results):
@@ -82,6 +98,6 @@ def test_eod_documents_on_mock_data_with_the_flash_path(results):
     r = results[0]
     flash, fp32 = r["bf16-flash-eod"]["losses"], r["fp32-sdpa-eod"]["losses"]
     assert max(abs(a - b) for a, b in zip(flash, fp32)) < 2e-2
-    assert fp32 != r["fp32-sdpa"]["losses"]            # the EOD flags changed the problem
-    masked = r["bf16-flash-documents"]["losses"]        # per document, flash_attn_varlen_func
+    assert fp32 != r["fp32-sdpa"]["losses"]  # the EOD flags changed the problem
+    masked = r["bf16-flash-documents"]["losses"]  # per document, flash_attn_varlen_func
     assert masked != flash and max(abs(a - b) for a, b in zip(masked, flash)) < 0.5

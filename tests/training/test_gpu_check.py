@@ -1,6 +1,7 @@
 """tools/gpu_check.py: its reduced CPU mode runs every section of the GPU check (with the strict
 flash_attn stand-in in place of the real kernel, so the flash-attn row runs too), and the
 section runner keeps what it measured when a section fails or the process dies."""
+
 import os
 import subprocess
 import sys
@@ -12,16 +13,30 @@ from megatron_ul.model.attention import FLASH_ON_CPU_ENV
 from tests.conftest import ROOT, STAND_INS
 from tools import gpu_check
 
-SECTIONS = ["Training steps against fp32", "Attention paths on the device",
-            "Ring attention: R virtual ranks", "Activation offload", "torch_dist --async-save",
-            "Fused AdamW", "--fused-layers", "Documents and windows", "Speed and memory"]
+SECTIONS = [
+    "Training steps against fp32",
+    "Attention paths on the device",
+    "Ring attention: R virtual ranks",
+    "Activation offload",
+    "torch_dist --async-save",
+    "Fused AdamW",
+    "--fused-layers",
+    "Documents and windows",
+    "Speed and memory",
+]
 
 
 def _run(args, env_extra=None, timeout=600):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([STAND_INS, ROOT]),
-               **{FLASH_ON_CPU_ENV: "1"}, OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([STAND_INS, ROOT]),
+        **{FLASH_ON_CPU_ENV: "1"},
+        OMP_NUM_THREADS="1",
+        **(env_extra or {}),
+    )
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _rows(text: str, label: str) -> list[str]:
@@ -35,12 +50,22 @@ def test_gpu_check_cpu_mode_passes_and_reports():
     assert gpu_check.SCOPE in text
     positions = [text.index(f"### {title}") for title in SECTIONS]
     assert positions == sorted(positions)
-    for check in ("bf16, torch SDPA flash kernel vs fp32", "bf16, flash-attn 2 vs fp32",
-                  "fp16 + dynamic loss scaling vs fp32", "fp16 overflow",
-                  "causal, GQA, fp32", "4 documents + window 2", "R=4, causal, GQA, bf16",
-                  "R=2, causal, GQA, fp32", "+ --activation-checkpoint-cpu-offload",
-                  "async save at step 2", "resumed steps 3-4", "fused AdamW vs foreach",
-                  "--fused-layers vs eager layers", "20 documents + window 16"):
+    for check in (
+        "bf16, torch SDPA flash kernel vs fp32",
+        "bf16, flash-attn 2 vs fp32",
+        "fp16 + dynamic loss scaling vs fp32",
+        "fp16 overflow",
+        "causal, GQA, fp32",
+        "4 documents + window 2",
+        "R=4, causal, GQA, bf16",
+        "R=2, causal, GQA, fp32",
+        "+ --activation-checkpoint-cpu-offload",
+        "async save at step 2",
+        "resumed steps 3-4",
+        "fused AdamW vs foreach",
+        "--fused-layers vs eager layers",
+        "20 documents + window 16",
+    ):
         rows = _rows(text, check)
         assert rows and all("| PASS |" in row for row in rows), (check, rows)
     assert "flash_attn_func calls" in text and "| FAIL |" not in text
@@ -85,8 +110,8 @@ def test_a_failing_section_keeps_the_other_tables_and_a_crash_keeps_what_was_flu
     failed = _rows(text, "ring: section aborted")
     assert ring_pass and "| PASS |" in ring_pass[0]
     assert failed and "| FAIL |" in failed[0] and "ValueError: injected failure" in failed[0]
-    assert "### Fused AdamW" in text      # the next section started after the failure
-    for doc in (bench, gpu):              # the docs were rewritten after each section
+    assert "### Fused AdamW" in text  # the next section started after the failure
+    for doc in (bench, gpu):  # the docs were rewritten after each section
         written = doc.read_text()
         assert "| causal, GQA, fp32 |" in written and "ValueError: injected failure" in written
         assert "Incomplete" in written and "<!-- gpu-check:end -->" in written
@@ -97,6 +122,7 @@ def test_exit_status_counts_fail_rows_and_unknown_sections_are_refused(monkeypat
 
     def failing(check):
         yield ["injected", "", "", "FAIL", "a bound was missed"]
+
     monkeypatch.setattr(gpu_check, "adamw_rows", failing)
     assert gpu_check.main(["--cpu", "--sections", "adamw"]) == 1
     assert "0 PASS, 1 FAIL, 0 SKIP." in capsys.readouterr().out

@@ -3,6 +3,7 @@ residual stream; --fp32-residual-connection keeps the residual in fp32), fp32 ma
 and fp32 gradient accumulation in the optimizer (plain, ZeRO-1 shards, ZeRO-3 FSDP2
 MixedPrecisionPolicy), half-precision traffic on the Ulysses all-to-all and pipeline sends,
 and bitwise resume from fp32 main weights."""
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -43,17 +44,23 @@ def watch_one_step(rank: int, world: int, argv: list[str]) -> dict:
     def checked_step():
         grads = [getattr(p, "main_grad", None) for p in model.parameters()]
         seen["main_grad"] = {g.dtype for g in grads if g is not None}
-        seen["half_grad_left"] = any(p.grad is not None and p.grad.dtype != torch.float32
-                                     for p in model.parameters())
-        seen["main_grad_nonzero"] = all(g is not None and bool(g.abs().sum() > 0)
-                                        for g in grads) if grads[0] is not None else None
+        seen["half_grad_left"] = any(
+            p.grad is not None and p.grad.dtype != torch.float32 for p in model.parameters()
+        )
+        seen["main_grad_nonzero"] = (
+            all(g is not None and bool(g.abs().sum() > 0) for g in grads)
+            if grads[0] is not None
+            else None
+        )
         step()
+
     optimizer.step = checked_step
     trainer.train()
     inner = getattr(optimizer, "optimizer", optimizer)
     seen["param"] = {p.dtype for p in model.parameters()}
-    seen["local_param"] = {(p.to_local() if isinstance(p, DTensor) else p).dtype
-                           for p in model.parameters()}
+    seen["local_param"] = {
+        (p.to_local() if isinstance(p, DTensor) else p).dtype for p in model.parameters()
+    }
     seen["main"] = {p.dtype for g in inner.param_groups for p in g["params"]}
     seen["moments"] = {s["exp_avg"].dtype for s in inner.state.values()}
     return seen
@@ -78,10 +85,13 @@ def watched():
     return run_distributed(watch_cases, 1, DTYPE_CASES)[0]
 
 
-@pytest.mark.parametrize("case, model_dtype", [
-    ("bf16", torch.bfloat16), ("fp16", torch.float16), ("bf16-zero1", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "case, model_dtype",
+    [("bf16", torch.bfloat16), ("fp16", torch.float16), ("bf16-zero1", torch.bfloat16)],
+)
 def test_half_model_has_half_parameters_and_activations_and_fp32_main_state(
-        watched, case, model_dtype):
+    watched, case, model_dtype
+):
     seen = watched[case]
     assert seen["param"] == {model_dtype}
     assert seen["residual"] == {model_dtype} and seen["qkv_input"] == {model_dtype}
@@ -94,13 +104,13 @@ def test_half_model_has_half_parameters_and_activations_and_fp32_main_state(
 def test_fp32_residual_connection_keeps_the_residual_stream_fp32(watched):
     seen = watched["bf16-fp32-residual"]
     assert seen["param"] == {torch.bfloat16} and seen["residual"] == {torch.float32}
-    assert seen["qkv_input"] == {torch.bfloat16}          # the sublayers still run in bf16
+    assert seen["qkv_input"] == {torch.bfloat16}  # the sublayers still run in bf16
 
 
 def test_zero3_gathers_half_parameters_and_keeps_fp32_shards(watched):
     seen = watched["bf16-zero3"]
-    assert seen["local_param"] == {torch.float32}          # the shards are the main copy
-    assert seen["qkv_weight"] == {torch.bfloat16}          # what FSDP2 gathered for forward
+    assert seen["local_param"] == {torch.float32}  # the shards are the main copy
+    assert seen["qkv_weight"] == {torch.bfloat16}  # what FSDP2 gathered for forward
     assert seen["residual"] == {torch.bfloat16}
     assert seen["main"] == {torch.float32} and seen["moments"] == {torch.float32}
 
@@ -124,18 +134,21 @@ def count_wire(rank: int, world: int, argv: list[str]) -> dict:
             entry["bytes"] += t.numel() * t.element_size()
             entry["calls"] += 1
             return fn(*args, **kwargs)
+
         return patched
 
     def tap_batch(fn):
         def patched(ops, *args, **kwargs):
-            for op in ops:   # P2POp checks its op is torch's own isend/irecv: tap the batch
+            for op in ops:  # P2POp checks its op is torch's own isend/irecv: tap the batch
                 if op.op is originals["isend"]:
                     tap("send", lambda *a: None, 0)(op.tensor)
             return fn(ops, *args, **kwargs)
+
         return patched
 
-    originals = {n: getattr(dist, n)
-                 for n in ("all_to_all_single", "isend", "send", "batch_isend_irecv")}
+    originals = {
+        n: getattr(dist, n) for n in ("all_to_all_single", "isend", "send", "batch_isend_irecv")
+    }
     dist.all_to_all_single = tap("all_to_all", originals["all_to_all_single"], 1)
     dist.batch_isend_irecv = tap_batch(originals["batch_isend_irecv"])
     try:
@@ -160,15 +173,24 @@ def test_ulysses_and_pipeline_traffic_travel_in_bf16():
 RESUME_LAYOUTS = {
     "bf16-DP2": ["--bf16"],
     "bf16-ZeRO1-DP2": ["--bf16", "--use-distributed-optimizer"],
-    "bf16-ZeRO1-DP2-torch_dist": ["--bf16", "--use-distributed-optimizer", "--ckpt-format",
-                                  "torch_dist"],
-    "bf16-PP2-torch_dist": ["--bf16", "--pipeline-model-parallel-size", "2", "--ckpt-format",
-                            "torch_dist"],
+    "bf16-ZeRO1-DP2-torch_dist": [
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--ckpt-format",
+        "torch_dist",
+    ],
+    "bf16-PP2-torch_dist": [
+        "--bf16",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--ckpt-format",
+        "torch_dist",
+    ],
     "fp16-ZeRO3-DP2": ["--fp16", "--initial-loss-scale", "4096", "--zero-stage", "3"],
 }
 
 
-QUICK_RESUME = ("bf16-ZeRO1-DP2-torch_dist",)   # every layout: the slow test below
+QUICK_RESUME = ("bf16-ZeRO1-DP2-torch_dist",)  # every layout: the slow test below
 
 
 def test_half_precision_resume_is_bitwise(tmp_path):
@@ -200,14 +222,30 @@ HALF_LAYOUTS = {
     "SP2": (SP2, 2),
     "CP2": (["--context-parallel-size", "2"], 2),
     "PP2": (["--pipeline-model-parallel-size", "2"], 2),
-    "PP2-interleaved-SP2": (["--num-layers", "4", "--pipeline-model-parallel-size", "2",
-                             "--num-layers-per-virtual-pipeline-stage", "1"] + SP2, 4),
-    "TP2-SP2-megatron-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-                            + SP2, 4),
+    "PP2-interleaved-SP2": (
+        [
+            "--num-layers",
+            "4",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+        ]
+        + SP2,
+        4,
+    ),
+    "TP2-SP2-megatron-sp": (["--tensor-model-parallel-size", "2", "--sequence-parallel"] + SP2, 4),
     "ZeRO1-SP2-DP2": (["--use-distributed-optimizer"] + SP2, 4),
     "ZeRO3-SP2-DP2": (["--zero-stage", "3"] + SP2, 4),
-    "ZeRO1-PP2-fp32-residual": (["--use-distributed-optimizer", "--pipeline-model-parallel-size",
-                                 "2", "--fp32-residual-connection"], 4),
+    "ZeRO1-PP2-fp32-residual": (
+        [
+            "--use-distributed-optimizer",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--fp32-residual-connection",
+        ],
+        4,
+    ),
 }
 _references: dict = {}
 
@@ -226,8 +264,7 @@ def check_layout(precision: str, model_flags: list, layout: str) -> None:
     if "--num-layers" in flags:
         extra += ("--num-layers", "4")
     ref = half_reference(precision, tuple(model_flags), extra)
-    loss_diff, param_diff = max_diffs(ref, run_half(BASE + model_flags + flags, world,
-                                                    precision))
+    loss_diff, param_diff = max_diffs(ref, run_half(BASE + model_flags + flags, world, precision))
     print(f"{precision} {layout}: loss {loss_diff:.2e}, param {param_diff:.2e}")
     loss_tol, param_tol = TOLERANCE[precision]
     assert loss_diff < loss_tol and param_diff < param_tol

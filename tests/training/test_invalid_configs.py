@@ -1,6 +1,7 @@
 """Every invalid configuration is refused by pretrain's entry point before any model is built:
 all problems in one report, each naming its flag, exit status 2, no traceback; the edge values
 Megatron-LM gives a meaning to are accepted and behave as there."""
+
 import dataclasses
 import os
 import subprocess
@@ -15,8 +16,21 @@ from megatron_ul.training import pretrain
 from tests.refusals import refusal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OK = ["--mock-data", "--vocab-size", "100", "--num-layers", "2", "--hidden-size", "32",
-      "--num-attention-heads", "4", "--seq-length", "16", "--train-iters", "10"]
+OK = [
+    "--mock-data",
+    "--vocab-size",
+    "100",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--train-iters",
+    "10",
+]
 
 # (flags added to OK, text the report must hold)
 REFUSED = [
@@ -37,7 +51,7 @@ REFUSED = [
     (["--attention-dropout", "1"], "--attention-dropout must be in [0, 1) (got 1.0)"),
     (["--hidden-dropout", "-0.1"], "--hidden-dropout must be in [0, 1) (got -0.1)"),
     (["--seed", "-1"], "--seed must be in [0, 4294967295] (got -1)"),
-    (["--seed", str(2 ** 32)], "--seed must be in [0, 4294967295]"),
+    (["--seed", str(2**32)], "--seed must be in [0, 4294967295]"),
     (["--log-interval", "0"], "--log-interval must be >= 1 (got 0)"),
     (["--eval-iters", "-1"], "--eval-iters must be >= 0 (got -1)"),
     (["--eval-interval", "-1"], "--eval-interval must be >= 0 (got -1)"),
@@ -85,9 +99,21 @@ def test_refused_before_the_model_naming_the_flag(flags, message, capsys, monkey
 def test_path_flags_are_checked(tmp_path, capsys, monkeypatch):
     afile = tmp_path / "a_file"
     afile.write_text("")
-    err = refusal(OK + ["--tensorboard-dir", str(afile), "--save", str(afile),
-                         "--data-cache-path", str(afile), "--load", str(tmp_path / "none")],
-                   capsys, monkeypatch)
+    err = refusal(
+        OK
+        + [
+            "--tensorboard-dir",
+            str(afile),
+            "--save",
+            str(afile),
+            "--data-cache-path",
+            str(afile),
+            "--load",
+            str(tmp_path / "none"),
+        ],
+        capsys,
+        monkeypatch,
+    )
     for flag in ("--tensorboard-dir", "--save", "--data-cache-path"):
         assert f"{flag} {afile} exists and is not a directory" in err
     assert f"--load {tmp_path / 'none'}: no such directory" in err
@@ -104,16 +130,45 @@ def test_every_problem_in_one_report(tmp_path, capsys, monkeypatch):
     tokenizer's and the mock-data rules were raised one at a time before)."""
     afile = tmp_path / "a_file"
     afile.write_text("")
-    err = refusal(["--data-path", str(tmp_path / "d"), "--clip-grad", "-1", "--adam-beta1",
-                    "1.5", "--lr", "0.1", "--min-lr", "0.5", "--tensorboard-dir", str(afile),
-                    "--split", "0,0,0",
-                    "--async-save", "--num-layers", "3", "--pipeline-model-parallel-size", "2",
-                    "--world-size", "2", "--dry-run"], capsys, monkeypatch)
-    for text in ("--clip-grad must be >= 0", "--adam-beta1 must be in [0, 1)",
-                 "--min-lr 0.5 is above",
-                 "--tensorboard-dir", "--split '0,0,0'", "--async-save needs",
-                 "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2",
-                 "--data-path: missing", "--data-path needs --tokenizer-type"):
+    err = refusal(
+        [
+            "--data-path",
+            str(tmp_path / "d"),
+            "--clip-grad",
+            "-1",
+            "--adam-beta1",
+            "1.5",
+            "--lr",
+            "0.1",
+            "--min-lr",
+            "0.5",
+            "--tensorboard-dir",
+            str(afile),
+            "--split",
+            "0,0,0",
+            "--async-save",
+            "--num-layers",
+            "3",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--world-size",
+            "2",
+            "--dry-run",
+        ],
+        capsys,
+        monkeypatch,
+    )
+    for text in (
+        "--clip-grad must be >= 0",
+        "--adam-beta1 must be in [0, 1)",
+        "--min-lr 0.5 is above",
+        "--tensorboard-dir",
+        "--split '0,0,0'",
+        "--async-save needs",
+        "--num-layers 3 is not divisible by --pipeline-model-parallel-size 2",
+        "--data-path: missing",
+        "--data-path needs --tokenizer-type",
+    ):
         assert text in err, (text, err)
     assert err.count("error: invalid configuration") == 1
 
@@ -128,6 +183,7 @@ def test_an_unknown_choice_is_refused_by_the_parser(capsys, monkeypatch):
 def test_choices_of_a_config_built_in_code_come_from_the_literal_types():
     from megatron_ul.config import resolve
     from megatron_ul.config_rules import problems
+
     cfg = resolve(Config())
     cfg.data.mock_data, cfg.model.vocab_size = True, 100
     cfg.model.normalization, cfg.train.lr_decay_style = "BatchNorm", "step"  # type: ignore
@@ -145,21 +201,37 @@ def test_every_numeric_flag_declares_a_range():
             if types & {int, float, list[int]} and bool not in types:
                 numeric.add(f"{section.name}.{name}")
     assert numeric - set(RANGES) - JUDGED_BY_RULES == set()
-    assert set(RANGES) <= numeric   # no entry for a field that does not exist
+    assert set(RANGES) <= numeric  # no entry for a field that does not exist
 
 
-@pytest.mark.parametrize("flags", [["--clip-grad", "0"], ["--lr", "0", "--min-lr", "0"],
-                                   ["--eval-interval", "0"], ["--eval-iters", "0"],
-                                   ["--vocab-size", "2"], ["--lr-warmup-iters", "9"]],
-                         ids=lambda f: " ".join(f))
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--clip-grad", "0"],
+        ["--lr", "0", "--min-lr", "0"],
+        ["--eval-interval", "0"],
+        ["--eval-iters", "0"],
+        ["--vocab-size", "2"],
+        ["--lr-warmup-iters", "9"],
+    ],
+    ids=lambda f: " ".join(f),
+)
 def test_edge_values_with_a_megatron_meaning_are_accepted(flags):
     pretrain.configure(OK + flags, world_size=1)
 
 
 def test_eval_iters_0_skips_evaluation(capsys, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
-    argv = OK + ["--train-iters", "2", "--eval-interval", "1", "--eval-iters", "0",
-                 "--log-interval", "1"]
+    argv = OK + [
+        "--train-iters",
+        "2",
+        "--eval-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--log-interval",
+        "1",
+    ]
     assert pretrain.main(argv) == 0
     assert "validation" not in capsys.readouterr().out
 
@@ -167,12 +239,20 @@ def test_eval_iters_0_skips_evaluation(capsys, monkeypatch):
 def test_every_rank_of_a_launch_reports_the_problems(tmp_path):
     """Two ranks of pretrain_gpt.py as srun starts them (no launcher in between): each prints
     the report and exits 2, before any process group exists."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT="1")   # a port nobody serves: a rendezvous would fail, not hang
-    ranks = [subprocess.Popen([sys.executable, "pretrain_gpt.py", *OK, "--lr", "-1",
-                               "--split", "abc"], cwd=ROOT, env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(2)]
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1"
+    )  # a port nobody serves: a rendezvous would fail, not hang
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "pretrain_gpt.py", *OK, "--lr", "-1", "--split", "abc"],
+            cwd=ROOT,
+            env=dict(env, RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     for rank in ranks:
         out, err = rank.communicate(timeout=120)
         assert rank.returncode == 2, err

@@ -1,5 +1,6 @@
 """Every parallel layout reproduces the single-process run: per-step loss within 1e-5 and final
 parameters within 1e-5 (relative), fp32, same seed and data, dropout off."""
+
 import functools
 
 import pytest
@@ -18,8 +19,16 @@ LAYOUTS = {
     "SP4": (["--ds-sequence-parallel-size", "4"], 4),
     "TP2-SP2": (["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2"], 4),
     "SP2-DP2": (["--ds-sequence-parallel-size", "2"], 4),
-    "TP2-SP2-megatron-sp": (["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size",
-                             "2", "--sequence-parallel"], 4),
+    "TP2-SP2-megatron-sp": (
+        [
+            "--tensor-model-parallel-size",
+            "2",
+            "--ds-sequence-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
+        4,
+    ),
 }
 
 
@@ -30,12 +39,24 @@ def reference(model: str):
 
 # The default suite runs each axis (TP, SP, DP, TP x SP, Megatron-SP, GQA with replicated kv
 # heads) once; the rest of the matrix runs with --run-slow.
-DEFAULT = {("gpt2-mha-learned", "TP2"), ("gpt2-mha-learned", "SP2"),
-           ("gpt2-mha-learned", "SP2-DP2"), ("gpt2-mha-learned", "TP2-SP2-megatron-sp"),
-           ("llama-gqa-rope", "SP2"), ("llama-gqa-rope", "TP2-SP2")}
-MATRIX = [pytest.param(model, layout, id=f"{model}-{layout}",
-                       marks=() if (model, layout) in DEFAULT else pytest.mark.slow)
-          for model in MODELS for layout in LAYOUTS]
+DEFAULT = {
+    ("gpt2-mha-learned", "TP2"),
+    ("gpt2-mha-learned", "SP2"),
+    ("gpt2-mha-learned", "SP2-DP2"),
+    ("gpt2-mha-learned", "TP2-SP2-megatron-sp"),
+    ("llama-gqa-rope", "SP2"),
+    ("llama-gqa-rope", "TP2-SP2"),
+}
+MATRIX = [
+    pytest.param(
+        model,
+        layout,
+        id=f"{model}-{layout}",
+        marks=() if (model, layout) in DEFAULT else pytest.mark.slow,
+    )
+    for model in MODELS
+    for layout in LAYOUTS
+]
 
 
 @pytest.mark.parametrize("model,layout", MATRIX)
@@ -43,8 +64,9 @@ def test_layout_matches_single_process(model, layout):
     flags, world = LAYOUTS[layout]
     model_flags, heads, groups = MODELS[model]
     ref = reference(model)
-    loss_diff, param_diff = compare(ref, run_layout(BASE + model_flags + flags, world), heads,
-                                    groups)
+    loss_diff, param_diff = compare(
+        ref, run_layout(BASE + model_flags + flags, world), heads, groups
+    )
     print(f"{model} {layout}: max loss diff {loss_diff:.2e}, max param rel diff {param_diff:.2e}")
     assert loss_diff < 1e-5
     assert param_diff < 1e-5

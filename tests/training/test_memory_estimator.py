@@ -2,6 +2,7 @@
 exactly, parameter + gradient + Adam bytes and the bytes each layer keeps for backward within
 15%, single rank, Ulysses SP2 and TP2 with and without Megatron-SP; that Megatron-SP's
 column-parallel linears keep only their input shard; plus the GPU-count search."""
+
 import functools
 
 import pytest
@@ -11,12 +12,37 @@ from megatron_ul.training.pretrain import configure
 from tests.distributed import run_distributed
 from megatron_ul.training.memory_probe import measure_many
 
-BASE = ["--mock-data", "--vocab-size", "1000", "--num-layers", "2", "--hidden-size", "64",
-        "--num-attention-heads", "4", "--seq-length", "256", "--micro-batch-size", "2",
-        "--global-batch-size", "2", "--attention-dropout", "0"]
-LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--group-query-attention",
-         "--num-query-groups", "2", "--position-embedding-type", "rope",
-         "--disable-bias-linear", "--untie-embeddings-and-output-weights"]
+BASE = [
+    "--mock-data",
+    "--vocab-size",
+    "1000",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "256",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "2",
+    "--attention-dropout",
+    "0",
+]
+LLAMA = [
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--position-embedding-type",
+    "rope",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+]
 CASES = {  # name -> (flags, world)
     "gpt-dropout-off": (["--hidden-dropout", "0"], 1),
     "gpt-dropout-on": (["--hidden-dropout", "0.1"], 1),
@@ -24,8 +50,10 @@ CASES = {  # name -> (flags, world)
     "gpt-sp2": (["--hidden-dropout", "0", "--ds-sequence-parallel-size", "2"], 2),
     "llama-sp2": (["--hidden-dropout", "0", "--ds-sequence-parallel-size", "2"] + LLAMA, 2),
     "gpt-tp2": (["--hidden-dropout", "0", "--tensor-model-parallel-size", "2"], 2),
-    "gpt-tp2-megatron-sp": (["--hidden-dropout", "0", "--tensor-model-parallel-size", "2",
-                             "--sequence-parallel"], 2),
+    "gpt-tp2-megatron-sp": (
+        ["--hidden-dropout", "0", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        2,
+    ),
 }
 # The CPU dropout kernel keeps a float mask (CUDA keeps a bool one).
 CPU_FP32 = me.Precision(bf16=False, dropout_mask_bytes=4)
@@ -52,8 +80,10 @@ def test_estimate_matches_measurement(name):
     per_layer = me.layer_activation_bytes(cfg.model, layout, CPU_FP32)
     for layer in ("layer0", "layer1"):
         error = abs(per_layer - got["saved"][layer]) / got["saved"][layer]
-        print(f"{name} {layer}: measured {got['saved'][layer]} estimated {per_layer:.0f} "
-              f"({error:.1%})")
+        print(
+            f"{name} {layer}: measured {got['saved'][layer]} estimated {per_layer:.0f} "
+            f"({error:.1%})"
+        )
         assert error < 0.15, f"{name} {layer}: {error:.1%} off"
     total = sum(got["saved"].values())
     assert abs(est.activation_bytes - total) / total < 0.15
@@ -66,8 +96,8 @@ def test_megatron_sp_linears_keep_only_their_input_shard():
     plain, megatron_sp = (measured(2)[n]["saved"] for n in ("gpt-tp2", "gpt-tp2-megatron-sp"))
     s, b, h, tp = 256, 2, 64, 2
     half_sbh_fp32 = s * b * h * 4 * (1 - 1 / tp)
-    norm_inputs_saving = 2 * half_sbh_fp32       # the two LayerNorm inputs
-    linear_inputs_saving = 2 * half_sbh_fp32     # the QKV and fc1 inputs
+    norm_inputs_saving = 2 * half_sbh_fp32  # the two LayerNorm inputs
+    linear_inputs_saving = 2 * half_sbh_fp32  # the QKV and fc1 inputs
     for layer in ("layer0", "layer1"):
         saving = plain[layer] - megatron_sp[layer]
         print(f"{layer}: TP2 {plain[layer]} B, TP2 + --sequence-parallel {megatron_sp[layer]} B")
@@ -75,10 +105,25 @@ def test_megatron_sp_linears_keep_only_their_input_shard():
 
 
 def test_smallest_fitting_layout_grows_ulysses_until_it_fits():
-    cfg = configure(["--mock-data", "--vocab-size", "50257", "--num-layers", "24",
-                     "--hidden-size", "2048", "--num-attention-heads", "16",
-                     "--seq-length", "131072", "--max-position-embeddings", "131072",
-                     "--bf16"], 1)
+    cfg = configure(
+        [
+            "--mock-data",
+            "--vocab-size",
+            "50257",
+            "--num-layers",
+            "24",
+            "--hidden-size",
+            "2048",
+            "--num-attention-heads",
+            "16",
+            "--seq-length",
+            "131072",
+            "--max-position-embeddings",
+            "131072",
+            "--bf16",
+        ],
+        1,
+    )
     layout = me.layout_from_config(cfg)
     single = me.estimate(cfg.model, layout, precision=me.Precision(bf16=True))
     assert single.total_bytes > 80 * me.GiB  # a 1.2B model at 128K does not fit one GPU
@@ -116,12 +161,30 @@ def test_init_peak_and_zero_shards_count_the_ring():
 
 def test_dry_run_refuses_a_plan_that_does_not_fit_naming_the_largest_term(capsys):
     from megatron_ul.training.pretrain import main
-    argv = ["--mock-data", "--vocab-size", "32000", "--num-layers", "4", "--hidden-size", "1024",
-            "--num-attention-heads", "8", "--seq-length", "262144",
-            "--max-position-embeddings", "262144", "--micro-batch-size", "1",
-            "--global-batch-size", "1", "--position-embedding-type", "rope", "--dry-run"]
+
+    argv = [
+        "--mock-data",
+        "--vocab-size",
+        "32000",
+        "--num-layers",
+        "4",
+        "--hidden-size",
+        "1024",
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "262144",
+        "--max-position-embeddings",
+        "262144",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "1",
+        "--position-embedding-type",
+        "rope",
+        "--dry-run",
+    ]
     assert main(argv + ["--gpu-memory-gb", "8"]) == 1
     err = capsys.readouterr().err
     assert "does not fit --gpu-memory-gb 8" in err and "largest term is" in err
     assert main(argv + ["--gpu-memory-gb", "4000"]) == 0
-

@@ -3,6 +3,7 @@ tools/bench/bench_memory.py (every storage alive, op by op, over two training it
 that Adam's state exists), on CPU gloo ranks. 1 layer, 8 heads, SwiGLU, RMSNorm, RoPE, vocab
 32000, full recompute with the inputs offloaded, tiled loss and MLP, documents. Within 15% at
 the peak and at the layers' backward peak."""
+
 import pytest
 
 from megatron_ul.training import memory_estimator as me
@@ -18,17 +19,35 @@ PRECISIONS = {  # the bench's precision -> the estimator's (the CPU keeps float 
 
 
 def estimated(hidden, seq_length, precision, sp=1, cp=1, extra=()):
-    argv = PEAK_MODEL + LONG_CONTEXT + list(extra) + [
-        "--hidden-size", str(hidden), "--seq-length", str(seq_length),
-        "--global-batch-size", "1", "--ds-sequence-parallel-size", str(sp),
-        "--context-parallel-size", str(cp)]
+    argv = (
+        PEAK_MODEL
+        + LONG_CONTEXT
+        + list(extra)
+        + [
+            "--hidden-size",
+            str(hidden),
+            "--seq-length",
+            str(seq_length),
+            "--global-batch-size",
+            "1",
+            "--ds-sequence-parallel-size",
+            str(sp),
+            "--context-parallel-size",
+            str(cp),
+        ]
+    )
     cfg = configure(argv, sp * cp)
     # The CPU document loop adds fp32 gradients in place; in bf16 it keeps each document's.
     kernel = "in-place" if precision == "fp32" else "accumulate"
-    return me.estimate(cfg.model, me.layout_from_config(cfg), recompute="full",
-                       precision=PRECISIONS[precision],
-                       kernels=me.Kernels(ring="fused", documents=True, document_kernel=kernel,
-                                          host_is_device=True))
+    return me.estimate(
+        cfg.model,
+        me.layout_from_config(cfg),
+        recompute="full",
+        precision=PRECISIONS[precision],
+        kernels=me.Kernels(
+            ring="fused", documents=True, document_kernel=kernel, host_is_device=True
+        ),
+    )
 
 
 def check(hidden, seq_length, precision, sp=1, cp=1, extra=()):
@@ -36,16 +55,20 @@ def check(hidden, seq_length, precision, sp=1, cp=1, extra=()):
     est = estimated(hidden, seq_length, precision, sp, cp, extra)
     layer = got["phases"].get("iteration 2 layer backward", {}).get("peak")
     state = est.parameter_bytes + est.optimizer_bytes
-    rows = [("peak", got["peak"], est.total_bytes),
-            ("layer backward", layer, state + est.phases["layer backward"])]
+    rows = [
+        ("peak", got["peak"], est.total_bytes),
+        ("layer backward", layer, state + est.phases["layer backward"]),
+    ]
     for name, measured, estimate in rows:
         error = estimate / measured - 1
-        print(f"h{hidden} N{seq_length} {precision} SP{sp} CP{cp} {name}: measured "
-              f"{measured / 2**20:.1f} MiB, estimated {estimate / 2**20:.1f} MiB ({error:+.1%})")
+        print(
+            f"h{hidden} N{seq_length} {precision} SP{sp} CP{cp} {name}: measured "
+            f"{measured / 2**20:.1f} MiB, estimated {estimate / 2**20:.1f} MiB ({error:+.1%})"
+        )
         assert abs(error) < TOLERANCE, (name, measured, estimate)
 
 
-SMALL_VOCAB = ("--vocab-size", "8000")   # bf16 matmuls are slow on CPUs without bf16 units
+SMALL_VOCAB = ("--vocab-size", "8000")  # bf16 matmuls are slow on CPUs without bf16 units
 
 
 def test_estimate_matches_the_live_tensor_peak_small():
@@ -54,14 +77,22 @@ def test_estimate_matches_the_live_tensor_peak_small():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("hidden,seq_length,precision,sp,cp,extra", [
-    (512, 8192, "fp32", 1, 1, ()), (512, 16384, "fp32", 1, 1, ()),
-    (512, 65536, "fp32", 1, 1, ()), (1024, 8192, "fp32", 1, 1, ()),
-    (1024, 32768, "fp32", 1, 1, ()),
-    (512, 8192, "bf16", 1, 1, SMALL_VOCAB), (512, 32768, "bf16", 1, 1, ()),
-    (1024, 16384, "bf16", 1, 1, ()),
-    (512, 16384, "fp32", 2, 1, ()), (512, 16384, "bf16", 2, 1, ()),
-    (512, 16384, "fp32", 1, 2, ()), (512, 32768, "fp32", 2, 2, ()),
-])
+@pytest.mark.parametrize(
+    "hidden,seq_length,precision,sp,cp,extra",
+    [
+        (512, 8192, "fp32", 1, 1, ()),
+        (512, 16384, "fp32", 1, 1, ()),
+        (512, 65536, "fp32", 1, 1, ()),
+        (1024, 8192, "fp32", 1, 1, ()),
+        (1024, 32768, "fp32", 1, 1, ()),
+        (512, 8192, "bf16", 1, 1, SMALL_VOCAB),
+        (512, 32768, "bf16", 1, 1, ()),
+        (1024, 16384, "bf16", 1, 1, ()),
+        (512, 16384, "fp32", 2, 1, ()),
+        (512, 16384, "bf16", 2, 1, ()),
+        (512, 16384, "fp32", 1, 2, ()),
+        (512, 32768, "fp32", 2, 2, ()),
+    ],
+)
 def test_estimate_matches_the_live_tensor_peak(hidden, seq_length, precision, sp, cp, extra):
     check(hidden, seq_length, precision, sp, cp, extra)

@@ -1,6 +1,7 @@
 """Metrics: phase timers and their levels, timers handed to the all-to-all and to a whole
 training run, comm_stats' per-op byte accounting against the bytes each algorithm moves,
 peak-TFLOP/s lookup, MFU/ETA log line."""
+
 import logging
 
 import pytest
@@ -31,6 +32,7 @@ def _collectives(rank, world):
     """Run each collective once under count_communication, the all-to-all with timers."""
     from megatron_ul.mpu import comm_stats, mappings
     from megatron_ul.mpu import parallel_state as ps
+
     group = ps.initialize_model_parallel(world, 1, 1).tp_group
     x = torch.ones(world * 6, 5)  # 4-byte floats
     timers = Timers(log_level=1)
@@ -63,16 +65,34 @@ def test_peak_tflops_from_flag_and_gpu_name(monkeypatch):
     assert metrics.peak_tflops(cfg) == 123
     cfg.logging.peak_tflops = None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for name, peak in [("NVIDIA H200", 989.0), ("NVIDIA H100 80GB HBM3", 989.0),
-                       ("NVIDIA A100-SXM4-80GB", 312.0), ("NVIDIA H100 PCIe", None),
-                       ("Tesla T4", None)]:
+    for name, peak in [
+        ("NVIDIA H200", 989.0),
+        ("NVIDIA H100 80GB HBM3", 989.0),
+        ("NVIDIA A100-SXM4-80GB", 312.0),
+        ("NVIDIA H100 PCIe", None),
+        ("Tesla T4", None),
+    ]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
         assert metrics.peak_tflops(cfg) == peak, name
 
 
 def test_log_line_has_mfu_memory_eta_and_time_split(caplog):
-    cfg = configure(["--mock-data", "--vocab-size", "100", "--train-iters", "10",
-                     "--log-interval", "2", "--peak-tflops", "1", "--timing-log-level", "1"], 1)
+    cfg = configure(
+        [
+            "--mock-data",
+            "--vocab-size",
+            "100",
+            "--train-iters",
+            "10",
+            "--log-interval",
+            "2",
+            "--peak-tflops",
+            "1",
+            "--timing-log-level",
+            "1",
+        ],
+        1,
+    )
     timers = Timers(cfg.logging.timing_log_level)
     logger = metrics.MetricsLogger(cfg, 128, is_reporting_rank=True, timers=timers)
     try:
@@ -94,14 +114,39 @@ def test_format_eta(seconds, text):
 
 
 def _timed_run(rank, world):
-    cfg = configure(["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size",
-                     "16", "--num-attention-heads", "2", "--seq-length", "8",
-                     "--ds-sequence-parallel-size", "2", "--train-iters", "2",
-                     "--log-interval", "100", "--timing-log-level", "1"], world)
+    cfg = configure(
+        [
+            "--mock-data",
+            "--vocab-size",
+            "64",
+            "--num-layers",
+            "1",
+            "--hidden-size",
+            "16",
+            "--num-attention-heads",
+            "2",
+            "--seq-length",
+            "8",
+            "--ds-sequence-parallel-size",
+            "2",
+            "--train-iters",
+            "2",
+            "--log-interval",
+            "100",
+            "--timing-log-level",
+            "1",
+        ],
+        world,
+    )
     trainer = setup(cfg)
     for _ in range(2):
-        train_step(trainer.model, trainer.optimizer, next(trainer.train_batches),
-                   clip_grad=cfg.train.clip_grad, timers=trainer.timers)
+        train_step(
+            trainer.model,
+            trainer.optimizer,
+            next(trainer.train_batches),
+            clip_grad=cfg.train.clip_grad,
+            timers=trainer.timers,
+        )
     return trainer.timers.pop()[1]
 
 
@@ -110,5 +155,4 @@ def test_a_run_times_its_phases_through_the_timers_it_was_given():
     step; nothing is installed process-wide."""
     calls = run_distributed(_timed_run, 2)[0]
     # 2 iterations x 1 micro-batch; 1 layer x 2 all-to-alls forward + 2 backward
-    assert calls == {"forward": 2, "backward": 2, "all-to-all": 8, "grad-reduce": 2,
-                     "optimizer": 2}
+    assert calls == {"forward": 2, "backward": 2, "all-to-all": 8, "grad-reduce": 2, "optimizer": 2}

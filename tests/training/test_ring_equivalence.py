@@ -1,6 +1,7 @@
 """Ring attention (--context-parallel-size R), alone and with Ulysses, TP, PP and DP,
 reproduces the single-process run: per-step loss within 1e-5 and final parameters within 1e-5
 (relative), fp32, same seed and data, dropout off (the layout-equivalence bar)."""
+
 import functools
 
 import pytest
@@ -14,20 +15,44 @@ MODELS = {  # name -> (flags, query heads, kv groups)
     "llama-mqa-rope": (LLAMA_GQA[:4] + ["1"] + LLAMA_GQA[5:], 8, 1),
     # document masking (--reset-attention-mask): a 16-token vocabulary whose EOD (15, the
     # NullTokenizer's) ends a document every 16 tokens or so; the ring slices the mask per block
-    "gpt2-documents": (GPT2_STYLE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "16",
-                                     "--reset-attention-mask", "--reset-position-ids",
-                                     "--eod-mask-loss"], 4, 4),
+    "gpt2-documents": (
+        GPT2_STYLE
+        + [
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "16",
+            "--reset-attention-mask",
+            "--reset-position-ids",
+            "--eod-mask-loss",
+        ],
+        4,
+        4,
+    ),
     # a sliding window of 6 keys, with and without documents: chunk × chunk units that it
     # cuts are masked, units wholly outside it are skipped. Without biases: with them, R2 at
     # seed 42 moved one element of a projection bias by 4.3e-8 = 1.7e-5 of that tensor's
     # largest value (every weight within 1e-6; seeds 43 and 44: 1.9e-6 and 8.0e-6; the same
     # code measured 2.7e-6 on another CPU): a bias gradient is a long sum of cancelling terms,
     # so its rounding, not the window, decided the comparison. Without biases: 9.3e-7.
-    "gpt2-documents-window": (GPT2_STYLE + ["--tokenizer-type", "NullTokenizer",
-                                            "--vocab-size", "16", "--reset-attention-mask",
-                                            "--reset-position-ids", "--eod-mask-loss",
-                                            "--window-size", "6", "0",
-                                            "--disable-bias-linear"], 4, 4),
+    "gpt2-documents-window": (
+        GPT2_STYLE
+        + [
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "16",
+            "--reset-attention-mask",
+            "--reset-position-ids",
+            "--eod-mask-loss",
+            "--window-size",
+            "6",
+            "0",
+            "--disable-bias-linear",
+        ],
+        4,
+        4,
+    ),
     "llama-gqa-window": (LLAMA_GQA + ["--window-size", "6", "0"], 8, 2),
     # two query heads: Ulysses alone stops at 2 sequence ranks; U2 × R4 gives 8
     "gpt2-2-heads": (["--num-attention-heads", "2"], 2, 2),
@@ -58,12 +83,20 @@ SLOW = [
     *[(m, "R4", _sizes(cp=4), 4) for m in ("gpt2-mha-learned",)],
     *[(m, "U2-R2", _sizes(sp=2, cp=2), 4) for m in ("gpt2-mha-learned", "llama-gqa-rope")],
     *[(m, "U2-R2-DP2", _sizes(sp=2, cp=2), 8) for m in ("gpt2-mha-learned", "llama-gqa-rope")],
-    *[(m, "U2-R2-PP2", _sizes(sp=2, cp=2, pp=2), 8) for m in ("gpt2-mha-learned",
-                                                               "llama-gqa-rope")],
-    *[(m, "TP2-U2-R2", _sizes(tp=2, sp=2, cp=2), 8) for m in ("gpt2-mha-learned",
-                                                               "llama-gqa-rope")],
-    ("llama-gqa-rope", "TP2-U2-R2-megatron-sp", _sizes(tp=2, sp=2, cp=2) + ["--sequence-parallel"],
-     8),
+    *[
+        (m, "U2-R2-PP2", _sizes(sp=2, cp=2, pp=2), 8)
+        for m in ("gpt2-mha-learned", "llama-gqa-rope")
+    ],
+    *[
+        (m, "TP2-U2-R2", _sizes(tp=2, sp=2, cp=2), 8)
+        for m in ("gpt2-mha-learned", "llama-gqa-rope")
+    ],
+    (
+        "llama-gqa-rope",
+        "TP2-U2-R2-megatron-sp",
+        _sizes(tp=2, sp=2, cp=2) + ["--sequence-parallel"],
+        8,
+    ),
     ("gpt2-2-heads", "U2-R4", _sizes(sp=2, cp=4), 8),
 ]
 
@@ -75,8 +108,9 @@ def reference(model: str):
 
 def _check(model, layout, flags, world):
     model_flags, heads, groups = MODELS[model]
-    loss_diff, param_diff = compare(reference(model),
-                                    run_layout(BASE + model_flags + flags, world), heads, groups)
+    loss_diff, param_diff = compare(
+        reference(model), run_layout(BASE + model_flags + flags, world), heads, groups
+    )
     print(f"{model} {layout}: max loss diff {loss_diff:.2e}, max param rel diff {param_diff:.2e}")
     assert loss_diff < 1e-5
     assert param_diff < 1e-5

@@ -2,6 +2,7 @@
 per-micro-batch path; only pop() (once per log interval) waits for the device, and only
 --timing-device-sync synchronises around every timed call. Checked on a stand-in CUDA device
 whose events complete a few records behind the host and that counts every host sync."""
+
 import time
 
 import pytest
@@ -30,12 +31,12 @@ class StandInDevice:
                 self.position, self.time = len(device.events), time.perf_counter()
                 device.events.append(self)
 
-            def query(self):            # non-blocking: no sync
+            def query(self):  # non-blocking: no sync
                 return self.synced or self.position < len(device.events) - device.lag
 
             def synchronize(self):
                 device.syncs += 1
-                for event in device.events[:self.position + 1]:
+                for event in device.events[: self.position + 1]:
                     event.synced = True
 
             def elapsed_time(self, end):
@@ -65,8 +66,9 @@ def _train_micro_batches(timers: Timers, count: int = 2) -> None:
     """The schedule's per-micro-batch path, plus per-layer-style all-to-all timers."""
     model_parallel_seed(1, single_rank_dims())
     model = GPTModel(model_config(2), seed=1, dims=single_rank_dims(), timers=timers)
-    forward_backward_no_pipelining(model, micro_batches(count),
-                                   torch.tensor(float(count * MICRO_BATCH * SEQ)), timers=timers)
+    forward_backward_no_pipelining(
+        model, micro_batches(count), torch.tensor(float(count * MICRO_BATCH * SEQ)), timers=timers
+    )
     for _ in range(8):
         with timers("all-to-all"):
             pass
@@ -76,11 +78,11 @@ def test_timing_on_a_gpu_makes_no_host_sync_until_the_log_interval(device):
     timers = Timers(log_level=2, device_type="cuda")
     _train_micro_batches(timers)
     assert device.syncs == 0
-    assert len(timers._pending) <= device.lag      # finished events are folded in as they go
+    assert len(timers._pending) <= device.lag  # finished events are folded in as they go
     seconds, calls = timers.pop()
     assert calls == {"forward": 2, "backward": 2, "all-to-all": 8}
     assert seconds["forward"] > 0 and seconds["backward"] > 0
-    assert 1 <= device.syncs <= device.lag          # the log interval waits for the device
+    assert 1 <= device.syncs <= device.lag  # the log interval waits for the device
     assert timers.pop() == ({}, {})
 
 

@@ -9,6 +9,7 @@ the share includes that imbalance; the column 'cores' says when ranks outnumber 
     python -m tools.bench.bench_alltoall_share [--sizes 2 4] [--seq 1024 2048 4096 8192] \
         [--write-docs]
 """
+
 import argparse
 import os
 
@@ -16,8 +17,9 @@ from tools.bench.common import markdown_table, report, run_ranks, timed_training
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--hidden", type=int, default=128)
@@ -29,23 +31,65 @@ def main(argv=None):
     rows = []
     for p in a.sizes:
         for n in a.seq:
-            argv_ = ["--mock-data", "--vocab-size", "1024", "--num-layers", str(a.layers),
-                     "--hidden-size", str(a.hidden), "--num-attention-heads", str(a.heads),
-                     "--seq-length", str(n), "--ds-sequence-parallel-size", str(p),
-                     "--attention-dropout", "0", "--hidden-dropout", "0",
-                     "--train-iters", "1000", "--log-interval", "1000"]
+            argv_ = [
+                "--mock-data",
+                "--vocab-size",
+                "1024",
+                "--num-layers",
+                str(a.layers),
+                "--hidden-size",
+                str(a.hidden),
+                "--num-attention-heads",
+                str(a.heads),
+                "--seq-length",
+                str(n),
+                "--ds-sequence-parallel-size",
+                str(p),
+                "--attention-dropout",
+                "0",
+                "--hidden-dropout",
+                "0",
+                "--train-iters",
+                "1000",
+                "--log-interval",
+                "1000",
+            ]
             per_iter, phases = run_ranks(timed_training, p, argv_, 1, a.iters, True)[0]
             a2a = phases.get("all-to-all", 0.0)
-            rows.append([p, n, f"{per_iter * 1e3:.0f}", f"{phases.get('forward', 0) * 1e3:.0f}",
-                         f"{phases.get('backward', 0) * 1e3:.0f}", f"{a2a * 1e3:.1f}",
-                         f"{a2a / per_iter:.1%}", f"{min(p, os.cpu_count())}/{p}"])
+            rows.append(
+                [
+                    p,
+                    n,
+                    f"{per_iter * 1e3:.0f}",
+                    f"{phases.get('forward', 0) * 1e3:.0f}",
+                    f"{phases.get('backward', 0) * 1e3:.0f}",
+                    f"{a2a * 1e3:.1f}",
+                    f"{a2a / per_iter:.1%}",
+                    f"{min(p, os.cpu_count())}/{p}",
+                ]
+            )
             print(rows[-1], flush=True)
-    table = markdown_table(["SP", "N", "ms/iter", "forward ms", "backward ms",
-                            "all-to-all ms", "all-to-all share", "cores"], rows)
-    report("alltoall-share", "All-to-all share of an iteration",
-           f"{a.layers} layers, hidden {a.hidden}, {a.heads} heads, micro-batch 1, fp32, dropout "
-           f"off; {a.iters} iterations after one warm-up, rank 0's timers.", table,
-           write_docs=a.write_docs)
+    table = markdown_table(
+        [
+            "SP",
+            "N",
+            "ms/iter",
+            "forward ms",
+            "backward ms",
+            "all-to-all ms",
+            "all-to-all share",
+            "cores",
+        ],
+        rows,
+    )
+    report(
+        "alltoall-share",
+        "All-to-all share of an iteration",
+        f"{a.layers} layers, hidden {a.hidden}, {a.heads} heads, micro-batch 1, fp32, dropout "
+        f"off; {a.iters} iterations after one warm-up, rank 0's timers.",
+        table,
+        write_docs=a.write_docs,
+    )
 
 
 if __name__ == "__main__":

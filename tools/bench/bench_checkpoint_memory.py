@@ -14,6 +14,7 @@ of the Adam moments) — what the rank holds anyway. A load that creates the opt
 counts that state (the rank's own moments) as extra. torch_dist writes and reads pieces of at
 most one block (checkpoint/pieces.BLOCK_BYTES).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,7 @@ import tempfile
 import threading
 import time
 
-MB = 2 ** 20
+MB = 2**20
 
 
 def _rss() -> int:
@@ -58,84 +59,132 @@ def _held_mb(trainer) -> float:
     def local(t):
         t = t.to_local() if isinstance(t, DTensor) else t
         return t.numel() * t.element_size()
+
     params = list(trainer.model.parameters())
     inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
-    moments = sum(local(v) for s in inner.state.values() for k, v in s.items()
-                  if k in ("exp_avg", "exp_avg_sq"))
-    grads = sum(local(p) for p in params)       # a gradient per parameter (ZeRO-1: the buffer)
+    moments = sum(
+        local(v)
+        for s in inner.state.values()
+        for k, v in s.items()
+        if k in ("exp_avg", "exp_avg_sq")
+    )
+    grads = sum(local(p) for p in params)  # a gradient per parameter (ZeRO-1: the buffer)
     return (sum(local(p) for p in params) + grads + moments) / MB
 
 
 def save_phase(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
     from megatron_ul.checkpoint.io import save_checkpoint
     from megatron_ul.training.pretrain import configure, setup
+
     trainer = setup(configure(argv, world))
     trainer.train()
     trainer.cfg.checkpoint.save = save_dir
-    params = sum(p.numel() for p in trainer.model.parameters())   # global under ZeRO-3
+    params = sum(p.numel() for p in trainer.model.parameters())  # global under ZeRO-3
     held = _held_mb(trainer)
     with PeakRSS() as probe:
         save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 1)
-    return {"rank": rank, "extra_mb": (probe.peak - probe.before) / MB, "held_mb": held,
-            "params": params}
+    return {
+        "rank": rank,
+        "extra_mb": (probe.peak - probe.before) / MB,
+        "held_mb": held,
+        "params": params,
+    }
 
 
 def load_phase(rank: int, world: int, argv: list[str], load_dir: str) -> dict:
     from megatron_ul.checkpoint.io import load_checkpoint
     from megatron_ul.training.pretrain import configure, setup
+
     trainer = setup(configure(argv, world))
     trainer.cfg.checkpoint.load = load_dir
     before_state = _held_mb(trainer)
     with PeakRSS() as probe:
         load_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler)
     held = _held_mb(trainer)
-    return {"rank": rank, "extra_mb": (probe.peak - probe.before) / MB, "held_mb": held,
-            "state_created_mb": held - before_state}
+    return {
+        "rank": rank,
+        "extra_mb": (probe.peak - probe.before) / MB,
+        "held_mb": held,
+        "state_created_mb": held - before_state,
+    }
 
 
 def main() -> int:
     from tools.bench.common import report, run_ranks
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden-size", type=int, default=1024)
     p.add_argument("--num-layers", type=int, default=24)
     p.add_argument("--world", type=int, default=2)
-    p.add_argument("--formats", nargs="+", default=["torch", "torch_dist"],
-                   choices=["torch", "torch_dist"])
+    p.add_argument(
+        "--formats", nargs="+", default=["torch", "torch_dist"], choices=["torch", "torch_dist"]
+    )
     p.add_argument("--section", default="checkpoint-memory")
     p.add_argument("--write-docs", action="store_true")
     a = p.parse_args()
     from megatron_ul.checkpoint import pieces
-    base = ["--mock-data", "--vocab-size", "1024", "--num-layers", str(a.num_layers),
-            "--hidden-size", str(a.hidden_size), "--num-attention-heads", "8",
-            "--seq-length", "64", "--micro-batch-size", "1", "--train-iters", "1",
-            "--log-interval", "100", "--attention-dropout", "0", "--hidden-dropout", "0",
-            "--lr-decay-iters", "10"]
+
+    base = [
+        "--mock-data",
+        "--vocab-size",
+        "1024",
+        "--num-layers",
+        str(a.num_layers),
+        "--hidden-size",
+        str(a.hidden_size),
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        "64",
+        "--micro-batch-size",
+        "1",
+        "--train-iters",
+        "1",
+        "--log-interval",
+        "100",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--lr-decay-iters",
+        "10",
+    ]
     tp = ["--tensor-model-parallel-size", str(a.world)]
     rows, params = [], 0
     for fmt in a.formats:
-        for name, flags in [("ZeRO-1", ["--use-distributed-optimizer"]),
-                            ("ZeRO-3", ["--zero-stage", "3"])]:
+        for name, flags in [
+            ("ZeRO-1", ["--use-distributed-optimizer"]),
+            ("ZeRO-3", ["--zero-stage", "3"]),
+        ]:
             argv = base + flags + ["--ckpt-format", fmt]
             with tempfile.TemporaryDirectory() as tmp:
                 saves = run_ranks(save_phase, a.world, argv, tmp)
                 loads = run_ranks(load_phase, a.world, argv + tp, tmp)
             params = saves[0]["params"]
             for s, ld in zip(saves, loads):
-                rows.append(f"| {fmt} | {name} | {s['rank']} | {s['held_mb']:.0f} | "
-                            f"{s['extra_mb']:.0f} ({s['extra_mb'] / s['held_mb']:.2f}) | "
-                            f"{ld['held_mb']:.0f} | {ld['state_created_mb']:.0f} | "
-                            f"{ld['extra_mb']:.0f} ({ld['extra_mb'] / ld['held_mb']:.2f}) |")
-    table = ("| format | optimizer | rank | save: rank holds MB | extra RSS during save MB "
-             "(/ holds) | load on TP" + str(a.world) + ": rank holds MB | of which Adam state "
-             "the load created MB | extra RSS during load MB (/ holds) |\n"
-             "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
-    report(a.section, "Host memory during a checkpoint save and a layout-changing load",
-           f"{params / 1e6:.0f}M parameters (hidden {a.hidden_size}, {a.num_layers} layers), "
-           f"{a.world} ranks on CPU (gloo). Save: DP{a.world} after one iteration; load: "
-           f"fresh processes on TP{a.world} with the same ZeRO stage. Peak RSS (sampled every "
-           f"2 ms) minus RSS before; 'holds' = the rank's parameters, gradients and Adam "
-           f"moments. torch_dist block: {pieces.BLOCK_BYTES // MB} MB.", table,
-           write_docs=a.write_docs)
+                rows.append(
+                    f"| {fmt} | {name} | {s['rank']} | {s['held_mb']:.0f} | "
+                    f"{s['extra_mb']:.0f} ({s['extra_mb'] / s['held_mb']:.2f}) | "
+                    f"{ld['held_mb']:.0f} | {ld['state_created_mb']:.0f} | "
+                    f"{ld['extra_mb']:.0f} ({ld['extra_mb'] / ld['held_mb']:.2f}) |"
+                )
+    table = (
+        "| format | optimizer | rank | save: rank holds MB | extra RSS during save MB "
+        "(/ holds) | load on TP" + str(a.world) + ": rank holds MB | of which Adam state "
+        "the load created MB | extra RSS during load MB (/ holds) |\n"
+        "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+    )
+    report(
+        a.section,
+        "Host memory during a checkpoint save and a layout-changing load",
+        f"{params / 1e6:.0f}M parameters (hidden {a.hidden_size}, {a.num_layers} layers), "
+        f"{a.world} ranks on CPU (gloo). Save: DP{a.world} after one iteration; load: "
+        f"fresh processes on TP{a.world} with the same ZeRO stage. Peak RSS (sampled every "
+        f"2 ms) minus RSS before; 'holds' = the rank's parameters, gradients and Adam "
+        f"moments. torch_dist block: {pieces.BLOCK_BYTES // MB} MB.",
+        table,
+        write_docs=a.write_docs,
+    )
     return 0
 
 

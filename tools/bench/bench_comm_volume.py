@@ -14,6 +14,7 @@ backward is 1.5x its forward. The forward ratio Megatron-SP / Ulysses should be 
 
     python -m tools.bench.bench_comm_volume [--seq-length 4096 --hidden-size 512] [--write-docs]
 """
+
 import argparse
 
 import torch
@@ -31,24 +32,34 @@ def one_layer(rank, world, seq, hidden, heads, layout):
     """Bytes this rank sends in one layer's forward and in its backward."""
     tp, sp = (1, world) if layout == "ulysses" else (world, 1)
     megatron_sp = layout == "megatron-sp"
-    return layer_bytes(ps.initialize_model_parallel(tp, sp, 1), world, seq, hidden, heads,
-                       megatron_sp)
+    return layer_bytes(
+        ps.initialize_model_parallel(tp, sp, 1), world, seq, hidden, heads, megatron_sp
+    )
 
 
 def layer_bytes(dims, world, seq, hidden, heads, megatron_sp=False):
     """Bytes this rank sends in the forward and in the backward of one transformer layer built
     on `dims` (fed this rank's seq/world tokens): per collective, {op: bytes}."""
     model_parallel_seed(1, dims, "cpu")
-    cfg = ModelConfig(num_layers=1, hidden_size=hidden, num_attention_heads=heads,
-                      seq_length=seq, vocab_size=128, attention_dropout=0.0, hidden_dropout=0.0)
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        seq_length=seq,
+        vocab_size=128,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
     layer = TransformerLayer(cfg, 1, seed=1, sequence_parallel=megatron_sp, dims=dims)
     x = torch.randn(seq // world, 1, hidden, requires_grad=True)  # this rank's tokens
     with comm_stats.count_communication() as forward:
         y = layer(x)
     with comm_stats.count_communication() as backward:
         y.sum().backward()
-    return ({op: v["bytes"] for op, v in forward.items()},
-            {op: v["bytes"] for op, v in backward.items()})
+    return (
+        {op: v["bytes"] for op, v in forward.items()},
+        {op: v["bytes"] for op, v in backward.items()},
+    )
 
 
 def formula_bytes(layout: str, seq: int, hidden: int, p: int, elem: int = 4) -> float:
@@ -58,8 +69,9 @@ def formula_bytes(layout: str, seq: int, hidden: int, p: int, elem: int = 4) -> 
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seq-length", type=int, default=4096)
     ap.add_argument("--hidden-size", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -74,18 +86,43 @@ def main(argv=None):
             fwd, bwd = run_ranks(one_layer, p, n, h, args.heads, layout)[0]
             measured[layout] = (sum(fwd.values()), sum(bwd.values()), sorted(fwd))
         (uf, ub, uops), (mf, mb, mops) = measured["ulysses"], measured["megatron-sp"]
-        rows.append([p, f"{uf / mib:.2f}", f"{formula_bytes('ulysses', n, h, p) / mib:.2f}",
-                     f"{ub / mib:.2f}", f"{mf / mib:.2f}",
-                     f"{formula_bytes('megatron', n, h, p) / mib:.2f}", f"{mb / mib:.2f}",
-                     f"{(mf + mb) / (uf + ub):.2f}", "+".join(uops), "+".join(mops)])
+        rows.append(
+            [
+                p,
+                f"{uf / mib:.2f}",
+                f"{formula_bytes('ulysses', n, h, p) / mib:.2f}",
+                f"{ub / mib:.2f}",
+                f"{mf / mib:.2f}",
+                f"{formula_bytes('megatron', n, h, p) / mib:.2f}",
+                f"{mb / mib:.2f}",
+                f"{(mf + mb) / (uf + ub):.2f}",
+                "+".join(uops),
+                "+".join(mops),
+            ]
+        )
     table = markdown_table(
-        ["P", "Ulysses fwd MiB", "formula 4Nh/P·(P-1)/P", "Ulysses bwd MiB",
-         "Megatron-SP fwd MiB", "formula 4Nh·(P-1)/P", "Megatron-SP bwd MiB",
-         "ratio (fwd+bwd)", "Ulysses ops", "Megatron-SP ops"], rows)
-    report("comm-volume", "Communication volume per layer (Ulysses vs Megatron-SP)",
-           f"Bytes sent per rank by every collective in one transformer layer (fp32, N = {n}, "
-           f"h = {h}, {args.heads} heads, micro-batch 1), counted by `mpu/comm_stats.py`.",
-           table, write_docs=args.write_docs)
+        [
+            "P",
+            "Ulysses fwd MiB",
+            "formula 4Nh/P·(P-1)/P",
+            "Ulysses bwd MiB",
+            "Megatron-SP fwd MiB",
+            "formula 4Nh·(P-1)/P",
+            "Megatron-SP bwd MiB",
+            "ratio (fwd+bwd)",
+            "Ulysses ops",
+            "Megatron-SP ops",
+        ],
+        rows,
+    )
+    report(
+        "comm-volume",
+        "Communication volume per layer (Ulysses vs Megatron-SP)",
+        f"Bytes sent per rank by every collective in one transformer layer (fp32, N = {n}, "
+        f"h = {h}, {args.heads} heads, micro-batch 1), counted by `mpu/comm_stats.py`.",
+        table,
+        write_docs=args.write_docs,
+    )
 
 
 if __name__ == "__main__":

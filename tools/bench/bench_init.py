@@ -10,6 +10,7 @@ one after another (nothing in the build communicates), each with the machine to 
 memory is the rise of the process's peak RSS over its RSS just before the build; CPU time is
 the process's own (robust to other load on the machine), wall time is also given.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,10 +21,27 @@ import time
 from tools.bench.common import markdown_table, report, run_ranks
 
 # Megatron's GPT-2 1.3B shape (24 layers, hidden 2048, 16 heads, GPT-2 vocabulary).
-MODEL_1_3B = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16",
-              "--seq-length", "2048", "--vocab-size", "50257"]
-COMMON = ["--mock-data", "--micro-batch-size", "1", "--train-iters", "1",
-          "--distributed-timeout-minutes", "30"]
+MODEL_1_3B = [
+    "--num-layers",
+    "24",
+    "--hidden-size",
+    "2048",
+    "--num-attention-heads",
+    "16",
+    "--seq-length",
+    "2048",
+    "--vocab-size",
+    "50257",
+]
+COMMON = [
+    "--mock-data",
+    "--micro-batch-size",
+    "1",
+    "--train-iters",
+    "1",
+    "--distributed-timeout-minutes",
+    "30",
+]
 LAYOUTS = {  # name -> (flags, world, shards per rank)
     "TP1": ([], 1, 1),
     "TP2": (["--tensor-model-parallel-size", "2"], 2, 2),
@@ -55,12 +73,13 @@ def build_on_rank(rank, world, argv):
             continue
         before = _rss_bytes()
         wall, cpu = time.perf_counter(), time.process_time()
-        model = build_model(cfg, device, dims)   # pretrain.setup's build, ZeRO-3 included
+        model = build_model(cfg, device, dims)  # pretrain.setup's build, ZeRO-3 included
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() * 4
-               for p in model.parameters())
-    total = sum(p.numel() for p in model.parameters())   # this rank's (TP/PP) model part
+    held = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * 4 for p in model.parameters()
+    )
+    total = sum(p.numel() for p in model.parameters())  # this rank's (TP/PP) model part
     torch.distributed.barrier()
     return {"wall": wall, "cpu": cpu, "peak": peak, "held": held, "params": total}
 
@@ -79,23 +98,47 @@ def main() -> None:
             base = worst
             full_params = per_rank[0]["params"]
         ratio = {k: worst[k] / base[k] for k in ("cpu", "peak")}
-        rows.append([name, world, f"{worst['held'] / GiB:.2f}", f"{worst['peak'] / GiB:.2f}",
-                     f"{worst['cpu']:.1f}", f"{worst['wall']:.1f}",
-                     f"{ratio['cpu']:.2f}", f"{ratio['peak']:.2f}", f"{1 / shards:.2f}"])
+        rows.append(
+            [
+                name,
+                world,
+                f"{worst['held'] / GiB:.2f}",
+                f"{worst['peak'] / GiB:.2f}",
+                f"{worst['cpu']:.1f}",
+                f"{worst['wall']:.1f}",
+                f"{ratio['cpu']:.2f}",
+                f"{ratio['peak']:.2f}",
+                f"{1 / shards:.2f}",
+            ]
+        )
         print(rows[-1], flush=True)
-    table = markdown_table(["layout", "ranks", "params held GiB (max rank)",
-                            "peak RSS rise GiB (max rank)", "build CPU s (max rank)",
-                            "build wall s (max rank)", "CPU vs TP1", "peak vs TP1",
-                            "ideal 1/shards"], rows)
-    report("init", "Shard-only initialisation of the 1.3B model",
-           f"GPT-2 1.3B shape ({full_params / 1e9:.2f} B parameters, fp32), built per rank as "
-           "pretrain.setup does: every rank computes only the elements it holds (its TP slice, "
-           "its pipeline stage, its ZeRO-3 shard) with the counter-based generator of "
-           "mpu/param_init.py. Gloo ranks, one thread each, building one after another.", table,
-           "Each rank's build CPU time and peak memory scale as 1/(TP·PP·ZeRO-3 shards); the "
-           "PP2 stages both hold the tied embedding (first stage: table, last stage: its copy), "
-           "so their share is (L/2 layers + embedding) / (L layers + embedding).",
-           write_docs=args.write_docs)
+    table = markdown_table(
+        [
+            "layout",
+            "ranks",
+            "params held GiB (max rank)",
+            "peak RSS rise GiB (max rank)",
+            "build CPU s (max rank)",
+            "build wall s (max rank)",
+            "CPU vs TP1",
+            "peak vs TP1",
+            "ideal 1/shards",
+        ],
+        rows,
+    )
+    report(
+        "init",
+        "Shard-only initialisation of the 1.3B model",
+        f"GPT-2 1.3B shape ({full_params / 1e9:.2f} B parameters, fp32), built per rank as "
+        "pretrain.setup does: every rank computes only the elements it holds (its TP slice, "
+        "its pipeline stage, its ZeRO-3 shard) with the counter-based generator of "
+        "mpu/param_init.py. Gloo ranks, one thread each, building one after another.",
+        table,
+        "Each rank's build CPU time and peak memory scale as 1/(TP·PP·ZeRO-3 shards); the "
+        "PP2 stages both hold the tied embedding (first stage: table, last stage: its copy), "
+        "so their share is (L/2 layers + embedding) / (L layers + embedding).",
+        write_docs=args.write_docs,
+    )
 
 
 if __name__ == "__main__":

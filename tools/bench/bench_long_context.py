@@ -9,6 +9,7 @@ is the largest ru_maxrss over the ranks; "above start" subtracts each rank's RSS
 `import torch` and process-group start (the interpreter, torch and gloo), which is what the
 estimator (training/memory_estimator.py, with the CPU's fp32 dropout-mask size) predicts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,25 +18,68 @@ import resource
 from tools.bench.common import markdown_table, report, run_ranks
 
 GIB = 2**30
-MODEL = ["--num-layers", "1", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--vocab-size", "32000", "--micro-batch-size", "1", "--global-batch-size", "1",
-         "--attention-dropout", "0", "--hidden-dropout", "0", "--train-iters", "1",
-         "--log-interval", "100", "--mock-data", "--recompute-granularity", "full",
-         "--recompute-method", "uniform", "--distributed-timeout-minutes", "30",
-         "--position-embedding-type", "rope"]
-FEATURES = {   # name -> flags
+MODEL = [
+    "--num-layers",
+    "1",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--vocab-size",
+    "32000",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "1",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--train-iters",
+    "1",
+    "--log-interval",
+    "100",
+    "--mock-data",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--distributed-timeout-minutes",
+    "30",
+    "--position-embedding-type",
+    "rope",
+]
+FEATURES = {  # name -> flags
     "full recompute only": [],
     "+ tiled loss": ["--tiled-loss-chunk-size", "1024"],
-    "+ tiled loss + tiled MLP": ["--tiled-loss-chunk-size", "1024",
-                                 "--tiled-mlp-chunk-size", "8192"],
-    "+ tiled loss + MLP + documents": ["--tiled-loss-chunk-size", "1024",
-                                       "--tiled-mlp-chunk-size", "8192",
-                                       "--tokenizer-type", "NullTokenizer",
-                                       "--reset-attention-mask", "--reset-position-ids"],
-    "+ tiled + documents + window 4096": ["--tiled-loss-chunk-size", "1024",
-                                          "--tiled-mlp-chunk-size", "8192",
-                                          "--tokenizer-type", "NullTokenizer",
-                                          "--reset-attention-mask", "--window-size", "4096", "0"],
+    "+ tiled loss + tiled MLP": [
+        "--tiled-loss-chunk-size",
+        "1024",
+        "--tiled-mlp-chunk-size",
+        "8192",
+    ],
+    "+ tiled loss + MLP + documents": [
+        "--tiled-loss-chunk-size",
+        "1024",
+        "--tiled-mlp-chunk-size",
+        "8192",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--reset-attention-mask",
+        "--reset-position-ids",
+    ],
+    "+ tiled + documents + window 4096": [
+        "--tiled-loss-chunk-size",
+        "1024",
+        "--tiled-mlp-chunk-size",
+        "8192",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--reset-attention-mask",
+        "--window-size",
+        "4096",
+        "0",
+    ],
 }
 
 
@@ -49,13 +93,18 @@ def one_iteration(rank, world, argv):
 
     from megatron_ul.training import memory_estimator as me
     from megatron_ul.training.pretrain import configure, setup
+
     cfg = configure(argv, world)
     start = _rss_bytes()
     trainer = setup(cfg)
     trainer.train()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    est = me.estimate(cfg.model, me.layout_from_config(cfg), recompute="full",
-                      precision=me.Precision(dropout_mask_bytes=4))
+    est = me.estimate(
+        cfg.model,
+        me.layout_from_config(cfg),
+        recompute="full",
+        precision=me.Precision(dropout_mask_bytes=4),
+    )
     dist.barrier()
     return {"peak": peak, "start": start, "estimate": est.total_bytes}
 
@@ -76,49 +125,87 @@ def estimate_tables() -> str:
 
     from megatron_ul.config import ModelConfig
     from megatron_ul.training import memory_estimator as me
+
     models = {
         "GPT 1.2B (24 × 2048, 32 heads, vocab 50257)": ModelConfig(
-            num_layers=24, hidden_size=2048, num_attention_heads=32, vocab_size=50257,
-            position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0),
+            num_layers=24,
+            hidden_size=2048,
+            num_attention_heads=32,
+            vocab_size=50257,
+            position_embedding_type="rope",
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ),
         "Llama-3-8B (32 × 4096, 32 q / 8 kv heads, ffn 14336, vocab 128256)": ModelConfig(
-            num_layers=32, hidden_size=4096, num_attention_heads=32, num_query_groups=8,
-            ffn_hidden_size=14336, vocab_size=128256, swiglu=True, normalization="RMSNorm",
-            add_bias_linear=False, untie_embeddings_and_output_weights=True,
-            position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0)}
-    features = {"full recompute only": {},
-                "+ tiled loss 8K, tiled MLP 16K, offload": dict(
-                    tiled_loss_chunk_size=8192, tiled_mlp_chunk_size=16384,
-                    activation_checkpoint_cpu_offload=True)}
+            num_layers=32,
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_query_groups=8,
+            ffn_hidden_size=14336,
+            vocab_size=128256,
+            swiglu=True,
+            normalization="RMSNorm",
+            add_bias_linear=False,
+            untie_embeddings_and_output_weights=True,
+            position_embedding_type="rope",
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        ),
+    }
+    features = {
+        "full recompute only": {},
+        "+ tiled loss 8K, tiled MLP 16K, offload": dict(
+            tiled_loss_chunk_size=8192,
+            tiled_mlp_chunk_size=16384,
+            activation_checkpoint_cpu_offload=True,
+        ),
+    }
     precision = me.Precision(bf16=True)
 
     def fit(m, gpu_gb):
-        found = me.smallest_fitting_layout(m, me.Layout(), gpu_gb, zero_stage=3,
-                                           recompute="full", precision=precision)
+        found = me.smallest_fitting_layout(
+            m, me.Layout(), gpu_gb, zero_stage=3, recompute="full", precision=precision
+        )
         if found is None:
             return "does not fit (SP ≤ heads)"
         layout, est = found
-        return (f"{layout.world} (SP {layout.sp} × DP {layout.dp}): {est.total_bytes / GIB:.0f} "
-                f"GiB/GPU, host {est.host_bytes / GIB:.0f} GiB/GPU")
+        return (
+            f"{layout.world} (SP {layout.sp} × DP {layout.dp}): {est.total_bytes / GIB:.0f} "
+            f"GiB/GPU, host {est.host_bytes / GIB:.0f} GiB/GPU"
+        )
 
     rows = []
     for model_name, model in models.items():
         for n in (2**20, 2**21, 2**22):
             for feature_name, extra in features.items():
                 m = replace(model, seq_length=n, max_position_embeddings=n, **extra)
-                one = me.estimate(m, me.Layout(), zero_stage=3, recompute="full",
-                                  precision=precision)
-                rows.append([model_name, f"{n // 2**20}M", feature_name,
-                             f"{one.total_bytes / GIB:.0f}", fit(m, 80), fit(m, 141)])
-    return markdown_table(["model", "N", "features", "1 GPU GiB", "fewest 80 GB GPUs",
-                           "fewest 141 GB GPUs"], rows)
+                one = me.estimate(
+                    m, me.Layout(), zero_stage=3, recompute="full", precision=precision
+                )
+                rows.append(
+                    [
+                        model_name,
+                        f"{n // 2**20}M",
+                        feature_name,
+                        f"{one.total_bytes / GIB:.0f}",
+                        fit(m, 80),
+                        fit(m, 141),
+                    ]
+                )
+    return markdown_table(
+        ["model", "N", "features", "1 GPU GiB", "fewest 80 GB GPUs", "fewest 141 GB GPUs"], rows
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write-docs", action="store_true")
     parser.add_argument("--quick", action="store_true", help="small lengths only (a smoke run)")
-    parser.add_argument("--estimates", action="store_true",
-                        help="print only the estimator's 1M-4M token tables (no measurement)")
+    parser.add_argument(
+        "--estimates",
+        action="store_true",
+        help="print only the estimator's 1M-4M token tables (no measurement)",
+    )
     args = parser.parse_args()
     if args.estimates:
         print(estimate_tables())
@@ -127,23 +214,49 @@ def main() -> None:
         plan = [(name, sp, seq) for name in FEATURES for sp, seq in ((1, 2048), (2, 4096))]
     else:
         names = list(FEATURES)
-        plan = ([(names[0], 1, n) for n in (4096, 8192, 16384)]
-                + [(names[1], 1, 65536), (names[2], 1, 16384)]
-                + [(name, 1, 65536) for name in names[2:]]
-                + [(name, 2, 131072) for name in names[2:]])
+        plan = (
+            [(names[0], 1, n) for n in (4096, 8192, 16384)]
+            + [(names[1], 1, 65536), (names[2], 1, 16384)]
+            + [(name, 1, 65536) for name in names[2:]]
+            + [(name, 2, 131072) for name in names[2:]]
+        )
     rows = []
     for name, sp, seq in plan:
         got = measure(seq, sp, FEATURES[name])
         error = got["estimate"] / got["above"] - 1
-        rows.append([name, sp, seq, seq // sp, f"{got['peak'] / GIB:.2f}",
-                     f"{got['above'] / GIB:.2f}", f"{got['estimate'] / GIB:.2f}",
-                     f"{error:+.0%}"])
+        rows.append(
+            [
+                name,
+                sp,
+                seq,
+                seq // sp,
+                f"{got['peak'] / GIB:.2f}",
+                f"{got['above'] / GIB:.2f}",
+                f"{got['estimate'] / GIB:.2f}",
+                f"{error:+.0%}",
+            ]
+        )
         print(rows[-1], flush=True)
-    table = markdown_table(["features (all with full recompute)", "SP", "N", "tokens per rank",
-                            "peak RSS per rank GiB", "above start GiB", "estimate GiB",
-                            "estimate vs measured"], rows)
-    report("long-context", "Long sequences: peak memory per rank against N",
-           __doc__.split("\n\n", 2)[2].strip(), table, write_docs=args.write_docs)
+    table = markdown_table(
+        [
+            "features (all with full recompute)",
+            "SP",
+            "N",
+            "tokens per rank",
+            "peak RSS per rank GiB",
+            "above start GiB",
+            "estimate GiB",
+            "estimate vs measured",
+        ],
+        rows,
+    )
+    report(
+        "long-context",
+        "Long sequences: peak memory per rank against N",
+        __doc__.split("\n\n", 2)[2].strip(),
+        table,
+        write_docs=args.write_docs,
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ and the longest sequence that fits a memory cap with full recompute.
 All numbers are bytes of tensors a rank really holds (megatron_ul/training/memory.py), on CPU
 gloo ranks spawned here; no timing is involved.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,13 +21,47 @@ from tools.bench.common import run_ranks
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MIB = 2**20
-STATE_MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
-               "--vocab-size", "4000", "--seq-length", "256", "--micro-batch-size", "1"]
-ACT_MODEL = ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8",
-             "--vocab-size", "1000", "--micro-batch-size", "1", "--position-embedding-type",
-             "rope", "--attention-dropout", "0", "--hidden-dropout", "0.1"]
-COMMON = ["--mock-data", "--train-iters", "4", "--log-interval", "100",
-          "--distributed-timeout-minutes", "5"]
+STATE_MODEL = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "8",
+    "--vocab-size",
+    "4000",
+    "--seq-length",
+    "256",
+    "--micro-batch-size",
+    "1",
+]
+ACT_MODEL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "128",
+    "--num-attention-heads",
+    "8",
+    "--vocab-size",
+    "1000",
+    "--micro-batch-size",
+    "1",
+    "--position-embedding-type",
+    "rope",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0.1",
+]
+COMMON = [
+    "--mock-data",
+    "--train-iters",
+    "4",
+    "--log-interval",
+    "100",
+    "--distributed-timeout-minutes",
+    "5",
+]
 
 
 # ---- 1. model state under ZeRO 0/1/3 ----------------------------------------------------------
@@ -35,6 +70,7 @@ def model_state_worker(rank, world, argv):
     from megatron_ul.training.memory import model_state_bytes
     from megatron_ul.training.pretrain import configure, setup
     from megatron_ul.training.step import count_tokens, train_step
+
     trainer = setup(configure(argv, world))
     model, optimizer = trainer.model, trainer.optimizer
     train_step(model, optimizer, next(trainer.train_batches), clip_grad=1.0)  # Adam state exists
@@ -46,22 +82,31 @@ def model_state_worker(rank, world, argv):
 
 def table_model_state() -> str:
     sp2 = ["--ds-sequence-parallel-size", "2"]
-    layouts = [(1, [], 1), (2, sp2, 1), (4, sp2, 2)]   # (dp_sp, flags, DP): dp_sp 4 = SP2 × DP2
-    zero = {"ZeRO-0": [], "ZeRO-1": ["--use-distributed-optimizer"],
-            "ZeRO-3": ["--zero-stage", "3"]}
-    rows = ["| ZeRO | dp_sp | params MiB | grads MiB | optimizer MiB | total MiB | "
-            "total vs dp_sp=1 |",
-            "|---|---|---|---|---|---|---|"]
+    layouts = [(1, [], 1), (2, sp2, 1), (4, sp2, 2)]  # (dp_sp, flags, DP): dp_sp 4 = SP2 × DP2
+    zero = {
+        "ZeRO-0": [],
+        "ZeRO-1": ["--use-distributed-optimizer"],
+        "ZeRO-3": ["--zero-stage", "3"],
+    }
+    rows = [
+        "| ZeRO | dp_sp | params MiB | grads MiB | optimizer MiB | total MiB | total vs dp_sp=1 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name, flags in zero.items():
         base = None
         for dp_sp, layout, dp in layouts:
-            per_rank = run_ranks(model_state_worker, dp_sp, COMMON + STATE_MODEL + layout + flags
-                             + ["--global-batch-size", str(dp)])
-            m = max(per_rank, key=lambda r: r["total"])   # the fullest rank
+            per_rank = run_ranks(
+                model_state_worker,
+                dp_sp,
+                COMMON + STATE_MODEL + layout + flags + ["--global-batch-size", str(dp)],
+            )
+            m = max(per_rank, key=lambda r: r["total"])  # the fullest rank
             base = base or m["total"]
-            rows.append(f"| {name} | {dp_sp} | {m['params'] / MIB:.2f} | {m['grads'] / MIB:.2f} | "
-                        f"{m['optimizer'] / MIB:.2f} | {m['total'] / MIB:.2f} | "
-                        f"{m['total'] / base:.3f} |")
+            rows.append(
+                f"| {name} | {dp_sp} | {m['params'] / MIB:.2f} | {m['grads'] / MIB:.2f} | "
+                f"{m['optimizer'] / MIB:.2f} | {m['total'] / MIB:.2f} | "
+                f"{m['total'] / base:.3f} |"
+            )
             print(rows[-1], flush=True)
     return "\n".join(rows)
 
@@ -81,26 +126,34 @@ def _local_batch(model_cfg, seq_length: int, dims):
 def layer_activation_worker(rank, world, argv, seq_length):
     from megatron_ul.training.memory import saved_activation_bytes
     from megatron_ul.training.pretrain import configure, setup
+
     cfg = configure(argv, world)
     model = setup(cfg).model
     tokens, positions, _ = _local_batch(cfg.model, seq_length, model.dims)
     x, rotary = _layer_inputs(model, cfg, tokens, positions)
-    _, saved = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),
-                                      exclude=list(model.parameters()))
+    _, saved = saved_activation_bytes(
+        lambda: model.layers[0](x, rotary, None), exclude=list(model.parameters())
+    )
     return saved
 
 
 def table_layer_activations(seq_length: int) -> str:
-    rows = ["| SP | tokens per rank | saved bytes per layer per rank (MiB) | vs SP=1 | 1/SP |",
-            "|---|---|---|---|---|"]
+    rows = [
+        "| SP | tokens per rank | saved bytes per layer per rank (MiB) | vs SP=1 | 1/SP |",
+        "|---|---|---|---|---|",
+    ]
     base = None
     for sp in (1, 2, 4, 8):
-        argv = COMMON + ACT_MODEL + ["--seq-length", str(seq_length),
-                                     "--ds-sequence-parallel-size", str(sp)]
+        argv = (
+            COMMON
+            + ACT_MODEL
+            + ["--seq-length", str(seq_length), "--ds-sequence-parallel-size", str(sp)]
+        )
         saved = max(run_ranks(layer_activation_worker, sp, argv, seq_length))
         base = base or saved
-        rows.append(f"| {sp} | {seq_length // sp} | {saved / MIB:.3f} | {saved / base:.3f} | "
-                    f"{1 / sp:.3f} |")
+        rows.append(
+            f"| {sp} | {seq_length // sp} | {saved / MIB:.3f} | {saved / base:.3f} | {1 / sp:.3f} |"
+        )
         print(rows[-1], flush=True)
     return "\n".join(rows)
 
@@ -108,6 +161,7 @@ def table_layer_activations(seq_length: int) -> str:
 # ---- 3. longest sequence under a cap with full recompute -----------------------------------------
 def _layer_inputs(model, cfg, tokens, positions):
     from megatron_ul.model.rotary import rotary_cos_sin
+
     x = model.embed(tokens, positions).detach().requires_grad_()
     return x, rotary_cos_sin(positions.t(), cfg.model.head_dim, cfg.model.rotary_base, x.dtype)
 
@@ -120,6 +174,7 @@ def longest_sequence_worker(rank, world, argv, cap_bytes, start):
     the one layer being recomputed during backward (its working set)."""
     from megatron_ul.training.memory import model_state_bytes, saved_activation_bytes
     from megatron_ul.training.pretrain import configure, setup
+
     cfg = configure(argv + ["--seq-length", str(start)], world)
     trainer = setup(cfg)
     model, params = trainer.model, list(trainer.model.parameters())
@@ -129,15 +184,19 @@ def longest_sequence_worker(rank, world, argv, cap_bytes, start):
     state = model_state_bytes(model, trainer.optimizer)["total"]
     best, n = None, start
     while True:
-        cfg.model.seq_length = n   # rope: no table depends on the length
+        cfg.model.seq_length = n  # rope: no table depends on the length
         tokens, positions, labels = _local_batch(cfg.model, n, model.dims)
         model.cfg.recompute_granularity = "full"
         # the lambdas run at once, inside the call, so late binding cannot bite
-        _, kept = saved_activation_bytes(lambda: model(tokens, positions, None, labels),  # noqa: B023
-                                         exclude=params)
+        _, kept = saved_activation_bytes(
+            lambda: model(tokens, positions, None, labels),  # noqa: B023
+            exclude=params,
+        )
         x, rotary = _layer_inputs(model, cfg, tokens, positions)
-        _, layer = saved_activation_bytes(lambda: model.layers[0](x, rotary, None),  # noqa: B023
-                                          exclude=params)
+        _, layer = saved_activation_bytes(
+            lambda: model.layers[0](x, rotary, None),  # noqa: B023
+            exclude=params,
+        )
         need = torch.tensor(float(state + kept + layer), device=tokens.device)
         dist.all_reduce(need, op=dist.ReduceOp.MAX)
         if need.item() > cap_bytes:
@@ -146,8 +205,11 @@ def longest_sequence_worker(rank, world, argv, cap_bytes, start):
 
 
 def table_longest_sequence(cap_bytes: int, start: int) -> str:
-    rows = [f"| SP | longest sequence under {cap_bytes / MIB:.0f} MiB per rank | vs SP=1 | "
-            f"per-rank MiB at that length |", "|---|---|---|---|"]
+    rows = [
+        f"| SP | longest sequence under {cap_bytes / MIB:.0f} MiB per rank | vs SP=1 | "
+        f"per-rank MiB at that length |",
+        "|---|---|---|---|",
+    ]
     base = None
     recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
     for sp in (1, 2, 4):
@@ -160,16 +222,49 @@ def table_longest_sequence(cap_bytes: int, start: int) -> str:
 
 
 # ---- 4. peak live tensors over two training iterations -----------------------------------------
-PEAK_MODEL = ["--num-layers", "1", "--num-attention-heads", "8", "--vocab-size", "32000",
-              "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
-              "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-              "--attention-dropout", "0", "--hidden-dropout", "0", "--micro-batch-size", "1",
-              "--recompute-granularity", "full", "--recompute-method", "uniform",
-              "--train-iters", "2", "--log-interval", "100", "--mock-data",
-              "--distributed-timeout-minutes", "30"]
-LONG_CONTEXT = ["--tiled-loss-chunk-size", "1024", "--tiled-mlp-chunk-size", "4096",
-                "--activation-checkpoint-cpu-offload", "--tokenizer-type", "NullTokenizer",
-                "--reset-attention-mask", "--reset-position-ids"]
+PEAK_MODEL = [
+    "--num-layers",
+    "1",
+    "--num-attention-heads",
+    "8",
+    "--vocab-size",
+    "32000",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--micro-batch-size",
+    "1",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--train-iters",
+    "2",
+    "--log-interval",
+    "100",
+    "--mock-data",
+    "--distributed-timeout-minutes",
+    "30",
+]
+LONG_CONTEXT = [
+    "--tiled-loss-chunk-size",
+    "1024",
+    "--tiled-mlp-chunk-size",
+    "4096",
+    "--activation-checkpoint-cpu-offload",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--reset-attention-mask",
+    "--reset-position-ids",
+]
 # fp32; bf16: --bf16 as Megatron means it (a bf16 model, fp32 main parameters and gradients,
 # optim/mixed_precision.py); autocast-bf16: the earlier meaning of --bf16, an fp32 model run
 # under torch.autocast (train_step's autocast_dtype), kept here as the baseline.
@@ -183,6 +278,7 @@ def peak_worker(rank, world, argv, precision: str):
     from megatron_ul.training import step as step_module
     from megatron_ul.training.pretrain import configure, setup
     from tools.bench.live_tensors import LiveTensorTracker, peak_rss_bytes
+
     cfg = configure(argv + (["--bf16"] if precision == "bf16" else []), world)
     rss_start = peak_rss_bytes()
     trainer = setup(cfg)
@@ -197,8 +293,8 @@ def peak_worker(rank, world, argv, precision: str):
 
     def gradients():
         return {"gradients": main_grads + [p.grad for p in params + main if p.grad is not None]}
-    tracker = LiveTensorTracker(model, preexisting=params + main + main_grads,
-                                classify=gradients)
+
+    tracker = LiveTensorTracker(model, preexisting=params + main + main_grads, classify=gradients)
     _phase_wrap(step_module, "clip_gradients", tracker, "clip")
     _phase_wrap(optimizer, "step", tracker, "optimizer")
     _mark_backward_stages(model, tracker)
@@ -206,20 +302,27 @@ def peak_worker(rank, world, argv, precision: str):
     with tracker:
         for i, batch in enumerate(batches):
             tracker.phase = f"iteration {i + 1} forward"
-            step_module.train_step(model, optimizer, batch, clip_grad=cfg.train.clip_grad,
-                                   autocast_dtype=autocast)
+            step_module.train_step(
+                model, optimizer, batch, clip_grad=cfg.train.clip_grad, autocast_dtype=autocast
+            )
     inner = getattr(optimizer, "optimizer", optimizer)
     state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
-    classes = {"parameters": params + main,
-               "optimizer state": state}
+    classes = {"parameters": params + main, "optimizer state": state}
     phases = {}
     for phase, peak in tracker.peaks.items():
-        phases[phase] = {"peak": peak.bytes, "where": peak.where,
-                         "breakdown": tracker.peak_breakdown(phase, classes)}
-    return {"phases": phases, "peak": max(p["peak"] for p in phases.values()),
-            "rss_peak": peak_rss_bytes(), "rss_start": rss_start,
-            "tokens_per_rank": cfg.model.seq_length // (model.dims.sp * model.dims.cp),
-            "params": sum(p.numel() for p in params)}
+        phases[phase] = {
+            "peak": peak.bytes,
+            "where": peak.where,
+            "breakdown": tracker.peak_breakdown(phase, classes),
+        }
+    return {
+        "phases": phases,
+        "peak": max(p["peak"] for p in phases.values()),
+        "rss_peak": peak_rss_bytes(),
+        "rss_start": rss_start,
+        "tokens_per_rank": cfg.model.seq_length // (model.dims.sp * model.dims.cp),
+        "params": sum(p.numel() for p in params),
+    }
 
 
 def _phase_wrap(owner, name: str, tracker, phase: str) -> None:
@@ -229,6 +332,7 @@ def _phase_wrap(owner, name: str, tracker, phase: str) -> None:
     def wrapped(*args, **kwargs):
         _set_stage(tracker, phase)
         return inner(*args, **kwargs)
+
     setattr(owner, name, wrapped)
 
 
@@ -240,11 +344,14 @@ def _set_stage(tracker, stage: str) -> None:
 def _mark_backward_stages(model, tracker) -> None:
     """A layer (or the output layer) running forward inside backward is its recompute: from
     there on, backward is that layer's (the loss's)."""
+
     def stage(name):
         def hook(_module, _inputs):
             if torch._C._current_autograd_node() is not None:
                 _set_stage(tracker, name)
+
         return hook
+
     for layer in model.layers:
         layer.register_forward_pre_hook(stage("layer backward"))
     head = getattr(model, "output_layer", None)
@@ -252,13 +359,27 @@ def _mark_backward_stages(model, tracker) -> None:
         head.register_forward_pre_hook(stage("loss backward"))
 
 
-def measure_peak(hidden: int, seq_length: int, precision: str, sp: int = 1, cp: int = 1,
-                 extra: tuple = ()) -> dict:
+def measure_peak(
+    hidden: int, seq_length: int, precision: str, sp: int = 1, cp: int = 1, extra: tuple = ()
+) -> dict:
     """The fullest rank's result of `peak_worker` for one configuration."""
-    argv = PEAK_MODEL + LONG_CONTEXT + list(extra) + [
-        "--hidden-size", str(hidden), "--seq-length", str(seq_length),
-        "--global-batch-size", "1", "--ds-sequence-parallel-size", str(sp),
-        "--context-parallel-size", str(cp)]
+    argv = (
+        PEAK_MODEL
+        + LONG_CONTEXT
+        + list(extra)
+        + [
+            "--hidden-size",
+            str(hidden),
+            "--seq-length",
+            str(seq_length),
+            "--global-batch-size",
+            "1",
+            "--ds-sequence-parallel-size",
+            str(sp),
+            "--context-parallel-size",
+            str(cp),
+        ]
+    )
     results = run_ranks(peak_worker, sp * cp, argv, precision)
     return max(results, key=lambda r: r["peak"])
 
@@ -268,31 +389,80 @@ def table_peak(hidden: int, seq_length: int, precisions, top: int) -> str:
     for precision in precisions:
         got = measure_peak(hidden, seq_length, precision)
         n = got["tokens_per_rank"]
-        lines += [f"### {precision}, hidden {hidden}, N = {seq_length}", "",
-                  f"Peak RSS {got['rss_peak'] / MIB:.0f} MiB "
-                  f"({(got['rss_peak'] - got['rss_start']) / MIB:.0f} MiB above start).", ""]
+        lines += [
+            f"### {precision}, hidden {hidden}, N = {seq_length}",
+            "",
+            f"Peak RSS {got['rss_peak'] / MIB:.0f} MiB "
+            f"({(got['rss_peak'] - got['rss_start']) / MIB:.0f} MiB above start).",
+            "",
+        ]
         for phase, p in got["phases"].items():
-            lines += [f"{phase}: peak live tensors {p['peak'] / MIB:.1f} MiB = "
-                      f"{p['peak'] / n:.0f} bytes/token, at `{p['where']}`", "",
-                      "| alive at the peak (phase / module or autograd node / op) | MiB | "
-                      "bytes/token |", "|---|---:|---:|"]
+            lines += [
+                f"{phase}: peak live tensors {p['peak'] / MIB:.1f} MiB = "
+                f"{p['peak'] / n:.0f} bytes/token, at `{p['where']}`",
+                "",
+                "| alive at the peak (phase / module or autograd node / op) | MiB | bytes/token |",
+                "|---|---:|---:|",
+            ]
             for label, nbytes in list(p["breakdown"].items())[:top]:
                 lines.append(f"| {label} | {nbytes / MIB:.1f} | {nbytes / n:.0f} |")
             lines.append("")
     return "\n".join(lines)
 
+
 # ---- 5. the targets, carried to GPUs by the estimator -------------------------------------------
-TARGET_GPT = ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "32",
-              "--vocab-size", "50257"]
-TARGET_LLAMA = ["--num-layers", "32", "--hidden-size", "4096", "--num-attention-heads", "32",
-                "--group-query-attention", "--num-query-groups", "8", "--ffn-hidden-size",
-                "14336", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
-                "--untie-embeddings-and-output-weights", "--vocab-size", "128256"]
-TARGET_COMMON = ["--mock-data", "--micro-batch-size", "1", "--position-embedding-type", "rope",
-                 "--recompute-granularity", "full", "--recompute-method", "uniform", "--bf16",
-                 "--use-flash-attn", "--attention-dropout", "0", "--hidden-dropout", "0",
-                 "--tiled-loss-chunk-size", "8192", "--tiled-mlp-chunk-size", "16384",
-                 "--activation-checkpoint-cpu-offload"]
+TARGET_GPT = [
+    "--num-layers",
+    "24",
+    "--hidden-size",
+    "2048",
+    "--num-attention-heads",
+    "32",
+    "--vocab-size",
+    "50257",
+]
+TARGET_LLAMA = [
+    "--num-layers",
+    "32",
+    "--hidden-size",
+    "4096",
+    "--num-attention-heads",
+    "32",
+    "--group-query-attention",
+    "--num-query-groups",
+    "8",
+    "--ffn-hidden-size",
+    "14336",
+    "--swiglu",
+    "--normalization",
+    "RMSNorm",
+    "--disable-bias-linear",
+    "--untie-embeddings-and-output-weights",
+    "--vocab-size",
+    "128256",
+]
+TARGET_COMMON = [
+    "--mock-data",
+    "--micro-batch-size",
+    "1",
+    "--position-embedding-type",
+    "rope",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+    "--bf16",
+    "--use-flash-attn",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--tiled-loss-chunk-size",
+    "8192",
+    "--tiled-mlp-chunk-size",
+    "16384",
+    "--activation-checkpoint-cpu-offload",
+]
 TARGETS = [  # (name, model, N, SP, GPU GB, ZeRO stage, optimizer offload, half model)
     ("GPT 1.2B", TARGET_GPT, 1 << 20, 1, 141, 0, 0.0, True),
     ("GPT 1.2B", TARGET_GPT, 1 << 20, 1, 141, 0, 0.0, False),
@@ -306,65 +476,102 @@ TARGETS = [  # (name, model, N, SP, GPU GB, ZeRO stage, optimizer offload, half 
 def table_targets() -> str:
     from megatron_ul.training import memory_estimator as me
     from megatron_ul.training.pretrain import configure
-    rows = ["| model | N | GPUs | precision | estimate GiB/GPU | budget GiB | | peak phase and "
-            "its terms (GiB) | host GiB/GPU |", "|---|---:|---|---|---:|---:|---|---|---:|"]
+
+    rows = [
+        "| model | N | GPUs | precision | estimate GiB/GPU | budget GiB | | peak phase and "
+        "its terms (GiB) | host GiB/GPU |",
+        "|---|---:|---|---|---:|---:|---|---|---:|",
+    ]
     for name, model, n, sp, gpu_gb, zero, offload, half in TARGETS:
-        argv = TARGET_COMMON + model + ["--seq-length", str(n), "--max-position-embeddings",
-                                        str(n), "--global-batch-size", "1",
-                                        "--ds-sequence-parallel-size", str(sp)]
+        argv = (
+            TARGET_COMMON
+            + model
+            + [
+                "--seq-length",
+                str(n),
+                "--max-position-embeddings",
+                str(n),
+                "--global-batch-size",
+                "1",
+                "--ds-sequence-parallel-size",
+                str(sp),
+            ]
+        )
         cfg = configure(argv + (["--zero-stage", "3"] if zero == 3 else []), sp)
-        est = me.estimate(cfg.model, me.layout_from_config(cfg), zero_stage=zero,
-                          recompute="full", precision=me.Precision(half_model=half, bf16=not half),
-                          kernels=me.Kernels(optimizer_offload=offload))
+        est = me.estimate(
+            cfg.model,
+            me.layout_from_config(cfg),
+            zero_stage=zero,
+            recompute="full",
+            precision=me.Precision(half_model=half, bf16=not half),
+            kernels=me.Kernels(optimizer_offload=offload),
+        )
         budget = gpu_gb * 1e9 / me.GiB - 2
-        terms = "; ".join(f"{k} {v / me.GiB:.1f}" for k, v in
-                          sorted(est.terms.items(), key=lambda kv: -kv[1]) if v > 0.5 * me.GiB)
+        terms = "; ".join(
+            f"{k} {v / me.GiB:.1f}"
+            for k, v in sorted(est.terms.items(), key=lambda kv: -kv[1])
+            if v > 0.5 * me.GiB
+        )
         fits = "fits" if est.total_bytes <= budget * me.GiB else "does not fit"
-        rows.append(f"| {name} | {n // 1024}K | {sp} × {gpu_gb} GB | "
-                    f"{'half model' if half else 'autocast'}"
-                    f"{', optimizer offload' if offload else ''}, ZeRO-{zero} | "
-                    f"{est.total_bytes / me.GiB:.1f} | {budget:.0f} | {fits} | "
-                    f"{est.peak_phase}: params {est.parameter_bytes / me.GiB:.1f}, optimizer "
-                    f"{est.optimizer_bytes / me.GiB:.1f}; {terms} | "
-                    f"{est.host_bytes / me.GiB:.0f} |")
+        rows.append(
+            f"| {name} | {n // 1024}K | {sp} × {gpu_gb} GB | "
+            f"{'half model' if half else 'autocast'}"
+            f"{', optimizer offload' if offload else ''}, ZeRO-{zero} | "
+            f"{est.total_bytes / me.GiB:.1f} | {budget:.0f} | {fits} | "
+            f"{est.peak_phase}: params {est.parameter_bytes / me.GiB:.1f}, optimizer "
+            f"{est.optimizer_bytes / me.GiB:.1f}; {terms} | "
+            f"{est.host_bytes / me.GiB:.0f} |"
+        )
     return "\n".join(rows)
 
 
 def machine_info() -> str:
-    return (f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, gloo on CPU")
+    return (
+        f"{platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, gloo on CPU"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seq-length", type=int, default=4096,
-                        help="fixed sequence length of the activation table")
+    parser.add_argument(
+        "--seq-length", type=int, default=4096, help="fixed sequence length of the activation table"
+    )
     parser.add_argument("--cap-mib", type=float, default=96, help="per-rank cap of table 3")
     parser.add_argument("--start-seq", type=int, default=1024, help="first length tried")
     parser.add_argument("--output", default=os.path.join(ROOT, "docs", "memory.md"))
-    parser.add_argument("--targets", action="store_true",
-                        help="print only the estimator's GPU targets table")
+    parser.add_argument(
+        "--targets", action="store_true", help="print only the estimator's GPU targets table"
+    )
     args = parser.parse_args()
     if args.targets:
         print(table_targets())
         return
     command = " ".join(["python -m tools.bench.bench_memory", *sys.argv[1:]])
     sections = [
-        ("Model state per rank (params + grads + Adam state) under ZeRO over dp_sp",
-         f"Model: {' '.join(STATE_MODEL)}. dp_sp 2 = SP2, dp_sp 4 = SP2 × DP2; the fullest rank "
-         f"is shown, measured after a step with gradients present. ZeRO-1 shards the Adam "
-         f"state (its fp32 master weights are the fp32 parameters themselves); ZeRO-3 (FSDP2) "
-         f"also shards parameters and gradients, so everything falls as 1/dp_sp.",
-         table_model_state()),
-        ("Activation bytes saved for backward, per transformer layer, per rank",
-         f"Model: {' '.join(ACT_MODEL)}, sequence {args.seq_length}; saved-tensor hooks, "
-         f"deduplicated by storage, weights excluded.", table_layer_activations(args.seq_length)),
-        ("Longest sequence under a per-rank cap with full recompute (ZeRO-0)",
-         "Per-rank bytes = model state (params, grads, Adam) + activations kept by a "
-         "full-recompute forward (uniform, 1 layer per checkpoint; includes the loss's logits) + "
-         "the saved tensors of the one layer being recomputed; the length is doubled from "
-         f"{args.start_seq} until the fullest rank exceeds the cap.",
-         table_longest_sequence(int(args.cap_mib * MIB), args.start_seq)),
+        (
+            "Model state per rank (params + grads + Adam state) under ZeRO over dp_sp",
+            f"Model: {' '.join(STATE_MODEL)}. dp_sp 2 = SP2, dp_sp 4 = SP2 × DP2; the fullest rank "
+            f"is shown, measured after a step with gradients present. ZeRO-1 shards the Adam "
+            f"state (its fp32 master weights are the fp32 parameters themselves); ZeRO-3 (FSDP2) "
+            f"also shards parameters and gradients, so everything falls as 1/dp_sp.",
+            table_model_state(),
+        ),
+        (
+            "Activation bytes saved for backward, per transformer layer, per rank",
+            f"Model: {' '.join(ACT_MODEL)}, sequence {args.seq_length}; saved-tensor hooks, "
+            f"deduplicated by storage, weights excluded.",
+            table_layer_activations(args.seq_length),
+        ),
+        (
+            "Longest sequence under a per-rank cap with full recompute (ZeRO-0)",
+            "Per-rank bytes = model state (params, grads, Adam) + activations kept by a "
+            "full-recompute forward (uniform, 1 layer per checkpoint; includes the loss's "
+            "logits) + "
+            "the saved tensors of the one layer being recomputed; the length is doubled from "
+            f"{args.start_seq} until the fullest rank exceeds the cap.",
+            table_longest_sequence(int(args.cap_mib * MIB), args.start_seq),
+        ),
     ]
     text = [f"# Memory, measured\n\nCommand: `{command}`  \nMachine: {machine_info()}\n"]
     for title, note, table in sections:

@@ -11,6 +11,7 @@ ranks (min-max in brackets), printed next to the formulas (p-1)/(m+p-1) for 1F1B
 
 With --write-docs the table replaces the benchmark section of docs/pipeline.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ BENCH_START, BENCH_END = "<!-- bench:start -->", "<!-- bench:end -->"
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--micro-batches", type=int, default=8)
     parser.add_argument("--num-layers", type=int, default=8)
     parser.add_argument("--hidden-size", type=int, default=512)
@@ -42,18 +44,40 @@ def parse_args(argv=None):
 
 def layouts(num_layers: int):
     """(name, PP, layers per virtual stage or None)"""
-    return [("1F1B PP=2", 2, None), ("1F1B PP=4", 4, None),
-            ("interleaved PP=2 v=2", 2, num_layers // 4),
-            ("interleaved PP=4 v=2", 4, num_layers // 8)]
+    return [
+        ("1F1B PP=2", 2, None),
+        ("1F1B PP=4", 4, None),
+        ("interleaved PP=2 v=2", 2, num_layers // 4),
+        ("interleaved PP=4 v=2", 4, num_layers // 8),
+    ]
 
 
 def trainer_flags(args, pp: int, per_virtual) -> list[str]:
-    flags = ["--mock-data", "--vocab-size", "1000", "--num-layers", str(args.num_layers),
-             "--hidden-size", str(args.hidden_size), "--num-attention-heads", "8",
-             "--seq-length", str(args.seq_length), "--micro-batch-size", "1",
-             "--global-batch-size", str(args.micro_batches), "--train-iters", "100",
-             "--attention-dropout", "0", "--hidden-dropout", "0",
-             "--pipeline-model-parallel-size", str(pp)]
+    flags = [
+        "--mock-data",
+        "--vocab-size",
+        "1000",
+        "--num-layers",
+        str(args.num_layers),
+        "--hidden-size",
+        str(args.hidden_size),
+        "--num-attention-heads",
+        "8",
+        "--seq-length",
+        str(args.seq_length),
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        str(args.micro_batches),
+        "--train-iters",
+        "100",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--pipeline-model-parallel-size",
+        str(pp),
+    ]
     if per_virtual:
         flags += ["--num-layers-per-virtual-pipeline-stage", str(per_virtual)]
     return flags
@@ -62,6 +86,7 @@ def trainer_flags(args, pp: int, per_virtual) -> list[str]:
 def _instrument_waits(counter: dict) -> None:
     """Count the time each rank spends blocked on its neighbours."""
     from megatron_ul.pipeline.p2p import StageCommunicator
+
     communicate = StageCommunicator.communicate
 
     def timed(fn):
@@ -71,7 +96,9 @@ def _instrument_waits(counter: dict) -> None:
                 return fn(*a, **k)
             finally:
                 counter["blocked"] += time.perf_counter() - start
+
         return run
+
     StageCommunicator.communicate = timed(communicate)
 
 
@@ -82,6 +109,7 @@ def _measure_rank(rank, world, flags, iters):
     from megatron_ul.training.data import build_datasets, global_batches
     from megatron_ul.training.pretrain import build_model, configure
     from megatron_ul.training.step import count_tokens, schedule_for
+
     try:
         cfg = configure(flags, world)
         device, dims = initialize_distributed(cfg)
@@ -111,37 +139,46 @@ def measure(flags: list[str], world: int, iters: int) -> list[tuple[float, float
 
 def table(args) -> str:
     m = args.micro_batches
-    lines = ["| schedule | p | v | m | formula | measured bubble (mean over stages) | "
-             "per-stage range | ms per forward-backward |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| schedule | p | v | m | formula | measured bubble (mean over stages) | "
+        "per-stage range | ms per forward-backward |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name, pp, per_virtual in layouts(args.num_layers):
         v = args.num_layers // (pp * per_virtual) if per_virtual else 1
         per_rank = measure(trainer_flags(args, pp, per_virtual), pp, args.iters)
         fractions = [b / w for w, b in per_rank]
         formula = (pp - 1) / (v * m + pp - 1)
         wall_ms = max(w for w, _ in per_rank) / args.iters * 1e3
-        lines.append(f"| {name} | {pp} | {v} | {m} | {formula:.3f} | "
-                     f"{sum(fractions) / len(fractions):.3f} | {min(fractions):.3f}–"
-                     f"{max(fractions):.3f} | {wall_ms:.0f} |")
+        lines.append(
+            f"| {name} | {pp} | {v} | {m} | {formula:.3f} | "
+            f"{sum(fractions) / len(fractions):.3f} | {min(fractions):.3f}–"
+            f"{max(fractions):.3f} | {wall_ms:.0f} |"
+        )
         print(lines[-1], flush=True)
     return "\n".join(lines)
 
 
 def machine() -> str:
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"torch {torch.__version__}, gloo, one thread per rank, load average "
-            f"{os.getloadavg()[0]:.1f} at the end of the run")
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"torch {torch.__version__}, gloo, one thread per rank, load average "
+        f"{os.getloadavg()[0]:.1f} at the end of the run"
+    )
 
 
 def main(argv=None):
     args = parse_args(argv)
     result = table(args)
     command = "python -m tools.bench.bench_pipeline_bubble " + " ".join(
-        a for a in (argv if argv is not None else sys.argv[1:]))
-    section = (f"{BENCH_START}\nCommand: `{command.strip()}`\n\nModel: {args.num_layers} layers, "
-               f"hidden {args.hidden_size}, 8 heads, sequence {args.seq_length}, micro-batch 1, "
-               f"{args.micro_batches} micro-batches, fp32.\nMachine: {machine()}.\n\n{result}\n"
-               f"{BENCH_END}")
+        a for a in (argv if argv is not None else sys.argv[1:])
+    )
+    section = (
+        f"{BENCH_START}\nCommand: `{command.strip()}`\n\nModel: {args.num_layers} layers, "
+        f"hidden {args.hidden_size}, 8 heads, sequence {args.seq_length}, micro-batch 1, "
+        f"{args.micro_batches} micro-batches, fp32.\nMachine: {machine()}.\n\n{result}\n"
+        f"{BENCH_END}"
+    )
     print("\n" + section)
     if args.write_docs:
         text = open(DOCS_PATH).read()

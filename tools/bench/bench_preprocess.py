@@ -22,32 +22,57 @@ import sys
 import tempfile
 import time
 
-from megatron_ul.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder, token_dtype_for_vocab
+from megatron_ul.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    token_dtype_for_vocab,
+)
 from megatron_ul.data.tokenizers import build_tokenizer
 from tools.bench.common import markdown_table, report
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MIN_CORPUS_MB = 20
-TOKENIZER = "GPTSentencePieceTokenizer"  # the same id rule on both sides (no special-token splitting)
+TOKENIZER = (
+    "GPTSentencePieceTokenizer"  # the same id rule on both sides (no special-token splitting)
+)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--input", default=None, help="JSONL corpus (default: build the demo corpus)")
-    parser.add_argument("--tokenizer-model", default=None, help="SentencePiece model (default: train one)")
-    parser.add_argument("--vocab-size", type=int, default=32000, help="vocab size when training the model")
-    parser.add_argument("--workdir", default=None, help="where corpus, model and outputs go (default: a temp dir)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--input", default=None, help="JSONL corpus (default: build the demo corpus)"
+    )
+    parser.add_argument(
+        "--tokenizer-model", default=None, help="SentencePiece model (default: train one)"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=32000, help="vocab size when training the model"
+    )
+    parser.add_argument(
+        "--workdir", default=None, help="where corpus, model and outputs go (default: a temp dir)"
+    )
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--repeats", type=int, default=3, help="runs per method; the fastest counts")
-    parser.add_argument("--megatron-lm", default=None,
-                        help="a Megatron-LM checkout whose tools/preprocess_data.py runs here (e.g. core_v0.9.0)")
-    parser.add_argument("--write-docs", action="store_true", help="write the section into docs/benchmarks.md")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="runs per method; the fastest counts"
+    )
+    parser.add_argument(
+        "--megatron-lm",
+        default=None,
+        help="a Megatron-LM checkout whose tools/preprocess_data.py runs here (e.g. core_v0.9.0)",
+    )
+    parser.add_argument(
+        "--write-docs", action="store_true", help="write the section into docs/benchmarks.md"
+    )
     return parser.parse_args(argv)
 
 
 def run_tool(script, *arguments):
     command = [sys.executable, "-m", "tools." + script.removesuffix(".py"), *arguments]
-    subprocess.run(command, check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        command, check=True, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 def prepare_inputs(args, workdir):
@@ -57,13 +82,23 @@ def prepare_inputs(args, workdir):
         run_tool("make_demo_corpus.py", "--output", corpus)
     size_mb = os.path.getsize(corpus) / 1e6
     if size_mb < MIN_CORPUS_MB:
-        print(f"warning: corpus is {size_mb:.1f} MB, under the {MIN_CORPUS_MB} MB the benchmark calls for",
-              file=sys.stderr)
+        print(
+            f"warning: corpus is {size_mb:.1f} MB, under the {MIN_CORPUS_MB} MB the benchmark "
+            f"calls for",
+            file=sys.stderr,
+        )
     model = args.tokenizer_model
     if model is None:
         prefix = os.path.join(workdir, "sp")
-        run_tool("train_tokenizer.py", "--input", corpus, "--model-prefix", prefix,
-                 "--vocab-size", str(args.vocab_size))
+        run_tool(
+            "train_tokenizer.py",
+            "--input",
+            corpus,
+            "--model-prefix",
+            prefix,
+            "--vocab-size",
+            str(args.vocab_size),
+        )
         model = prefix + ".model"
     return corpus, model
 
@@ -72,7 +107,9 @@ def plain_loop(corpus, model, prefix):
     """The straightforward single-process version, as a baseline; returns seconds."""
     start = time.time()
     tokenizer = build_tokenizer(TOKENIZER, tokenizer_model=model)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=token_dtype_for_vocab(tokenizer.vocab_size))
+    builder = IndexedDatasetBuilder(
+        prefix + ".bin", dtype=token_dtype_for_vocab(tokenizer.vocab_size)
+    )
     with open(corpus, encoding="utf-8") as handle:
         for line in handle:
             ids = tokenizer.tokenize(json.loads(line)["text"])
@@ -85,25 +122,59 @@ def plain_loop(corpus, model, prefix):
 
 def timed_preprocess(corpus, model, prefix, workers):
     start = time.time()
-    run_tool("preprocess_data.py", "--input", corpus, "--output-prefix", prefix, "--tokenizer-type",
-             TOKENIZER, "--tokenizer-model", model, "--append-eod", "--workers", str(workers),
-             "--log-interval", "1000000")
+    run_tool(
+        "preprocess_data.py",
+        "--input",
+        corpus,
+        "--output-prefix",
+        prefix,
+        "--tokenizer-type",
+        TOKENIZER,
+        "--tokenizer-model",
+        model,
+        "--append-eod",
+        "--workers",
+        str(workers),
+        "--log-interval",
+        "1000000",
+    )
     return time.time() - start
 
 
 def timed_megatron_lm(checkout, corpus, model, prefix, workers):
     start = time.time()
-    subprocess.run([sys.executable, os.path.join(checkout, "tools", "preprocess_data.py"), "--input", corpus,
-                    "--output-prefix", prefix, "--tokenizer-type", TOKENIZER, "--tokenizer-model", model,
-                    "--append-eod", "--workers", str(workers), "--log-interval", "1000000"],
-                   check=True, cwd=checkout, env=dict(os.environ, PYTHONPATH=checkout),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(checkout, "tools", "preprocess_data.py"),
+            "--input",
+            corpus,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-type",
+            TOKENIZER,
+            "--tokenizer-model",
+            model,
+            "--append-eod",
+            "--workers",
+            str(workers),
+            "--log-interval",
+            "1000000",
+        ],
+        check=True,
+        cwd=checkout,
+        env=dict(os.environ, PYTHONPATH=checkout),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return time.time() - start
 
 
 def same_files(first_prefix, second_prefix):
-    return all(open(first_prefix + suffix, "rb").read() == open(second_prefix + suffix, "rb").read()
-               for suffix in (".bin", ".idx"))
+    return all(
+        open(first_prefix + suffix, "rb").read() == open(second_prefix + suffix, "rb").read()
+        for suffix in (".bin", ".idx")
+    )
 
 
 def measure(args, workdir):
@@ -115,8 +186,12 @@ def measure(args, workdir):
     rows.append(("plain loop (1 process, in the benchmark)", None, seconds))
     methods = [("megatron_ul tools/preprocess_data.py", timed_preprocess)]
     if args.megatron_lm:
-        methods.append(("Megatron-LM tools/preprocess_data.py", lambda c, m, p, w: timed_megatron_lm(
-            args.megatron_lm, c, m, p, w)))
+        methods.append(
+            (
+                "Megatron-LM tools/preprocess_data.py",
+                lambda c, m, p, w: timed_megatron_lm(args.megatron_lm, c, m, p, w),
+            )
+        )
     for workers in args.workers:
         # Alternate the tools within each repeat so that load on a shared machine hits both alike.
         best = {}
@@ -125,7 +200,9 @@ def measure(args, workdir):
                 prefix = os.path.join(workdir, f"{len(best)}-{name.split()[0]}-w{workers}")
                 seconds = timed(corpus, model, prefix, workers)
                 if not same_files(prefix + "_text_document", baseline_prefix):
-                    raise SystemExit(f"error: {name} --workers {workers} wrote other bytes than the plain loop")
+                    raise SystemExit(
+                        f"error: {name} --workers {workers} wrote other bytes than the plain loop"
+                    )
                 best[name] = min(best.get(name, float("inf")), seconds)
         rows += [(name, workers, best[name]) for name, _ in methods]
     corpus_mb = os.path.getsize(corpus) / 1e6
@@ -133,13 +210,30 @@ def measure(args, workdir):
 
 
 def format_table(corpus_mb, num_tokens, rows):
-    reference = {workers: seconds for name, workers, seconds in rows if name.startswith("Megatron-LM")}
-    header = ["method", "--workers", "wall time (s)", "tokens/s", "MB/s", "vs Megatron-LM, same workers"]
+    reference = {
+        workers: seconds for name, workers, seconds in rows if name.startswith("Megatron-LM")
+    }
+    header = [
+        "method",
+        "--workers",
+        "wall time (s)",
+        "tokens/s",
+        "MB/s",
+        "vs Megatron-LM, same workers",
+    ]
     table = []
     for name, workers, seconds in rows:
         ratio = f"{reference[workers] / seconds:.2f}x" if workers in reference else "-"
-        table.append([name, workers if workers is not None else "-", f"{seconds:.2f}",
-                      f"{num_tokens / seconds / 1e6:.2f} M", f"{corpus_mb / seconds:.1f}", ratio])
+        table.append(
+            [
+                name,
+                workers if workers is not None else "-",
+                f"{seconds:.2f}",
+                f"{num_tokens / seconds / 1e6:.2f} M",
+                f"{corpus_mb / seconds:.1f}",
+                ratio,
+            ]
+        )
     return markdown_table(header, table)
 
 
@@ -149,13 +243,22 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(dir=args.workdir) as workdir:
         corpus_mb, num_tokens, rows = measure(args, workdir)
     load = f"1-minute load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after the run"
-    setup = (f"Corpus: {corpus_mb:.1f} MB JSONL ({num_tokens:,} tokens, EOD included), {TOKENIZER} "
-             f"(BPE SentencePiece, {args.vocab_size} pieces), --append-eod. Best of {args.repeats} runs each, "
-             "the tools alternating; wall time includes starting the process (Megatron-LM's imports torch and "
-             f"megatron). Every output is checked byte-identical to the plain loop's. {load} "
-             f"(on {os.cpu_count()} cores: a loaded machine slows every row, workers most).")
-    report("preprocess", "Preprocessing throughput (tools/preprocess_data.py)", setup,
-           format_table(corpus_mb, num_tokens, rows), write_docs=args.write_docs)
+    setup = (
+        f"Corpus: {corpus_mb:.1f} MB JSONL ({num_tokens:,} tokens, EOD included), {TOKENIZER} "
+        f"(BPE SentencePiece, {args.vocab_size} pieces), --append-eod. Best of {args.repeats} "
+        f"runs each, "
+        "the tools alternating; wall time includes starting the process (Megatron-LM's imports "
+        "torch and "
+        f"megatron). Every output is checked byte-identical to the plain loop's. {load} "
+        f"(on {os.cpu_count()} cores: a loaded machine slows every row, workers most)."
+    )
+    report(
+        "preprocess",
+        "Preprocessing throughput (tools/preprocess_data.py)",
+        setup,
+        format_table(corpus_mb, num_tokens, rows),
+        write_docs=args.write_docs,
+    )
     return 0
 
 

@@ -15,6 +15,7 @@ DeepSpeed is an optional, benchmark-only dependency (DS_BUILD_OPS=0, a venv of i
         msgpack ninja einops
     /work/venvs/ds/bin/python -m tools.bench.bench_vs_deepspeed [--write-docs]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,7 +63,7 @@ def _deepspeed_layer(dims, kv_heads: int):
     from deepspeed.sequence.layer import DistributedAttention as DeepSpeedAttention
     from deepspeed.utils import groups
 
-    class _SequenceGroup:   # what DeepSpeed's uneven-head path asks for the SP rank
+    class _SequenceGroup:  # what DeepSpeed's uneven-head path asks for the SP rank
         def get_sequence_parallel_rank(self):
             return dims.sp_rank
 
@@ -73,12 +74,14 @@ def _deepspeed_layer(dims, kv_heads: int):
             return dims.sp
 
     if not deepspeed.comm.is_initialized():
-        deepspeed.comm.init_distributed(dist_backend="gloo", auto_mpi_discovery=False,
-                                        verbose=False)
+        deepspeed.comm.init_distributed(
+            dist_backend="gloo", auto_mpi_discovery=False, verbose=False
+        )
     groups.mpu = _SequenceGroup()
     attend = lambda q, k, v: local_attention(q, k, v, backend="sdpa", dropout_p=0.0)  # noqa: E731
-    return DeepSpeedAttention(attend, dims.sp_group, scatter_idx=2, gather_idx=0,
-                              num_kv_heads=kv_heads)
+    return DeepSpeedAttention(
+        attend, dims.sp_group, scatter_idx=2, gather_idx=0, num_kv_heads=kv_heads
+    )
 
 
 def compare(dims, rank, world, seq, heads, kv_heads, head_dim, dtype_name, rounds):
@@ -124,14 +127,14 @@ def compare_all(rank, world, cases, rounds):
     results = []
     for seq, heads, kv_heads, dtype in cases:
         results.append(compare(dims, rank, world, seq, heads, kv_heads, 64, dtype, rounds))
-        if rank == 0:   # progress: a long matrix on a shared machine
+        if rank == 0:  # progress: a long matrix on a shared machine
             print(f"SP{world} N={seq} {heads}/{kv_heads} {dtype}: {results[-1]}", flush=True)
     return results
 
 
 def table(cases, rounds: int) -> str:
     results = {}
-    for sp in sorted({case[1] for case in cases}):   # one spawn per SP: DeepSpeed imports slowly
+    for sp in sorted({case[1] for case in cases}):  # one spawn per SP: DeepSpeed imports slowly
         mine = [(n, h, kv, dt) for n, s, h, kv, dt in cases if s == sp]
         for case, per_rank in zip(mine, zip(*run_ranks(compare_all, sp, mine, rounds))):
             results[(case[0], sp, *case[1:])] = per_rank
@@ -140,19 +143,43 @@ def table(cases, rounds: int) -> str:
         per_rank = results[(seq, sp, heads, kv_heads, dtype)]
         ours = max(r[2] for r in per_rank)
         theirs = max(r[3] for r in per_rank)
-        rows.append([seq, sp, f"{heads}/{kv_heads}", dtype,
-                     "yes" if all(r[0] for r in per_rank) else "NO",
-                     "yes" if all(r[1] for r in per_rank) else "NO",
-                     f"{ours * 1e3:.0f}", f"{theirs * 1e3:.0f}", f"{ours / theirs:.2f}",
-                     f"{max(r[4] for r in per_rank):.2f}", f"{max(r[5] for r in per_rank):.2f}"])
-    return markdown_table(["N", "SP", "q/kv heads", "dtype", "output bit-equal",
-                           "grads bit-equal", "ours ms", "DeepSpeed ms", "ours / DeepSpeed",
-                           "ours MB sent (max rank)", "DeepSpeed MB sent (max rank)"], rows)
+        rows.append(
+            [
+                seq,
+                sp,
+                f"{heads}/{kv_heads}",
+                dtype,
+                "yes" if all(r[0] for r in per_rank) else "NO",
+                "yes" if all(r[1] for r in per_rank) else "NO",
+                f"{ours * 1e3:.0f}",
+                f"{theirs * 1e3:.0f}",
+                f"{ours / theirs:.2f}",
+                f"{max(r[4] for r in per_rank):.2f}",
+                f"{max(r[5] for r in per_rank):.2f}",
+            ]
+        )
+    return markdown_table(
+        [
+            "N",
+            "SP",
+            "q/kv heads",
+            "dtype",
+            "output bit-equal",
+            "grads bit-equal",
+            "ours ms",
+            "DeepSpeed ms",
+            "ours / DeepSpeed",
+            "ours MB sent (max rank)",
+            "DeepSpeed MB sent (max rank)",
+        ],
+        rows,
+    )
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seq-lengths", type=int, nargs="+", default=[4096, 8192])
     ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--heads", type=int, nargs="+", default=[8, 16])
@@ -161,16 +188,21 @@ def main(argv=None):
     ap.add_argument("--gqa-seq-length", type=int, default=4096)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args(argv)
-    cases = [(n, sp, h, h, args.dtype) for n in args.seq_lengths for sp in args.sizes
-             for h in args.heads]
+    cases = [
+        (n, sp, h, h, args.dtype) for n in args.seq_lengths for sp in args.sizes for h in args.heads
+    ]
     cases.append((args.gqa_seq_length, 4, 12, 6, args.dtype))
-    report("vs-deepspeed", "Ulysses layer vs DeepSpeed's DistributedAttention (CPU, gloo)",
-           f"One attention layer (all-to-alls + the same SDPA local attention), forward + "
-           f"backward, micro-batch 1, head dim 64, {args.dtype}, one thread per rank; both "
-           f"layers get the same inputs and upstream gradient. Time: the fastest of "
-           f"{args.rounds} alternating rounds, max over ranks. Bytes: what each rank sends "
-           f"through all_to_all_single in forward + backward, max over ranks.",
-           table(cases, args.rounds), write_docs=args.write_docs)
+    report(
+        "vs-deepspeed",
+        "Ulysses layer vs DeepSpeed's DistributedAttention (CPU, gloo)",
+        f"One attention layer (all-to-alls + the same SDPA local attention), forward + "
+        f"backward, micro-batch 1, head dim 64, {args.dtype}, one thread per rank; both "
+        f"layers get the same inputs and upstream gradient. Time: the fastest of "
+        f"{args.rounds} alternating rounds, max over ranks. Bytes: what each rank sends "
+        f"through all_to_all_single in forward + backward, max over ranks.",
+        table(cases, args.rounds),
+        write_docs=args.write_docs,
+    )
 
 
 if __name__ == "__main__":

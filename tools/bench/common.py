@@ -1,5 +1,6 @@
 """Shared by the benchmarks: spawn gloo ranks (one thread each), machine info, and writing a
 benchmark's section of docs/benchmarks.md (each benchmark owns the text between its markers)."""
+
 from __future__ import annotations
 
 import datetime
@@ -13,14 +14,17 @@ from megatron_ul.local_ranks import run_on_local_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(REPO_ROOT, "docs", "benchmarks.md")
-HEADER = ("# Benchmarks\n\nEach section is written by the script named in it "
-          "(`--write-docs`); numbers are from one run on the machine described.\n")
+HEADER = (
+    "# Benchmarks\n\nEach section is written by the script named in it "
+    "(`--write-docs`); numbers are from one run on the machine described.\n"
+)
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 1800.0) -> list:
     """fn(rank, world, *args) on `world` spawned gloo ranks, one thread each; rank order."""
-    return run_on_local_ranks(fn, world, *args, timeout=timeout,
-                              collective_timeout=datetime.timedelta(minutes=30))
+    return run_on_local_ranks(
+        fn, world, *args, timeout=timeout, collective_timeout=datetime.timedelta(minutes=30)
+    )
 
 
 def machine_info() -> str:
@@ -30,8 +34,10 @@ def machine_info() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
     except (OSError, StopIteration):
         pass
-    return (f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, "
-            f"torch {torch.__version__}, {platform.system()} {platform.release()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores visible, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {platform.system()} {platform.release()}"
+    )
 
 
 def write_section(name: str, body: str, path: str = DOCS) -> None:
@@ -41,19 +47,22 @@ def write_section(name: str, body: str, path: str = DOCS) -> None:
     text = open(path).read() if os.path.exists(path) else HEADER
     block = f"{start}\n{body.rstrip()}\n{end}"
     if start in text and end in text:
-        text = text[:text.index(start)] + block + text[text.index(end) + len(end):]
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     with open(path, "w") as f:
         f.write(text)
 
 
-def report(section: str, title: str, setup: str, table: str, conclusion: str = "",
-           write_docs: bool = False) -> str:
+def report(
+    section: str, title: str, setup: str, table: str, conclusion: str = "", write_docs: bool = False
+) -> str:
     """Print a benchmark's section (title, setup, machine, command, table, conclusion) and,
     with write_docs, put it between the section's markers in docs/benchmarks.md."""
-    body = (f"## {title}\n\n{setup}\n\nMachine: {machine_info()}\n\n"
-            f"Command: `{command_line()}`\n\n{table}\n")
+    body = (
+        f"## {title}\n\n{setup}\n\nMachine: {machine_info()}\n\n"
+        f"Command: `{command_line()}`\n\n{table}\n"
+    )
     if conclusion:
         body += f"\n{conclusion}\n"
     print(body)
@@ -88,8 +97,13 @@ def timed_training(rank, world, argv: list[str], warmup: int, iters: int, timing
     timers = trainer.timers  # the model's all-to-alls report here too
 
     def step():
-        train_step(trainer.model, trainer.optimizer, next(trainer.train_batches),
-                   clip_grad=cfg.train.clip_grad, timers=timers)
+        train_step(
+            trainer.model,
+            trainer.optimizer,
+            next(trainer.train_batches),
+            clip_grad=cfg.train.clip_grad,
+            timers=timers,
+        )
 
     for _ in range(warmup):
         step()

@@ -18,6 +18,7 @@ bounds it.
 Peaks are kept per phase (the caller names phases), so the peak of the layers' backward is
 not hidden behind a larger one in the optimizer step.
 """
+
 from __future__ import annotations
 
 import resource
@@ -25,8 +26,7 @@ import weakref
 from collections import defaultdict
 
 import torch
-from torch.nn.modules.module import (register_module_forward_hook,
-                                     register_module_forward_pre_hook)
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # A new peak is photographed (every live storage and its label) only when it beats the last
@@ -70,7 +70,7 @@ def _class_of_keys(classes: dict) -> dict:
 def _storage_key(t: torch.Tensor):
     try:
         storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):   # sparse or otherwise storage-less
+    except (RuntimeError, NotImplementedError):  # sparse or otherwise storage-less
         return None, 0
     return (t.device.type, storage.data_ptr()), storage.nbytes()
 
@@ -86,7 +86,7 @@ class LiveTensorTracker(TorchDispatchMode):
         self.phase = "setup"
         self._names = {m: n for n, m in model.named_modules()} if model is not None else {}
         self._module_stack: list[str] = []
-        self._storages: dict = {}         # key -> [bytes, live tensor count, label]
+        self._storages: dict = {}  # key -> [bytes, live tensor count, label]
         self.live_bytes = 0
         self.peaks: dict[str, Peak] = defaultdict(Peak)
         self._hooks: list = []
@@ -95,8 +95,10 @@ class LiveTensorTracker(TorchDispatchMode):
 
     # ---- context -----------------------------------------------------------------------------
     def __enter__(self):
-        self._hooks = [register_module_forward_pre_hook(self._enter_module),
-                       register_module_forward_hook(self._leave_module)]
+        self._hooks = [
+            register_module_forward_pre_hook(self._enter_module),
+            register_module_forward_hook(self._leave_module),
+        ]
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -152,8 +154,9 @@ class LiveTensorTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
                 label = label or self._label(func)
                 self._register(t, label)
-        self.peaks[self.phase].update(self.live_bytes, lambda: self._label(func),
-                                      self._storages, self._classify)
+        self.peaks[self.phase].update(
+            self.live_bytes, lambda: self._label(func), self._storages, self._classify
+        )
         return out
 
     # ---- results -----------------------------------------------------------------------------
@@ -163,8 +166,9 @@ class LiveTensorTracker(TorchDispatchMode):
             phase = max(self.peaks, key=lambda p: self.peaks[p].bytes)
         return phase, self.peaks[phase]
 
-    def peak_breakdown(self, phase: str | None = None,
-                       classes: dict | None = None) -> dict[str, int]:
+    def peak_breakdown(
+        self, phase: str | None = None, classes: dict | None = None
+    ) -> dict[str, int]:
         """{label: bytes} of the storages alive at the (photographed) peak of `phase` (the
         largest phase when None). `classes` maps a name ('parameters', 'optimizer state') to
         tensors whose storages are reported under that name instead of the op that made

@@ -10,6 +10,7 @@ Import writes iteration 0 (weights only) and prints the model flags to train or 
 that transformers' from_pretrained loads. Needs the safetensors package (pip install
 safetensors); transformers itself is only needed to use the exported model.
 """
+
 import argparse
 import os
 import sys
@@ -34,16 +35,25 @@ def main(argv=None) -> int:
     exp = sub.add_parser("export", help="megatron_ul checkpoint -> Hugging Face directory")
     exp.add_argument("--load-dir", required=True)
     exp.add_argument("--hf-dir", required=True)
-    exp.add_argument("--model-type", choices=["gpt2", "llama"], default=None,
-                     help="default: llama for SwiGLU models, else gpt2")
-    exp.add_argument("--bos-token-id", type=int, default=None,
-                     help="default: as recorded in the checkpoint (its tokenizer or import)")
+    exp.add_argument(
+        "--model-type",
+        choices=["gpt2", "llama"],
+        default=None,
+        help="default: llama for SwiGLU models, else gpt2",
+    )
+    exp.add_argument(
+        "--bos-token-id",
+        type=int,
+        default=None,
+        help="default: as recorded in the checkpoint (its tokenizer or import)",
+    )
     exp.add_argument("--eos-token-id", type=int, default=None)
     a = p.parse_args(argv)
     try:
         if a.command == "import":
-            out, fields = import_checkpoint(a.hf_dir, a.save_dir, a.target_tensor_parallel_size,
-                                            a.target_pipeline_parallel_size)
+            out, fields = import_checkpoint(
+                a.hf_dir, a.save_dir, a.target_tensor_parallel_size, a.target_pipeline_parallel_size
+            )
             print(f"wrote {out}\nmodel flags: {' '.join(model_flags(fields))}")
         else:
             if not os.path.isdir(a.load_dir):

@@ -17,6 +17,7 @@ Disk full (--suite): the child saves new iterations into a small tmpfs (sized at
 the cause, no temporary directory may be left, and the last reported save must load.
 Held: the trial's condition is met; failed: it is not. Prints Markdown tables.
 """
+
 import argparse
 import os
 import random
@@ -27,13 +28,30 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-MODEL = ["--mock-data", "--vocab-size", "1000", "--num-layers", "4", "--hidden-size", "256",
-         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "1",
-         "--train-iters", "1000000", "--log-interval", "1000000"]
+MODEL = [
+    "--mock-data",
+    "--vocab-size",
+    "1000",
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "256",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--train-iters",
+    "1000000",
+    "--log-interval",
+    "1000000",
+]
 
 
-def child(directory: str, fmt: list[str], background: bool, write_delay: float,
-          fill: int = 0) -> None:
+def child(
+    directory: str, fmt: list[str], background: bool, write_delay: float, fill: int = 0
+) -> None:
     """Save forever: iterations t+1, t+1, t+2, t+2, ... after the tracker's t. With
     --async-save each save is written in the background and completed just before the next
     one starts ("writing N" once it is under way, "saved N" once the tracker names it).
@@ -42,16 +60,19 @@ def child(directory: str, fmt: list[str], background: bool, write_delay: float,
     from megatron_ul.checkpoint import files
     from megatron_ul.checkpoint.io import save_checkpoint
     from megatron_ul.training.pretrain import configure, setup
+
     if fill:
         fill_directory(directory, fmt, background, fill)
         return
-    if write_delay:     # a slow file system: the background writer sleeps before writing
+    if write_delay:  # a slow file system: the background writer sleeps before writing
         from torch.distributed.checkpoint import FileSystemWriter
+
         write_data = FileSystemWriter.write_data
 
         def slow(self, plan, planner):
             time.sleep(write_delay)
             return write_data(self, plan, planner)
+
         FileSystemWriter.write_data = slow
     trainer = setup(configure(MODEL + fmt + ["--save", directory, "--overwrite-checkpoints"]))
     start = files.read_tracker(directory) or 0
@@ -63,8 +84,14 @@ def child(directory: str, fmt: list[str], background: bool, write_delay: float,
             pending.complete()
             print(f"saved {pending.iteration}", flush=True)
         print(f"saving {iteration}", flush=True)
-        result = save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer,
-                                 trainer.scheduler, iteration, background=background)
+        result = save_checkpoint(
+            trainer.cfg,
+            trainer.model,
+            trainer.optimizer,
+            trainer.scheduler,
+            iteration,
+            background=background,
+        )
         if background:
             pending = result
             print(f"writing {iteration}", flush=True)
@@ -76,13 +103,20 @@ def fill_directory(directory: str, fmt: list[str], background: bool, saves: int)
     from megatron_ul.checkpoint.files import CheckpointError
     from megatron_ul.checkpoint.io import save_checkpoint
     from megatron_ul.training.pretrain import configure, setup
+
     trainer = setup(configure(MODEL + fmt + ["--save", directory]))
     print("ready", flush=True)
     for iteration in range(1, saves + 1):
         print(f"saving {iteration}", flush=True)
         try:
-            result = save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer,
-                                     trainer.scheduler, iteration, background=background)
+            result = save_checkpoint(
+                trainer.cfg,
+                trainer.model,
+                trainer.optimizer,
+                trainer.scheduler,
+                iteration,
+                background=background,
+            )
             if background:
                 result.complete()
         except CheckpointError as e:
@@ -91,17 +125,34 @@ def fill_directory(directory: str, fmt: list[str], background: bool, saves: int)
         print(f"saved {iteration}", flush=True)
 
 
-def start_child(directory: str, fmt: list[str], background: bool, write_delay: float = 0.0,
-                fill: int = 0, file_size_limit: int = 0):
+def start_child(
+    directory: str,
+    fmt: list[str],
+    background: bool,
+    write_delay: float = 0.0,
+    fill: int = 0,
+    file_size_limit: int = 0,
+):
     """The child process, once it is ready to save."""
     # the child picks its own rendezvous port (this process holds one after the first check)
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    child_cmd = [sys.executable, "-m", "tools.checkpoint.kill_trial", "--child", directory,
-                 "--write-delay", str(write_delay), "--fill", str(fill),
-                 "--file-size-limit", str(file_size_limit), *fmt] + (
-                     ["--async-save"] if background else [])
-    proc = subprocess.Popen(child_cmd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
+    child_cmd = [
+        sys.executable,
+        "-m",
+        "tools.checkpoint.kill_trial",
+        "--child",
+        directory,
+        "--write-delay",
+        str(write_delay),
+        "--fill",
+        str(fill),
+        "--file-size-limit",
+        str(file_size_limit),
+        *fmt,
+    ] + (["--async-save"] if background else [])
+    proc = subprocess.Popen(
+        child_cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT
+    )
     first = [proc.stdout.readline()]
     while first[-1] and first[-1].strip() != "ready":
         first.append(proc.stdout.readline())
@@ -117,20 +168,21 @@ def outcome(proc, seen: str = "") -> dict:
     lines = (seen + proc.stdout.read()).split()
     saved = [int(v) for k, v in zip(lines[::2], lines[1::2]) if k == "saved"]
     mid_save = len(lines) >= 2 and lines[-2] in ("saving", "writing")
-    return {"last_saved": saved[-1] if saved else None, "mid_save": mid_save,
-            "saves": len(saved)}
+    return {"last_saved": saved[-1] if saved else None, "mid_save": mid_save, "saves": len(saved)}
 
 
 def limit_file_size(limit: int) -> None:
     """No file written larger than `limit` bytes: writes fail with EFBIG (SIGXFSZ ignored)."""
     import resource
     import signal
+
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
-def one_trial(directory: str, max_delay: float, rng: random.Random, fmt: list[str],
-              background: bool) -> dict:
+def one_trial(
+    directory: str, max_delay: float, rng: random.Random, fmt: list[str], background: bool
+) -> dict:
     proc = start_child(directory, fmt, background)
     delay = rng.uniform(0.0, max_delay)
     time.sleep(delay)
@@ -142,11 +194,12 @@ def load_and_release(directory: str, inspect):
     process creating groups for every trial runs out of threads)."""
     from megatron_ul.initialize import shutdown
     from megatron_ul.training.pretrain import configure, setup
+
     try:
         return inspect(setup(configure(MODEL + ["--load", directory])))
     finally:
         shutdown()
-        os.environ.pop("MASTER_PORT", None)      # the next group gets a fresh port
+        os.environ.pop("MASTER_PORT", None)  # the next group gets a fresh port
 
 
 def check_loadable(directory: str, last_saved) -> tuple[bool, str]:
@@ -167,14 +220,21 @@ def main() -> int:
     p.add_argument("--max-delay", type=float, default=2.0, help="seconds after start-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ckpt-format", default="torch", choices=("torch", "torch_dist"))
-    p.add_argument("--async-save", action="store_true", help="torch_dist written in the "
-                   "background, completed before the next save")
+    p.add_argument(
+        "--async-save",
+        action="store_true",
+        help="torch_dist written in the background, completed before the next save",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--write-delay", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--fill", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--file-size-limit", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--suite", action="store_true", help="kill, corruption and disk-full trials "
-                   "of both formats and --async-save; --trials kill trials per format")
+    p.add_argument(
+        "--suite",
+        action="store_true",
+        help="kill, corruption and disk-full trials "
+        "of both formats and --async-save; --trials kill trials per format",
+    )
     a = p.parse_args()
     fmt = ["--ckpt-format", a.ckpt_format]
     if a.child:
@@ -184,8 +244,10 @@ def main() -> int:
         return 0
     if a.suite:
         from tools.checkpoint.fault_trials import suite
+
         return suite(a.dir, a.trials, a.seed, a.max_delay)
     import logging
+
     logging.basicConfig(level=logging.ERROR)
     shutil.rmtree(a.dir, ignore_errors=True)
     rng, results = random.Random(a.seed), []
@@ -193,15 +255,19 @@ def main() -> int:
         r = one_trial(a.dir, a.max_delay, rng, fmt, a.async_save)
         r["loadable"], r["detail"] = check_loadable(a.dir, r["last_saved"])
         results.append(r)
-        print(f"trial {trial + 1:3d}: killed after {r['delay']:.2f}s "
-              f"{'mid-save' if r['mid_save'] else 'between saves'}, last reported save "
-              f"{r['last_saved']}, loadable: {r['loadable']} ({r['detail']})", flush=True)
-    leftovers = sorted(n for n in os.listdir(a.dir)
-                       if ".tmp-" in n or ".old-" in n or ".del-" in n)
+        print(
+            f"trial {trial + 1:3d}: killed after {r['delay']:.2f}s "
+            f"{'mid-save' if r['mid_save'] else 'between saves'}, last reported save "
+            f"{r['last_saved']}, loadable: {r['loadable']} ({r['detail']})",
+            flush=True,
+        )
+    leftovers = sorted(n for n in os.listdir(a.dir) if ".tmp-" in n or ".old-" in n or ".del-" in n)
     ok = sum(r["loadable"] for r in results)
-    print(f"\n| trials | killed mid-save | loadable afterwards | unfinished dirs left |\n"
-          f"|---|---|---|---|\n| {len(results)} | {sum(r['mid_save'] for r in results)} | "
-          f"{ok} | {len(leftovers)} |")
+    print(
+        f"\n| trials | killed mid-save | loadable afterwards | unfinished dirs left |\n"
+        f"|---|---|---|---|\n| {len(results)} | {sum(r['mid_save'] for r in results)} | "
+        f"{ok} | {len(leftovers)} |"
+    )
     return 0 if ok == len(results) else 1
 
 

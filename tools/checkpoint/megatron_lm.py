@@ -13,6 +13,7 @@ the name mapping; megatron-core GPTModel checkpoints (torch or torch_dist) are
 tools.checkpoint.megatron_core's. Import prints the model flags to train on with (--finetune);
 export prints the Megatron-LM flags to load with.
 """
+
 import argparse
 import os
 import sys
@@ -39,25 +40,41 @@ def main(argv=None) -> int:
         s.add_argument("--target-tensor-parallel-size", type=int, default=None)
         s.add_argument("--target-pipeline-parallel-size", type=int, default=None)
     imp.add_argument("--iteration", type=int, default=None, help="default: the tracker's")
-    imp.add_argument("--true-vocab-size", type=int, default=None,
-                     help="drop the padded vocabulary rows (default: args.vocab_size when "
-                          "recorded, else keep the padded size as Megatron computed with it)")
-    imp.add_argument("--trust-pickle", action="store_true",
-                     help="unpickle args objects torch's weights_only loader refuses")
+    imp.add_argument(
+        "--true-vocab-size",
+        type=int,
+        default=None,
+        help="drop the padded vocabulary rows (default: args.vocab_size when "
+        "recorded, else keep the padded size as Megatron computed with it)",
+    )
+    imp.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="unpickle args objects torch's weights_only loader refuses",
+    )
     a = p.parse_args(argv)
     try:
         if not os.path.isdir(a.load_dir):
             raise CheckpointError(f"--load-dir {a.load_dir}: no such directory")
         if a.command == "import":
-            out = import_megatron(a.load_dir, a.save_dir, a.target_tensor_parallel_size or 1,
-                                  a.target_pipeline_parallel_size or 1, iteration=a.iteration,
-                                  true_vocab_size=a.true_vocab_size,
-                                  trust_pickle=a.trust_pickle)
+            out = import_megatron(
+                a.load_dir,
+                a.save_dir,
+                a.target_tensor_parallel_size or 1,
+                a.target_pipeline_parallel_size or 1,
+                iteration=a.iteration,
+                true_vocab_size=a.true_vocab_size,
+                trust_pickle=a.trust_pickle,
+            )
             model = files.read_metadata(out)["model"]
             print(f"wrote {out}\nmodel flags: {' '.join(model_flags(model))}")
         else:
-            out, flags = export_megatron(a.load_dir, a.save_dir, a.target_tensor_parallel_size,
-                                         a.target_pipeline_parallel_size)
+            out, flags = export_megatron(
+                a.load_dir,
+                a.save_dir,
+                a.target_tensor_parallel_size,
+                a.target_pipeline_parallel_size,
+            )
             print(f"wrote {out}\nMegatron-LM flags: {' '.join(flags)}")
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -23,6 +23,7 @@ not touch); the output is cast back to the input dtype, as the kernel's fp32 acc
 Not modelled: paged KV (`block_table` must be None), the kernel's exact dropout pattern (torch's
 RNG draws the mask), and S_dmask (returned as None with return_attn_probs).
 """
+
 from __future__ import annotations
 
 import math
@@ -38,7 +39,7 @@ IS_STAND_IN = True
 # here rather than imported so that this module stays a drop-in for the real package.
 FLASH_ON_CPU_ENV = "MEGATRON_UL_TEST_FLASH_ATTN_ON_CPU"
 
-calls = {"flash_attn_func": 0, "flash_attn_varlen_func": 0}   # for tests: did the path run?
+calls = {"flash_attn_func": 0, "flash_attn_varlen_func": 0}  # for tests: did the path run?
 
 
 def _cpu_allowed() -> bool:
@@ -48,31 +49,37 @@ def _cpu_allowed() -> bool:
 def _check_device(*tensors: torch.Tensor) -> None:
     device = tensors[0].device
     if device.type != "cuda" and not (device.type == "cpu" and _cpu_allowed()):
-        raise RuntimeError("FlashAttention only supports CUDA tensors "
-                           f"(got {device}; CPU tests set {FLASH_ON_CPU_ENV}=1)")
+        raise RuntimeError(
+            "FlashAttention only supports CUDA tensors "
+            f"(got {device}; CPU tests set {FLASH_ON_CPU_ENV}=1)"
+        )
     for t in tensors[1:]:
         if t.device != device:
-            raise RuntimeError(f"FlashAttention: all inputs must be on one device "
-                               f"({device} and {t.device})")
+            raise RuntimeError(
+                f"FlashAttention: all inputs must be on one device ({device} and {t.device})"
+            )
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != rank:
-            raise RuntimeError(f"FlashAttention: {name} must have {rank} dimensions "
-                               f"(got shape {tuple(t.shape)})")
+            raise RuntimeError(
+                f"FlashAttention: {name} must have {rank} dimensions (got shape {tuple(t.shape)})"
+            )
     _check_device(q, k, v)
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise RuntimeError(f"FlashAttention only support fp16 and bf16 data type (got {q.dtype})")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise RuntimeError(f"query and key/value must have the same dtype "
-                           f"(q {q.dtype}, k {k.dtype}, v {v.dtype})")
+        raise RuntimeError(
+            f"query and key/value must have the same dtype (q {q.dtype}, k {k.dtype}, v {v.dtype})"
+        )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.stride(-1) != 1:
             raise RuntimeError(f"Input tensor must have contiguous last dimension ({name})")
     if k.shape != v.shape:
-        raise RuntimeError(f"k and v must have the same shape ({tuple(k.shape)} vs "
-                           f"{tuple(v.shape)})")
+        raise RuntimeError(
+            f"k and v must have the same shape ({tuple(k.shape)} vs {tuple(v.shape)})"
+        )
     head_dim = q.shape[-1]
     if k.shape[-1] != head_dim:
         raise RuntimeError("q, k and v must have the same head dimension")
@@ -80,8 +87,10 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rank: int) -> 
         raise RuntimeError("FlashAttention forward only supports head dimension at most 256")
     hq, hk = q.shape[-2], k.shape[-2]
     if hk == 0 or hq % hk != 0:
-        raise RuntimeError("Number of heads in key/value must divide number of heads in query "
-                           f"({hk} kv heads, {hq} query heads)")
+        raise RuntimeError(
+            "Number of heads in key/value must divide number of heads in query "
+            f"({hk} kv heads, {hq} query heads)"
+        )
 
 
 def _check_window(window_size) -> tuple[int, int]:
@@ -114,7 +123,7 @@ def _attend(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slopes):
 def _attend_fp32(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slopes):
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
-    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))      # [b, h, s, d]
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
     kf, vf = kf.repeat_interleave(hq // hk, 1), vf.repeat_interleave(hq // hk, 1)
     scores = qf @ kf.transpose(-1, -2) * scale
     if softcap > 0:
@@ -126,17 +135,27 @@ def _attend_fp32(q, k, v, dropout_p, scale, causal, window, softcap, alibi_slope
         scores = scores - slopes.reshape(slopes.shape[0], hq, 1, 1) * (i - j).abs()
     visible = _visible(sq, sk, causal, window, q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)                           # -inf on empty rows
-    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)   # empty rows: zeros
+    lse = torch.logsumexp(scores, dim=-1)  # -inf on empty rows
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num(0.0)  # empty rows: zeros
     if dropout_p > 0:
         probs = F.dropout(probs, dropout_p, training=True)
     out = (probs @ vf).transpose(1, 2).to(q.dtype)
     return out, lse
 
 
-def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
-                    window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                    return_attn_probs=False):
+def flash_attn_func(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+):
     """q [batch, seqlen_q, nheads, headdim], k, v [batch, seqlen_k, nheads_k, headdim]."""
     del deterministic  # the stand-in is deterministic whenever dropout is off
     _check_qkv(q, k, v, rank=4)
@@ -149,8 +168,9 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
     return (out, lse, None) if return_attn_probs else out
 
 
-def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int,
-                      device) -> list[int]:
+def _check_cu_seqlens(
+    name: str, cu: torch.Tensor, total: int, max_seqlen: int, device
+) -> list[int]:
     if not isinstance(cu, torch.Tensor) or cu.dtype != torch.int32:
         raise RuntimeError(f"{name} must have dtype int32")
     if cu.device != device:
@@ -160,18 +180,36 @@ def _check_cu_seqlens(name: str, cu: torch.Tensor, total: int, max_seqlen: int,
     bounds = cu.tolist()
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     if bounds[0] != 0 or min(lengths) < 0 or bounds[-1] != total:
-        raise RuntimeError(f"{name} must start at 0, not decrease and end at the packed length "
-                           f"{total} (got {bounds})")
+        raise RuntimeError(
+            f"{name} must start at 0, not decrease and end at the packed length "
+            f"{total} (got {bounds})"
+        )
     if max(lengths) > max_seqlen:
-        raise RuntimeError(f"max_seqlen {max_seqlen} is smaller than the longest sequence in "
-                           f"{name} ({max(lengths)})")
+        raise RuntimeError(
+            f"max_seqlen {max_seqlen} is smaller than the longest sequence in "
+            f"{name} ({max(lengths)})"
+        )
     return bounds
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                           dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                           softcap=0.0, alibi_slopes=None, deterministic=False,
-                           return_attn_probs=False, block_table=None):
+def flash_attn_varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):
     """q [total_q, nheads, headdim], k, v [total_k, nheads_k, headdim]; sequence i is rows
     cu_seqlens[i]:cu_seqlens[i + 1]."""
     del deterministic
@@ -187,14 +225,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     outs, lses = [], []
     for i in range(len(bq) - 1):
-        slopes = alibi_slopes if alibi_slopes is None or alibi_slopes.dim() == 1 \
-            else alibi_slopes[i:i + 1]
-        out, lse = _attend(q[bq[i]:bq[i + 1]].unsqueeze(0), k[bk[i]:bk[i + 1]].unsqueeze(0),
-                           v[bk[i]:bk[i + 1]].unsqueeze(0), dropout_p, scale, causal, window,
-                           softcap, slopes)
+        slopes = (
+            alibi_slopes
+            if alibi_slopes is None or alibi_slopes.dim() == 1
+            else alibi_slopes[i : i + 1]
+        )
+        out, lse = _attend(
+            q[bq[i] : bq[i + 1]].unsqueeze(0),
+            k[bk[i] : bk[i + 1]].unsqueeze(0),
+            v[bk[i] : bk[i + 1]].unsqueeze(0),
+            dropout_p,
+            scale,
+            causal,
+            window,
+            softcap,
+            slopes,
+        )
         outs.append(out.squeeze(0))
-        lses.append(lse.squeeze(0))                                  # [h, s_i]
-    out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=1)       # lse [h, total_q]
+        lses.append(lse.squeeze(0))  # [h, s_i]
+    out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=1)  # lse [h, total_q]
     return (out, lse, None) if return_attn_probs else out
 
 
