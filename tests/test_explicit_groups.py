@@ -46,18 +46,25 @@ def _keeps_state(source: str) -> set[str]:
 
 def _uses(path: str) -> set[str]:
     """Names this module takes from parallel_state (through `ps.x`, `parallel_state.x` or
-    `from ...parallel_state import x`)."""
+    `from ...parallel_state import x`); megatron-core's own parallel_state (a test reference)
+    is not ours."""
     with open(path) as f:
         tree = ast.parse(f.read())
     aliases, used = set(), set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
+            if not (node.level > 0 or (node.module or "").startswith("megatron_ul")):
+                continue
             if (node.module or "").endswith("parallel_state"):
                 used |= {a.name for a in node.names}
             elif any(a.name == "parallel_state" for a in node.names):
                 aliases |= {a.asname or a.name for a in node.names if a.name == "parallel_state"}
         elif isinstance(node, ast.Import):
-            aliases |= {a.asname or a.name for a in node.names if a.name.endswith("parallel_state")}
+            aliases |= {
+                a.asname or a.name
+                for a in node.names
+                if a.name.startswith("megatron_ul") and a.name.endswith("parallel_state")
+            }
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Attribute)

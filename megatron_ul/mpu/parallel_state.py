@@ -252,6 +252,7 @@ def initialize_model_parallel(
         group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             groups["embedding"], embedding_ranks = group, ranks
+    groups.setdefault("embedding", None)  # a middle stage holds no embedding
     group_ranks["embedding"] = embedding_ranks or []
     return ParallelDims(
         tp,

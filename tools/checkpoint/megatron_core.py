@@ -18,6 +18,11 @@ import argparse
 import os
 import sys
 
+try:
+    import megatron_ul  # noqa: F401
+except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
+    sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
+
 from megatron_ul.checkpoint import files
 from megatron_ul.checkpoint.files import CheckpointError
 from megatron_ul.checkpoint.hf import model_flags
