@@ -2,6 +2,7 @@
 tools/checkpoint/convert.py, or on load) and resumed there continues the original loss curve
 within 1e-5 (fp32, dropout off)."""
 
+import pytest
 import torch
 
 from megatron_ul.checkpoint.reshard import merge_tp, split_tp
@@ -33,6 +34,7 @@ def test_merge_inverts_split_with_stride():
     assert torch.equal(split_tp(full, 0, 2, 2)[0], torch.cat([full[0:3], full[6:9]]))
 
 
+@pytest.mark.slow  # default: test_pipeline conversions
 def test_converted_checkpoints_continue_the_loss_curve(tmp_path):
     out = run_distributed(convert_chain, 4, ARGV, str(tmp_path))[0]
     assert_continues_the_curve(out)

@@ -17,11 +17,13 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow  # default: ZeRO-1 bf16 resume in test_half_precision
 def test_zero_resume_is_bitwise_identical(tmp_path):
     results = run_distributed(resume_on_layouts, 4, TINY, LAYOUTS, str(tmp_path))
     assert_bitwise_resume(results, LAYOUTS)
 
 
+@pytest.mark.slow  # 4 layouts
 def test_zero_state_loads_on_other_layouts_and_optimizers(tmp_path):
     out = run_distributed(zero_across_layouts, 4, TINY + NO_DROPOUT, str(tmp_path))[0]
     original = out.pop("original")
@@ -35,6 +37,7 @@ def test_zero_state_loads_on_other_layouts_and_optimizers(tmp_path):
     assert all(d < 1e-5 for d in diffs.values()), diffs
 
 
+@pytest.mark.slow  # default: fp16 in test_precision
 def test_fp16_loss_scaler_is_saved_and_restored(tmp_path):
     # A scale near the fp16 overflow threshold, growing after every good step: the first
     # steps overflow and are skipped, so the scaler's state at iteration 2 differs from a fresh

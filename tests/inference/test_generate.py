@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_ul.inference.generate import generate, load_for_generation, sample_next
@@ -60,6 +61,7 @@ def _generate_cli(load: str) -> list[str]:
     return out.stdout.split()
 
 
+@pytest.mark.slow  # a TP2 save, merge and generate
 def test_generate_cli_on_a_tp2_checkpoint(tmp_path):
     """A TP2 checkpoint, merged to TP1 on load, is the model a one-process run trains: the
     same logits (a wrong merge of the column/row shards or the fused QKV is far off) and the

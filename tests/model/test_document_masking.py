@@ -66,7 +66,7 @@ def _cases(rank, world, layout):
     return out
 
 
-@pytest.mark.parametrize("layout", slow_except({"single", "TP2-SP2"}, LAYOUTS))
+@pytest.mark.parametrize("layout", slow_except({"single"}, LAYOUTS))
 def test_documents_equal_dense_mask(layout):
     for rank_result in run_distributed(_cases, LAYOUTS[layout][2], layout):
         for name, (loss_diff, grad_diff) in rank_result.items():
@@ -102,7 +102,7 @@ def single_process(window: bool):
     return run_layout(DOCS + (["--window-size", "6", "0"] if window else []), 1)
 
 
-@pytest.mark.parametrize("layout", slow_except({"TP2-SP2"}, TRAIN_LAYOUTS))
+@pytest.mark.parametrize("layout", slow_except(set(), TRAIN_LAYOUTS))
 def test_document_masking_training_matches_single_process(layout):
     flags, world = TRAIN_LAYOUTS[layout]
     ref = single_process("window" in layout)

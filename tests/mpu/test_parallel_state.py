@@ -41,7 +41,11 @@ def _groups(rank, world, tp, sp, pp, cp):
     }
 
 
-@pytest.mark.parametrize("tp,sp,pp,cp", [(2, 2, 2, 1), (1, 4, 1, 1), (1, 2, 1, 2)])
+@pytest.mark.parametrize(
+    "tp,sp,pp,cp",
+    [(2, 2, 2, 1)]
+    + [pytest.param(*g, marks=pytest.mark.slow) for g in ((1, 4, 1, 1), (1, 2, 1, 2))],
+)
 def test_rank_grid_and_groups(tp, sp, pp, cp):
     world = 8
     dp = world // (tp * sp * pp * cp)

@@ -33,7 +33,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", slow_except({"single"}, LAYOUTS))
-@pytest.mark.parametrize("per_checkpoint", ["1", "2"])
+@pytest.mark.parametrize("per_checkpoint", ["1", pytest.param("2", marks=pytest.mark.slow)])
 def test_offload_is_bit_identical(layout, per_checkpoint):
     flags, world = LAYOUTS[layout]
     argv = DROPOUT_ON + FULL + ["--recompute-num-layers", per_checkpoint] + flags

@@ -46,7 +46,7 @@ LAYOUTS = {  # name -> (flags, world)
         4,
     ),
 }
-DEFAULT = {"DP2", "ZeRO-1 DP2 + param gather"}
+DEFAULT = {"ZeRO-1 DP2 + param gather"}
 
 
 @pytest.mark.parametrize(

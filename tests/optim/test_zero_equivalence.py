@@ -34,7 +34,7 @@ LAYOUTS = {  # name -> (flags, world, dp_cp_sp size)
     ),
 }
 STAGES = {"zero1": ["--use-distributed-optimizer"], "zero3": ["--zero-stage", "3"]}
-DEFAULT = {("gpt2-mha-learned", "SP2-DP2", "zero1"), ("gpt2-mha-learned", "TP2-SP2", "zero3")}
+DEFAULT = {("gpt2-mha-learned", "TP2-SP2", "zero3")}  # ZeRO-1: test_half_precision, test_overlap
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,8 +145,7 @@ ZERO3_PIPELINES = {  # name -> (model, flags): the layouts ZeRO-3 (FSDP2) compos
 @pytest.mark.parametrize(
     "layout",
     [  # the tied-embedding case is fast: cached reference
-        pytest.param(name, marks=() if name == "gpt2-PP2-DP2" else pytest.mark.slow)
-        for name in ZERO3_PIPELINES
+        pytest.param(name, marks=pytest.mark.slow) for name in ZERO3_PIPELINES
     ],
 )
 def test_zero3_with_pipeline_matches_single_process(layout):

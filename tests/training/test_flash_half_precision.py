@@ -65,6 +65,9 @@ def _results():
     return run_distributed(train_each, 4, runs, timeout=600)
 
 
+pytestmark = pytest.mark.slow  # 8 TP2×SP2 runs; the flash stand-in alone: test_flash_attn_stand_in
+
+
 @pytest.fixture
 def results(flash_attn_stand_in):
     return _results()
