@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The layout-equivalence, pipeline, ring and checkpoint suites (their default, non-slow tests)
+# The layout-equivalence, pipeline, ring, compiled-layer and checkpoint suites (their default tests)
 # on the oldest torch the project supports: the floor in requirements.txt ("torch>=X.Y" ->
 # torch==X.Y.0), in a virtual environment of its own. CI runs it after scripts/test.sh; run it
 # by hand the same way:
@@ -23,7 +23,8 @@ fi
 version=$floor
 [[ $version == *.*.* ]] || version=$version.0
 venv=${TORCH_FLOOR_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron_ul/torch-$version}
-suites=(tests/training tests/pipeline tests/model/test_ring_attention.py tests/checkpoint)
+suites=(tests/training tests/pipeline tests/model/test_ring_attention.py tests/model/test_fused_layers.py
+        tests/checkpoint)
 
 has_floor_torch() {
   [[ -x $venv/bin/python ]] && "$venv/bin/python" - "$version" <<'PY' 2>/dev/null

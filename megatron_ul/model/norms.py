@@ -77,6 +77,13 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, saving only x and the per-token reciprocal RMS."""
+    if torch.compiler.is_compiling():
+        # Compiled layers differentiate the formula themselves (and fuse it): torch 2.11's
+        # tracing of the Function gives wrong gradients.
+        compute = torch.promote_types(x.dtype, torch.float32)
+        rstd = torch.rsqrt(x.to(compute).square().mean(-1, keepdim=True) + eps)
+        out_dtype = torch.promote_types(x.dtype, weight.dtype)
+        return (x.to(compute) * rstd * weight.to(compute)).to(out_dtype)
     return _RMSNorm.apply(x, weight, eps)
 
 
