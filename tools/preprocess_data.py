@@ -13,7 +13,6 @@ leaves a pair that looks complete.
 import argparse
 import itertools
 import json
-import multiprocessing
 import os
 import signal
 import sys
@@ -33,6 +32,7 @@ from megatron_ul.data.indexed_dataset import (
     index_file_path,
     token_dtype_for_vocab,
 )
+from megatron_ul.data.ordered_workers import OrderedWorkers, WorkerError
 from megatron_ul.data.sentences import (
     SentenceSplitterError,
     build_sentence_splitter,
@@ -55,7 +55,7 @@ class Terminated(BaseException):
 
 class TerminationRequest:
     """Set by the SIGTERM handler, acted on between chunks: raising from inside the
-    handler could interrupt multiprocessing's own locks and hang the pool."""
+    handler could interrupt a half-written pipe message or output file."""
 
     requested = False
 
@@ -237,8 +237,8 @@ def build_splitter_from_args(args):
 class ChunkEncoder:
     """Runs in each worker: parses, splits and tokenizes one corpus.Chunk.
 
-    The tokenizer lives on the class (set by the pool initializer in each
-    worker) because the pool pickles a fresh copy of the instance per task.
+    The tokenizer lives on the class (set by the initializer in each worker
+    process), so pickling the encoder never ships a tokenizer.
     """
 
     tokenizer = None
@@ -248,11 +248,7 @@ class ChunkEncoder:
     def __init__(self, args):
         self.args = args
 
-    def initializer(self, in_worker=True):
-        if in_worker:
-            # Only the main process reacts to Ctrl-C / SIGTERM; it stops the workers.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    def initializer(self):
         ChunkEncoder.tokenizer = build_tokenizer_from_args(self.args)
         ChunkEncoder.splitter = build_splitter_from_args(self.args)
         ChunkEncoder.dtype = token_dtype_for_vocab(ChunkEncoder.tokenizer.vocab_size)
@@ -539,11 +535,15 @@ def run(args) -> Progress:
     # Contiguous partitions (--keep-sequential-samples) concatenate back to input order.
     partitions = 1 if args.keep_sequential_samples else args.partitions
     outputs = OutputSet(args.output_prefix, args.json_keys, dtype, output_level(args), partitions)
-    pool = None
+    workers = None
     try:
-        pool = start_workers(encoder, args.workers)
+        workers = start_workers(encoder, args.workers)
         chunks = corpus.read_chunks(shards, args.json_keys, LINES_PER_CHUNK, CHUNK_BYTES)
-        encoded_chunks = pool.imap(encoder.encode, chunks) if pool else map(encoder.encode, chunks)
+        encoded_chunks = (
+            workers.imap(chunks, TerminationRequest.check)
+            if workers
+            else map(encoder.encode, chunks)
+        )
         for encoded in encoded_chunks:
             TerminationRequest.check()
             report_errors(encoded.errors, args.strict)
@@ -559,26 +559,27 @@ def run(args) -> Progress:
         raise InputError(
             f"--output-prefix {args.output_prefix}: write failed ({error}); nothing written"
         ) from error
+    except WorkerError:
+        outputs.discard()
+        TerminationRequest.check()  # a worker killed along with us is the termination, not a bug
+        raise
     except BaseException:
         outputs.discard()
         raise
     finally:
-        if pool:
-            pool.terminate()
-            pool.join()
+        if workers:
+            workers.stop()
     progress.summary(outputs)
     return progress
 
 
 def start_workers(encoder, workers):
-    """A pool for several workers; one worker runs in this process, which saves
+    """Worker processes for several workers; one worker runs in this process, which saves
     shipping every line and token to another process and back."""
     if workers == 1:
-        encoder.initializer(in_worker=False)
+        encoder.initializer()
         return None
-    # Spawned, not forked: a fork taken while another thread of this process holds a lock
-    # (torch, logging, a caller's threads) can leave the worker blocked forever.
-    return multiprocessing.get_context("spawn").Pool(workers, initializer=encoder.initializer)
+    return OrderedWorkers(workers, encoder.initializer, encoder.encode)
 
 
 def report_errors(errors, strict) -> None:
