@@ -27,7 +27,27 @@ class RankFailure(RuntimeError):
     """A rank raised, died or hung; the message holds its traceback or what is known."""
 
 
-def _worker(rank: int, world: int, port: int, fn, args, queue, collective_timeout) -> None:
+# What almost every rank imports: the fork server imports it once, where a spawned rank would
+# spend seconds importing it again, for every rank of every run.
+PRELOAD = ["torch", "torch.distributed", "megatron_ul.training.pretrain"]
+
+
+def _rank_context():
+    """Ranks are forked from a fork server (fresh state, like spawn, without the imports);
+    spawned where the platform has no fork server."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # read when the server starts, on the first run
+    return context
+
+
+def _worker(
+    rank: int, world: int, port: int, fn, args, queue, collective_timeout, environment
+) -> None:
+    # A forked rank has the fork server's environment, which is older than the caller's.
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -64,11 +84,11 @@ def run_on_local_ranks(
     timeout: float = 300.0,
     collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
 ) -> list:
-    """fn(rank, world, *args) on `world` spawned ranks; returns the results in rank order.
+    """fn(rank, world, *args) on `world` new processes; returns the results in rank order.
 
     fn must be a module-level function (it is pickled by reference) and returns something
     torch.save can write."""
-    ctx = mp.get_context("spawn")
+    ctx = _rank_context()
     queue = ctx.Queue()
     # Port 0: the kernel picks a port and the store keeps it bound for the whole run (picking a
     # free port and binding it later lost the race to another test now and then: EADDRINUSE).
@@ -78,7 +98,9 @@ def run_on_local_ranks(
     port = store.port
     procs = [
         ctx.Process(
-            target=_worker, daemon=True, args=(r, world, port, fn, args, queue, collective_timeout)
+            target=_worker,
+            daemon=True,
+            args=(r, world, port, fn, args, queue, collective_timeout, dict(os.environ)),
         )
         for r in range(world)
     ]
