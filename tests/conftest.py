@@ -38,8 +38,8 @@ STAND_INS = os.path.join(ROOT, "tests", "stand_ins")
 def flash_attn_stand_in(monkeypatch):
     """The strict CPU stand-in of `flash_attn` (tests/stand_ins/flash_attn) importable as
     `flash_attn`, plus megatron_ul's documented test hook that lets the flash path run on CPU
-    (megatron_ul.model.attention.FLASH_ON_CPU_ENV). Ranks spawned by run_on_local_ranks inherit
-    both (spawn passes sys.path and the environment). Yields the stand-in module."""
+    (megatron_ul.model.attention.FLASH_ON_CPU_ENV). Ranks started by run_on_local_ranks inherit
+    both (it passes sys.path and the environment). Yields the stand-in module."""
     from megatron_ul.model.attention import FLASH_ON_CPU_ENV
 
     monkeypatch.syspath_prepend(STAND_INS)
