@@ -59,6 +59,7 @@ def test_results_come_back_in_input_order():
 
 
 def test_stop_returns_while_workers_are_writing_large_results():
+    before = set(multiprocessing.active_children())
     workers = OrderedWorkers(2, no_setup, big_result)
     results = workers.imap(range(1000))
     assert len(next(results)) == 8 << 20
@@ -66,7 +67,7 @@ def test_stop_returns_while_workers_are_writing_large_results():
     started = time.monotonic()
     workers.stop()
     assert time.monotonic() - started < 10
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before
 
 
 def test_interrupt_ends_the_wait_for_a_busy_worker():
