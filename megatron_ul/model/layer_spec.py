@@ -24,8 +24,7 @@ from torch import nn
 from ..config import ModelConfig
 from ..mpu.param_init import deferred
 from ..mpu.param_spec import param_spec
-from ..mpu.parallel_state import ParallelDims, single_rank_dims
-from ..timers import NO_TIMERS, Timers
+from ..mpu.parallel_state import single_rank_dims
 from .mlp import MLP, SwiGLUMLP
 from .norms import LayerNorm, Norm, RMSNorm
 from .transformer import SelfAttention, TransformerLayer
@@ -63,24 +62,6 @@ def layer_spec(cfg: ModelConfig) -> LayerSpec:
     return LayerSpec(SelfAttention, MLPS[mlp_choice(cfg)], NORMS[cfg.normalization])
 
 
-def build_layer(
-    cfg: ModelConfig,
-    layer_number: int,
-    seed: int,
-    sequence_parallel: bool,
-    device=None,
-    dtype=torch.float32,
-    timers: Timers = NO_TIMERS,
-    *,
-    dims: ParallelDims,
-) -> TransformerLayer:
-    """Global layer `layer_number` (1-based) of the model, this rank's TP slice of it."""
-    spec = layer_spec(cfg)
-    return TransformerLayer(
-        cfg, layer_number, seed, sequence_parallel, device, dtype, timers, dims=dims, spec=spec
-    )
-
-
 def described_layer(cfg: ModelConfig) -> TransformerLayer:
     """One layer built whole (TP 1) on the meta device: no memory, no communication. What the
     estimator asks for a layer's parameters and saved bytes; read it, never change it."""
@@ -102,7 +83,8 @@ def _values(cfg: ModelConfig) -> tuple:
 @functools.lru_cache(maxsize=32)
 def _described_layer(values: tuple) -> TransformerLayer:
     with torch.device("meta"), deferred():
-        return build_layer(ModelConfig(**dict(values)), 1, 0, False, dims=single_rank_dims())
+        cfg = ModelConfig(**dict(values))
+        return TransformerLayer(cfg, 1, 0, False, dims=single_rank_dims(), spec=layer_spec(cfg))
 
 
 @functools.lru_cache(maxsize=32)

@@ -9,9 +9,10 @@ import torch
 
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.gpt import GPTModel
-from megatron_ul.model.layer_spec import NORMS, build_layer, layer_spec
+from megatron_ul.model.layer_spec import NORMS, layer_spec
 from megatron_ul.model.mlp import MLP, SwiGLUMLP
 from megatron_ul.model.norms import Norm
+from megatron_ul.model.transformer import TransformerLayer
 from megatron_ul.mpu.param_init import Constant, new_parameter
 from megatron_ul.mpu.parallel_state import single_rank_dims
 from megatron_ul.mpu.random import model_parallel_seed
@@ -99,7 +100,7 @@ def test_the_parameter_table_and_the_estimator_count_a_new_norm(scale_norm):
 
 def _measured_layer_saved_bytes(cfg: ModelConfig) -> int:
     torch.manual_seed(0)
-    layer = build_layer(cfg, 1, 3, False, dims=single_rank_dims())
+    layer = TransformerLayer(cfg, 1, 3, False, dims=single_rank_dims(), spec=layer_spec(cfg))
     x = torch.randn(S, B, H, requires_grad=True)
     _, saved = saved_activation_bytes(lambda: layer(x), exclude=layer.parameters())
     return saved
