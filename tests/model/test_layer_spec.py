@@ -2,11 +2,14 @@
 defined and registered here, in the test only, builds, trains, and is counted by the memory
 estimator and the parameter table with no edit to either."""
 
+from dataclasses import asdict
 from typing import get_args, get_type_hints
 
 import pytest
 import torch
 
+from megatron_ul.checkpoint import hf, megatron_core, megatron_lm
+from megatron_ul.checkpoint.files import CheckpointError
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.gpt import GPTModel
 from megatron_ul.model.layer_spec import NORMS, layer_spec
@@ -71,7 +74,7 @@ def test_an_unknown_norm_names_the_flag():
         layer_spec(_model("ScaleNorm"))
 
 
-def test_a_new_norm_trains(scale_norm):
+def test_a_new_norm_runs_forward_and_backward(scale_norm):
     cfg, dims = _model("ScaleNorm"), single_rank_dims()
     model_parallel_seed(0, dims)
     model = GPTModel(cfg, seed=3, dims=dims)
@@ -119,3 +122,16 @@ def test_the_estimator_counts_what_a_new_norm_keeps(scale_norm):
     measured = _measured_layer_saved_bytes(scale) - _measured_layer_saved_bytes(rms)
     assert measured > 0
     assert estimated(scale) - estimated(rms) == pytest.approx(measured, rel=1.5 / H)
+
+
+def test_the_checkpoint_formats_refuse_a_norm_they_do_not_have():
+    """Hugging Face and Megatron exports map our slot names to theirs: a norm of ours with no
+    counterpart there must be refused, not written under their norm's name."""
+    m = asdict(_model("ScaleNorm", swiglu=True, add_bias_linear=False))
+    for export in (megatron_lm.check_exportable, megatron_core.check_exportable):
+        with pytest.raises(CheckpointError, match="--normalization ScaleNorm"):
+            export(m)
+    with pytest.raises(CheckpointError, match="not Llama shaped"):
+        hf.ours_to_llama({}, m)
+    with pytest.raises(CheckpointError, match="not GPT-2 shaped"):
+        hf.ours_to_gpt2({}, {**m, "swiglu": False, "add_bias_linear": True})
