@@ -327,6 +327,7 @@ def import_core(
 
 # ---- writing -------------------------------------------------------------------------------------
 def check_exportable(m: dict) -> None:
+    megatron_lm.check_norm_exportable(m)
     if m["position_embedding_type"] == "rope" and m["rotary_base"] != int(m["rotary_base"]):
         raise CheckpointError(
             f"the model uses --rotary-base {m['rotary_base']:g}; Megatron-LM's "

@@ -417,7 +417,21 @@ def _tokenizer(data_args: dict, vocab_size: int) -> dict:
     }
 
 
+# The --normalization values Megatron-LM and megatron-core build: a norm of ours without a
+# counterpart there would be written under their norms' names and read as one of them.
+MEGATRON_NORMS = ("LayerNorm", "RMSNorm")
+
+
+def check_norm_exportable(m: dict) -> None:
+    if m["normalization"] not in MEGATRON_NORMS:
+        raise CheckpointError(
+            f"the model uses --normalization {m['normalization']}; Megatron-LM and "
+            f"megatron-core build only {' and '.join(MEGATRON_NORMS)}"
+        )
+
+
 def check_exportable(m: dict) -> None:
+    check_norm_exportable(m)
     if m["position_embedding_type"] == "rope" and m["rotary_base"] != LEGACY_ROTARY_BASE:
         raise CheckpointError(
             f"the model uses --rotary-base {m['rotary_base']:g}; Megatron-LM's legacy model "

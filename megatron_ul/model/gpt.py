@@ -26,7 +26,7 @@ from .chunks import model_chunks
 from .fusion import fuse_layers
 from ..timers import NO_TIMERS, Timers
 from .init import normal_init
-from .norms import Norm
+from .layer_spec import layer_spec
 from .rotary import rotary_cos_sin
 from .tiled_loss import tiled_logits_loss
 from .transformer import TransformerLayer, dropout, norm_in_weight_dtype
@@ -85,6 +85,7 @@ class GPTModel(nn.Module):
         numbers = (
             list(layer_numbers) if layer_numbers is not None else list(range(1, cfg.num_layers + 1))
         )
+        spec = layer_spec(cfg)
         self.layers = nn.ModuleList(
             TransformerLayer(
                 cfg,
@@ -95,6 +96,7 @@ class GPTModel(nn.Module):
                 dtype=dtype,
                 timers=timers,
                 dims=dims,
+                spec=spec,
             )
             for n in numbers
         )
@@ -102,14 +104,7 @@ class GPTModel(nn.Module):
             fuse_layers(self.layers, cfg.fused_layers_backend)
 
         if post_process:
-            self.final_norm = Norm(
-                cfg.normalization,
-                cfg.hidden_size,
-                cfg.norm_epsilon,
-                sequence_parallel=sequence_parallel,
-                device=device,
-                dtype=dtype,
-            )
+            self.final_norm = spec.build_norm(cfg, sequence_parallel, device, dtype)
             if not self.share_embeddings:
                 self.output_layer = ColumnParallelLinear(
                     cfg.hidden_size,

@@ -16,6 +16,7 @@ from torch import nn
 
 from ..mpu.param_init import Constant, new_parameter
 from ..mpu.param_spec import set_param_spec
+from .activation_shape import ActivationShape
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +89,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class Norm(nn.Module):
-    """LayerNorm (weight + bias) or RMSNorm (weight only) over the last dimension."""
+    """What the layer spec (model/layer_spec.py) needs of a norm over the last dimension:
+    built as cls(size, eps, sequence_parallel=, device=, dtype=), its parameters made in
+    `create_parameters` (replicated over TP), and what it keeps for backward."""
+
+    weight: nn.Parameter  # the sublayer after the norm runs in this dtype
 
     def __init__(
         self,
-        kind: str,
         size: int,
         eps: float,
         *,
@@ -101,13 +105,8 @@ class Norm(nn.Module):
         dtype=torch.float32,
     ):
         super().__init__()
-        self.kind, self.eps, self.size = kind, eps, (size,)
-        self.weight = new_parameter(Constant(1.0), (size,), device=device, dtype=dtype)
-        self.bias = (
-            new_parameter(Constant(0.0), (size,), device=device, dtype=dtype)
-            if kind == "LayerNorm"
-            else None
-        )
+        self.eps, self.size = eps, (size,)
+        self.create_parameters(size, device, dtype)
         for p in self.parameters():
             # Under Megatron-SP each TP rank normalises a different sequence chunk: the
             # gradients of these replicated weights must be summed over TP.
@@ -115,11 +114,31 @@ class Norm(nn.Module):
         self.use_apex = HAVE_APEX and device is not None and str(device).startswith("cuda")
         _announce(self.use_apex)
 
+    def create_parameters(self, size: int, device, dtype) -> None:
+        self.weight = new_parameter(Constant(1.0), (size,), device=device, dtype=dtype)
+
+    def saved_bytes(self, shape: ActivationShape) -> float:
+        """Bytes kept for backward: the input (per-token statistics are negligible)."""
+        return shape.norm_tokens * self.size[0] * shape.residual_bytes
+
+
+class LayerNorm(Norm):
+    """Weight and bias; the native kernel saves the input, the mean and the reciprocal std."""
+
+    def create_parameters(self, size: int, device, dtype) -> None:
+        super().create_parameters(size, device, dtype)
+        self.bias = new_parameter(Constant(0.0), (size,), device=device, dtype=dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_apex:
-            if self.kind == "LayerNorm":
-                return fused_layer_norm_affine(x, self.weight, self.bias, self.size, self.eps)
+            return fused_layer_norm_affine(x, self.weight, self.bias, self.size, self.eps)
+        return F.layer_norm(x, self.size, self.weight, self.bias, self.eps)
+
+
+class RMSNorm(Norm):
+    """Weight only; saves the input and the per-token reciprocal RMS."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_apex:
             return fused_rms_norm_affine(x, self.weight, self.size, self.eps)
-        if self.kind == "LayerNorm":
-            return F.layer_norm(x, self.size, self.weight, self.bias, self.eps)
         return rms_norm(x, self.weight, self.eps)

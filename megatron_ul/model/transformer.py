@@ -8,7 +8,7 @@ The fused QKV weight is laid out by query group, [groups, (q_per_group + 2), hea
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..mpu.layers import ColumnParallelLinear, RowParallelLinear
-from ..mpu.param_spec import FUSED_GATE_UP, FUSED_QKV
+from ..mpu.param_spec import FUSED_QKV
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.random import get_rng_tracker
 from ..timers import NO_TIMERS, Timers
@@ -26,8 +26,10 @@ from .norms import Norm
 from .qkv import split_qkv
 from .ring_attention import Ring
 from .rotary import apply_rotary
-from .tiled_mlp import tiled_mlp
 from .ulysses import DistributedAttention
+
+if TYPE_CHECKING:  # the spec names this module's classes
+    from .layer_spec import LayerSpec
 
 
 def dropout(x: torch.Tensor, p: float, training: bool, sharded_sequence: bool) -> torch.Tensor:
@@ -120,63 +122,6 @@ class SelfAttention(nn.Module):
         return self.proj(out.reshape(s, b, self.q_heads * self.head_dim))
 
 
-class MLP(nn.Module):
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        key: str,
-        seed: int,
-        sequence_parallel: bool,
-        num_layers: int,
-        device,
-        dtype,
-        *,
-        dims: ParallelDims,
-    ):
-        super().__init__()
-        tp_group = dims.tp_group
-        self.swiglu, self.gelu_approximate = cfg.swiglu, cfg.gelu_approximate
-        self.chunk_tokens = cfg.tiled_mlp_chunk_size
-        ffn = cfg.ffn_size
-        # SwiGLU's fc1 is [gate; up]: stride 2 gives each TP rank matching halves of both.
-        self.fc1 = ColumnParallelLinear(
-            cfg.hidden_size,
-            ffn * (2 if cfg.swiglu else 1),
-            normal_init(cfg.init_method_std, seed, key + ".fc1"),
-            bias=cfg.add_bias_linear,
-            sequence_parallel=sequence_parallel,
-            stride=2 if cfg.swiglu else 1,
-            fused=FUSED_GATE_UP if cfg.swiglu else None,
-            device=device,
-            dtype=dtype,
-            tp_group=tp_group,
-        )
-        self.fc2 = RowParallelLinear(
-            ffn,
-            cfg.hidden_size,
-            scaled_normal_init(cfg.init_method_std, num_layers, seed, key + ".fc2"),
-            bias=cfg.add_bias_linear,
-            sequence_parallel=sequence_parallel,
-            device=device,
-            dtype=dtype,
-            tp_group=tp_group,
-        )
-
-    def forward(self, x):
-        if self.chunk_tokens is not None:
-            return tiled_mlp(self._dense, x, self.chunk_tokens)
-        return self._dense(x)
-
-    def _dense(self, x):
-        h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate=self.gelu_approximate)
-        return self.fc2(h)
-
-
 class TransformerLayer(nn.Module):
     def __init__(
         self,
@@ -189,29 +134,16 @@ class TransformerLayer(nn.Module):
         timers: Timers = NO_TIMERS,
         *,
         dims: ParallelDims,
+        spec: LayerSpec,
     ):
         super().__init__()
         key = f"layers.{layer_number}"
         self.layer_number = layer_number
         args = (seed, sequence_parallel, cfg.num_layers, device, dtype)
-        self.input_norm = Norm(
-            cfg.normalization,
-            cfg.hidden_size,
-            cfg.norm_epsilon,
-            sequence_parallel=sequence_parallel,
-            device=device,
-            dtype=dtype,
-        )
-        self.attention = SelfAttention(cfg, key + ".attention", *args, timers=timers, dims=dims)
-        self.post_attention_norm = Norm(
-            cfg.normalization,
-            cfg.hidden_size,
-            cfg.norm_epsilon,
-            sequence_parallel=sequence_parallel,
-            device=device,
-            dtype=dtype,
-        )
-        self.mlp = MLP(cfg, key + ".mlp", *args, dims=dims)
+        self.input_norm = spec.build_norm(cfg, sequence_parallel, device, dtype)
+        self.attention = spec.attention(cfg, key + ".attention", *args, timers=timers, dims=dims)
+        self.post_attention_norm = spec.build_norm(cfg, sequence_parallel, device, dtype)
+        self.mlp = spec.mlp(cfg, key + ".mlp", *args, dims=dims)
         self.hidden_dropout = cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..mpu.param_init import deferred
 from ..mpu.parallel_state import single_rank_dims
 from ..mpu.param_spec import full_shape, param_spec
 from .model import (
@@ -58,7 +59,7 @@ def parameter_table(
     chunks = chunks_per_stage(model_cfg.num_layers, pp, layers_per_chunk)
     cfg = ModelConfig(**{**asdict(model_cfg), "use_flash_attn": False})
     table = {}
-    with torch.device("meta"):
+    with torch.device("meta"), deferred():  # shapes and specs only: nothing is computed
         for stage in range(pp):
             built = build_stage_chunks(
                 cfg, 0, False, pp, stage, chunks, device=None, dims=single_rank_dims()

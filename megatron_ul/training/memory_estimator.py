@@ -12,6 +12,9 @@ ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 als
 parameters, over the data × sequence parallel group (Ulysses ranks hold replicated weights, as
 in DeepSpeed).
 
+A layer's parameters, and what its norms and MLP keep for backward, are the layer spec's modules'
+own description (model/layer_spec.py: counted on the layer built on the meta device), so a new
+norm or MLP variant needs no edit here.
 Activations follow Korthikanti et al. (2022), "Reducing Activation Recomputation in Large
 Transformer Models", counted tensor by tensor for *this* implementation (what autograd keeps
 for backward in model/transformer.py), in units of one [s, b, h] tensor:
@@ -50,6 +53,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..config import Config, ModelConfig
+from ..model.activation_shape import ActivationShape
+from ..model.layer_spec import (
+    described_layer,
+    described_norm,
+    held_elements,
+    held_parameters,
+    norms_of,
+)
 from ..mpu.param_init import WORKSPACE_BYTES
 
 GiB = 2**30
@@ -205,16 +216,9 @@ class MemoryEstimate:
 
 # ---- parameters ---------------------------------------------------------------------------------
 def layer_parameters(m: ModelConfig, tp: int) -> int:
-    """Parameters of one transformer layer held by one TP rank."""
-    h, d, ffn = m.hidden_size, m.head_dim, m.ffn_size
-    norm = h * (2 if m.normalization == "LayerNorm" else 1)
-    qkv_out = (m.num_attention_heads + 2 * m.query_groups) * d
-    fc1_out = ffn * (2 if m.swiglu else 1)
-    weights = (h * qkv_out + m.num_attention_heads * d * h + h * fc1_out + ffn * h) // tp
-    biases = 0
-    if m.add_bias_linear:  # column-parallel biases are sharded, row-parallel ones replicated
-        biases = (qkv_out + fc1_out) // tp + 2 * h
-    return 2 * norm + weights + biases
+    """Parameters of one transformer layer held by one TP rank (counted on the layer the spec
+    builds)."""
+    return held_parameters(described_layer(m), tp)
 
 
 def _embedding_parameters(m: ModelConfig, tp: int) -> int:
@@ -232,7 +236,7 @@ def stage_parameters(m: ModelConfig, tp: int, pp: int) -> int:
         if m.position_embedding_type == "learned_absolute"
         else 0
     )
-    final_norm = h * (2 if m.normalization == "LayerNorm" else 1)
+    final_norm = held_parameters(described_norm(m), tp)
     head = embedding  # tied: the last stage keeps a copy; untied: its own output layer
     if pp == 1:
         tied = not m.untie_embeddings_and_output_weights
@@ -241,10 +245,8 @@ def stage_parameters(m: ModelConfig, tp: int, pp: int) -> int:
 
 
 def _largest_parameter(m: ModelConfig, tp: int) -> int:
-    h, ffn = m.hidden_size, m.ffn_size
-    fc1 = h * ffn * (2 if m.swiglu else 1) // tp
-    qkv = h * (m.num_attention_heads + 2 * m.query_groups) * m.head_dim // tp
-    return max(_embedding_parameters(m, tp), fc1, qkv)
+    layer = max(held_elements(p, tp) for p in described_layer(m).parameters())
+    return max(_embedding_parameters(m, tp), layer)
 
 
 # ---- activations --------------------------------------------------------------------------------
@@ -257,51 +259,53 @@ class _Sizes:
     hidden: float  # [s, b, h]: a TP rank's linear inputs are replicated (or gathered)
     qkv: float  # q, k and v of this TP rank's heads
     attn: float  # the attention output of this TP rank's heads
-    ffn: float  # one MLP intermediate [s, b, ffn/TP]
 
 
-def _sizes(m: ModelConfig, layout: Layout) -> _Sizes:
-    tp, b = layout.tp, layout.micro_batch_size
-    s = m.seq_length / layout.sequence_ranks
-    hidden = s * b * m.hidden_size
-    d = m.head_dim
-    return _Sizes(
-        s=s,
-        norm=hidden / (tp if layout.sequence_parallel else 1),
-        hidden=hidden,
-        qkv=s * b * (m.num_attention_heads + 2 * m.query_groups) * d / tp,
-        attn=s * b * m.num_attention_heads * d / tp,
-        ffn=s * b * m.ffn_size / tp,
+def activation_shape(m: ModelConfig, layout: Layout, precision: Precision) -> ActivationShape:
+    """What the layer's modules are told when they say what they keep (model/layer_spec.py)."""
+    return ActivationShape(
+        seq=m.seq_length / layout.sequence_ranks,
+        batch=layout.micro_batch_size,
+        tp=layout.tp,
+        sequence_parallel=layout.sequence_parallel,
+        act_bytes=precision.act,
+        residual_bytes=precision.residual,
     )
 
 
-def _mlp_elements(m: ModelConfig, layout: Layout, z: _Sizes) -> float:
-    """What the MLP keeps: GELU its input and output; SwiGLU [gate; up], silu(gate) and the
-    product. Tiled: one chunk's, while that chunk is recomputed."""
-    ffn = z.ffn
-    if m.tiled_mlp_chunk_size:
-        local_tokens = z.s / (layout.tp if layout.sequence_parallel else 1)
-        ffn *= min(1.0, m.tiled_mlp_chunk_size / local_tokens)
-    return (4 if m.swiglu else 2) * ffn
+def _sizes(m: ModelConfig, layout: Layout) -> _Sizes:
+    shape = activation_shape(m, layout, Precision())
+    tokens, tp, d = shape.tokens, layout.tp, m.head_dim
+    return _Sizes(
+        s=shape.seq,
+        norm=shape.norm_tokens * m.hidden_size,
+        hidden=tokens * m.hidden_size,
+        qkv=tokens * (m.num_attention_heads + 2 * m.query_groups) * d / tp,
+        attn=tokens * m.num_attention_heads * d / tp,
+    )
 
 
 def layer_terms(
     m: ModelConfig, layout: Layout, precision: Precision, kernels: Kernels = Kernels()
 ) -> dict[str, float]:
     """Bytes one transformer layer keeps for backward (no recompute), per micro-batch, per
-    rank, by term (model/transformer.py tensor by tensor)."""
-    z, act, res = _sizes(m, layout), precision.act, precision.residual
+    rank, by term (model/transformer.py tensor by tensor; the norms' and the MLP's as those
+    modules say)."""
+    z, act = _sizes(m, layout), precision.act
+    layer, shape = described_layer(m), activation_shape(m, layout, precision)
     ring = layout.cp > 1
     documents_view = kernels.documents and layout.sp == 1 and not ring
     terms = {
-        "layer input + post-attention residual (norm inputs)": 2 * z.norm * res,
+        "layer input + post-attention residual (norm inputs)": sum(
+            norm.saved_bytes(shape) for norm in norms_of(layer)
+        ),
         "norm outputs (QKV and fc1 inputs)": 2 * z.norm * act,
         "q, k, v": z.qkv * act,
         # The ring keeps its output in fp32; SDPA's output is permuted, so the projection
         # keeps a re-laid-out copy (the document path writes it in place: no copy).
         "attention output": z.attn * (4 if ring else act) * (1 if documents_view else 2),
     }
-    mlp = _mlp_elements(m, layout, z) * act
+    mlp = layer.mlp.saved_bytes(shape)
     if m.tiled_mlp_chunk_size:
         terms["tiled MLP chunk (while recomputed)"] = mlp
     else:
@@ -390,7 +394,9 @@ def layer_backward_terms(
     mlp_stage = {
         **saved,
         "residual-stream gradients": residual_grads,
-        "MLP gradients": 0.75 * _mlp_elements(m, layout, z) * act,
+        "MLP gradients": described_layer(m).mlp.gradient_bytes(
+            activation_shape(m, layout, precision)
+        ),
     }
     attention_stage = {
         "layer input (norm input)": z.norm * res,

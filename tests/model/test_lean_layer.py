@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_ul.model.norms import Norm, rms_norm
+from megatron_ul.model.norms import LayerNorm, RMSNorm, rms_norm
 from megatron_ul.model.qkv import split_qkv
 from megatron_ul.training.memory import saved_activation_bytes
 from tools.bench.live_tensors import LiveTensorTracker
@@ -46,7 +46,7 @@ def test_rms_norm_matches_the_composite_forward_and_backward(dtype):
 
 
 def test_rms_norm_saves_only_its_input_and_the_reciprocal_rms():
-    norm = Norm("RMSNorm", H, 1e-5)
+    norm = RMSNorm(H, 1e-5)
     x = torch.randn(S, B, H, requires_grad=True)
     _, saved = _saved_storages(lambda: norm(x), norm.parameters())
     assert sorted(saved.values()) == [S * B * 4, S * B * H * 4]
@@ -58,7 +58,7 @@ def test_rms_norm_saves_only_its_input_and_the_reciprocal_rms():
 
 
 def test_layer_norm_saves_its_input_mean_and_rstd():
-    norm = Norm("LayerNorm", H, 1e-5)
+    norm = LayerNorm(H, 1e-5)
     x = torch.randn(S, B, H, requires_grad=True)
     _, saved = _saved_storages(lambda: norm(x), norm.parameters())
     assert sorted(saved.values()) == [S * B * 4, S * B * 4, S * B * H * 4]

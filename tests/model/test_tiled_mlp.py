@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatron_ul.config import ModelConfig
-from megatron_ul.model.transformer import MLP
+from megatron_ul.model.layer_spec import layer_spec
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.training.memory import saved_activation_bytes
 from tests.distributed import run_distributed
@@ -55,7 +55,7 @@ def _saved_bytes(rank, world):
                 ffn_hidden_size=FFN,
                 tiled_mlp_chunk_size=chunk,
             )
-            mlp = MLP(cfg, "mlp", 0, False, 1, None, torch.float32, dims=dims)
+            mlp = layer_spec(cfg).mlp(cfg, "mlp", 0, False, 1, None, torch.float32, dims=dims)
             x = torch.randn(256, 1, 16, requires_grad=True)
             _, saved[swiglu, chunk] = saved_activation_bytes(
                 lambda mlp=mlp, x=x: mlp(x), exclude=list(mlp.parameters()) + [x]

@@ -116,5 +116,5 @@ def test_apex_announcement_tells_installed_from_missing(monkeypatch, caplog):
         monkeypatch.setattr(norms, "_announced", set())
         caplog.clear()
         with caplog.at_level(logging.INFO, logger=norms.__name__):
-            norms.Norm("RMSNorm", 8, 1e-5, device="cpu")
+            norms.RMSNorm(8, 1e-5, device="cpu")
         assert [expected in r.getMessage() for r in caplog.records] == [True]

@@ -22,6 +22,7 @@ import torch
 from tools.bench.common import markdown_table, report, run_ranks
 
 from megatron_ul.config import ModelConfig
+from megatron_ul.model.layer_spec import layer_spec
 from megatron_ul.model.transformer import TransformerLayer
 from megatron_ul.mpu import comm_stats
 from megatron_ul.mpu import parallel_state as ps
@@ -50,7 +51,9 @@ def layer_bytes(dims, world, seq, hidden, heads, megatron_sp=False):
         attention_dropout=0.0,
         hidden_dropout=0.0,
     )
-    layer = TransformerLayer(cfg, 1, seed=1, sequence_parallel=megatron_sp, dims=dims)
+    layer = TransformerLayer(
+        cfg, 1, seed=1, sequence_parallel=megatron_sp, dims=dims, spec=layer_spec(cfg)
+    )
     x = torch.randn(seq // world, 1, hidden, requires_grad=True)  # this rank's tokens
     with comm_stats.count_communication() as forward:
         y = layer(x)
