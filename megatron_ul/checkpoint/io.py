@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import ResolvedConfig
 from ..model.chunks import model_dims
 from . import dist_io, files, reshard, resume_rules
 from .files import CheckpointError
@@ -69,7 +69,7 @@ class Resume:
     consumed_valid_samples: int = 0
 
 
-def _layout(cfg: Config) -> dict:
+def _layout(cfg: ResolvedConfig) -> dict:
     p = cfg.parallel
     # "cp" only when there is a ring: layouts saved before the ring axis existed still match.
     ring = {"cp": p.context_parallel_size} if p.context_parallel_size > 1 else {}
@@ -85,7 +85,7 @@ def _layout(cfg: Config) -> dict:
     }
 
 
-def consumed_valid_samples(cfg: Config, iteration: int) -> int:
+def consumed_valid_samples(cfg: ResolvedConfig, iteration: int) -> int:
     t = cfg.train
     return (
         (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
@@ -94,18 +94,26 @@ def consumed_valid_samples(cfg: Config, iteration: int) -> int:
     )
 
 
-def special_token_ids(cfg: Config) -> dict:
+def special_token_ids(cfg: ResolvedConfig) -> dict:
     """bos/eos ids of the run's tokenizer, recorded for exports (Hugging Face configs carry
     them). GPT-2's BPE has one end-of-text id for both; SentencePiece its own bos and eos;
-    without a tokenizer (mock data) Megatron's NullTokenizer convention, vocab_size - 1."""
+    for mock data (whose documents end with the model's last id) Megatron's NullTokenizer
+    convention, vocab_size - 1."""
     d = cfg.data
     return _special_token_ids(
-        d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model, cfg.model.vocab_size
+        None if d.mock_data else d.tokenizer_type,
+        d.vocab_file,
+        d.merge_file,
+        d.tokenizer_model,
+        d.given_vocab_size,
+        cfg.model.vocab_size,
     )
 
 
 @functools.lru_cache(maxsize=4)
-def _special_token_ids(kind, vocab_file, merge_file, tokenizer_model, vocab_size) -> dict:
+def _special_token_ids(
+    kind, vocab_file, merge_file, tokenizer_model, given_vocab_size: int, vocab_size: int
+) -> dict:
     from ..data.tokenizers import build_tokenizer
 
     eod = vocab_size - 1
@@ -117,7 +125,7 @@ def _special_token_ids(kind, vocab_file, merge_file, tokenizer_model, vocab_size
                 vocab_file=vocab_file,
                 merge_file=merge_file,
                 tokenizer_model=tokenizer_model,
-                vocab_size=vocab_size,
+                vocab_size=given_vocab_size or None,
             )
             eod = tokenizer.eod
             processor = getattr(tokenizer, "processor", None)  # SentencePiece
@@ -144,7 +152,7 @@ def _on_rank0(action) -> object:
     return value
 
 
-def claim_save_dir(cfg: Config) -> None:
+def claim_save_dir(cfg: ResolvedConfig) -> None:
     """Collective: rank 0 takes the --save directory's lock (files.claim_save_dir) so that a
     second job saving into it fails at start-up, naming the holder, and refuses a run that
     would save over complete checkpoints there (check_nothing_overwritten)."""
@@ -156,7 +164,7 @@ def claim_save_dir(cfg: Config) -> None:
     _on_rank0(claim)
 
 
-def start_iteration(cfg: Config) -> int:
+def start_iteration(cfg: ResolvedConfig) -> int:
     """The iteration this run starts from: the --load tracker's (0 without --load or with
     --finetune). CheckpointError when the tracker was lost (files.lost_tracker_error)."""
     c = cfg.checkpoint
@@ -170,7 +178,7 @@ def start_iteration(cfg: Config) -> int:
     return 0 if c.finetune or iteration is None else iteration
 
 
-def check_nothing_overwritten(cfg: Config) -> None:
+def check_nothing_overwritten(cfg: ResolvedConfig) -> None:
     """Refuse, before any work, a run whose saves would land on complete checkpoints in
     --save: those after its start iteration (a run from scratch: all of them), unless
     --overwrite-checkpoints."""
@@ -201,7 +209,7 @@ def _begin_save(save_dir: str, iteration: int, overwrite: bool) -> str:
 
 
 def _write_rank_files(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     scheduler,
@@ -281,7 +289,7 @@ def _common_payload(cfg, scheduler, iteration, grad_scaler, position) -> dict:
 
 
 def _write_dist_files(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     scheduler,
@@ -367,7 +375,7 @@ def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) 
         files.remove_dir(aside, save_id)
 
 
-def _tidy(cfg: Config, save_id: str, iteration: int) -> None:
+def _tidy(cfg: ResolvedConfig, save_id: str, iteration: int) -> None:
     """Rank 0, after a save completed, holding the lock: opt-in retention and removal of what
     killed saves left behind."""
     c, save_dir = cfg.checkpoint, cfg.checkpoint.save
@@ -387,7 +395,7 @@ def _tidy(cfg: Config, save_id: str, iteration: int) -> None:
 
 
 def save_checkpoint(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     scheduler,
@@ -492,7 +500,7 @@ class PendingSave:
 
 
 def _finish_save(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     iteration: int,
@@ -535,7 +543,7 @@ def _finish_save(
     _tidy(cfg, save_id, iteration)
 
 
-def check_model_matches(meta: dict, cfg: Config, path: str) -> None:
+def check_model_matches(meta: dict, cfg: ResolvedConfig, path: str) -> None:
     saved, ours = meta["model"], asdict(cfg.model)
     checked = dict(MODEL_FIELDS)
     if saved.get("position_embedding_type") == ours["position_embedding_type"] == "rope":
@@ -680,7 +688,7 @@ def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> 
 
 
 def _load_scheduler(
-    cfg: Config, scheduler, optimizer, payload: dict, source: str, optimizer_loaded: bool
+    cfg: ResolvedConfig, scheduler, optimizer, payload: dict, source: str, optimizer_loaded: bool
 ) -> None:
     """The LR schedule, and every setting that differs from the checkpoint's refused or
     applied as resume_rules says."""
@@ -712,7 +720,7 @@ def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
     grad_scaler.load_state_dict(saved)
 
 
-def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
+def _load_rng(cfg: ResolvedConfig, meta: dict, iter_dir: str) -> None:
     if not meta.get("rng"):
         if dist.get_rank() == 0:
             log.warning(
@@ -761,7 +769,7 @@ def _on_every_rank(step):
     )
 
 
-def _locate(cfg: Config):
+def _locate(cfg: ResolvedConfig):
     """(iteration, its directory, its checked metadata), or None when there is nothing to
     load."""
     c = cfg.checkpoint
@@ -784,7 +792,7 @@ def _locate(cfg: Config):
     return iteration, iter_dir, meta
 
 
-def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) -> Resume:
+def load_checkpoint(cfg: ResolvedConfig, model, optimizer, scheduler, grad_scaler=None) -> Resume:
     """Collective: each rank reads what it needs; an error on any rank is raised on every rank
     (_on_every_rank). Returns where training resumes."""
     c = cfg.checkpoint
@@ -820,7 +828,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
 
 
 def _apply(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     scheduler,

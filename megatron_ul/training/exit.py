@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.io import Resume, save_checkpoint
-from ..config import Config
+from ..config import ResolvedConfig
 from ..exit_signals import catch_exit_signals, forget_signal, signal_received
 
 log = logging.getLogger("megatron_ul")
@@ -27,7 +27,7 @@ class RunControl:
 
     def __init__(
         self,
-        cfg: Config,
+        cfg: ResolvedConfig,
         model,
         optimizer,
         scheduler,

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..config import Config, ModelConfig
+from ..config import ResolvedConfig, ModelConfig
 from ..mpu.param_init import WORKSPACE_BYTES
 
 GiB = 2**30
@@ -615,7 +615,7 @@ def init_peak_bytes(m: ModelConfig, layout: Layout, zero_stage: int = 0) -> floa
     return 4 * params / shards + WORKSPACE_BYTES
 
 
-def layout_from_config(cfg: Config) -> Layout:
+def layout_from_config(cfg: ResolvedConfig) -> Layout:
     p, t = cfg.parallel, cfg.train
     return Layout(
         tp=p.tensor_model_parallel_size,
@@ -629,8 +629,8 @@ def layout_from_config(cfg: Config) -> Layout:
     )
 
 
-def estimate_config(cfg: Config) -> MemoryEstimate:
-    """The estimate for a resolved, validated Config (resolve() makes --use-distributed-optimizer
+def estimate_config(cfg: ResolvedConfig) -> MemoryEstimate:
+    """The estimate for a validated ResolvedConfig (resolve() makes --use-distributed-optimizer
     ZeRO stage 1)."""
     return estimate(
         cfg.model,
@@ -642,13 +642,13 @@ def estimate_config(cfg: Config) -> MemoryEstimate:
     )
 
 
-def precision_of(cfg: Config) -> Precision:
+def precision_of(cfg: ResolvedConfig) -> Precision:
     """--bf16/--fp16 put the model itself in half precision (Megatron's meaning)."""
     t = cfg.train
     return Precision(half_model=bool(t.bf16 or t.fp16), fp32_residual=t.fp32_residual_connection)
 
 
-def kernels_of(cfg: Config) -> Kernels:
+def kernels_of(cfg: ResolvedConfig) -> Kernels:
     t = cfg.train
     offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
     return Kernels(
@@ -656,13 +656,9 @@ def kernels_of(cfg: Config) -> Kernels:
     )
 
 
-def recompute_of(cfg: Config) -> str:
-    """--recompute-granularity wherever the Config keeps it ('none' when absent)."""
-    for section in (cfg.model, cfg.train, cfg.parallel):
-        granularity = getattr(section, "recompute_granularity", None)
-        if granularity:
-            return granularity
-    return "none"
+def recompute_of(cfg: ResolvedConfig) -> str:
+    """--recompute-granularity, 'none' when not given."""
+    return cfg.model.recompute_granularity or "none"
 
 
 def smallest_fitting_layout(
