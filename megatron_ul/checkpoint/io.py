@@ -22,6 +22,7 @@ import functools
 import logging
 import os
 import uuid
+from typing import Any
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
@@ -136,10 +137,10 @@ def _special_token_ids(
     return {"bos_token_id": bos if bos is not None and bos >= 0 else eod, "eos_token_id": eod}
 
 
-def _on_rank0(action) -> object:
+def _on_rank0(action) -> Any:
     """Run `action` on rank 0 and broadcast its result, or re-raise its CheckpointError on
     every rank (so that no rank is left waiting in a collective)."""
-    box = [None]
+    box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", action())
@@ -152,13 +153,20 @@ def _on_rank0(action) -> object:
     return value
 
 
+def save_dir_of(cfg: ResolvedConfig) -> str:
+    """--save, which every saving path needs (the training loop saves only with it)."""
+    if cfg.checkpoint.save is None:
+        raise CheckpointError("saving a checkpoint needs --save DIR")
+    return cfg.checkpoint.save
+
+
 def claim_save_dir(cfg: ResolvedConfig) -> None:
     """Collective: rank 0 takes the --save directory's lock (files.claim_save_dir) so that a
     second job saving into it fails at start-up, naming the holder, and refuses a run that
     would save over complete checkpoints there (check_nothing_overwritten)."""
 
     def claim() -> None:
-        files.claim_save_dir(cfg.checkpoint.save)
+        files.claim_save_dir(save_dir_of(cfg))
         check_nothing_overwritten(cfg)
 
     _on_rank0(claim)
@@ -184,7 +192,7 @@ def check_nothing_overwritten(cfg: ResolvedConfig) -> None:
     --overwrite-checkpoints."""
     c = cfg.checkpoint
     start = start_iteration(cfg)
-    later = [i for i in files.complete_iterations(c.save) if i > start or start == 0]
+    later = [i for i in files.complete_iterations(save_dir_of(cfg)) if i > start or start == 0]
     if later and not c.overwrite_checkpoints:
         names = ", ".join(files.iteration_dir_name(i) for i in later[:4])
         raise CheckpointError(
@@ -256,7 +264,7 @@ def _agree(model, iteration: int, records: dict, digests: dict, error: str | Non
         if dims.dp_cp_sp_rank == 0 and dims.tp_rank == 0
         else {}
     )
-    gathered = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, records, digests, error))
     errors = [e for _, _, _, e in gathered if e]
     if errors:
@@ -378,7 +386,7 @@ def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) 
 def _tidy(cfg: ResolvedConfig, save_id: str, iteration: int) -> None:
     """Rank 0, after a save completed, holding the lock: opt-in retention and removal of what
     killed saves left behind."""
-    c, save_dir = cfg.checkpoint, cfg.checkpoint.save
+    c, save_dir = cfg.checkpoint, save_dir_of(cfg)
     if c.remove_unfinished_checkpoints:
         for d in files.stale_temporaries(save_dir):
             log.info("removing %s (left by an interrupted save or cleanup)", d)
@@ -416,7 +424,7 @@ def save_checkpoint(
             iteration * cfg.train.global_batch_size,
             consumed_valid_samples(cfg, iteration),
         )
-    save_dir = cfg.checkpoint.save
+    save_dir = save_dir_of(cfg)
     save_id = _on_rank0(
         lambda: _begin_save(save_dir, iteration, cfg.checkpoint.overwrite_checkpoints)
     )
@@ -512,7 +520,7 @@ def _finish_save(
     digests: dict,
 ) -> None:
     """Rank 0, after every rank has written its files: metadata, publication, tidying."""
-    save_dir = cfg.checkpoint.save
+    save_dir = save_dir_of(cfg)
     dist_format = cfg.checkpoint.ckpt_format == "torch_dist"
     with_optim = not (cfg.checkpoint.no_save_optim or optimizer is None)
     meta = {
@@ -772,21 +780,23 @@ def _on_every_rank(step):
 def _locate(cfg: ResolvedConfig):
     """(iteration, its directory, its checked metadata), or None when there is nothing to
     load."""
-    c = cfg.checkpoint
-    iteration = files.read_tracker(c.load)
+    load_dir = cfg.checkpoint.load
+    if load_dir is None:
+        return None
+    iteration = files.read_tracker(load_dir)
     if iteration is None:
-        lost = files.lost_tracker_error(c.load)
+        lost = files.lost_tracker_error(load_dir)
         if lost is not None:
             raise lost
-        partial = files.unfinished_saves(c.load)
+        partial = files.unfinished_saves(load_dir)
         log.warning(
             "no complete checkpoint in %s (no %s)%s; training starts from scratch",
-            c.load,
+            load_dir,
             files.TRACKER,
             f"; unfinished saves: {partial}" if partial else "",
         )
         return None
-    iter_dir = files.find_iteration_dir(c.load, iteration)
+    iter_dir = files.find_iteration_dir(load_dir, iteration)
     meta = files.read_metadata(iter_dir)
     check_model_matches(meta, cfg, os.path.join(iter_dir, files.METADATA))
     return iteration, iter_dir, meta

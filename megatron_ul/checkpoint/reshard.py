@@ -140,8 +140,9 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
         [_load_shard(meta, iter_dir, files.model_file(iter_dir, t, s, pp)) for t in range(tp)]
         for s in range(pp)
     ]
-    params, optim_state = {}, ({} if with_optim and meta.get("optimizer") else None)
-    replicas = {}
+    params: dict[str, torch.Tensor] = {}
+    optim_state: dict[str, dict] | None = {} if with_optim and meta.get("optimizer") else None
+    replicas: dict[str, torch.Tensor] = {}
     for name, info in table.items():
         shards = by_stage[info["stage"]]
         if name not in shards[0]["model"]:
@@ -254,7 +255,7 @@ def shard_for(
 
     source = {n: table[n]["replica_of"] or n for n in names}
     model = {n: cut(full.params[source[n]], table[n]) for n in names}
-    if full.optim_state is None:
+    if full.optim_state is None or full.optim_groups is None:  # set together: both or none
         return model, None
     state = {
         n: {

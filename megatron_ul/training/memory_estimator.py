@@ -160,7 +160,7 @@ class MemoryEstimate:
 
     @property
     def peak_phase(self) -> str:
-        return max(self.phases, key=self.phases.get) if self.phases else "forward"
+        return max(self.phases, key=self.phases.__getitem__) if self.phases else "forward"
 
     @property
     def total_bytes(self) -> float:
@@ -183,7 +183,7 @@ class MemoryEstimate:
             "optimizer state": self.optimizer_bytes,
             **self.terms,
         }
-        name = max(every, key=every.get)
+        name = max(every, key=every.__getitem__)
         return name, every[name]
 
     def rows(self) -> list[tuple[str, float]]:
@@ -413,14 +413,15 @@ def head_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision) 
     """Final norm's input and output (the output layer's input), and the fp32 softmax the
     untiled vocab-parallel loss keeps."""
     z = _sizes(m, layout)
-    softmax = 0.0 if _loss_is_tiled(m, layout) else _logits_bytes(m, layout, z.s)
+    softmax = 0.0 if _loss_chunk(m, layout) else _logits_bytes(m, layout, z.s)
     return z.norm * precision.residual + z.norm * precision.act + softmax
 
 
-def _loss_is_tiled(m: ModelConfig, layout: Layout) -> bool:
+def _loss_chunk(m: ModelConfig, layout: Layout) -> int | None:
+    """--tiled-loss-chunk-size where it splits this rank's tokens, else None (not tiled)."""
     gathered = layout.tp if layout.sequence_parallel else 1
     chunk = m.tiled_loss_chunk_size
-    return bool(chunk) and chunk < m.seq_length / layout.sequence_ranks / gathered
+    return chunk if chunk and chunk < m.seq_length / layout.sequence_ranks / gathered else None
 
 
 def _logits_bytes(m: ModelConfig, layout: Layout, rows: float, element: float = 4) -> float:
@@ -433,10 +434,11 @@ def loss_working_bytes(m: ModelConfig, layout: Layout, precision: Precision = Pr
     precision) and the shifted copy the softmax is made of; tiled, one chunk's,
     [c·TP_gathered, b, V/TP] each."""
     element = 8 + (2 if precision.act == 2 else 0)
-    if not _loss_is_tiled(m, layout):
+    chunk = _loss_chunk(m, layout)
+    if chunk is None:
         return _logits_bytes(m, layout, m.seq_length / layout.sequence_ranks, element - 4)
     gathered = layout.tp if layout.sequence_parallel else 1
-    return _logits_bytes(m, layout, m.tiled_loss_chunk_size * gathered, element)
+    return _logits_bytes(m, layout, chunk * gathered, element)
 
 
 def kept_activation_bytes(
@@ -589,7 +591,7 @@ def estimate(
         "optimizer": step_phase,
     }
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
-    peak = max(totals, key=totals.get)
+    peak = max(totals, key=totals.__getitem__)
     return MemoryEstimate(
         params,
         param_bytes,

@@ -20,7 +20,7 @@ from ..mpu.param_init import deferred, materialize
 from ..mpu.parallel_state import ParallelDims
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
-from ..pipeline.model import build_pipeline_model
+from ..pipeline.model import PipelineStageModel, build_pipeline_model
 from ..optim.mixed_precision import half_dtype
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
@@ -37,7 +37,7 @@ log = logging.getLogger("megatron_ul")
 
 def build_model(
     cfg: ResolvedConfig, device, dims: ParallelDims, timers: Timers = NO_TIMERS
-) -> GPTModel:
+) -> GPTModel | PipelineStageModel:
     """This rank's model (chunks under pipelining) on the rank grid `dims`. Each rank computes
     only the parameters it holds: its TP slice and pipeline stage and, under ZeRO-3, its dp_cp_sp
     shard (built on the meta device, sharded by FSDP2, then materialised)."""
@@ -59,7 +59,9 @@ def build_model(
     return model
 
 
-def _build_unsharded(cfg: ResolvedConfig, device, dims: ParallelDims, timers: Timers) -> GPTModel:
+def _build_unsharded(
+    cfg: ResolvedConfig, device, dims: ParallelDims, timers: Timers
+) -> GPTModel | PipelineStageModel:
     if cfg.parallel.pipeline_model_parallel_size > 1:
         return build_pipeline_model(cfg, device, timers, dims=dims)  # this rank's model chunks
     return GPTModel(
@@ -75,7 +77,7 @@ def _build_unsharded(cfg: ResolvedConfig, device, dims: ParallelDims, timers: Ti
 @dataclass
 class Trainer:
     cfg: ResolvedConfig
-    model: GPTModel
+    model: GPTModel | PipelineStageModel
     optimizer: torch.optim.Optimizer
     scheduler: LRSchedule
     train_batches: Iterator
