@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ResolvedModelConfig
 from ..mpu.layers import tp_slice
 from ..pipeline.param_table import parameter_table, stage_parameter_names
 from . import files
@@ -53,11 +53,11 @@ def set_vocab_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, pad], dim=0)
 
 
-def model_config(meta: dict) -> ModelConfig:
-    """The ModelConfig recorded in checkpoint metadata (fields this version does not know are
-    ignored)."""
-    known = {f.name for f in fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in meta["model"].items() if k in known})
+def model_config(meta: dict) -> ResolvedModelConfig:
+    """The model recorded in checkpoint metadata, as the resolved config it was saved from
+    (fields this version does not know are ignored)."""
+    known = {f.name for f in fields(ResolvedModelConfig)}
+    return ResolvedModelConfig(**{k: v for k, v in meta["model"].items() if k in known})
 
 
 def layout_table(meta: dict, tp: int, pp: int, vp: int | None) -> dict[str, dict]:

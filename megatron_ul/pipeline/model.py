@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config import ResolvedConfig
+from ..config import ResolvedConfig, ResolvedModelConfig
 from ..model.chunks import model_chunks
 from ..model.gpt import GPTModel
 from ..mpu.comm_stats import record
@@ -92,7 +92,7 @@ def build_pipeline_model(
 
 
 def build_stage_chunks(
-    model_cfg,
+    model_cfg: ResolvedModelConfig,
     seed: int,
     sequence_parallel: bool,
     pp: int,
