@@ -22,8 +22,8 @@ import functools
 import logging
 import os
 import uuid
-from typing import Any
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch.distributed as dist
 
