@@ -83,6 +83,7 @@ def test_the_given_and_the_model_vocabulary_are_separate_fields(
         vocab_file, merge_file, _ = byte_level_gpt2_files(str(tmp_path))
         flags += ["--vocab-file", vocab_file, "--merge-file", merge_file]
     else:
+        pytest.importorskip("tokenizers")  # builds the folder (the hf extra has it)
         flags += ["--tokenizer-model", hf_tokenizer_folder(str(tmp_path / "hf"))]
     cfg, tokenizer = _resolved(flags + ["--data-path", str(tmp_path / "d")], tp=2)
     assert (cfg.data.given_vocab_size, cfg.model.vocab_size) == (given_vocab, model_vocab)
