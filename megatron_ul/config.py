@@ -5,9 +5,10 @@ dashes, unless ``flag(names=...)`` says otherwise), its type (``Literal[...]`` f
 default and its help text are written here once; ``arguments.py`` generates the parser from them.
 Adding a flag is adding a field (see docs/design.md).
 
-Three separate steps turn parsed flags into a usable Config:
-``resolve()`` (here) fills the defaults that depend on other fields (global batch, decay
-iterations, position embeddings, ZeRO stage); ``config_rules.validate()`` checks, without
+Three separate steps turn parsed flags into a usable config:
+``resolve()`` (here) returns a ResolvedConfig, with the defaults that depend on other fields
+filled (global batch, decay iterations, position embeddings, ZeRO stage, the model's
+vocabulary) and typed as always set; ``config_rules.validate()`` checks, without
 changing anything or reading files, each field's declared range and choices and the rules
 between fields; ``config_files.path_problems()`` checks the paths the flags name. The start-up
 (training/configure.py) gathers all three, and the data files' checks, into one ConfigError
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import MISSING, Field, dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any, Literal, Optional
 
 
@@ -73,6 +74,7 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = flag(
         None, help="learned position table size; default --seq-length"
     )
+    # As given here; resolved, the model's vocabulary (data.given_vocab_size keeps the input).
     vocab_size: int = flag(
         0,
         help="vocabulary size for --mock-data / NullTokenizer; otherwise "
@@ -431,33 +433,86 @@ class Config:
     checkpoint: CheckpointConfig = _section(CheckpointConfig, "checkpointing")
     logging: LoggingConfig = _section(LoggingConfig, "logging")
 
+
+# ---- after resolve() ---------------------------------------------------------------------------
+# The sections whose defaults depend on other fields, with those fields' types narrowed: once
+# resolved, the value is always there, and the types say so. Each narrowed field is documented
+# (and its flag declared) in the section above.
+@dataclass
+class ResolvedModelConfig(ModelConfig):
+    max_position_embeddings: int = 0  # default --seq-length
+
+
+@dataclass
+class ResolvedTrainConfig(TrainConfig):
+    global_batch_size: int = 0  # default micro × DP
+    lr_decay_iters: int = 0  # default --train-iters
+
+
+@dataclass
+class ResolvedDataConfig(DataConfig):
+    # --vocab-size as given (0: not given), what the tokenizer is built from: NullTokenizer's
+    # N, where model.vocab_size is the model's vocabulary, N + 1.
+    given_vocab_size: int = 0
+
+
+@dataclass
+class ResolvedConfig(Config):
+    """What resolve() returns, and what everything after the start-up is handed."""
+
+    model: ResolvedModelConfig = _section(ResolvedModelConfig, "model")
+    train: ResolvedTrainConfig = _section(ResolvedTrainConfig, "training")
+    data: ResolvedDataConfig = _section(ResolvedDataConfig, "data")
+
     @property
     def num_micro_batches(self) -> int:
         t, dp = self.train, self.parallel.data_parallel_size
-        assert t.global_batch_size is not None, "resolve() the config first"
         return t.global_batch_size // (t.micro_batch_size * dp)
 
 
-def resolve(cfg: Config) -> Config:
-    """A copy of cfg with the defaults that depend on other fields filled in.
+def resolve(cfg: Config, tokenizer_vocab_size: Optional[int] = None) -> ResolvedConfig:
+    """A copy of cfg (the flags as parsed) with the defaults that depend on other fields filled.
 
-    Never raises: validate() judges the result (a size below 1 leaves DP at 1 here).
+    tokenizer_vocab_size: the vocabulary of the tokenizer the data flags name, when there is
+    one: the model's vocabulary then (without it, or with --mock-data, the model's vocabulary
+    is --vocab-size). Never raises: validate() judges the result (a size below 1 leaves DP
+    at 1 here).
     """
     cfg = copy.deepcopy(cfg)
-    m, p, t = cfg.model, cfg.parallel, cfg.train
-    if m.max_position_embeddings is None:
-        m.max_position_embeddings = m.seq_length
-    if t.global_batch_size is None:
-        t.global_batch_size = (
-            t.micro_batch_size * max(p.data_parallel_size, 1)
-            if p.model_parallel_size > 0
-            else t.micro_batch_size
-        )
-    if t.lr_decay_iters is None:
-        t.lr_decay_iters = t.train_iters
+    m, p, t, d = cfg.model, cfg.parallel, cfg.train, cfg.data
+    use_tokenizer = tokenizer_vocab_size is not None and not d.mock_data
+    model = ResolvedModelConfig(
+        **{
+            **_values(m),
+            "max_position_embeddings": (
+                m.seq_length if m.max_position_embeddings is None else m.max_position_embeddings
+            ),
+            "vocab_size": tokenizer_vocab_size if use_tokenizer else m.vocab_size,
+        }
+    )
+    global_batch = t.global_batch_size
+    if global_batch is None:
+        dp = max(p.data_parallel_size, 1) if p.model_parallel_size > 0 else 1
+        global_batch = t.micro_batch_size * dp
+    decay = t.lr_decay_iters if t.lr_decay_iters is not None else t.train_iters
+    train = ResolvedTrainConfig(
+        **{**_values(t), "global_batch_size": global_batch, "lr_decay_iters": decay}
+    )
+    data = ResolvedDataConfig(**{**_values(d), "given_vocab_size": m.vocab_size})
     # --use-distributed-optimizer is ZeRO-1 and --zero-stage 1 is the distributed optimizer
     if p.use_distributed_optimizer and p.zero_stage == 0:
         p.zero_stage = 1
     if p.zero_stage == 1:
         p.use_distributed_optimizer = True
-    return cfg
+    return ResolvedConfig(
+        model=model,
+        parallel=p,
+        train=train,
+        data=data,
+        checkpoint=cfg.checkpoint,
+        logging=cfg.logging,
+    )
+
+
+def _values(section: Any) -> dict[str, Any]:
+    return {f.name: getattr(section, f.name) for f in fields(section)}

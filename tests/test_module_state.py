@@ -36,11 +36,6 @@ PINNED = {
         "_held_locks",
     ): "this process's flock on each save directory (the lock belongs to the process)",
     (
-        "training/data.py",
-        "_RESOLVED_TOKENIZERS",
-    ): "tokenizers configure() built, keyed by the flags that define them, so building again "
-    "from the resolved config does not shift NullTokenizer's EOD",
-    (
         "checkpoint/io.py",
         "last_load_report",
     ): "what this process's last torch_dist load read (a measurement tests and benchmarks "

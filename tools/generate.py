@@ -44,6 +44,8 @@ def parse(argv):
 def _saved_data_args(load_dir: str) -> dict:
     """The data flags (tokenizer) recorded with the latest checkpoint, if any."""
     iteration = files.read_tracker(load_dir)
+    if iteration is None:  # load_for_generation refused it already; nothing recorded
+        return {}
     iter_dir = files.find_iteration_dir(load_dir, iteration)
     meta = files.read_metadata(iter_dir)
     # torch_dist keeps the arguments in its common file, the torch format in every shard.

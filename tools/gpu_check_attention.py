@@ -282,6 +282,7 @@ def virtual_ring(case: Case, size: int, q, k, v, dout, documents, device: str) -
             [m.results for m in runs], [m.results for m in previous]
         )
         previous = runs
+    assert previous is not None  # the loop above ran at least once
     links.new_pass(replay=True)
     runs = one_pass()
     converged &= _same([m.results for m in runs], [m.results for m in previous])

@@ -14,6 +14,7 @@ import torch
 
 from megatron_ul.data.batches import build_micro_batch
 from megatron_ul.model import attention
+from megatron_ul.optim.precision import GradScaler
 from megatron_ul.training.memory_estimator import GiB, estimate_config
 from megatron_ul.training.metrics import flops_per_token, peak_tflops
 from megatron_ul.training.pretrain import configure, setup
@@ -70,7 +71,7 @@ class TrainRun:
     init_seconds: float
     params: list  # final parameters (when asked for)
     optimizer_state: dict  # final optimizer state_dict (when asked for)
-    scaler: object
+    scaler: Optional[GradScaler]  # the fp16 loss scaler, if the run has one
     trainer_cfg: object
 
 
@@ -216,10 +217,11 @@ def precision_rows(check: Check):
             row[3] = "FAIL"
         yield row
     run = train_run(base + ["--fp16", "--initial-loss-scale", "4096"], mode.device)
+    scaler = _loss_scaler(run)
     yield against_fp32(
         "fp16 + dynamic loss scaling vs fp32",
         run.losses,
-        f"final scale {run.scaler.scale:g}, {run.scaler.skipped_steps} skipped",
+        f"final scale {scaler.scale:g}, {scaler.skipped_steps} skipped",
     )
     run = train_run(
         base
@@ -234,10 +236,11 @@ def precision_rows(check: Check):
         ],
         mode.device,
     )
-    ok = run.scaler.skipped_steps == 2 and run.scaler.scale == 2.0**118
+    scaler = _loss_scaler(run)
+    ok = scaler.skipped_steps == 2 and scaler.scale == 2.0**118
     yield [
         "fp16 overflow: loss scale 2^120 for 2 steps",
-        f"{run.scaler.skipped_steps} skipped",
+        f"{scaler.skipped_steps} skipped",
         "2 skipped, scale 2^118",
         verdict(ok),
         "",
@@ -337,6 +340,12 @@ def _deterministic():
         torch.use_deterministic_algorithms(before, warn_only=warn_only)
 
 
+def _loss_scaler(run: TrainRun) -> GradScaler:
+    if run.scaler is None:
+        raise RuntimeError("an --fp16 run without a loss scaler")
+    return run.scaler
+
+
 def adamw_rows(check: Check):
     """Fused AdamW against foreach AdamW: same start, same gradients, 3 steps."""
     device = check.mode.device
@@ -348,7 +357,7 @@ def adamw_rows(check: Check):
     for fused in (True, False):
         params = [torch.nn.Parameter(p.to(device).clone()) for p in start]
         opt = torch.optim.AdamW(
-            params, lr=1e-3, weight_decay=0.1, **({"fused": True} if fused else {"foreach": True})
+            params, lr=1e-3, weight_decay=0.1, fused=fused or None, foreach=not fused or None
         )
         for step in grads:
             for p, grad in zip(params, step):

@@ -157,11 +157,11 @@ def held_tensors(model, optimizer, with_optim: bool, create_state: bool = False)
     out = []
     for name, p in params.items():
         # ZeRO-1 with a separate fp32 main copy: its pieces are the weights saved and loaded.
-        parts = (
-            p.main_shards
-            if hasattr(p, "main_shards")  # none: another rank's
-            else [tuple(reversed(_local_part(p)))]
-        )
+        if hasattr(p, "main_shards"):
+            parts = p.main_shards
+        else:  # none: another rank's
+            data, lo = _local_part(p)
+            parts = [(lo, data)]
         for lo, data in parts:
             out.append(
                 Held(
@@ -303,6 +303,7 @@ class _PieceLoadPlanner(DefaultLoadPlanner):
 
     def create_local_plan(self) -> LoadPlan:
         requests = []
+        assert self.metadata is not None, "DCP sets the planner up before planning"
         for h in self._held:
             md = self.metadata.state_dict_metadata.get(h.key)
             if not isinstance(md, TensorStorageMetadata):
@@ -375,9 +376,9 @@ class _CheckedReader(FileSystemReader):
     def read_metadata(self, *args, **options) -> Metadata:
         # Not named **kwargs: DCP would then fall back to rank-local index files, which this
         # format never writes, and hide why the index was refused.
-        if getattr(self._index, "storage_meta", None) is None:
-            self._index.storage_meta = StorageMeta()
-        self._index.storage_meta.load_id = self.load_id
+        storage = getattr(self._index, "storage_meta", None) or StorageMeta()
+        storage.load_id = self.load_id
+        self._index.storage_meta = storage
         return self._index
 
     def _read_index(self) -> Metadata:
@@ -513,6 +514,12 @@ class _AlreadyStaged(AsyncStager):
     def stage(self, state_dict):
         return state_dict
 
+    def synchronize_staging(self) -> None:
+        return None  # stage() returns at once: nothing to wait for
+
+    def close(self) -> None:
+        return None  # holds nothing
+
 
 def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = False):
     """Write this rank's pieces into iter_dir (collective). Returns (file records, piece
@@ -546,6 +553,8 @@ def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = F
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the save
             result.set_exception(_first_checkpoint_error(e) or _as_checkpoint_error(e, iter_dir))
 
+    if not isinstance(upload, Future):  # torch's AsyncSaveResponse (staging and upload)
+        upload = upload.upload_completion
     upload.add_done_callback(finished)
     return result
 
@@ -582,8 +591,8 @@ def causes(e: BaseException) -> str:
             for rank, f in sorted(e.failures.items())
         )
     root = e
-    while (root.__cause__ or root.__context__) is not None:
-        root = root.__cause__ or root.__context__
+    while (cause := root.__cause__ or root.__context__) is not None:
+        root = cause
     text = f"{type(e).__name__}: {e}"
     return text if root is e else f"{text}, caused by {type(root).__name__}: {root}"
 

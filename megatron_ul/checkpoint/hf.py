@@ -13,6 +13,8 @@ safetensors lives in tools/checkpoint/hf.py. Layout facts the mapping relies on:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..config import ModelConfig
@@ -93,8 +95,9 @@ def gpt2_to_ours(sd: dict, m: dict) -> dict:
         hf, ours = f"h.{i}.", f"layers.{i}."
         w = sd[hf + "attn.c_attn.weight"].t()  # Conv1D [in, out] -> [out, in]
         b = sd[hf + "attn.c_attn.bias"]
-        out[ours + "attention.qkv.weight"] = _fuse_qkv(*w.chunk(3, dim=0), heads)
-        out[ours + "attention.qkv.bias"] = _fuse_qkv(*b.chunk(3, dim=0), heads)
+        (wq, wk, wv), (bq, bk, bv) = w.chunk(3, dim=0), b.chunk(3, dim=0)
+        out[ours + "attention.qkv.weight"] = _fuse_qkv(wq, wk, wv, heads)
+        out[ours + "attention.qkv.bias"] = _fuse_qkv(bq, bk, bv, heads)
         for their, mine, transpose in GPT2_LAYER_NAMES:
             weight = sd[hf + their + ".weight"]
             out[ours + mine + ".weight"] = weight.t() if transpose else weight
@@ -349,7 +352,7 @@ def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> t
     reshard.check_target_layout({"model": model}, tp, pp, 1, 1, None)
     _, state = read_hf_dir(hf_dir)
     _, params = to_ours(config, state)
-    meta = {
+    meta: dict[str, Any] = {
         "format": files.FORMAT,
         "iteration": 0,
         "model": model,

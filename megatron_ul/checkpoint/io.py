@@ -23,10 +23,11 @@ import logging
 import os
 import uuid
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import ResolvedConfig
 from ..model.chunks import model_dims
 from . import dist_io, files, reshard, resume_rules
 from .files import CheckpointError
@@ -69,7 +70,7 @@ class Resume:
     consumed_valid_samples: int = 0
 
 
-def _layout(cfg: Config) -> dict:
+def _layout(cfg: ResolvedConfig) -> dict:
     p = cfg.parallel
     # "cp" only when there is a ring: layouts saved before the ring axis existed still match.
     ring = {"cp": p.context_parallel_size} if p.context_parallel_size > 1 else {}
@@ -85,7 +86,7 @@ def _layout(cfg: Config) -> dict:
     }
 
 
-def consumed_valid_samples(cfg: Config, iteration: int) -> int:
+def consumed_valid_samples(cfg: ResolvedConfig, iteration: int) -> int:
     t = cfg.train
     return (
         (iteration // t.eval_interval) * t.eval_iters * t.global_batch_size
@@ -94,18 +95,26 @@ def consumed_valid_samples(cfg: Config, iteration: int) -> int:
     )
 
 
-def special_token_ids(cfg: Config) -> dict:
+def special_token_ids(cfg: ResolvedConfig) -> dict:
     """bos/eos ids of the run's tokenizer, recorded for exports (Hugging Face configs carry
     them). GPT-2's BPE has one end-of-text id for both; SentencePiece its own bos and eos;
-    without a tokenizer (mock data) Megatron's NullTokenizer convention, vocab_size - 1."""
+    for mock data (whose documents end with the model's last id) Megatron's NullTokenizer
+    convention, vocab_size - 1."""
     d = cfg.data
     return _special_token_ids(
-        d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model, cfg.model.vocab_size
+        None if d.mock_data else d.tokenizer_type,
+        d.vocab_file,
+        d.merge_file,
+        d.tokenizer_model,
+        d.given_vocab_size,
+        cfg.model.vocab_size,
     )
 
 
 @functools.lru_cache(maxsize=4)
-def _special_token_ids(kind, vocab_file, merge_file, tokenizer_model, vocab_size) -> dict:
+def _special_token_ids(
+    kind, vocab_file, merge_file, tokenizer_model, given_vocab_size: int, vocab_size: int
+) -> dict:
     from ..data.tokenizers import build_tokenizer
 
     eod = vocab_size - 1
@@ -117,7 +126,7 @@ def _special_token_ids(kind, vocab_file, merge_file, tokenizer_model, vocab_size
                 vocab_file=vocab_file,
                 merge_file=merge_file,
                 tokenizer_model=tokenizer_model,
-                vocab_size=vocab_size,
+                vocab_size=given_vocab_size or None,
             )
             eod = tokenizer.eod
             processor = getattr(tokenizer, "processor", None)  # SentencePiece
@@ -128,10 +137,10 @@ def _special_token_ids(kind, vocab_file, merge_file, tokenizer_model, vocab_size
     return {"bos_token_id": bos if bos is not None and bos >= 0 else eod, "eos_token_id": eod}
 
 
-def _on_rank0(action) -> object:
+def _on_rank0(action) -> Any:
     """Run `action` on rank 0 and broadcast its result, or re-raise its CheckpointError on
     every rank (so that no rank is left waiting in a collective)."""
-    box = [None]
+    box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             box[0] = ("ok", action())
@@ -144,19 +153,26 @@ def _on_rank0(action) -> object:
     return value
 
 
-def claim_save_dir(cfg: Config) -> None:
+def save_dir_of(cfg: ResolvedConfig) -> str:
+    """--save, which every saving path needs (the training loop saves only with it)."""
+    if cfg.checkpoint.save is None:
+        raise CheckpointError("saving a checkpoint needs --save DIR")
+    return cfg.checkpoint.save
+
+
+def claim_save_dir(cfg: ResolvedConfig) -> None:
     """Collective: rank 0 takes the --save directory's lock (files.claim_save_dir) so that a
     second job saving into it fails at start-up, naming the holder, and refuses a run that
     would save over complete checkpoints there (check_nothing_overwritten)."""
 
     def claim() -> None:
-        files.claim_save_dir(cfg.checkpoint.save)
+        files.claim_save_dir(save_dir_of(cfg))
         check_nothing_overwritten(cfg)
 
     _on_rank0(claim)
 
 
-def start_iteration(cfg: Config) -> int:
+def start_iteration(cfg: ResolvedConfig) -> int:
     """The iteration this run starts from: the --load tracker's (0 without --load or with
     --finetune). CheckpointError when the tracker was lost (files.lost_tracker_error)."""
     c = cfg.checkpoint
@@ -170,13 +186,13 @@ def start_iteration(cfg: Config) -> int:
     return 0 if c.finetune or iteration is None else iteration
 
 
-def check_nothing_overwritten(cfg: Config) -> None:
+def check_nothing_overwritten(cfg: ResolvedConfig) -> None:
     """Refuse, before any work, a run whose saves would land on complete checkpoints in
     --save: those after its start iteration (a run from scratch: all of them), unless
     --overwrite-checkpoints."""
     c = cfg.checkpoint
     start = start_iteration(cfg)
-    later = [i for i in files.complete_iterations(c.save) if i > start or start == 0]
+    later = [i for i in files.complete_iterations(save_dir_of(cfg)) if i > start or start == 0]
     if later and not c.overwrite_checkpoints:
         names = ", ".join(files.iteration_dir_name(i) for i in later[:4])
         raise CheckpointError(
@@ -201,7 +217,7 @@ def _begin_save(save_dir: str, iteration: int, overwrite: bool) -> str:
 
 
 def _write_rank_files(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     scheduler,
@@ -248,7 +264,7 @@ def _agree(model, iteration: int, records: dict, digests: dict, error: str | Non
         if dims.dp_cp_sp_rank == 0 and dims.tp_rank == 0
         else {}
     )
-    gathered = [None] * dist.get_world_size()
+    gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (mine, records, digests, error))
     errors = [e for _, _, _, e in gathered if e]
     if errors:
@@ -281,7 +297,7 @@ def _common_payload(cfg, scheduler, iteration, grad_scaler, position) -> dict:
 
 
 def _write_dist_files(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     scheduler,
@@ -367,10 +383,10 @@ def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) 
         files.remove_dir(aside, save_id)
 
 
-def _tidy(cfg: Config, save_id: str, iteration: int) -> None:
+def _tidy(cfg: ResolvedConfig, save_id: str, iteration: int) -> None:
     """Rank 0, after a save completed, holding the lock: opt-in retention and removal of what
     killed saves left behind."""
-    c, save_dir = cfg.checkpoint, cfg.checkpoint.save
+    c, save_dir = cfg.checkpoint, save_dir_of(cfg)
     if c.remove_unfinished_checkpoints:
         for d in files.stale_temporaries(save_dir):
             log.info("removing %s (left by an interrupted save or cleanup)", d)
@@ -387,7 +403,7 @@ def _tidy(cfg: Config, save_id: str, iteration: int) -> None:
 
 
 def save_checkpoint(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     scheduler,
@@ -408,7 +424,7 @@ def save_checkpoint(
             iteration * cfg.train.global_batch_size,
             consumed_valid_samples(cfg, iteration),
         )
-    save_dir = cfg.checkpoint.save
+    save_dir = save_dir_of(cfg)
     save_id = _on_rank0(
         lambda: _begin_save(save_dir, iteration, cfg.checkpoint.overwrite_checkpoints)
     )
@@ -492,7 +508,7 @@ class PendingSave:
 
 
 def _finish_save(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     iteration: int,
@@ -504,7 +520,7 @@ def _finish_save(
     digests: dict,
 ) -> None:
     """Rank 0, after every rank has written its files: metadata, publication, tidying."""
-    save_dir = cfg.checkpoint.save
+    save_dir = save_dir_of(cfg)
     dist_format = cfg.checkpoint.ckpt_format == "torch_dist"
     with_optim = not (cfg.checkpoint.no_save_optim or optimizer is None)
     meta = {
@@ -535,7 +551,7 @@ def _finish_save(
     _tidy(cfg, save_id, iteration)
 
 
-def check_model_matches(meta: dict, cfg: Config, path: str) -> None:
+def check_model_matches(meta: dict, cfg: ResolvedConfig, path: str) -> None:
     saved, ours = meta["model"], asdict(cfg.model)
     checked = dict(MODEL_FIELDS)
     if saved.get("position_embedding_type") == ours["position_embedding_type"] == "rope":
@@ -680,7 +696,7 @@ def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> 
 
 
 def _load_scheduler(
-    cfg: Config, scheduler, optimizer, payload: dict, source: str, optimizer_loaded: bool
+    cfg: ResolvedConfig, scheduler, optimizer, payload: dict, source: str, optimizer_loaded: bool
 ) -> None:
     """The LR schedule, and every setting that differs from the checkpoint's refused or
     applied as resume_rules says."""
@@ -712,7 +728,7 @@ def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
     grad_scaler.load_state_dict(saved)
 
 
-def _load_rng(cfg: Config, meta: dict, iter_dir: str) -> None:
+def _load_rng(cfg: ResolvedConfig, meta: dict, iter_dir: str) -> None:
     if not meta.get("rng"):
         if dist.get_rank() == 0:
             log.warning(
@@ -761,30 +777,32 @@ def _on_every_rank(step):
     )
 
 
-def _locate(cfg: Config):
+def _locate(cfg: ResolvedConfig):
     """(iteration, its directory, its checked metadata), or None when there is nothing to
     load."""
-    c = cfg.checkpoint
-    iteration = files.read_tracker(c.load)
+    load_dir = cfg.checkpoint.load
+    if load_dir is None:
+        return None
+    iteration = files.read_tracker(load_dir)
     if iteration is None:
-        lost = files.lost_tracker_error(c.load)
+        lost = files.lost_tracker_error(load_dir)
         if lost is not None:
             raise lost
-        partial = files.unfinished_saves(c.load)
+        partial = files.unfinished_saves(load_dir)
         log.warning(
             "no complete checkpoint in %s (no %s)%s; training starts from scratch",
-            c.load,
+            load_dir,
             files.TRACKER,
             f"; unfinished saves: {partial}" if partial else "",
         )
         return None
-    iter_dir = files.find_iteration_dir(c.load, iteration)
+    iter_dir = files.find_iteration_dir(load_dir, iteration)
     meta = files.read_metadata(iter_dir)
     check_model_matches(meta, cfg, os.path.join(iter_dir, files.METADATA))
     return iteration, iter_dir, meta
 
 
-def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) -> Resume:
+def load_checkpoint(cfg: ResolvedConfig, model, optimizer, scheduler, grad_scaler=None) -> Resume:
     """Collective: each rank reads what it needs; an error on any rank is raised on every rank
     (_on_every_rank). Returns where training resumes."""
     c = cfg.checkpoint
@@ -820,7 +838,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, grad_scaler=None) 
 
 
 def _apply(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     scheduler,

@@ -46,6 +46,7 @@ import logging
 import os
 import re
 from dataclasses import asdict
+from typing import Any
 
 import torch
 
@@ -103,7 +104,10 @@ def megatron_iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, i
 def model_config_from_args(args, true_vocab_size: int | None = None, core: bool = False) -> dict:
     """Our ModelConfig fields for the args of a legacy Megatron-LM GPT (of a megatron-core
     GPTModel with `core`); refuses what we do not compute the same way."""
-    get = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+
+    def get(name: str, default: Any = None) -> Any:  # Megatron's args: fields vary by version
+        return getattr(args, name, default)
+
     unsupported = [
         (get("num_experts"), "mixture of experts"),
         (

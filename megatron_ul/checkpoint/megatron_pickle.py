@@ -15,6 +15,7 @@ import argparse
 import os
 import re
 import signal
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ _MEGATRON_ENUMS = ["megatron.core.enums.ModelType", "megatron.core.transformer.e
 _numpy_core = getattr(np, "_core", None) or np.core
 # The one allowlist: (object, the global's name as the pickle spells it). numpy 1.x pickles
 # its array reconstructor as numpy.core.*, numpy 2.x as numpy._core.*.
-ALLOWED = [
+ALLOWED: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     (argparse.Namespace, "argparse.Namespace"),
     (signal.Signals, "signal.Signals"),
     (np.ndarray, "numpy.ndarray"),
@@ -57,7 +58,8 @@ ALLOWED = [
     (_numpy_core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
     (_numpy_core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
     (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType"),
-] + [(_enum_stand_in(name), name) for name in _MEGATRON_ENUMS]
+    *[(_enum_stand_in(name), name) for name in _MEGATRON_ENUMS],
+]
 
 
 def load(path: str, trust_pickle: bool = False) -> dict:

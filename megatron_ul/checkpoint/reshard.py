@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..config import ModelConfig
+from ..config import ResolvedModelConfig
 from ..mpu.layers import tp_slice
 from ..pipeline.param_table import parameter_table, stage_parameter_names
 from . import files
@@ -53,11 +53,11 @@ def set_vocab_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, pad], dim=0)
 
 
-def model_config(meta: dict) -> ModelConfig:
-    """The ModelConfig recorded in checkpoint metadata (fields this version does not know are
-    ignored)."""
-    known = {f.name for f in fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in meta["model"].items() if k in known})
+def model_config(meta: dict) -> ResolvedModelConfig:
+    """The model recorded in checkpoint metadata, as the resolved config it was saved from
+    (fields this version does not know are ignored)."""
+    known = {f.name for f in fields(ResolvedModelConfig)}
+    return ResolvedModelConfig(**{k: v for k, v in meta["model"].items() if k in known})
 
 
 def layout_table(meta: dict, tp: int, pp: int, vp: int | None) -> dict[str, dict]:
@@ -140,8 +140,9 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
         [_load_shard(meta, iter_dir, files.model_file(iter_dir, t, s, pp)) for t in range(tp)]
         for s in range(pp)
     ]
-    params, optim_state = {}, ({} if with_optim and meta.get("optimizer") else None)
-    replicas = {}
+    params: dict[str, torch.Tensor] = {}
+    optim_state: dict[str, dict] | None = {} if with_optim and meta.get("optimizer") else None
+    replicas: dict[str, torch.Tensor] = {}
     for name, info in table.items():
         shards = by_stage[info["stage"]]
         if name not in shards[0]["model"]:
@@ -254,7 +255,7 @@ def shard_for(
 
     source = {n: table[n]["replica_of"] or n for n in names}
     model = {n: cut(full.params[source[n]], table[n]) for n in names}
-    if full.optim_state is None:
+    if full.optim_state is None or full.optim_groups is None:  # set together: both or none
         return model, None
     state = {
         n: {

@@ -96,6 +96,7 @@ def optim_error(source: str, what: str):
 def rng_state() -> dict:
     """This rank's RNG streams: torch default (CPU and CUDA), the mpu tracker, python, numpy."""
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple), "numpy's legacy state: (name, keys, pos, gauss, cached)"
     state = {
         "torch": torch.get_rng_state(),
         "tracker": get_rng_tracker().get_states(),

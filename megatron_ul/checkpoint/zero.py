@@ -95,7 +95,7 @@ def _gather_zero1(model, optimizer) -> dict | None:
     }
     step = next((s["step"] for s in piece_state.values() if "step" in s), None)
     is_root = _is_dp_cp_sp_root(model)
-    pieces_of = {}
+    pieces_of: dict[int, list] = {}  # by id() of the parameter
     for name, p, offset, lo, hi in optimizer.pieces:
         pieces_of.setdefault(id(p), []).append((offset, lo, hi, piece_state[(name, lo)]))
     gathered = {}

@@ -150,6 +150,7 @@ def build_micro_batch(
     if eod_mask_loss:
         loss_mask[tokens == eod_token] = 0.0
     position_ids = _position_ids(tokens, eod_token, reset_position_ids)
+    window: slice | torch.Tensor
     if cp_size == 1:
         shard = seq_length // sp_size
         window = slice(sp_rank * shard, (sp_rank + 1) * shard)

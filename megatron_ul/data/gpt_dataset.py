@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import re
+from typing import Any
 
 import numpy as np
 
@@ -109,7 +110,7 @@ def split_matrix(split: str) -> list:
 
 def split_ranges(split: str, num_sequences: int) -> list:
     """megatron-core's sequence ranges [begin, end) per split (None when the split is empty)."""
-    ranges = []
+    ranges: list[tuple[int, int] | None] = []
     for bookends in split_matrix(split):
         if bookends is None:
             ranges.append(None)
@@ -431,7 +432,7 @@ def build_train_valid_test_datasets(
     if vocab_size is not None:
         check_vocabulary(indexed, vocab_size)
     ranges = [split_ranges(split, len(dataset)) for dataset in indexed]
-    results = []
+    results: list[Any] = []  # per split: a GPTDataset, a blend of them, or None
     for split_id, split_name in enumerate(SPLIT_NAMES):
         num_samples = int(train_valid_test_num_samples[split_id])
         if num_samples <= 0 or ranges[0][split_id] is None:

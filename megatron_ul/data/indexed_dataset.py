@@ -88,7 +88,7 @@ class IndexedDatasetBuilder:
             raise ValueError(f"dtype {self.dtype} has no MMIDIDX code")
         self.bin_path = bin_path
         self.data_file = open(bin_path, "wb")
-        self.length_chunks = []
+        self.length_chunks: list[np.ndarray] = []
         self.document_ends = [0]
         self.num_sequences = 0
 
@@ -258,6 +258,7 @@ class IndexedDataset:
                 "the pair does not match (truncated or mixed-up files)"
             )
         # np.memmap refuses empty files, and an empty dataset needs no mapping.
+        self.tokens: np.ndarray  # a memory map (np.memmap is an ndarray)
         if expected_bytes:
             self.tokens = np.memmap(bin_path, dtype=self.dtype, mode="r")
         else:
@@ -331,4 +332,4 @@ class IndexedDataset:
     def close(self) -> None:
         # Dropping the reference unmaps once no returned view is alive;
         # closing the mmap explicitly would break views callers still hold.
-        self.tokens = None
+        self.tokens = np.zeros(0, dtype=self.dtype)

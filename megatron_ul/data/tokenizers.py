@@ -106,7 +106,7 @@ class GPT2BPETokenizer(AbstractTokenizer):
         self.byte_encoder = bytes_to_unicode()
         self.byte_decoder = {char: byte for byte, char in self.byte_encoder.items()}
         self.pattern = regex.compile(GPT2_SPLIT_PATTERN)
-        self.cache = {}
+        self.cache: dict[str, list[str]] = {}
         if GPT2_EOD_TOKEN not in self.encoder:
             raise ValueError(f"{vocab_file}: vocabulary has no {GPT2_EOD_TOKEN} token (the EOD)")
         self._eod = self.encoder[GPT2_EOD_TOKEN]
@@ -134,7 +134,7 @@ class GPT2BPETokenizer(AbstractTokenizer):
         return parts
 
     def tokenize(self, text: str) -> list:
-        ids = []
+        ids: list[int] = []
         for pre_token in self.pattern.findall(text):
             encoded = "".join(self.byte_encoder[b] for b in pre_token.encode("utf-8"))
             ids.extend(self.encoder[piece] for piece in self.bpe(encoded))
@@ -266,7 +266,7 @@ class SentencePieceTokenizer(AbstractTokenizer):
         self.vocab = {
             self.processor.id_to_piece(i): i for i in range(self.processor.get_piece_size())
         }
-        self.special_tokens = {}
+        self.special_tokens: dict[str, int] = {}
         for token in ("<CLS>", "<SEP>", "<EOD>", "<MASK>"):
             self._add_special(token)
         for piece_id, fallback in (
@@ -312,7 +312,7 @@ class SentencePieceTokenizer(AbstractTokenizer):
         plain = [
             position for position, text in enumerate(texts) if not self.special_pattern.search(text)
         ]
-        results = [None] * len(texts)
+        results: list[list[int] | None] = [None] * len(texts)
         for position, ids in zip(
             plain, self.processor.encode([texts[p] for p in plain], num_threads=1)
         ):

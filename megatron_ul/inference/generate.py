@@ -80,7 +80,7 @@ def generate(
     """The prompt's continuation (new token ids only)."""
     if not prompt:
         raise ValueError("the prompt is empty after tokenization; give at least one token")
-    ids, window = list(prompt), model.cfg.max_position_embeddings or model.cfg.seq_length
+    ids, window = list(prompt), model.cfg.max_position_embeddings
     device = next(model.parameters()).device
     new = []
     for _ in range(max_new_tokens):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config import ModelConfig
+from ..config import ResolvedModelConfig
 from ..mpu.cross_entropy import vocab_parallel_cross_entropy
 from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, sequence_parallel_linear
 from ..mpu.param_init import new_parameter
@@ -35,7 +35,7 @@ from .transformer import TransformerLayer, dropout, norm_in_weight_dtype
 class GPTModel(nn.Module):
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ResolvedModelConfig,
         *,
         seed: int,
         sequence_parallel: bool = False,

@@ -25,7 +25,7 @@ import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 from torch import nn
@@ -225,8 +225,11 @@ def _dim0_shard(param) -> tuple[torch.Tensor, int]:
     return param.to_local(), offset[0] if offset else 0
 
 
+M = TypeVar("M", bound=nn.Module)  # materialised in place: the module handed in comes back
+
+
 @torch.no_grad()
-def materialize(module: nn.Module, device) -> nn.Module:
+def materialize(module: M, device) -> M:
     """Allocate every meta parameter of `module` on `device` and compute only the elements
     this rank holds (its ZeRO-3 shard of its TP slice)."""
     attributes = {name: dict(vars(p)) for name, p in module.named_parameters()}

@@ -22,7 +22,7 @@ TP rank 0 only). The update is plain torch AdamW on the DTensor shards.
 from __future__ import annotations
 
 import math
-from typing import cast
+from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -36,10 +36,10 @@ from ..model.chunks import model_chunks
 from ..mpu.param_spec import param_spec
 from .grads import all_reduce_coalesced, counts_once
 
+M = TypeVar("M", bound=nn.Module)  # sharded in place: the model handed in comes back
 
-def shard_model(
-    model: torch.nn.Module, dims: ParallelDims, param_dtype: torch.dtype | None = None
-) -> torch.nn.Module:
+
+def shard_model(model: M, dims: ParallelDims, param_dtype: torch.dtype | None = None) -> M:
     """fully_shard each transformer layer, then each model chunk as a root, over the dp_cp_sp
     mesh of `dims`, in place; a PipelineStageModel stays a plain container.
 

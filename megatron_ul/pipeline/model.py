@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..config import Config
+from ..config import ResolvedConfig, ResolvedModelConfig
 from ..model.chunks import model_chunks
 from ..model.gpt import GPTModel
 from ..mpu.comm_stats import record
@@ -24,7 +24,7 @@ from ..mpu.param_spec import param_spec, set_param_spec
 from ..timers import NO_TIMERS, Timers
 
 
-def num_model_chunks(cfg: Config) -> int:
+def num_model_chunks(cfg: ResolvedConfig) -> int:
     """Virtual pipeline stages per pp rank (1 without interleaving)."""
     p = cfg.parallel
     return chunks_per_stage(
@@ -73,7 +73,7 @@ class PipelineStageModel(nn.Module):
 
 
 def build_pipeline_model(
-    cfg: Config, device, timers: Timers = NO_TIMERS, *, dims: ParallelDims
+    cfg: ResolvedConfig, device, timers: Timers = NO_TIMERS, *, dims: ParallelDims
 ) -> PipelineStageModel:
     """This rank's model chunks."""
     return PipelineStageModel(
@@ -92,7 +92,7 @@ def build_pipeline_model(
 
 
 def build_stage_chunks(
-    model_cfg,
+    model_cfg: ResolvedModelConfig,
     seed: int,
     sequence_parallel: bool,
     pp: int,

@@ -13,12 +13,12 @@ instead of guessing from names.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import replace
 
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ResolvedModelConfig
 from ..mpu.param_init import deferred
 from ..mpu.parallel_state import single_rank_dims
 from ..mpu.param_spec import full_shape, param_spec
@@ -52,12 +52,12 @@ def local_parameter_table(model: nn.Module, tp: int, pp_rank: int) -> dict[str, 
 
 
 def parameter_table(
-    model_cfg: ModelConfig, tp: int = 1, pp: int = 1, layers_per_chunk: int | None = None
+    model_cfg: ResolvedModelConfig, tp: int = 1, pp: int = 1, layers_per_chunk: int | None = None
 ) -> dict[str, dict]:
     """The whole model's table for TP `tp` × PP `pp` (chunks of `layers_per_chunk` layers when
     interleaved). ValueError when the layers do not split into those stages."""
     chunks = chunks_per_stage(model_cfg.num_layers, pp, layers_per_chunk)
-    cfg = ModelConfig(**{**asdict(model_cfg), "use_flash_attn": False})
+    cfg = replace(model_cfg, use_flash_attn=False)
     table = {}
     with torch.device("meta"), deferred():  # shapes and specs only: nothing is computed
         for stage in range(pp):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from ..config import Config, ConfigError
+from ..config import ResolvedConfig, ConfigError
 from ..model.attention_dispatch import AttentionCall, kernel_refusal
 from .dry_run import precision_of
 
 
-def attention_call(cfg: Config, device: torch.device) -> AttentionCall:
+def attention_call(cfg: ResolvedConfig, device: torch.device) -> AttentionCall:
     """The attention call every layer of this run makes (per-rank head counts)."""
     m, p = cfg.model, cfg.parallel
     heads = p.tensor_model_parallel_size * p.ds_sequence_parallel_size
@@ -30,7 +30,7 @@ def attention_call(cfg: Config, device: torch.device) -> AttentionCall:
     )
 
 
-def refuse_unrunnable_attention(cfg: Config, device: torch.device) -> None:
+def refuse_unrunnable_attention(cfg: ResolvedConfig, device: torch.device) -> None:
     """Raise ConfigError (every rank, same message) where no fused kernel takes the call."""
     why = kernel_refusal(attention_call(cfg, device))
     if why is not None:

@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from ..config import Config
+from ..config import DataConfig, ResolvedConfig
 from ..data.batches import PretrainingSampler, build_micro_batch, micro_batch_iterator
 from ..data.gpt_dataset import build_train_valid_test_datasets
 from ..data.mock import MockGPTDataset
@@ -15,52 +15,34 @@ from ..data.tokenizers import build_tokenizer
 from ..mpu.parallel_state import ParallelDims
 
 
-# configure() replaces --vocab-size by the tokenizer's vocabulary (NullTokenizer --vocab-size N
-# has N + 1); building the tokenizer again from that resolved config would shift NullTokenizer's
-# EOD, so the resolved configs' tokenizers are kept by what defines them.
-_RESOLVED_TOKENIZERS: dict[tuple, object] = {}
+def build_tokenizer_for(d: DataConfig, given_vocab_size: int):
+    """The tokenizer named by --tokenizer-type (None for --mock-data without one).
 
-
-def _tokenizer_key(cfg: Config) -> tuple:
-    d = cfg.data
-    return (d.tokenizer_type, d.vocab_file, d.merge_file, d.tokenizer_model, cfg.model.vocab_size)
-
-
-def build_tokenizer_for(cfg: Config):
-    """The tokenizer named by --tokenizer-type (None for --mock-data without one)."""
-    d = cfg.data
+    given_vocab_size: --vocab-size as given (NullTokenizer's N; the resolved config's
+    data.given_vocab_size, not the model's N + 1).
+    """
     if d.tokenizer_type is None:
         return None
-    resolved = _RESOLVED_TOKENIZERS.get(_tokenizer_key(cfg))
-    if resolved is not None:
-        return resolved
     return build_tokenizer(
         d.tokenizer_type,
         vocab_file=d.vocab_file,
         merge_file=d.merge_file,
         tokenizer_model=d.tokenizer_model,
-        vocab_size=cfg.model.vocab_size or None,
+        vocab_size=given_vocab_size or None,
     )
 
 
-def set_vocab_from_tokenizer(cfg: Config, tokenizer) -> None:
-    """The model's vocabulary is the tokenizer's; later build_tokenizer_for(cfg) calls return
-    this tokenizer."""
-    cfg.model.vocab_size = tokenizer.vocab_size
-    _RESOLVED_TOKENIZERS[_tokenizer_key(cfg)] = tokenizer
-
-
-def eod_token_for(cfg: Config):
+def eod_token_for(cfg: ResolvedConfig):
     """The end-of-document id: the tokenizer's; for --mock-data the last id of the model's
     vocabulary, vocab_size - 1 (mock samples carry documents; the model's vocabulary is
     --vocab-size there, which a tokenizer's EOD may lie outside of, e.g. NullTokenizer's N)."""
     if cfg.data.mock_data:
         return cfg.model.vocab_size - 1
-    tokenizer = build_tokenizer_for(cfg)
+    tokenizer = build_tokenizer_for(cfg.data, cfg.data.given_vocab_size)
     return tokenizer.eod if tokenizer is not None else None
 
 
-def build_datasets(cfg: Config):
+def build_datasets(cfg: ResolvedConfig):
     """(train, valid, test) datasets sized for the whole run."""
     t, m, d = cfg.train, cfg.model, cfg.data
     train_samples = t.train_iters * t.global_batch_size
@@ -89,7 +71,7 @@ def build_datasets(cfg: Config):
 
 
 def global_batches(
-    cfg: Config, dims: ParallelDims, dataset, device, eod_token, consumed_samples: int = 0
+    cfg: ResolvedConfig, dims: ParallelDims, dataset, device, eod_token, consumed_samples: int = 0
 ) -> Iterator[list[dict]]:
     """Yield, per iteration, this rank's list of micro-batch dicts on `device` (its data
     shard and sequence chunk from its place in `dims`)."""

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from ..config import Config
+from ..config import ResolvedConfig
 from ..model.attention_dispatch import planned_kernel
 from .memory_estimator import (
     GiB,
@@ -25,7 +25,7 @@ def _number(x: float) -> str:
     return f"2^{int(exponent)}" if exponent == int(exponent) and x >= 1024 else f"{x:g}"
 
 
-def precision_of(cfg: Config) -> tuple[str, torch.dtype]:
+def precision_of(cfg: ResolvedConfig) -> tuple[str, torch.dtype]:
     """(description, activation dtype) of the precision a run with these flags uses."""
     t = cfg.train
     if t.bf16:
@@ -43,7 +43,7 @@ def precision_of(cfg: Config) -> tuple[str, torch.dtype]:
     return "fp32", torch.float32
 
 
-def describe(cfg: Config) -> str:
+def describe(cfg: ResolvedConfig) -> str:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, sp, pp, dp = (
         p.tensor_model_parallel_size,
@@ -90,7 +90,7 @@ def describe(cfg: Config) -> str:
     return "\n".join(lines)
 
 
-def long_context(cfg: Config) -> str:
+def long_context(cfg: ResolvedConfig) -> str:
     """The long-sequence options in effect (docs/long_context.md)."""
     m, d = cfg.model, cfg.data
     parts = [
@@ -110,7 +110,7 @@ def long_context(cfg: Config) -> str:
     return "; ".join(parts)
 
 
-def fit_problem(cfg: Config) -> str | None:
+def fit_problem(cfg: ResolvedConfig) -> str | None:
     """Why the plan does not fit --gpu-memory-gb (naming the largest term), or None."""
     budget = cfg.train.gpu_memory_gb
     if budget is None:
@@ -126,7 +126,7 @@ def fit_problem(cfg: Config) -> str | None:
     )
 
 
-def dry_run(cfg: Config) -> int:
+def dry_run(cfg: ResolvedConfig) -> int:
     print(describe(cfg), flush=True)
     problem = fit_problem(cfg)
     if problem is not None:

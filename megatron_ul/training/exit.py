@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.io import Resume, save_checkpoint
-from ..config import Config
+from ..config import ResolvedConfig
 from ..exit_signals import catch_exit_signals, forget_signal, signal_received
 
 log = logging.getLogger("megatron_ul")
@@ -27,7 +27,7 @@ class RunControl:
 
     def __init__(
         self,
-        cfg: Config,
+        cfg: ResolvedConfig,
         model,
         optimizer,
         scheduler,
@@ -69,7 +69,7 @@ class RunControl:
             self._complete_pending()
         c = self.cfg.checkpoint
         by_signal, by_time = self._stop_flags()
-        by_interval = bool(c.exit_interval) and iteration % c.exit_interval == 0
+        by_interval = bool(c.exit_interval and iteration % c.exit_interval == 0)
         stop = by_signal or by_time or by_interval
         if c.save and (stop or (c.save_interval and iteration % c.save_interval == 0)):
             self.save()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from ..config import Config
+from ..config import ResolvedConfig
 from ..model.chunks import model_dims
 from ..mpu.parallel_state import ParallelDims
 from ..optim.precision import build_grad_scaler
@@ -15,7 +15,7 @@ from .step import evaluate_loss, train_step
 log = logging.getLogger("megatron_ul")
 
 
-def autocast_dtype(cfg: Config):
+def autocast_dtype(cfg: ResolvedConfig):
     """None: --bf16/--fp16 build a half-precision model (model/gpt.py use_half_precision) with
     fp32 main parameters in the optimizer; nothing runs under autocast."""
     del cfg
@@ -23,7 +23,7 @@ def autocast_dtype(cfg: Config):
 
 
 def train(
-    cfg: Config,
+    cfg: ResolvedConfig,
     model,
     optimizer,
     scheduler,
@@ -90,7 +90,7 @@ def finish_param_sync(optimizer) -> None:
         finish()
 
 
-def run_evaluation(cfg: Config, model, valid_batches, iteration: int, dtype) -> float:
+def run_evaluation(cfg: ResolvedConfig, model, valid_batches, iteration: int, dtype) -> float:
     losses = [evaluate_loss(model, next(valid_batches), dtype) for _ in range(cfg.train.eval_iters)]
     value = sum(losses) / len(losses)
     if is_reporting_rank(model_dims(model)):

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ..config import Config, ModelConfig
+from ..config import ModelConfig, ResolvedConfig
 from ..model.activation_shape import ActivationShape
 from ..model.layer_spec import (
     described_layer,
@@ -171,7 +171,7 @@ class MemoryEstimate:
 
     @property
     def peak_phase(self) -> str:
-        return max(self.phases, key=self.phases.get) if self.phases else "forward"
+        return max(self.phases, key=self.phases.__getitem__) if self.phases else "forward"
 
     @property
     def total_bytes(self) -> float:
@@ -194,7 +194,7 @@ class MemoryEstimate:
             "optimizer state": self.optimizer_bytes,
             **self.terms,
         }
-        name = max(every, key=every.get)
+        name = max(every, key=every.__getitem__)
         return name, every[name]
 
     def rows(self) -> list[tuple[str, float]]:
@@ -419,14 +419,15 @@ def head_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision) 
     """Final norm's input and output (the output layer's input), and the fp32 softmax the
     untiled vocab-parallel loss keeps."""
     z = _sizes(m, layout)
-    softmax = 0.0 if _loss_is_tiled(m, layout) else _logits_bytes(m, layout, z.s)
+    softmax = 0.0 if _loss_chunk(m, layout) else _logits_bytes(m, layout, z.s)
     return z.norm * precision.residual + z.norm * precision.act + softmax
 
 
-def _loss_is_tiled(m: ModelConfig, layout: Layout) -> bool:
+def _loss_chunk(m: ModelConfig, layout: Layout) -> int | None:
+    """--tiled-loss-chunk-size where it splits this rank's tokens, else None (not tiled)."""
     gathered = layout.tp if layout.sequence_parallel else 1
     chunk = m.tiled_loss_chunk_size
-    return bool(chunk) and chunk < m.seq_length / layout.sequence_ranks / gathered
+    return chunk if chunk and chunk < m.seq_length / layout.sequence_ranks / gathered else None
 
 
 def _logits_bytes(m: ModelConfig, layout: Layout, rows: float, element: float = 4) -> float:
@@ -439,10 +440,11 @@ def loss_working_bytes(m: ModelConfig, layout: Layout, precision: Precision = Pr
     precision) and the shifted copy the softmax is made of; tiled, one chunk's,
     [c·TP_gathered, b, V/TP] each."""
     element = 8 + (2 if precision.act == 2 else 0)
-    if not _loss_is_tiled(m, layout):
+    chunk = _loss_chunk(m, layout)
+    if chunk is None:
         return _logits_bytes(m, layout, m.seq_length / layout.sequence_ranks, element - 4)
     gathered = layout.tp if layout.sequence_parallel else 1
-    return _logits_bytes(m, layout, m.tiled_loss_chunk_size * gathered, element)
+    return _logits_bytes(m, layout, chunk * gathered, element)
 
 
 def kept_activation_bytes(
@@ -595,7 +597,7 @@ def estimate(
         "optimizer": step_phase,
     }
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
-    peak = max(totals, key=totals.get)
+    peak = max(totals, key=totals.__getitem__)
     return MemoryEstimate(
         params,
         param_bytes,
@@ -621,7 +623,7 @@ def init_peak_bytes(m: ModelConfig, layout: Layout, zero_stage: int = 0) -> floa
     return 4 * params / shards + WORKSPACE_BYTES
 
 
-def layout_from_config(cfg: Config) -> Layout:
+def layout_from_config(cfg: ResolvedConfig) -> Layout:
     p, t = cfg.parallel, cfg.train
     return Layout(
         tp=p.tensor_model_parallel_size,
@@ -635,8 +637,8 @@ def layout_from_config(cfg: Config) -> Layout:
     )
 
 
-def estimate_config(cfg: Config) -> MemoryEstimate:
-    """The estimate for a resolved, validated Config (resolve() makes --use-distributed-optimizer
+def estimate_config(cfg: ResolvedConfig) -> MemoryEstimate:
+    """The estimate for a validated ResolvedConfig (resolve() makes --use-distributed-optimizer
     ZeRO stage 1)."""
     return estimate(
         cfg.model,
@@ -648,13 +650,13 @@ def estimate_config(cfg: Config) -> MemoryEstimate:
     )
 
 
-def precision_of(cfg: Config) -> Precision:
+def precision_of(cfg: ResolvedConfig) -> Precision:
     """--bf16/--fp16 put the model itself in half precision (Megatron's meaning)."""
     t = cfg.train
     return Precision(half_model=bool(t.bf16 or t.fp16), fp32_residual=t.fp32_residual_connection)
 
 
-def kernels_of(cfg: Config) -> Kernels:
+def kernels_of(cfg: ResolvedConfig) -> Kernels:
     t = cfg.train
     offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
     return Kernels(
@@ -662,13 +664,9 @@ def kernels_of(cfg: Config) -> Kernels:
     )
 
 
-def recompute_of(cfg: Config) -> str:
-    """--recompute-granularity wherever the Config keeps it ('none' when absent)."""
-    for section in (cfg.model, cfg.train, cfg.parallel):
-        granularity = getattr(section, "recompute_granularity", None)
-        if granularity:
-            return granularity
-    return "none"
+def recompute_of(cfg: ResolvedConfig) -> str:
+    """--recompute-granularity, 'none' when not given."""
+    return cfg.model.recompute_granularity or "none"
 
 
 def smallest_fitting_layout(

@@ -51,11 +51,12 @@ def measure(rank: int, world: int, argv: list[str]) -> dict:
     loss.backward()
     optimizer.step()
     params = list(model.parameters())
+    grads = [p.grad for p in params if p.grad is not None]
     state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     return {
         "saved": meter.bytes,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),
-        "grad_bytes": sum(p.grad.numel() * p.grad.element_size() for p in params),
+        "grad_bytes": sum(g.numel() * g.element_size() for g in grads),
         "optimizer_bytes": sum(t.numel() * t.element_size() for t in state),
         "params": sum(p.numel() for p in params),
     }

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from ..config import Config, ModelConfig
+from ..config import ResolvedConfig, ModelConfig
 from ..timers import NO_TIMERS, Timers
 
 log = logging.getLogger("megatron_ul")
@@ -43,7 +43,7 @@ KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 PHASES = ("forward", "backward", "all-to-all", "grad-reduce", "optimizer", "grad-clip")
 
 
-def peak_tflops(cfg: Config) -> Optional[float]:
+def peak_tflops(cfg: ResolvedConfig) -> Optional[float]:
     """--peak-tflops, else the table entry whose name appears in the CUDA device name."""
     if cfg.logging.peak_tflops:
         return cfg.logging.peak_tflops
@@ -73,7 +73,11 @@ class MetricsLogger:
     time split read from the run's timers (--timing-log-level; built in training/pretrain)."""
 
     def __init__(
-        self, cfg: Config, padded_vocab: int, is_reporting_rank: bool, timers: Timers = NO_TIMERS
+        self,
+        cfg: ResolvedConfig,
+        padded_vocab: int,
+        is_reporting_rank: bool,
+        timers: Timers = NO_TIMERS,
     ):
         self.cfg, self.reporting = cfg, is_reporting_rank
         self.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length

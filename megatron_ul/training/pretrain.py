@@ -12,7 +12,7 @@ import torch
 
 from ..checkpoint.files import CheckpointError
 from ..checkpoint.io import Resume, claim_save_dir, load_checkpoint
-from ..config import Config, ConfigError
+from ..config import ResolvedConfig, ConfigError
 from ..data.gpt_dataset import DataError
 from ..initialize import initialize_distributed, shutdown
 from ..model.gpt import GPTModel, use_half_precision
@@ -20,7 +20,7 @@ from ..mpu.param_init import deferred, materialize
 from ..mpu.parallel_state import ParallelDims
 from ..optim import build_optimizer
 from ..optim.lr_schedule import LRSchedule
-from ..pipeline.model import build_pipeline_model
+from ..pipeline.model import PipelineStageModel, build_pipeline_model
 from ..optim.mixed_precision import half_dtype
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
@@ -35,7 +35,9 @@ from .loop import is_reporting_rank, train
 log = logging.getLogger("megatron_ul")
 
 
-def build_model(cfg: Config, device, dims: ParallelDims, timers: Timers = NO_TIMERS) -> GPTModel:
+def build_model(
+    cfg: ResolvedConfig, device, dims: ParallelDims, timers: Timers = NO_TIMERS
+) -> GPTModel | PipelineStageModel:
     """This rank's model (chunks under pipelining) on the rank grid `dims`. Each rank computes
     only the parameters it holds: its TP slice and pipeline stage and, under ZeRO-3, its dp_cp_sp
     shard (built on the meta device, sharded by FSDP2, then materialised)."""
@@ -57,7 +59,9 @@ def build_model(cfg: Config, device, dims: ParallelDims, timers: Timers = NO_TIM
     return model
 
 
-def _build_unsharded(cfg: Config, device, dims: ParallelDims, timers: Timers) -> GPTModel:
+def _build_unsharded(
+    cfg: ResolvedConfig, device, dims: ParallelDims, timers: Timers
+) -> GPTModel | PipelineStageModel:
     if cfg.parallel.pipeline_model_parallel_size > 1:
         return build_pipeline_model(cfg, device, timers, dims=dims)  # this rank's model chunks
     return GPTModel(
@@ -72,8 +76,8 @@ def _build_unsharded(cfg: Config, device, dims: ParallelDims, timers: Timers) ->
 
 @dataclass
 class Trainer:
-    cfg: Config
-    model: GPTModel
+    cfg: ResolvedConfig
+    model: GPTModel | PipelineStageModel
     optimizer: torch.optim.Optimizer
     scheduler: LRSchedule
     train_batches: Iterator
@@ -110,7 +114,7 @@ class Trainer:
         return losses
 
 
-def setup(cfg: Config) -> Trainer:
+def setup(cfg: ResolvedConfig) -> Trainer:
     """Initialize distributed state and build everything training needs."""
     # The rank grid is built once here and handed to everything that communicates.
     device, dims = initialize_distributed(cfg)

@@ -13,7 +13,7 @@ pytest.importorskip("safetensors", reason="safetensors is needed for Hugging Fac
 
 from megatron_ul.checkpoint.hf import export_checkpoint, import_checkpoint  # noqa: E402
 from megatron_ul.checkpoint.io import load_checkpoint, save_checkpoint  # noqa: E402
-from megatron_ul.config import CheckpointConfig, Config, ModelConfig  # noqa: E402
+from megatron_ul.config import CheckpointConfig, Config, ModelConfig, resolve  # noqa: E402
 from megatron_ul.model.gpt import GPTModel  # noqa: E402
 from megatron_ul.mpu.parallel_state import single_rank_dims  # noqa: E402
 
@@ -87,8 +87,10 @@ def test_import_then_export_matches_hugging_face(kind, tmp_path, single_rank):
     theirs.save_pretrained(tmp_path / "hf", safe_serialization=True)
     _, fields = import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ours"))
     ours = _ours(fields)
-    cfg = Config(
-        model=ours.cfg, checkpoint=CheckpointConfig(load=str(tmp_path / "ours"), finetune=True)
+    cfg = resolve(
+        Config(
+            model=ours.cfg, checkpoint=CheckpointConfig(load=str(tmp_path / "ours"), finetune=True)
+        )
     )
     load_checkpoint(cfg, ours, None, None)
     tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
@@ -161,7 +163,7 @@ def test_swiglu_model_without_ffn_hidden_size_exports_its_real_width(tmp_path, s
     )
     ours = _ours(fields)
     assert ours.cfg.ffn_hidden_size is None and ours.cfg.ffn_size == 64 != 4 * 32
-    cfg = Config(model=ours.cfg, checkpoint=CheckpointConfig(save=str(tmp_path / "ours")))
+    cfg = resolve(Config(model=ours.cfg, checkpoint=CheckpointConfig(save=str(tmp_path / "ours"))))
     cfg.train.global_batch_size = 1
     save_checkpoint(cfg, _perturb(ours), None, _NoSchedule(), 1)
     export_checkpoint(str(tmp_path / "ours"), str(tmp_path / "hf"))

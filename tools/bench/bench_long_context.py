@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+from typing import Any
 
 from tools.bench.common import markdown_table, report, run_ranks
 
@@ -152,7 +153,7 @@ def estimate_tables() -> str:
             attention_dropout=0.0,
         ),
     }
-    features = {
+    features: dict[str, dict[str, Any]] = {
         "full recompute only": {},
         "+ tiled loss 8K, tiled MLP 16K, offload": dict(
             tiled_loss_chunk_size=8192,

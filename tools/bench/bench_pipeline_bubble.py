@@ -99,7 +99,8 @@ def _instrument_waits(counter: dict) -> None:
 
         return run
 
-    StageCommunicator.communicate = timed(communicate)
+    # patched on purpose: the benchmark times every call
+    StageCommunicator.communicate = timed(communicate)  # type: ignore[method-assign]
 
 
 def _measure_rank(rank, world, flags, iters):

@@ -58,7 +58,7 @@ class Peak:
 
 
 def _class_of_keys(classes: dict) -> dict:
-    by_key = {}
+    by_key: dict = {}
     for name, tensors in classes.items():
         for t in tensors:
             key, _ = _storage_key(t)

@@ -73,7 +73,8 @@ def child(
             time.sleep(write_delay)
             return write_data(self, plan, planner)
 
-        FileSystemWriter.write_data = slow
+        # patched on purpose: a slower disk, so that the kill lands mid-write
+        FileSystemWriter.write_data = slow  # type: ignore[method-assign]
     trainer = setup(configure(MODEL + fmt + ["--save", directory, "--overwrite-checkpoints"]))
     start = files.read_tracker(directory) or 0
     print("ready", flush=True)
@@ -153,6 +154,7 @@ def start_child(
     proc = subprocess.Popen(
         child_cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT
     )
+    assert proc.stdout is not None  # stdout=PIPE
     first = [proc.stdout.readline()]
     while first[-1] and first[-1].strip() != "ready":
         first.append(proc.stdout.readline())
