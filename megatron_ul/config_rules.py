@@ -152,6 +152,7 @@ DIVISORS = {
     "model.kv_channels",
     "model.ffn_hidden_size",
     "model.seq_length",
+    "model.attention_block_tiles",
     "train.micro_batch_size",
     "train.global_batch_size",
 }

@@ -6,7 +6,12 @@ block keeps neither the norm output nor a re-laid-out attention output for backw
 import pytest
 import torch
 
+from megatron_ul.config import ModelConfig
 from megatron_ul.model.tiled_attention import merge_tiles, tile_rows
+from megatron_ul.model.transformer import TransformerLayer
+from megatron_ul.mpu import parallel_state as ps
+from megatron_ul.mpu.random import model_parallel_seed
+from megatron_ul.training.memory import saved_activation_bytes
 from tests.distributed import run_distributed
 from tests.model.long_context_harness import LLAMA, MODEL, compare_runs
 
@@ -31,16 +36,8 @@ def _compare(rank, world, layout, variant):
 CASES = [(layout, variant) for layout in LAYOUTS for variant in VARIANTS]
 
 
-@pytest.mark.parametrize(
-    "layout,variant",
-    [
-        pytest.param(
-            *case,
-            marks=() if case == ("TP2-megatron-sp", "llama-full-recompute") else pytest.mark.slow,
-        )
-        for case in CASES
-    ],
-)
+@pytest.mark.slow  # the default suite trains with tiles (tests/training/test_tiled_attention_*)
+@pytest.mark.parametrize("layout,variant", CASES)
 def test_tiled_attention_block_equals_untiled(layout, variant):
     for loss_diff, grad_diff in run_distributed(_compare, LAYOUTS[layout][2], layout, variant):
         assert loss_diff <= 1e-6 and grad_diff <= 1e-6, (layout, variant, loss_diff, grad_diff)
@@ -58,3 +55,36 @@ def test_merge_tiles_puts_gathered_rows_back_in_sequence_order(ranks):
         assert piece.flatten().tolist() == expected
     assert torch.equal(merge_tiles(pieces, ranks), seq)
     assert pieces == []
+
+
+def _saved_bytes(rank, world):
+    dims = ps.initialize_model_parallel(1, 1, 1)
+    model_parallel_seed(0, dims)
+    saved = {}
+    for tiles in (1, 4):
+        cfg = ModelConfig(
+            hidden_size=64,
+            num_attention_heads=4,
+            attention_dropout=0.0,  # the fused kernel, which saves its output itself
+            hidden_dropout=0.0,
+            attention_block_tiles=tiles,
+        )
+        layer = TransformerLayer(cfg, 0, 0, False, dims=dims)
+        x = torch.randn(S, 1, 64, requires_grad=True)
+        _, saved[tiles] = saved_activation_bytes(
+            lambda layer=layer, x=x: layer(x), exclude=list(layer.parameters()) + [x]
+        )
+    return saved
+
+
+S = 256
+
+
+@pytest.mark.slow
+def test_tiled_block_keeps_no_norm_output_and_no_relaid_attention_output():
+    """Untiled, the QKV projection keeps the input norm's output and the output projection a
+    re-laid-out copy of the attention output; tiled, each tile keeps only views of the layer
+    input and of the attention output, so both [s, b, h] tensors are gone."""
+    saved = run_distributed(_saved_bytes, 1)[0]
+    unit = S * 64 * 4
+    assert saved[1] - saved[4] >= 2 * unit, saved
