@@ -56,6 +56,7 @@ CASES = {  # name -> (model, flags, world); BASE has 32 tokens: 8 per rank under
     "TP2-SP2": ("llama-gqa-rope", TP2 + SP2 + tiles(2), 4),
     "CP2-documents": ("gpt2-documents", ["--context-parallel-size", "2"] + tiles(4), 2),
     "SP2-CP2": ("llama-gqa-rope", SP2 + ["--context-parallel-size", "2"] + tiles(2), 4),
+    "ZeRO3-SP2-DP2": ("llama-gqa-rope", SP2 + ["--zero-stage", "3"] + tiles(4), 4),
 }
 # The default suite runs Ulysses with GQA, RoPE, full recompute and offload; Megatron-SP's row
 # order is checked by tests/model/test_tiled_attention.py, the rest with --run-slow.
