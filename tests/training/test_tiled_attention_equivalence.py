@@ -1,7 +1,7 @@
 """Training with --attention-block-tiles reproduces the one-process run without tiles: per-step
 loss within 1e-5 and final parameters within 1e-5 (relative), fp32, on Ulysses, TP × SP (with
-and without Megatron-SP), the ring, under full recompute and activation offload; in bf16
-within the half-precision layouts' tolerance."""
+and without Megatron-SP), the ring, ZeRO-3, under full recompute and activation offload; in
+bf16 within the half-precision layouts' tolerance."""
 
 import functools
 
