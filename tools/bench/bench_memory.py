@@ -629,13 +629,20 @@ def main() -> None:
         choices=PRECISIONS,
         help="for --compare-options",
     )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="for --compare-options: instead of the bench model's 32000 (bf16 matmuls are slow "
+        "on CPUs without bf16 units)",
+    )
     args = parser.parse_args()
     if args.targets:
         print(table_targets())
         return
     if args.compare_options:
         hidden, seq_length = args.compare_options
-        print(table_options(compare_options(hidden, seq_length, args.precisions, OPTIONS)))
+        extra = ("--vocab-size", str(args.vocab_size)) if args.vocab_size else ()
+        print(table_options(compare_options(hidden, seq_length, args.precisions, OPTIONS, extra)))
         return
     command = " ".join(["python -m tools.bench.bench_memory", *sys.argv[1:]])
     sections = [
