@@ -136,6 +136,13 @@ class ModelConfig:
         help="run the MLP over chunks of this many tokens, each recomputed in backward "
         "(ALST's tiled MLP)",
     )
+    attention_block_tiles: int = flag(
+        1,
+        help="run the attention block's token-wise work (input norm, QKV projection, RoPE, "
+        "output projection) over this many tiles of the sequence, each recomputed in "
+        "backward, so that only q, k, v and the attention output exist at full length "
+        "(ALST's sequence tiling; 1 = off)",
+    )
     activation_checkpoint_cpu_offload: bool = flag(
         False,
         help="with --recompute-granularity full: keep each checkpointed layer input in "

@@ -93,6 +93,7 @@ RANGES: dict[str, Range] = {
     "model.recompute_num_layers": at_least(1),
     "model.tiled_loss_chunk_size": at_least(1),
     "model.tiled_mlp_chunk_size": at_least(1),
+    "model.attention_block_tiles": at_least(1),
     # parallel
     "parallel.tensor_model_parallel_size": at_least(1),
     "parallel.ds_sequence_parallel_size": at_least(1),
@@ -151,6 +152,7 @@ DIVISORS = {
     "model.kv_channels",
     "model.ffn_hidden_size",
     "model.seq_length",
+    "model.attention_block_tiles",
     "train.micro_batch_size",
     "train.global_batch_size",
 }
@@ -271,6 +273,7 @@ def _layout_errors(cfg: Config) -> list[str]:
     errors += _mlp_errors(m, tp)
     errors += _sequence_errors(m, p, tp, sp)
     errors += _ring_errors(m, p, tp, sp, cp)
+    errors += _attention_tile_errors(m, p, tp, sp, cp)
     errors += _batch_errors(t, dp)
     errors += _pipeline_errors(cfg, dp)
     return errors
@@ -553,6 +556,30 @@ def _ring_errors(m: ModelConfig, p: ParallelConfig, tp: int, sp: int, cp: int) -
             f"--attention-dropout {m.attention_dropout} is not supported with "
             f"--context-parallel-size {cp} (ring attention has no dropout); pass "
             f"--attention-dropout 0"
+        )
+    return errors
+
+
+def _attention_tile_errors(
+    m: ModelConfig, p: ParallelConfig, tp: int, sp: int, cp: int
+) -> list[str]:
+    """--attention-block-tiles cuts the rank's layer input into equal tiles: under Megatron-SP
+    each TP rank cuts its own shard, and tile k of every rank is gathered into one QKV call."""
+    tiles = m.attention_block_tiles
+    if tiles == 1:
+        return []
+    errors = []
+    shard = sp * cp * (tp if p.sequence_parallel else 1)
+    if m.seq_length % shard == 0 and (m.seq_length // shard) % tiles != 0:
+        errors.append(
+            f"--attention-block-tiles {tiles} does not divide the {m.seq_length // shard} "
+            f"tokens of each rank's layer input (--seq-length {m.seq_length} over {shard} "
+            f"sequence ranks); pick a number of tiles that divides {m.seq_length // shard}"
+        )
+    if m.fused_layers:
+        errors.append(
+            "--attention-block-tiles with --fused-layers is not supported (the tiles' "
+            "checkpoints run eagerly); drop one of the two"
         )
     return errors
 

@@ -58,6 +58,7 @@ def load_for_generation(load_dir: str, device="cpu") -> GPTModel:
     full = reshard.read_full(files.find_iteration_dir(load_dir, iteration), with_optim=False)
     cfg = reshard.model_config(full.metadata)
     cfg.attention_dropout = cfg.hidden_dropout = 0.0
+    cfg.attention_block_tiles = 1  # a training memory option; contexts here have any length
     model = GPTModel(cfg, seed=0, device=device, dims=single_rank_dims())  # no communication
     table = reshard.layout_table(full.metadata, 1, 1, None)
     state, _ = reshard.shard_for(full, table, list(named_parameters(model)), 0, 1)

@@ -26,6 +26,7 @@ from .norms import Norm
 from .qkv import split_qkv
 from .ring_attention import Ring
 from .rotary import apply_rotary
+from .tiled_attention import tiled_attention_block
 from .ulysses import DistributedAttention
 
 if TYPE_CHECKING:  # the spec names this module's classes
@@ -104,6 +105,10 @@ class SelfAttention(nn.Module):
         self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x, rotary=None, attention_mask=None):
+        return self.output(self.attend(self.project(x, rotary), attention_mask))
+
+    def project(self, x, rotary=None) -> list[torch.Tensor]:
+        """[q, k, v] of x's tokens (RoPE applied), each in a buffer of its own."""
         qkv = self.qkv(x)  # [s, b, groups/TP * (qpg+2) * d]
         s, b = qkv.shape[:2]
         per_group = self.q_heads // self.kv_heads
@@ -112,13 +117,18 @@ class SelfAttention(nn.Module):
         del qkv
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        qkv_list = [q, k, v]
-        del q, k, v
-        out = self.core(
+        return [q, k, v]
+
+    def attend(self, qkv_list: list[torch.Tensor], attention_mask=None) -> torch.Tensor:
+        """The attention output [s, b, heads/TP, d]; empties qkv_list (see DistributedAttention)."""
+        return self.core(
             qkv_list,
             dropout_p=self.attention_dropout if self.training else 0.0,
             attention_mask=attention_mask,
         )
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        s, b = out.shape[:2]
         return self.proj(out.reshape(s, b, self.q_heads * self.head_dim))
 
 
@@ -146,6 +156,8 @@ class TransformerLayer(nn.Module):
         self.mlp = spec.mlp(cfg, key + ".mlp", *args, dims=dims)
         self.hidden_dropout = cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel
+        self.attention_tiles = cfg.attention_block_tiles
+        self.tile_ranks = dims.tp if sequence_parallel else 1  # Megatron-SP shards per tile
 
     def forward(
         self, x: torch.Tensor, rotary=None, attention_mask: Optional[torch.Tensor] = None
@@ -153,7 +165,23 @@ class TransformerLayer(nn.Module):
         def drop(t: torch.Tensor) -> torch.Tensor:
             return dropout(t, self.hidden_dropout, self.training, self.sequence_parallel)
 
-        x = x + drop(
-            self.attention(norm_in_weight_dtype(self.input_norm, x), rotary, attention_mask)
-        )
+        x = x + drop(self._attention_block(x, rotary, attention_mask))
         return x + drop(self.mlp(norm_in_weight_dtype(self.post_attention_norm, x)))
+
+    def _attention_block(self, x, rotary, attention_mask) -> torch.Tensor:
+        """The attention sublayer before dropout and the residual add: the input norm and the
+        attention (tiled along the sequence under --attention-block-tiles)."""
+        attention = self.attention
+        if self.attention_tiles == 1:
+            return attention(norm_in_weight_dtype(self.input_norm, x), rotary, attention_mask)
+        return tiled_attention_block(
+            lambda x_tile, rotary_tile: attention.project(
+                norm_in_weight_dtype(self.input_norm, x_tile), rotary_tile
+            ),
+            lambda qkv_list: attention.attend(qkv_list, attention_mask),
+            attention.output,
+            x,
+            rotary,
+            self.attention_tiles,
+            self.tile_ranks,
+        )

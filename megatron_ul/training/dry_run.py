@@ -101,6 +101,8 @@ def long_context(cfg: ResolvedConfig) -> str:
         if m.tiled_mlp_chunk_size
         else "MLP untiled",
     ]
+    if m.attention_block_tiles > 1:
+        parts.append(f"attention block in {m.attention_block_tiles} tiles")
     if m.activation_checkpoint_cpu_offload:
         parts.append("full-recompute layer inputs offloaded to host")
     if d.reset_attention_mask:

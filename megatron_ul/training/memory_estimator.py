@@ -30,7 +30,9 @@ only q, k, v, its fp32 output and log-sum-exp, the output counted twice); withou
 (--attention-kernel math) the scores and probabilities, a/(TP·SP) heads × N² per sample, are.
 Long sequences (docs/long_context.md): --tiled-loss-chunk-size keeps no logits; its working set
 is one chunk's logits and their shifted copy, 2·c·TP_gathered·b·V/TP fp32. --tiled-mlp-chunk-size
-keeps no MLP intermediate; one chunk's is counted. --activation-checkpoint-cpu-offload moves
+keeps no MLP intermediate; one chunk's is counted. --attention-block-tiles T keeps neither the
+input norm's output (one tile's, 1/T, while recomputed) nor the projection's re-laid-out copy of
+the attention output. --activation-checkpoint-cpu-offload moves
 the full-recompute layer inputs to host memory (reported as host_bytes); two stay on the GPU
 (the one being recomputed and the one prefetched). Document masking and sliding windows add
 nothing of size N² (O(N) offsets).
@@ -295,15 +297,17 @@ def layer_terms(
     layer, shape = described_layer(m), activation_shape(m, layout, precision)
     ring = layout.cp > 1
     documents_view = kernels.documents and layout.sp == 1 and not ring
+    # Tiled, the attention block keeps no norm output and re-lays out its output per tile.
+    tiled = m.attention_block_tiles > 1
     terms = {
         "layer input + post-attention residual (norm inputs)": sum(
             norm.saved_bytes(shape) for norm in norms_of(layer)
         ),
-        "norm outputs (QKV and fc1 inputs)": 2 * z.norm * act,
+        "norm outputs (QKV and fc1 inputs)": (1 if tiled else 2) * z.norm * act,
         "q, k, v": z.qkv * act,
         # The ring keeps its output in fp32; SDPA's output is permuted, so the projection
         # keeps a re-laid-out copy (the document path writes it in place: no copy).
-        "attention output": z.attn * (4 if ring else act) * (1 if documents_view else 2),
+        "attention output": z.attn * (4 if ring else act) * (1 if documents_view or tiled else 2),
     }
     mlp = layer.mlp.saved_bytes(shape)
     if m.tiled_mlp_chunk_size:
@@ -400,7 +404,7 @@ def layer_backward_terms(
     }
     attention_stage = {
         "layer input (norm input)": z.norm * res,
-        "norm output (QKV input)": z.norm * act,
+        "norm output (QKV input)": z.norm * act / m.attention_block_tiles,
         "q, k, v": saved["q, k, v"],
         "backward working set (residual grads, d out, dq, dk, dv)": backward_working_bytes(
             m, layout, precision

@@ -32,10 +32,13 @@ def test_flags_reach_the_config():
             "--window-size",
             "4096",
             "0",
+            "--attention-block-tiles",
+            "8",
         ]
     )
     m = cfg.model
     assert (m.tiled_loss_chunk_size, m.tiled_mlp_chunk_size) == (1024, 4096)
+    assert m.attention_block_tiles == 8 and configure(BASE).model.attention_block_tiles == 1
     assert m.activation_checkpoint_cpu_offload and m.attention_window == 4096
     assert configure(BASE + ["--window-size", "-1", "0"]).model.attention_window is None
 
@@ -48,6 +51,18 @@ def test_flags_reach_the_config():
         (["--window-size", "128", "4"], "RIGHT must be 0"),
         (["--window-size", "128"], "--window-size takes two numbers"),
         (["--window-size", "-3", "0"], "LEFT must be >= 0"),
+        (["--attention-block-tiles", "0"], "--attention-block-tiles must be >= 1"),
+        # 65536 tokens over SP 2 · TP 2 (Megatron-SP): 16384 per rank
+        (
+            ["--attention-block-tiles", "3"]
+            + ["--ds-sequence-parallel-size", "2", "--tensor-model-parallel-size", "2"]
+            + ["--sequence-parallel", "--num-attention-heads", "4"],
+            "--attention-block-tiles 3 does not divide the 16384 tokens",
+        ),
+        (
+            ["--attention-block-tiles", "2", "--fused-layers"],
+            "--attention-block-tiles with --fused-layers",
+        ),
     ],
 )
 def test_bad_values_name_the_flag(flags, message):
@@ -72,6 +87,8 @@ def test_dry_run_shows_the_options_and_their_memory():
                 "--tokenizer-type",
                 "NullTokenizer",
                 "--reset-attention-mask",
+                "--attention-block-tiles",
+                "4",
             ]
         )
     )
@@ -80,6 +97,7 @@ def test_dry_run_shows_the_options_and_their_memory():
         "tiled loss 1024 tokens/chunk" in tiled
         and "offloaded to host" in tiled
         and "document masking" in tiled
+        and "attention block in 4 tiles" in tiled
     )
     assert "host memory (offloaded)" in tiled and "loss working set" in plain
 

@@ -410,6 +410,78 @@ def table_peak(hidden: int, seq_length: int, precisions, top: int) -> str:
     return "\n".join(lines)
 
 
+# ---- 4b. options side by side, by term -------------------------------------------------------
+# Each adds to LONG_CONTEXT (which is every long-context option of main before the tiles).
+OPTIONS = {
+    "every long-context option": (),
+    "+ --attention-block-tiles 4": ("--attention-block-tiles", "4"),
+}
+LAYER_BACKWARD = "iteration 2 layer backward"
+
+
+def compare_options(
+    hidden: int, seq_length: int, precisions, options: dict, extra: tuple = ()
+) -> dict:
+    """{(precision, option name): measure_peak's result}, measured one after the other in
+    this run."""
+    results = {}
+    for precision in precisions:
+        for name, flags in options.items():
+            results[precision, name] = measure_peak(
+                hidden, seq_length, precision, extra=tuple(extra) + tuple(flags)
+            )
+            print(f"measured {precision}, {name}", flush=True)
+    return results
+
+
+def _model_state(result: dict, phase: str) -> int:
+    breakdown = result["phases"][phase]["breakdown"]
+    return breakdown.get("parameters", 0) + breakdown.get("optimizer state", 0)
+
+
+def table_options(results: dict, top: int = 14) -> str:
+    """One row per (precision, option): the peak and the layer-backward peak, per token and
+    above the model state; then what was alive at the layer-backward peak, by term."""
+    rows = [
+        "| precision | options | peak MiB | bytes/token | above params + Adam, bytes/token "
+        "| layer-backward peak MiB | bytes/token | above params + Adam, bytes/token |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for (precision, name), r in results.items():
+        n = r["tokens_per_rank"]
+        peak_phase = max(r["phases"], key=lambda p: r["phases"][p]["peak"])
+        layer = r["phases"][LAYER_BACKWARD]["peak"]
+        rows.append(
+            f"| {precision} | {name} | {r['peak'] / MIB:.1f} | {r['peak'] / n:.0f} | "
+            f"{(r['peak'] - _model_state(r, peak_phase)) / n:.0f} | {layer / MIB:.1f} | "
+            f"{layer / n:.0f} | {(layer - _model_state(r, LAYER_BACKWARD)) / n:.0f} |"
+        )
+    columns = list(results)
+    terms: dict[str, dict] = {}
+    for key, r in results.items():
+        for label, nbytes in r["phases"][LAYER_BACKWARD]["breakdown"].items():
+            label = label.replace(LAYER_BACKWARD + " backward", "layer backward")
+            label = label.replace("iteration 2 ", "").replace("iteration 1 ", "")
+            label = label.replace(" | ", " / ")  # a table cell
+            terms.setdefault(label, dict.fromkeys(columns, 0))[key] += nbytes
+    largest = sorted(terms, key=lambda t: -max(terms[t].values()))[:top]
+    n = results[columns[0]]["tokens_per_rank"]
+    rows += [
+        "",
+        "Alive at the layer-backward peak (phase / module or autograd node / op), MiB "
+        "(bytes/token):",
+        "",
+        "| term | " + " | ".join(f"{p}, {o}" for p, o in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for label in largest:
+        cells = " | ".join(
+            f"{terms[label][c] / MIB:.1f} ({terms[label][c] / n:.0f})" for c in columns
+        )
+        rows.append(f"| {label} | {cells} |")
+    return "\n".join(rows)
+
+
 # ---- 5. the targets, carried to GPUs by the estimator -------------------------------------------
 TARGET_GPT = [
     "--num-layers",
@@ -543,9 +615,34 @@ def main() -> None:
     parser.add_argument(
         "--targets", action="store_true", help="print only the estimator's GPU targets table"
     )
+    parser.add_argument(
+        "--compare-options",
+        nargs=2,
+        type=int,
+        metavar=("HIDDEN", "N"),
+        help="print only the live-tensor peaks of OPTIONS side by side, by term",
+    )
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        default=["fp32"],
+        choices=PRECISIONS,
+        help="for --compare-options",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        help="for --compare-options: instead of the bench model's 32000 (bf16 matmuls are slow "
+        "on CPUs without bf16 units)",
+    )
     args = parser.parse_args()
     if args.targets:
         print(table_targets())
+        return
+    if args.compare_options:
+        hidden, seq_length = args.compare_options
+        extra = ("--vocab-size", str(args.vocab_size)) if args.vocab_size else ()
+        print(table_options(compare_options(hidden, seq_length, args.precisions, OPTIONS, extra)))
         return
     command = " ".join(["python -m tools.bench.bench_memory", *sys.argv[1:]])
     sections = [
