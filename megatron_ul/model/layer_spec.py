@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import nn
@@ -74,8 +75,20 @@ def described_norm(cfg: ModelConfig) -> Norm:
 
 
 def _values(cfg: ModelConfig) -> tuple:
-    # The backend is irrelevant to the description (and flash may be unavailable here).
-    return tuple((f.name, getattr(cfg, f.name)) for f in fields(cfg) if f.name != "use_flash_attn")
+    # The backend is irrelevant to the description (and flash may be unavailable here). Lists
+    # (the window) become tuples, so the values can key the cache.
+    return tuple(
+        (f.name, _hashable(getattr(cfg, f.name))) for f in fields(cfg) if f.name != "use_flash_attn"
+    )
+
+
+def _hashable(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _config(values: tuple) -> ModelConfig:
+    restored: dict[str, Any] = {k: list(v) if isinstance(v, tuple) else v for k, v in values}
+    return ModelConfig(**restored)
 
 
 # A description is a pure function of the config's values; the estimator asks for one per term
@@ -83,13 +96,13 @@ def _values(cfg: ModelConfig) -> tuple:
 @functools.lru_cache(maxsize=32)
 def _described_layer(values: tuple) -> TransformerLayer:
     with torch.device("meta"), deferred():
-        cfg = ModelConfig(**dict(values))
+        cfg = _config(values)
         return TransformerLayer(cfg, 1, 0, False, dims=single_rank_dims(), spec=layer_spec(cfg))
 
 
 @functools.lru_cache(maxsize=32)
 def _described_norm(values: tuple) -> Norm:
-    cfg = ModelConfig(**dict(values))
+    cfg = _config(values)
     with torch.device("meta"), deferred():
         return layer_spec(cfg).build_norm(cfg, False, None, torch.float32)
 

@@ -12,7 +12,7 @@ from megatron_ul.checkpoint import hf, megatron_core, megatron_lm
 from megatron_ul.checkpoint.files import CheckpointError
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.gpt import GPTModel
-from megatron_ul.model.layer_spec import NORMS, layer_spec
+from megatron_ul.model.layer_spec import NORMS, described_layer, layer_spec
 from megatron_ul.model.mlp import MLP, SwiGLUMLP
 from megatron_ul.model.norms import Norm
 from megatron_ul.model.transformer import TransformerLayer
@@ -67,6 +67,13 @@ def test_the_norms_are_the_configs_choices():
     assert set(NORMS) == set(choices)
     assert layer_spec(_model("RMSNorm", swiglu=True)).mlp is SwiGLUMLP
     assert layer_spec(_model("LayerNorm")).mlp is MLP
+
+
+def test_a_windowed_layer_is_described():
+    # The window is a list: the description's cache must still take the config.
+    windowed = _model("RMSNorm", window_size=[16, 0])
+    assert described_layer(windowed).attention is not None
+    assert described_layer(windowed) is described_layer(_model("RMSNorm", window_size=[16, 0]))
 
 
 def test_an_unknown_norm_names_the_flag():
