@@ -8,7 +8,7 @@ import functools
 
 import pytest
 
-from tests.training.equivalence import BASE, GPT2_STYLE, LLAMA_GQA, compare, run_layout
+from tests.training.equivalence import BASE, DOCUMENTS, GPT2_STYLE, LLAMA_GQA, compare, run_layout
 
 MODELS = {"gpt2": (GPT2_STYLE, 4, 4), "llama": (LLAMA_GQA, 8, 2)}
 LAYOUTS = {  # name -> (flags, world)
@@ -39,13 +39,7 @@ LAYOUTS = {  # name -> (flags, world)
         [
             "--ds-sequence-parallel-size",
             "2",
-            "--tokenizer-type",
-            "NullTokenizer",
-            "--vocab-size",
-            "16",
-            "--reset-attention-mask",
-            "--reset-position-ids",
-            "--eod-mask-loss",
+            *DOCUMENTS,
             "--window-size",
             "8",
             "0",

@@ -71,6 +71,17 @@ LLAMA_GQA = [
     "--disable-bias-linear",
     "--untie-embeddings-and-output-weights",
 ]
+# Document masking (--reset-attention-mask): a 16-token vocabulary whose EOD (15, the
+# NullTokenizer's) ends a document every 16 tokens or so.
+DOCUMENTS = [
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "16",
+    "--reset-attention-mask",
+    "--reset-position-ids",
+    "--eod-mask-loss",
+]
 
 
 def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:

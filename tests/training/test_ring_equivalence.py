@@ -6,26 +6,16 @@ import functools
 
 import pytest
 
-from tests.training.equivalence import BASE, GPT2_STYLE, LLAMA_GQA, compare, run_layout
+from tests.training.equivalence import BASE, DOCUMENTS, GPT2_STYLE, LLAMA_GQA, compare, run_layout
 
 MODELS = {  # name -> (flags, query heads, kv groups)
     "gpt2-mha-learned": (GPT2_STYLE, 4, 4),
     "llama-gqa-rope": (LLAMA_GQA, 8, 2),
     # one kv head: fewer kv heads than Ulysses ranks, replicated before the all-to-all
     "llama-mqa-rope": (LLAMA_GQA[:4] + ["1"] + LLAMA_GQA[5:], 8, 1),
-    # document masking (--reset-attention-mask): a 16-token vocabulary whose EOD (15, the
-    # NullTokenizer's) ends a document every 16 tokens or so; the ring slices the mask per block
+    # document masking; the ring slices the mask per block
     "gpt2-documents": (
-        GPT2_STYLE
-        + [
-            "--tokenizer-type",
-            "NullTokenizer",
-            "--vocab-size",
-            "16",
-            "--reset-attention-mask",
-            "--reset-position-ids",
-            "--eod-mask-loss",
-        ],
+        GPT2_STYLE + DOCUMENTS,
         4,
         4,
     ),
@@ -37,14 +27,8 @@ MODELS = {  # name -> (flags, query heads, kv groups)
     # so its rounding, not the window, decided the comparison. Without biases: 9.3e-7.
     "gpt2-documents-window": (
         GPT2_STYLE
+        + DOCUMENTS
         + [
-            "--tokenizer-type",
-            "NullTokenizer",
-            "--vocab-size",
-            "16",
-            "--reset-attention-mask",
-            "--reset-position-ids",
-            "--eod-mask-loss",
             "--window-size",
             "6",
             "0",

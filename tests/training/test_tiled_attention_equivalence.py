@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from tests.training.equivalence import BASE, GPT2_STYLE, LLAMA_GQA, compare, run_layout
+from tests.training.equivalence import BASE, DOCUMENTS, GPT2_STYLE, LLAMA_GQA, compare, run_layout
 from tests.training.half_precision_runs import max_diffs, run_half
 from tests.training.test_half_precision import TOLERANCE
 
@@ -15,16 +15,7 @@ MODELS = {  # name -> (flags, query heads, kv groups)
     "gpt2-mha-learned": (GPT2_STYLE, 4, 4),
     "llama-gqa-rope": (LLAMA_GQA, 8, 2),
     "gpt2-documents": (
-        GPT2_STYLE
-        + [
-            "--tokenizer-type",
-            "NullTokenizer",
-            "--vocab-size",
-            "16",
-            "--reset-attention-mask",
-            "--reset-position-ids",
-            "--eod-mask-loss",
-        ],
+        GPT2_STYLE + DOCUMENTS,
         4,
         4,
     ),
