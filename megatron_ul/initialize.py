@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import random
 import socket
 
 import torch
@@ -20,29 +19,10 @@ log = logging.getLogger(__name__)
 
 
 def free_port() -> int:
-    """A TCP port on loopback that is free right now (for single-node rendezvous), below the
-    kernel's ephemeral range: a port the kernel picked could be handed out again, as another
-    connection's source port, before the process it was meant for binds it."""
-    low = _ephemeral_range_start()
-    for _ in range(100):
-        port = random.SystemRandom().randrange(max(1024, low - 20000), low)  # not the seeded RNG
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
+    """A TCP port on loopback that is free right now (for single-node rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _ephemeral_range_start() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
-            return int(handle.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default; other systems start higher
 
 
 def _rank_env() -> tuple[int, int, int]:

@@ -40,7 +40,7 @@ def pristine(tmp_path_factory):
     """One two-iteration checkpoint of each format, made once: {format: directory}. Copy it
     (see `copy_of`) before changing anything."""
     root = tmp_path_factory.mktemp("pristine")
-    saved_port = os.environ.get("MASTER_PORT")
+    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
@@ -52,8 +52,12 @@ def pristine(tmp_path_factory):
             files.release_save_dir(out[fmt])
     finally:
         dist.destroy_process_group()
-        if saved_port is not None:
-            os.environ["MASTER_PORT"] = saved_port
+        # Restored, not left set: every later subprocess would inherit this one port.
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return out
 
 
