@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_ul.config import ModelConfig
+from megatron_ul.model.layer_spec import layer_spec
 from megatron_ul.model.tiled_attention import merge_tiles, tile_rows
 from megatron_ul.model.transformer import TransformerLayer
 from megatron_ul.mpu import parallel_state as ps
@@ -69,7 +70,7 @@ def _saved_bytes(rank, world):
             hidden_dropout=0.0,
             attention_block_tiles=tiles,
         )
-        layer = TransformerLayer(cfg, 0, 0, False, dims=dims)
+        layer = TransformerLayer(cfg, 0, 0, False, dims=dims, spec=layer_spec(cfg))
         x = torch.randn(S, 1, 64, requires_grad=True)
         _, saved[tiles] = saved_activation_bytes(
             lambda layer=layer, x=x: layer(x), exclude=list(layer.parameters()) + [x]
