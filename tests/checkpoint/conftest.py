@@ -1,6 +1,5 @@
 """A one-rank gloo process group in the test process, for checkpoint tests that need no peers."""
 
-import os
 import shutil
 
 import pytest
@@ -40,24 +39,22 @@ def pristine(tmp_path_factory):
     """One two-iteration checkpoint of each format, made once: {format: directory}. Copy it
     (see `copy_of`) before changing anything."""
     root = tmp_path_factory.mktemp("pristine")
-    saved = {name: os.environ.get(name) for name in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        model_parallel_seed(0, ps.initialize_model_parallel(1, 1, 1))
-        out = {}
-        for fmt in ("torch", "torch_dist"):
-            out[fmt] = str(root / fmt)
-            setup(configure(TINY_TWO_ITERS + ["--save", out[fmt], "--ckpt-format", fmt], 1)).train()
-            files.release_save_dir(out[fmt])
-    finally:
-        dist.destroy_process_group()
-        # Restored, not left set: every later subprocess would inherit this one port.
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    # Restored afterwards, not left set: every later subprocess would inherit this one port.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MASTER_ADDR", "127.0.0.1")
+        env.setenv("MASTER_PORT", str(free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        try:
+            model_parallel_seed(0, ps.initialize_model_parallel(1, 1, 1))
+            out = {}
+            for fmt in ("torch", "torch_dist"):
+                out[fmt] = str(root / fmt)
+                setup(
+                    configure(TINY_TWO_ITERS + ["--save", out[fmt], "--ckpt-format", fmt], 1)
+                ).train()
+                files.release_save_dir(out[fmt])
+        finally:
+            dist.destroy_process_group()
     return out
 
 
