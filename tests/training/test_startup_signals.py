@@ -41,7 +41,9 @@ def _catches(pid: int, sig: signal.Signals) -> bool:
 def _signal_during_start_up(sig: signal.Signals, flags: list[str]) -> subprocess.CompletedProcess:
     """Start pretrain_gpt.py and send `sig` as soon as its handler exists: the process is then
     still importing torch, seconds before its flags are parsed."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WORLD_SIZE="1")
+    # Without an inherited MASTER_PORT the one-process run picks a free port of its own.
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", WORLD_SIZE="1")
     proc = subprocess.Popen(
         [sys.executable, "pretrain_gpt.py", *MODEL, *flags],
         cwd=ROOT,
