@@ -39,6 +39,18 @@ def world_size_from_env() -> int:
     return _rank_env()[1]
 
 
+def _one_process_rendezvous(world: int) -> str | None:
+    """Where a plain `python pretrain_gpt.py` (one process, no launcher) meets itself: loopback
+    on a free port unless MASTER_ADDR / MASTER_PORT say otherwise. Passed as the init method,
+    not written into os.environ, where every later subprocess of this process would inherit a
+    port that is already taken."""
+    if world != 1:
+        return None  # the launcher's env:// rendezvous
+    addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.get("MASTER_PORT") or str(free_port())
+    return f"tcp://{addr}:{port}"
+
+
 def initialize_distributed(cfg: Config) -> tuple[torch.device, ParallelDims]:
     """Start the process group (if needed), build every parallel group, seed the RNGs.
 
@@ -56,13 +68,11 @@ def initialize_distributed(cfg: Config) -> tuple[torch.device, ParallelDims]:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        if world == 1:  # plain `python pretrain_gpt.py`: a one-process group on loopback
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
         # device_id binds this rank's GPU to the group, so barriers and object collectives
         # (checkpoint saves) use it instead of guessing; CPU/gloo has nothing to bind.
         dist.init_process_group(
             backend,
+            init_method=_one_process_rendezvous(world),
             rank=rank,
             world_size=world,
             timeout=timeout,

@@ -116,6 +116,16 @@ def _own_buffer_unless_shared_with(t: torch.Tensor, q: torch.Tensor) -> torch.Te
     return t.clone(memory_format=torch.contiguous_format)
 
 
+def _sdpa_layout(t: torch.Tensor) -> torch.Tensor:
+    """t [b, h, N, d] as SDPA's kernel runs it fastest. torch's CPU flash kernel runs half
+    precision 1.6x faster (bf16, 4 heads, N = 2048, forward + backward) on inputs contiguous in
+    this layout than on views of [N, b, h, d] (fp32: 6%, not worth the copy); CUDA's fused
+    kernels take [b, N, h, d] rows natively, so the view stays."""
+    if t.device.type == "cpu" and t.dtype in (torch.bfloat16, torch.float16):
+        return t.contiguous()
+    return t
+
+
 def expand_kv_for_sdpa(q, k, v, has_mask: bool, heads_dim: int = 2):
     """k, v repeated to q's heads where CUDA SDPA would otherwise run its math kernel (O(N²)
     memory) because of GQA alone: fp32 (no flash kernel) needs the efficient kernel, which
@@ -188,7 +198,7 @@ def local_attention(
         k, v = expand_kv_for_sdpa(q, k, v, attention_mask is not None)
         gqa = k.shape[2] != q.shape[2]
         # [N, b, h, d] -> [b, h, N, d]
-        q_, k_, v_ = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        q_, k_, v_ = (_sdpa_layout(t.permute(1, 2, 0, 3)) for t in (q, k, v))
         if attention_mask is None:
             out = F.scaled_dot_product_attention(
                 q_, k_, v_, dropout_p=dropout_p, is_causal=True, scale=softmax_scale, enable_gqa=gqa

@@ -126,14 +126,17 @@ def test_a_mismatched_receive_is_an_error(shape, dtype, problem):
 
 
 def test_a_send_buffer_written_before_completion_is_an_error():
+    signal = Group((0, 1))  # another communicator: rank 1 receives only once rank 0 wrote
+
     def sender():
         buffer = torch.zeros(2)
         request = dist.isend(buffer, 1, group=PAIR)
         buffer.add_(1)
+        dist.send(torch.zeros(1), 1, group=signal)
         request.wait()
 
     def receiver():
-        torch.ones(1).sum()
+        dist.recv(torch.empty(1), 0, group=signal)
         dist.recv(torch.empty(2), 0, group=PAIR)
 
     with pytest.raises(MessageMismatch, match="written before the send completed"):

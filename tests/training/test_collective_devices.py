@@ -5,6 +5,7 @@ fp16 step or every --exit-signal-handler run on GPUs.
 No GPU here: the parameters live on the `meta` device instead, which differs from the CPU just
 as `cuda` does; the collective is replaced by a recorder that notes the device and stops."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -114,3 +115,29 @@ def test_nccl_group_is_bound_to_the_ranks_gpu(monkeypatch):
     with pytest.raises(Handed):
         initialize.initialize_distributed(Config())
     assert seen["backend"] == "nccl" and seen["device_id"] == torch.device("cuda", 5)
+
+
+def test_a_one_process_run_leaves_the_environment_alone(monkeypatch):
+    """A plain one-process run meets itself on loopback through its init method: nothing is
+    written into os.environ, where later subprocesses would inherit a port already taken."""
+    from megatron_ul import initialize
+
+    seen = {}
+
+    def init_process_group(backend, **kwargs):
+        seen.update(kwargs)
+        raise Handed
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    before = dict(os.environ)
+    with pytest.raises(Handed):
+        initialize.initialize_distributed(Config())
+    assert dict(os.environ) == before
+    assert seen["init_method"].startswith("tcp://127.0.0.1:") and seen["world_size"] == 1
+    monkeypatch.setenv("MASTER_PORT", "29555")
+    with pytest.raises(Handed):
+        initialize.initialize_distributed(Config())
+    assert seen["init_method"] == "tcp://127.0.0.1:29555"

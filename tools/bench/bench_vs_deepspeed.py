@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""Our Ulysses layer (model/ulysses.py) side by side with DeepSpeed's DistributedAttention.
+"""Our Ulysses layer (model/ulysses.py) side by side with DeepSpeed's DistributedAttention and
+ALST's UlyssesSPAttentionHF (Arctic Long Sequence Training, in DeepSpeed 0.19.8).
 
-Both wrap the same local attention (model/attention.py's SDPA call) around their all-to-alls,
-on the same gloo ranks, the same inputs [N/SP, b, heads, d] (sequence first) and upstream
-gradient: outputs and input gradients are compared bit for bit, the attention layer's forward
-+ backward is timed (rounds alternate the two, the fastest round of each is kept: noise on a
-shared machine only adds), and the bytes each rank sends through all_to_all_single are counted
-(both end there).
+All three wrap the same local attention around their all-to-alls, on the same gloo ranks, the
+same inputs [N/SP, b, heads, d] and upstream gradient: outputs and input gradients are compared
+with ours bit for bit, each layer's forward + backward is timed (rounds alternate the layers and
+the fastest of each is kept: noise on a shared machine only adds), and the bytes each rank
+sends through all_to_all_single are counted (all three end there). The local attention is
+either SDPA (the real layer) or a nearly free sum of q, k and v, which leaves the layers' own
+work (all-to-alls, layout copies) as what is timed.
 
 DeepSpeed is an optional, benchmark-only dependency (DS_BUILD_OPS=0, a venv of its own):
 
@@ -35,6 +37,7 @@ from megatron_ul.mpu.random import model_parallel_seed
 
 MB = 1e6
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+LAYERS = ("ours", "DeepSpeed", "ALST")
 
 
 @contextmanager
@@ -57,10 +60,8 @@ def counted_all_to_all(group_size: int, rank: int):
         dist.all_to_all_single = real
 
 
-def _deepspeed_layer(dims, kv_heads: int):
-    os.environ.setdefault("DS_BUILD_OPS", "0")
-    import deepspeed
-    import deepspeed.comm
+def _deepspeed_layer(dims, kv_heads: int, attend):
+    """DeepSpeed's DistributedAttention: (q, k, v) [N/SP, b, h, d] -> [N/SP, b, hq, d]."""
     from deepspeed.sequence.layer import DistributedAttention as DeepSpeedAttention
     from deepspeed.utils import groups
 
@@ -74,105 +75,189 @@ def _deepspeed_layer(dims, kv_heads: int):
         def get_sequence_parallel_world_size(self):
             return dims.sp
 
-    if not deepspeed.comm.is_initialized():
-        deepspeed.comm.init_distributed(
-            dist_backend="gloo", auto_mpi_discovery=False, verbose=False
-        )
     groups.mpu = _SequenceGroup()
-    attend = lambda q, k, v: local_attention(q, k, v, backend="sdpa", dropout_p=0.0)  # noqa: E731
-    return DeepSpeedAttention(
+    layer = DeepSpeedAttention(
         attend, dims.sp_group, scatter_idx=2, gather_idx=0, num_kv_heads=kv_heads
     )
+    return lambda q, k, v: layer(q, k, v, 1)  # batch dim 1
 
 
-def compare(dims, rank, world, seq, heads, kv_heads, head_dim, dtype_name, rounds):
-    """(bit-equal output, bit-equal grads, our s, DeepSpeed s, our MB sent, DeepSpeed MB)."""
-    ours = DistributedAttention(world, "sdpa", dims.sp_group)
-    theirs = _deepspeed_layer(dims, kv_heads)
+def _alst_layer(dims, seq: int, heads: int, kv_heads: int, head_dim: int, attend):
+    """ALST's UlyssesSPAttentionHF around the same local attention, or None where it refuses
+    the head counts (kv heads neither a multiple nor a divisor of SP). It takes and gives
+    Hugging Face's layouts: q, k, v [b, h, N/SP, d] in, [b, N/SP, hq·d] out."""
+    if kv_heads % dims.sp and dims.sp % kv_heads:
+        return None
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    def hf_attention(module, q, k, v, attention_mask, *args, **kwargs):
+        # Hugging Face's attention interface: [b, h, N, d] in, ([b, N, h, d], weights) out
+        out = attend(*(t.permute(2, 0, 1, 3) for t in (q, k, v)))
+        return out.permute(1, 0, 2, 3), None
+
+    local = seq // dims.sp
+    layer = UlyssesSPAttentionHF(
+        hf_attention,
+        batch_size=1,
+        attn_head_count=heads,
+        attn_head_size=head_dim,
+        kv_head_count=kv_heads,
+        num_hidden_layers=1,
+        process_group=dims.sp_group,
+        local_seq_length=local,
+        global_seq_length=seq,
+    )
+    module = torch.nn.Module()  # the HF attention module its forward reads (.training)
+    positions = torch.arange(local)[None] + dims.sp_rank * local
+
+    def call(q, k, v):
+        out, _ = layer(
+            module, *(t.permute(1, 2, 0, 3) for t in (q, k, v)), None, position_ids=positions
+        )
+        return out.transpose(0, 1).reshape(q.shape)  # back to [N/SP, b, hq, d]
+
+    return call
+
+
+def _local_attention_fn(kind: str):
+    """The local attention all three layers wrap: 'sdpa' (model/attention.py's call) or
+    'sum' (q plus k and v broadcast to q's heads: nearly free, so the layers' own work, the
+    all-to-alls and layout copies, is what is timed)."""
+    if kind == "sdpa":
+        return lambda q, k, v: local_attention(q, k, v, backend="sdpa", dropout_p=0.0)
+
+    def summed(q, k, v):
+        group = q.shape[2] // k.shape[2]
+        return q + k.repeat_interleave(group, dim=2) + v.repeat_interleave(group, dim=2)
+
+    return summed
+
+
+def compare(dims, rank, world, seq, heads, kv_heads, head_dim, dtype_name, attention, rounds):
+    """Per layer in LAYERS (None where it refuses the case): (bit-equal output against ours,
+    bit-equal input gradients, fastest forward + backward: wall s and this rank's thread CPU
+    s, MB this rank sends)."""
+    attend = _local_attention_fn(attention)
+    ulysses = DistributedAttention(world, "sdpa", dims.sp_group)
+    layers = {
+        "ours": lambda q, k, v: ulysses(q, k, v, dropout_p=0.0),
+        "DeepSpeed": _deepspeed_layer(dims, kv_heads, attend),
+        "ALST": _alst_layer(dims, seq, heads, kv_heads, head_dim, attend),
+    }
+    if attention != "sdpa":  # our layer calls local_attention itself: swap it for this case
+        ulysses._attend = lambda q, k, v, dropout_p, attention_mask: attend(q, k, v)
     dtype = DTYPES[dtype_name]
     g = torch.Generator().manual_seed(rank)
     shapes = [heads, kv_heads, kv_heads]
     inputs = [torch.randn(seq // world, 1, h, head_dim, generator=g).to(dtype) for h in shapes]
     dout = torch.randn(seq // world, 1, heads, head_dim, generator=g).to(dtype)
 
-    def run(layer, call):
+    def run(call):
         q, k, v = (t.clone().requires_grad_() for t in inputs)
         dist.barrier()
-        start = time.perf_counter()
-        out = call(layer, q, k, v)
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        out = call(q, k, v)
         out.backward(dout)
-        return time.perf_counter() - start, out.detach(), [t.grad for t in (q, k, v)]
+        took = (time.perf_counter() - start, time.thread_time() - start_cpu)
+        return took, out.detach(), [t.grad for t in (q, k, v)]
 
-    ours_call = lambda layer, q, k, v: layer(q, k, v, dropout_p=0.0)  # noqa: E731
-    theirs_call = lambda layer, q, k, v: layer(q, k, v, 1)  # noqa: E731   (batch dim 1)
-    with counted_all_to_all(world, dims.sp_rank) as sent:
-        _, out_a, grads_a = run(ours, ours_call)
-    ours_bytes = sent["bytes"]
-    with counted_all_to_all(world, dims.sp_rank) as sent:
-        _, out_b, grads_b = run(theirs, theirs_call)
-    theirs_bytes = sent["bytes"]
-    same_out = torch.equal(out_a, out_b)
-    same_grads = all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
-    best_ours = best_theirs = float("inf")
-    for _ in range(rounds):
-        best_ours = min(best_ours, run(ours, ours_call)[0])
-        best_theirs = min(best_theirs, run(theirs, theirs_call)[0])
-    return (same_out, same_grads, best_ours, best_theirs, ours_bytes / MB, theirs_bytes / MB)
+    first, sent_mb = {}, {}
+    for name, call in layers.items():
+        if call is not None:
+            with counted_all_to_all(world, dims.sp_rank) as sent:
+                first[name] = run(call)
+            sent_mb[name] = sent["bytes"] / MB
+    best = {name: first[name][0] for name in first}
+    for _ in range(rounds):  # alternating: load on a shared machine hits all layers alike
+        for name in first:
+            took = run(layers[name])[0]
+            best[name] = (min(best[name][0], took[0]), min(best[name][1], took[1]))
+    _, out_ours, grads_ours = first["ours"]
+    results = {}
+    for name in LAYERS:
+        if name not in first:
+            results[name] = None
+            continue
+        _, out, grads = first[name]
+        same_out = torch.equal(out, out_ours)
+        same_grads = all(torch.equal(a, b) for a, b in zip(grads, grads_ours))
+        results[name] = (same_out, same_grads, *best[name], sent_mb[name])
+    return results
 
 
 def compare_all(rank, world, cases, rounds):
-    """compare() for every (N, q heads, kv heads, dtype) case, in one process group."""
+    """compare() for every (N, q heads, kv heads, dtype, local attention) case, in one
+    process group."""
     torch.set_num_threads(1)
     dims = ps.initialize_model_parallel(1, world, 1)
     model_parallel_seed(1, dims, "cpu")
+    os.environ.setdefault("DS_BUILD_OPS", "0")
+    import deepspeed.comm
+
+    if not deepspeed.comm.is_initialized():
+        deepspeed.comm.init_distributed(
+            dist_backend="gloo", auto_mpi_discovery=False, verbose=False
+        )
     results = []
-    for seq, heads, kv_heads, dtype in cases:
-        results.append(compare(dims, rank, world, seq, heads, kv_heads, 64, dtype, rounds))
+    for seq, heads, kv_heads, dtype, attention in cases:
+        results.append(
+            compare(dims, rank, world, seq, heads, kv_heads, 64, dtype, attention, rounds)
+        )
         if rank == 0:  # progress: a long matrix on a shared machine
-            print(f"SP{world} N={seq} {heads}/{kv_heads} {dtype}: {results[-1]}", flush=True)
+            print(
+                f"SP{world} N={seq} {heads}/{kv_heads} {dtype} {attention}: {results[-1]}",
+                flush=True,
+            )
     return results
+
+
+def _row(case, per_rank):
+    seq, sp, heads, kv_heads, _, attention = case
+
+    def slowest(name, i):  # the slowest rank's time
+        return max(r[name][i] for r in per_rank)
+
+    row = [seq, sp, f"{heads}/{kv_heads}", attention, f"{slowest('ours', 2) * 1e3:.0f}"]
+    ratios, equal, sent = [], [], [f"{slowest('ours', 4):.2f}"]
+    for name in LAYERS[1:]:
+        if per_rank[0][name] is None:
+            row.append("refuses")
+            ratios += ["-", "-"]
+            equal.append("-")
+            sent.append("-")
+            continue
+        row.append(f"{slowest(name, 2) * 1e3:.0f}")
+        ratios += [f"{slowest('ours', i) / slowest(name, i):.2f}" for i in (2, 3)]
+        same_out = all(r[name][0] for r in per_rank)
+        same_grads = all(r[name][1] for r in per_rank)
+        equal.append(f"{'yes' if same_out else 'NO'}/{'yes' if same_grads else 'NO'}")
+        sent.append(f"{slowest(name, 4):.2f}")
+    return row + ratios + equal + ["/".join(sent)]
 
 
 def table(cases, rounds: int) -> str:
     results = {}
     for sp in sorted({case[1] for case in cases}):  # one spawn per SP: DeepSpeed imports slowly
-        mine = [(n, h, kv, dt) for n, s, h, kv, dt in cases if s == sp]
+        mine = [(n, h, kv, dt, att) for n, s, h, kv, dt, att in cases if s == sp]
         for case, per_rank in zip(mine, zip(*run_ranks(compare_all, sp, mine, rounds))):
-            key = (case[0], sp, *case[1:])
-            results[key] = per_rank
-    rows = []
-    for seq, sp, heads, kv_heads, dtype in cases:
-        per_rank = results[(seq, sp, heads, kv_heads, dtype)]
-        ours = max(r[2] for r in per_rank)
-        theirs = max(r[3] for r in per_rank)
-        rows.append(
-            [
-                seq,
-                sp,
-                f"{heads}/{kv_heads}",
-                dtype,
-                "yes" if all(r[0] for r in per_rank) else "NO",
-                "yes" if all(r[1] for r in per_rank) else "NO",
-                f"{ours * 1e3:.0f}",
-                f"{theirs * 1e3:.0f}",
-                f"{ours / theirs:.2f}",
-                f"{max(r[4] for r in per_rank):.2f}",
-                f"{max(r[5] for r in per_rank):.2f}",
-            ]
-        )
+            results[(case[0], sp, *case[1:])] = per_rank
+    rows = [_row(case, results[case]) for case in cases]
     return markdown_table(
         [
             "N",
             "SP",
             "q/kv heads",
-            "dtype",
-            "output bit-equal",
-            "grads bit-equal",
+            "local attention",
             "ours ms",
             "DeepSpeed ms",
-            "ours / DeepSpeed",
-            "ours MB sent (max rank)",
-            "DeepSpeed MB sent (max rank)",
+            "ALST ms",
+            "ours / DeepSpeed, wall",
+            "ours / DeepSpeed, CPU",
+            "ours / ALST, wall",
+            "ours / ALST, CPU",
+            "DeepSpeed bit-equal (out/grads)",
+            "ALST bit-equal (out/grads)",
+            "MB sent, max rank (ours/DeepSpeed/ALST)",
         ],
         rows,
     )
@@ -182,7 +267,20 @@ def main(argv=None):
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--seq-lengths", type=int, nargs="+", default=[4096, 8192])
+    ap.add_argument(
+        "--seq-lengths",
+        type=int,
+        nargs="+",
+        default=[4096, 8192],
+        help="N for the layers around SDPA (the real layer)",
+    )
+    ap.add_argument(
+        "--overhead-seq-lengths",
+        type=int,
+        nargs="+",
+        default=[4096, 8192, 16384],
+        help="N for the layers around the 'sum' local attention (their own work alone)",
+    )
     ap.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--heads", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -190,18 +288,29 @@ def main(argv=None):
     ap.add_argument("--gqa-seq-length", type=int, default=4096)
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args(argv)
+    lengths = [(n, "sdpa") for n in args.seq_lengths]
+    lengths += [(n, "sum") for n in args.overhead_seq_lengths]
     cases = [
-        (n, sp, h, h, args.dtype) for n in args.seq_lengths for sp in args.sizes for h in args.heads
+        (n, sp, h, h, args.dtype, att)
+        for n, att in lengths
+        for sp in args.sizes
+        for h in args.heads
     ]
-    cases.append((args.gqa_seq_length, 4, 12, 6, args.dtype))
+    cases += [(args.gqa_seq_length, 4, 12, 6, args.dtype, att) for att in ("sdpa", "sum")]
     report(
         "vs-deepspeed",
-        "Ulysses layer vs DeepSpeed's DistributedAttention (CPU, gloo)",
-        f"One attention layer (all-to-alls + the same SDPA local attention), forward + "
-        f"backward, micro-batch 1, head dim 64, {args.dtype}, one thread per rank; both "
-        f"layers get the same inputs and upstream gradient. Time: the fastest of "
-        f"{args.rounds} alternating rounds, max over ranks. Bytes: what each rank sends "
-        f"through all_to_all_single in forward + backward, max over ranks.",
+        "Ulysses layer vs DeepSpeed's DistributedAttention and ALST's UlyssesSPAttentionHF "
+        "(CPU, gloo)",
+        f"One attention layer (all-to-alls + the same local attention), forward + backward, "
+        f"micro-batch 1, head dim 64, {args.dtype}, one thread per rank; all three layers get "
+        f"the same inputs and upstream gradient, and their outputs and input gradients are "
+        f"compared with ours bit for bit. Local attention 'sdpa': model/attention.py's SDPA "
+        f"call (the real layer); 'sum': q plus k and v broadcast to q's heads, nearly free, so "
+        f"the time is the layers' own all-to-alls and layout copies. Time: the fastest of "
+        f"{args.rounds + 1} rounds that alternate the layers, max over ranks, as wall time and "
+        f"as the rank's thread CPU time (what the rank computes, not what it waits for: "
+        f"robust to other load on a shared machine; the bytes sent are equal). Bytes: what each "
+        f"rank sends through all_to_all_single in forward + backward, max over ranks.",
         table(cases, args.rounds),
         write_docs=args.write_docs,
     )
