@@ -36,7 +36,7 @@ PINNED = {
         "_held_locks",
     ): "this process's flock on each save directory (the lock belongs to the process)",
     (
-        "checkpoint/io.py",
+        "checkpoint/load.py",
         "last_load_report",
     ): "what this process's last torch_dist load read (a measurement tests and benchmarks "
     "read after a run; nothing in the package reads it)",

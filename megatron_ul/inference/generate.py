@@ -14,7 +14,7 @@ import torch
 
 from ..checkpoint import files, reshard
 from ..checkpoint.files import CheckpointError
-from ..checkpoint.io import load_model_state
+from ..checkpoint.load import load_model_state
 from ..checkpoint.state import named_parameters
 from ..model.gpt import GPTModel
 from ..mpu.parallel_state import single_rank_dims

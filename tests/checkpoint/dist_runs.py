@@ -10,7 +10,8 @@ import time
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron_ul.checkpoint import files, io, pieces
+from megatron_ul.checkpoint import files, pieces
+from megatron_ul.checkpoint.load import last_load_report
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import _on_rank0, convert_cli, train
 
@@ -55,7 +56,7 @@ def bytes_read_on_layout_change(
     )
     _on_rank0(lambda: files.write_tracker(src, 2))
     resumed = train(rank, world, argv + DIST + target + ["--train-iters", "4", "--load", src])
-    report = io.last_load_report[0]
+    report = last_load_report[0]
     converted = os.path.join(tmp, "tp1_torch")
     _on_rank0(
         lambda: convert_cli(

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ul.checkpoint import files, reshard
-from megatron_ul.checkpoint.io import save_checkpoint
+from megatron_ul.checkpoint.save import save_checkpoint
 from megatron_ul.pipeline.param_table import parameter_table
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import _on_rank0

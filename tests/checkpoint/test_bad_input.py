@@ -102,7 +102,7 @@ def test_conversion_never_overwrites(saved, tmp_path):
 def test_saving_an_existing_iteration_replaces_it_whole(saved, single_rank):
     trainer = setup(configure(ARGV + ["--save", saved, "--overwrite-checkpoints"], 1))
     old = listing(saved)
-    from megatron_ul.checkpoint.io import save_checkpoint
+    from megatron_ul.checkpoint.save import save_checkpoint
 
     save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 2)
     left = sorted(n for n in os.listdir(saved) if n != files.LOCK)

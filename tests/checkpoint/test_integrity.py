@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from megatron_ul.checkpoint import files
-from megatron_ul.checkpoint.io import save_checkpoint
+from megatron_ul.checkpoint.save import save_checkpoint
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import TINY, TINY_TWO_ITERS as ARGV, listing
 

@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from megatron_ul.checkpoint import files
-from megatron_ul.checkpoint.io import save_checkpoint
+from megatron_ul.checkpoint.save import save_checkpoint
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.conftest import copy_of
 from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV, listing

@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from megatron_ul.checkpoint import files, io
+from megatron_ul.checkpoint import files
+from megatron_ul.checkpoint import save as checkpoint_save
 from tests.checkpoint.runs import NO_DROPOUT, TINY, train
 
 
@@ -26,7 +27,7 @@ def test_a_checkpoint_with_the_old_saved_arguments_resumes_exactly(
     save_dir = str(tmp_path / "ckpt")
     argv = TINY + NO_DROPOUT + ["--tokenizer-type", "NullTokenizer"]
     with monkeypatch.context() as patch:
-        patch.setattr(io, "asdict", _as_saved_before)
+        patch.setattr(checkpoint_save, "asdict", _as_saved_before)
         full = train(
             0, 1, argv + ["--train-iters", "3", "--save", save_dir, "--save-interval", "2"]
         )

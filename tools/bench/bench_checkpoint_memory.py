@@ -73,7 +73,7 @@ def _held_mb(trainer) -> float:
 
 
 def save_phase(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
-    from megatron_ul.checkpoint.io import save_checkpoint
+    from megatron_ul.checkpoint.save import save_checkpoint
     from megatron_ul.training.pretrain import configure, setup
 
     trainer = setup(configure(argv, world))
@@ -92,7 +92,7 @@ def save_phase(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
 
 
 def load_phase(rank: int, world: int, argv: list[str], load_dir: str) -> dict:
-    from megatron_ul.checkpoint.io import load_checkpoint
+    from megatron_ul.checkpoint.load import load_checkpoint
     from megatron_ul.training.pretrain import configure, setup
 
     trainer = setup(configure(argv, world))

@@ -380,7 +380,8 @@ def measure_peak(
             str(cp),
         ]
     )
-    results = run_ranks(peak_worker, sp * cp, argv, precision)
+    # tracked op by op, two iterations at up to 64K tokens: hours on a loaded 2-core machine
+    results = run_ranks(peak_worker, sp * cp, argv, precision, timeout=4 * 3600.0)
     return max(results, key=lambda r: r["peak"])
 
 

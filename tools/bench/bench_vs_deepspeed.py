@@ -240,7 +240,8 @@ def table(cases, rounds: int) -> str:
     for sp in sorted({case[1] for case in cases}):  # one spawn per SP: DeepSpeed imports slowly
         mine = [(n, h, kv, dt, att) for n, s, h, kv, dt, att in cases if s == sp]
         for case, per_rank in zip(mine, zip(*run_ranks(compare_all, sp, mine, rounds))):
-            results[(case[0], sp, *case[1:])] = per_rank
+            key = (case[0], sp, *case[1:])
+            results[key] = per_rank
     rows = [_row(case, results[case]) for case in cases]
     return markdown_table(
         [

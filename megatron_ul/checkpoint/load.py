@@ -1,0 +1,370 @@
+"""Load a training checkpoint, on any layout: each rank reads what it needs (resharded in memory
+when TP/PP differ, piece by piece for torch_dist), every file checked against its recorded
+SHA-256, the model's flags against the checkpoint's; an error on any rank is raised on every
+rank, naming it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import asdict
+
+import torch.distributed as dist
+
+from ..config import ResolvedConfig
+from ..model.chunks import model_dims
+from . import dist_io, files, reshard, resume_rules
+from .files import CheckpointError
+from .record import Resume, run_layout
+from .state import named_parameters, set_rng_state
+from .zero import load_checkpoint_model_state, load_checkpoint_optimizer_state
+
+log = logging.getLogger("megatron_ul")
+
+# ModelConfig fields that decide parameter shapes or the function the weights compute.
+MODEL_FIELDS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "vocab_size": "--vocab-size",
+    "swiglu": "--swiglu",
+    "add_bias_linear": "--disable-bias-linear",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "position_embedding_type": "--position-embedding-type",
+    "normalization": "--normalization",
+    "norm_epsilon": "--norm-epsilon",
+    "gelu_approximate": "--gelu-approximate",
+}
+ROPE_FIELDS = {"rotary_base": "--rotary-base"}  # compared when both use rotary embeddings
+
+
+def check_model_matches(meta: dict, cfg: ResolvedConfig, path: str) -> None:
+    saved, ours = meta["model"], asdict(cfg.model)
+    checked = dict(MODEL_FIELDS)
+    if saved.get("position_embedding_type") == ours["position_embedding_type"] == "rope":
+        checked.update(ROPE_FIELDS)
+    diffs = [
+        f"{flag}: checkpoint {saved.get(field)!r}, this run {ours[field]!r}"
+        for field, flag in checked.items()
+        if saved.get(field, ours[field]) != ours[field]
+    ]
+    if (
+        ours["position_embedding_type"] == "learned_absolute"
+        and saved.get("max_position_embeddings") != ours["max_position_embeddings"]
+    ):
+        diffs.append(
+            f"--max-position-embeddings: checkpoint "
+            f"{saved.get('max_position_embeddings')}, this run "
+            f"{ours['max_position_embeddings']}"
+        )
+    if diffs:
+        raise CheckpointError(
+            f"{path}: the checkpoint's model differs from this run's flags:\n  "
+            + "\n  ".join(diffs)
+            + "\nuse the checkpoint's model flags"
+        )
+
+
+def load_model_state(model, state: dict, source: str) -> None:
+    params = named_parameters(model)
+    missing, unexpected = set(params) - set(state), set(state) - set(params)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: parameter names differ from the model: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    for name, p in params.items():
+        if tuple(state[name].shape) != tuple(p.shape):
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(state[name].shape)} in the "
+                f"checkpoint but {tuple(p.shape)} in this model"
+            )
+    load_checkpoint_model_state(model, state)  # ZeRO-3: each rank keeps its chunk
+
+
+def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
+    """(payload with the common entries, model state, optimizer state) for this rank, resharding
+    in memory when the checkpoint's TP/PP layout differs from this run's."""
+    saved, ours = meta["layout"], run_layout(cfg)
+    dims = model_dims(model)
+    tp_rank, pp_rank = dims.tp_rank, dims.pp_rank
+    # A stage file holds the layers of every model chunk of its pp rank: the virtual pipeline
+    # size decides which layers those are, as much as TP and PP do.
+    if (saved["tp"], saved["pp"], saved.get("vp")) == (ours["tp"], ours["pp"], ours["vp"]):
+        path = files.model_file(iter_dir, tp_rank, pp_rank, ours["pp"])
+        payload = files.load_torch(
+            path, "model and optimizer of this rank", files.expected_record(meta, iter_dir, path)
+        )
+        return payload, path, payload["model"], payload["optimizer"]
+    if dist.get_rank() == 0:
+        vp_flag = (
+            f" --target-num-layers-per-virtual-pipeline-stage {ours['vp']}" if ours["vp"] else ""
+        )
+        log.info(
+            "resharding %s on load: TP%d PP%d VP%s -> TP%d PP%d VP%s (to do it once "
+            "offline: python -m tools.checkpoint.convert --load-dir %s --save-dir NEW "
+            "--target-tensor-parallel-size %d --target-pipeline-parallel-size %d%s)",
+            iter_dir,
+            saved["tp"],
+            saved["pp"],
+            saved.get("vp"),
+            ours["tp"],
+            ours["pp"],
+            ours["vp"],
+            cfg.checkpoint.load,
+            ours["tp"],
+            ours["pp"],
+            vp_flag,
+        )
+    full = reshard.read_full(iter_dir, with_optim=load_optim)
+    table = reshard.layout_table(meta, ours["tp"], ours["pp"], ours["vp"])
+    model_sd, optim_sd = reshard.shard_for(
+        full, table, list(named_parameters(model)), tp_rank, ours["tp"]
+    )
+    return full.common, iter_dir, model_sd, optim_sd
+
+
+last_load_report: list = [None]  # this process's last torch_dist load (tests, benchmarks)
+
+
+def _read_dist_common(meta: dict, iter_dir: str, load_optim: bool):
+    """torch_dist: (the common payload, its path)."""
+    path = os.path.join(iter_dir, files.COMMON_FILE)
+    payload = files.load_torch(path, "common state", files.expected_record(meta, iter_dir, path))
+    if load_optim:
+        _check_optimizer_kind(meta, path, "sharded")
+    return payload, path
+
+
+def _read_dist(
+    meta: dict, iter_dir: str, model, optimizer, load_optim: bool, payload: dict, path: str
+) -> None:
+    """torch_dist (collective): this rank's pieces of the model (and Adam moments), whatever
+    layout saved them, straight into its parameters and optimizer state."""
+    # An optimizer that had not stepped yet has no moments to read.
+    moments = load_optim and payload["optimizer"]["step"] is not None
+    report = dist_io.load(
+        model,
+        optimizer if moments else None,
+        moments,
+        iter_dir,
+        dist_io.digests_of(meta),
+        meta["files"].get(dist_io.DCP_METADATA),
+    )
+    log.debug(
+        "rank %d read %d bytes (%d of tensor data; it holds %d)",
+        dist.get_rank(),
+        report.bytes_read,
+        report.tensor_bytes_read,
+        report.tensor_bytes_needed,
+    )
+    last_load_report[0] = report
+    if load_optim:
+        dist_io.restore_optimizer_common(optimizer, payload["optimizer"], path)
+
+
+def _check_optimizer_kind(meta: dict, source: str, kind: str) -> None:
+    if meta.get("optimizer") is None:
+        raise CheckpointError(
+            f"{source}: the checkpoint holds no optimizer state (saved with "
+            f"--no-save-optim, or imported); pass --no-load-optim or --finetune"
+        )
+    if meta["optimizer"] != kind:
+        raise CheckpointError(
+            f"{source}: unknown optimizer state kind {meta['optimizer']!r}; "
+            f"pass --no-load-optim to start the optimizer afresh"
+        )
+
+
+def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> None:
+    _check_optimizer_kind(meta, source, "replicated")
+    # Name-keyed full state whatever optimizer saved it; ZeRO ranks keep their shard.
+    load_checkpoint_optimizer_state(model, optimizer, optim_sd, source)
+
+
+def _load_scheduler(
+    cfg: ResolvedConfig, scheduler, optimizer, payload: dict, source: str, optimizer_loaded: bool
+) -> None:
+    """The LR schedule, and every setting that differs from the checkpoint's refused or
+    applied as resume_rules says."""
+    c, saved = cfg.checkpoint, payload["opt_param_scheduler"]
+    diffs = resume_rules.differences(
+        payload.get("args"), saved, asdict(cfg), scheduler.state_dict(), optimizer_loaded
+    )
+    keep = resume_rules.decide(
+        diffs, c.override_opt_param_scheduler, c.use_checkpoint_opt_param_scheduler, source
+    )
+    scheduler.load_state_dict(
+        {"num_steps": saved["num_steps"]} if c.override_opt_param_scheduler else saved
+    )
+    if optimizer_loaded:
+        resume_rules.apply_to_optimizer(dist_io.torch_optimizer(optimizer), cfg.train, keep)
+
+
+def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
+    saved = payload.get("grad_scaler")
+    if grad_scaler is None:
+        return
+    if saved is None:
+        log.warning(
+            "%s holds no fp16 loss-scaler state (saved without --fp16); the scale "
+            "starts from --initial-loss-scale / --loss-scale",
+            source,
+        )
+        return
+    grad_scaler.load_state_dict(saved)
+
+
+def _load_rng(cfg: ResolvedConfig, meta: dict, iter_dir: str) -> None:
+    if not meta.get("rng"):
+        if dist.get_rank() == 0:
+            log.warning(
+                "%s has no RNG states (converted or imported); RNG streams start from --seed",
+                iter_dir,
+            )
+    elif meta["layout"] != run_layout(cfg):
+        if dist.get_rank() == 0:
+            log.warning(
+                "layout differs from the checkpoint's: RNG streams start from --seed "
+                "(dropout masks will not continue the original run's)"
+            )
+    else:
+        path = files.rng_file(iter_dir, dist.get_rank())
+        set_rng_state(
+            files.load_torch(
+                path, "this rank's RNG states", files.expected_record(meta, iter_dir, path)
+            )
+        )
+
+
+def _on_every_rank(step):
+    """Collective: run `step` (which does not communicate, or fails on all ranks together) on
+    every rank; when it fails on any rank, every rank raises, naming each failed rank and its
+    error — so rank 0 reports another rank's missing or corrupt file, not a broken
+    connection."""
+    result, error, local = None, None, None
+    try:
+        result = step()
+    except CheckpointError as e:
+        error, local = str(e), e
+    except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+        error, local = f"{type(e).__name__}: {e}", e
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [(rank, e) for rank, e in enumerate(errors) if e]
+    if not failed:
+        return result
+    if len(failed) == len(errors) and len({e for _, e in failed}) == 1:
+        if isinstance(local, CheckpointError):
+            raise local  # one shared file: said once, as raised
+        raise CheckpointError(error) from local
+    raise CheckpointError(
+        f"loading the checkpoint failed on {len(failed)} of {len(errors)} "
+        f"ranks:\n" + "\n".join(f"  rank {rank}: {e}" for rank, e in failed)
+    )
+
+
+def _locate(cfg: ResolvedConfig):
+    """(iteration, its directory, its checked metadata), or None when there is nothing to
+    load."""
+    load_dir = cfg.checkpoint.load
+    if load_dir is None:
+        return None
+    iteration = files.read_tracker(load_dir)
+    if iteration is None:
+        lost = files.lost_tracker_error(load_dir)
+        if lost is not None:
+            raise lost
+        partial = files.unfinished_saves(load_dir)
+        log.warning(
+            "no complete checkpoint in %s (no %s)%s; training starts from scratch",
+            load_dir,
+            files.TRACKER,
+            f"; unfinished saves: {partial}" if partial else "",
+        )
+        return None
+    iter_dir = files.find_iteration_dir(load_dir, iteration)
+    meta = files.read_metadata(iter_dir)
+    check_model_matches(meta, cfg, os.path.join(iter_dir, files.METADATA))
+    return iteration, iter_dir, meta
+
+
+def load_checkpoint(cfg: ResolvedConfig, model, optimizer, scheduler, grad_scaler=None) -> Resume:
+    """Collective: each rank reads what it needs; an error on any rank is raised on every rank
+    (_on_every_rank). Returns where training resumes."""
+    c = cfg.checkpoint
+    found = _on_every_rank(lambda: _locate(cfg))
+    if found is None:
+        return Resume()
+    iteration, iter_dir, meta = found
+    load_optim = not (c.finetune or c.no_load_optim)
+    common = None
+    if meta.get("storage") == "torch_dist":
+        common = _on_every_rank(lambda: _read_dist_common(meta, iter_dir, load_optim))
+        _on_every_rank(lambda: _read_dist(meta, iter_dir, model, optimizer, load_optim, *common))
+    resume = _on_every_rank(
+        lambda: _apply(
+            cfg,
+            model,
+            optimizer,
+            scheduler,
+            grad_scaler,
+            iteration,
+            iter_dir,
+            meta,
+            load_optim,
+            common,
+        )
+    )
+    # The fp32 main weights were loaded: round them into a half-precision model (ZeRO-1:
+    # and all-gather them, the one collective of a load, so outside the checked steps).
+    copy_main_to_model = getattr(optimizer, "copy_main_to_model", None)
+    if copy_main_to_model is not None:
+        copy_main_to_model()
+    return resume
+
+
+def _apply(
+    cfg: ResolvedConfig,
+    model,
+    optimizer,
+    scheduler,
+    grad_scaler,
+    iteration: int,
+    iter_dir: str,
+    meta: dict,
+    load_optim: bool,
+    common,
+) -> Resume:
+    """Everything a load does besides the collective torch_dist read (`common`: its payload
+    and path)."""
+    c = cfg.checkpoint
+    if common is not None:
+        payload, source = common
+    else:
+        payload, source, model_sd, optim_sd = _read_model_and_optim(
+            cfg, meta, iter_dir, model, load_optim
+        )
+        load_model_state(model, model_sd, source)
+    if c.finetune:
+        log.info("loaded weights of %s for fine-tuning; starting at iteration 0", iter_dir)
+        return Resume()
+    if load_optim and common is None:
+        _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
+    if load_optim:
+        _load_scheduler(cfg, scheduler, optimizer, payload, source, optimizer is not None)
+    elif dist.get_rank() == 0:
+        # Megatron-LM's --no-load-optim skips the scheduler too: the iteration continues, the
+        # LR schedule starts again at step 0 (warm-up included).
+        log.info(
+            "--no-load-optim: optimizer and LR schedule start afresh at iteration %d", iteration
+        )
+    _load_grad_scaler(grad_scaler, payload, source)
+    if not c.no_load_rng:
+        _load_rng(cfg, meta, iter_dir)
+    if dist.get_rank() == 0:
+        log.info("loaded checkpoint %s at iteration %d", iter_dir, iteration)
+    return Resume(iteration, payload["consumed_samples"], payload["consumed_valid_samples"])
