@@ -11,6 +11,7 @@ import datetime
 import io
 import os
 import queue as queue_module
+import threading
 import time
 import traceback
 
@@ -42,9 +43,26 @@ def _rank_context():
     return context
 
 
+def _exit_when_orphaned(caller: int) -> None:
+    """End this rank as soon as the process that started it is gone (killed: its own clean-up
+    never ran). A rank's parent is the fork server, which does not stop its children, so
+    without this a killed test or benchmark leaves its ranks computing."""
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(caller, 0)
+            except ProcessLookupError:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="orphan-watch", daemon=True).start()
+
+
 def _worker(
-    rank: int, world: int, port: int, fn, args, queue, collective_timeout, environment
+    rank: int, world: int, port: int, fn, args, queue, collective_timeout, environment, caller
 ) -> None:
+    _exit_when_orphaned(caller)
     # A forked rank has the fork server's environment, which is older than the caller's.
     os.environ.clear()
     os.environ.update(environment)
@@ -100,7 +118,17 @@ def run_on_local_ranks(
         ctx.Process(
             target=_worker,
             daemon=True,
-            args=(r, world, port, fn, args, queue, collective_timeout, dict(os.environ)),
+            args=(
+                r,
+                world,
+                port,
+                fn,
+                args,
+                queue,
+                collective_timeout,
+                dict(os.environ),
+                os.getpid(),
+            ),
         )
         for r in range(world)
     ]
