@@ -179,32 +179,29 @@ def _write_rank_files(
     grad_scaler,
     position: Resume,
 ):
+    """torch format: the dp0/cp0/sp0 rank of each (tp, pp) writes the model and optimizer,
+    every rank its RNG states. Returns ({path relative to the iteration directory: file
+    record}, this rank's error or None)."""
     dims = model_dims(model)
-    tp_rank, pp_rank, pp = dims.tp_rank, dims.pp_rank, dims.pp
     save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
-    writer = dims.dp_cp_sp_rank == 0  # DP, CP and SP coordinates all 0
     # Collective over dp_cp_sp under ZeRO (gathers one parameter at a time); None off the writer.
     model_sd = checkpoint_model_state(model)
     optim_sd = checkpoint_optimizer_state(model, optimizer) if save_optim else None
-    records, error = {}, None
+    records: dict = {}
     try:
-        records = _write_files(
-            cfg,
-            model_sd,
-            optim_sd,
-            scheduler,
-            iteration,
-            tmp,
-            grad_scaler,
-            position,
-            writer,
-            tp_rank,
-            pp_rank,
-            pp,
-        )
+        if dims.dp_cp_sp_rank == 0:  # DP, CP and SP coordinates all 0
+            payload = {
+                **_common_payload(cfg, scheduler, iteration, grad_scaler, position),
+                "model": model_sd,
+                "optimizer": optim_sd,
+            }
+            path = files.model_file(tmp, dims.tp_rank, dims.pp_rank, dims.pp)
+            records[os.path.relpath(path, tmp)] = files.save_torch(payload, path)
+        path = files.rng_file(tmp, dist.get_rank())
+        records[os.path.relpath(path, tmp)] = files.save_torch(rng_state(), path)
     except CheckpointError as e:
-        error = str(e)
-    return records, error
+        return records, str(e)
+    return records, None
 
 
 def _agree(model, iteration: int, records: dict, digests: dict, error: str | None):
@@ -283,35 +280,6 @@ def _write_dist_files(
     except CheckpointError as e:
         error = error or str(e)
     return records, error, outcome
-
-
-def _write_files(
-    cfg,
-    model_sd,
-    optim_sd,
-    scheduler,
-    iteration,
-    tmp,
-    grad_scaler,
-    position,
-    writer,
-    tp_rank,
-    pp_rank,
-    pp,
-) -> dict:
-    """This rank's files; {path relative to the iteration directory: file record}."""
-    written = {}
-    if writer:
-        payload = {
-            **_common_payload(cfg, scheduler, iteration, grad_scaler, position),
-            "model": model_sd,
-            "optimizer": optim_sd,
-        }
-        path = files.model_file(tmp, tp_rank, pp_rank, pp)
-        written[os.path.relpath(path, tmp)] = files.save_torch(payload, path)
-    path = files.rng_file(tmp, dist.get_rank())
-    written[os.path.relpath(path, tmp)] = files.save_torch(rng_state(), path)
-    return written
 
 
 def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) -> None:
