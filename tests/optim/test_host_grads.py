@@ -1,0 +1,138 @@
+"""Host-held fp32 gradients (--optimizer-cpu-offload of a half-precision model on a GPU):
+accumulated through a device staging tensor, reduced through device buffers, read by the host
+after one stream synchronisation per step.
+
+A CPU run keeps the plain add (the host is the device), so these tests force the host-held path
+(optim/host_grads.keeps_grads_apart) and check it against the plain path bit for bit, and that
+no collective is ever handed a host-held buffer (a stand-in for NCCL, which takes none)."""
+
+import sys
+from contextlib import contextmanager, nullcontext
+
+import pytest
+import torch
+
+from megatron_ul.mpu import host_staging
+from megatron_ul.optim import host_grads
+from megatron_ul.optim.grads import grad_of
+from megatron_ul.training.pretrain import configure, setup
+from tests.checkpoint.runs import NO_DROPOUT, TINY
+from tests.distributed import run_distributed
+from tests.stand_ins.host_memory import HostTensor, on_host, refuse_host_tensors
+from tests.training.test_half_precision import TOLERANCE
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def micro_batch_grads(dtype, count: int) -> list[torch.Tensor]:
+    """Gradients with the values an add can round or sign differently: -0 (0 + -0 is +0,
+    a copy would keep -0), subnormals, large and tiny magnitudes, inf."""
+    gen = torch.Generator().manual_seed(3)
+    grads = []
+    for _ in range(count):
+        g = torch.randn(4096, generator=gen) * torch.logspace(-30, 30, 4096)
+        g[:8] = torch.tensor([-0.0, 0.0, -0.0, 1e-40, -1e-42, float("inf"), 3.0, -3.0])
+        grads.append(g.to(dtype))
+    return grads
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("micro_batches", [1, 2, 3])
+def test_staged_accumulation_gives_the_plain_adds_bits(dtype, micro_batches):
+    grads = micro_batch_grads(dtype, micro_batches)
+    plain = torch.zeros(4096)
+    host = torch.full((4096,), float("nan"))  # garbage from the last step: never read
+    for i, g in enumerate(grads):
+        plain.add_(g)
+        host_grads.accumulate_on_host(host, g, first=i == 0)
+    assert torch.equal(bits(host), bits(plain))
+
+
+def test_an_unwritten_host_main_grad_reads_as_zero():
+    """A parameter no micro-batch touched (zero_grad only marks its buffer empty)."""
+    p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    host_grads.attach_host_main_grad(p, torch.full((3,), 7.0))
+    assert torch.equal(grad_of(p), torch.zeros(3))
+    host_grads.mark_empty(p)
+    (p.float() * 2).sum().backward()
+    assert torch.equal(grad_of(p), torch.full((3,), 2.0))
+
+
+class CountingStream:
+    """Stands in for the CUDA stream the device-to-host copies are enqueued on; counts the
+    host's waits and checks each comes before the host's first read (the grad norm)."""
+
+    syncs = 0
+
+    def synchronize(self) -> None:
+        CountingStream.syncs += 1
+        frame, callers = sys._getframe(1), set()
+        while frame is not None:
+            callers.add(frame.f_code.co_name)
+            frame = frame.f_back
+        assert "global_grad_norm" in callers, "the host waited elsewhere than before the norm"
+
+
+@contextmanager
+def host_held_forced():
+    """The host-held path on a CPU run: its buffers marked as host memory, its copies on one
+    counting stream."""
+    saved = host_grads.keeps_grads_apart, host_grads.attach_host_main_grad, host_staging._stream_of
+    attach, stream = host_grads.attach_host_main_grad, CountingStream()
+    host_grads.keeps_grads_apart = lambda device: True
+    host_grads.attach_host_main_grad = lambda p, host: attach(p, on_host(host))
+    host_staging._stream_of = lambda tensor: stream
+    try:
+        yield
+    finally:
+        host_grads.keeps_grads_apart, host_grads.attach_host_main_grad = saved[:2]
+        host_staging._stream_of = saved[2]
+
+
+def train_host_held(rank: int, world: int, cases: dict) -> dict:
+    """Each case's losses, parameters, host-held gradients and host synchronisations, the
+    host-held path forced where the case says so; the collectives refuse host memory."""
+    out = {}
+    for name, (argv, forced) in cases.items():
+        CountingStream.syncs = 0
+        with host_held_forced() if forced else nullcontext():
+            trainer = setup(configure(argv, world))
+            with refuse_host_tensors():
+                losses = trainer.train()
+        model = trainer.model
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        held = sum(
+            isinstance(getattr(p, "main_grad", None), HostTensor) for p in model.parameters()
+        )
+        out[name] = (losses, params, held, CountingStream.syncs)
+    return out
+
+
+# 3 micro-batches per DP rank, 3 steps; half of the parameters offloaded (the rest keep an
+# on-device main_grad, so buckets mix both).
+ARGV = TINY + NO_DROPOUT + ["--bf16", "--global-batch-size", "12", "--train-iters", "3"]
+OFFLOAD = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]
+
+
+def test_host_held_gradients_train_bitwise_like_on_device_ones_and_match_one_process():
+    cases = {
+        "on device": (ARGV, False),
+        "host-held": (ARGV + OFFLOAD, True),
+        "host-held, overlapped": (ARGV + OFFLOAD + ["--overlap-grad-reduce"], True),
+    }
+    dp2 = run_distributed(train_host_held, 2, cases)[0]
+    one = run_distributed(train_host_held, 1, {"one process": (ARGV, False)})[0]["one process"]
+    losses, params, _, _ = dp2["on device"]
+    for name in ("host-held", "host-held, overlapped"):
+        held_losses, held_params, held, syncs = dp2[name]
+        assert held > 0, name  # the forced path holds gradients on the host
+        assert syncs == 3, f"{name}: {syncs} host syncs in 3 steps"
+        assert held_losses == losses, name
+        for key, value in params.items():
+            assert torch.equal(held_params[key], value), f"{name}: {key}"
+    loss_tol, _ = TOLERANCE["bf16"]
+    diff = max(abs(a - b) for a, b in zip(dp2["host-held"][0], one[0]))
+    print(f"host-held DP2 against one process (bf16): max loss diff {diff:.2e}")
+    assert diff < loss_tol
