@@ -152,10 +152,11 @@ class MainParamOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, _ in self.pairs:
-            if getattr(p, "host_main_grad_empty", None) is not None:
+            main_grad = getattr(p, "main_grad", None)
+            if main_grad is not None and host_staging.is_host_held(main_grad):
                 host_grads.mark_empty(p)  # overwritten next: no host memset racing a copy
-            elif getattr(p, "main_grad", None) is not None:
-                p.main_grad.zero_()  # persistent: the accumulation hooks add into it
+            elif main_grad is not None:
+                main_grad.zero_()  # persistent: the accumulation hooks add into it
             p.grad = None if set_to_none else p.grad
 
     def state_dict(self) -> dict:
