@@ -117,9 +117,9 @@ OFFLOAD = ["--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"]
 OVERLAP = ["--overlap-grad-reduce"]
 
 
-def check_against_on_device(cases: dict) -> dict:
+def check_against_on_device(cases: dict, argv: list = ARGV) -> dict:
     """Every forced case bit for bit like the on-device run, with one host wait per step."""
-    dp2 = run_distributed(train_host_held, 2, {"on device": (ARGV, False), **cases})[0]
+    dp2 = run_distributed(train_host_held, 2, {"on device": (argv, False), **cases})[0]
     losses, params, _, _ = dp2["on device"]
     for name in cases:
         held_losses, held_params, held, syncs = dp2[name]
@@ -149,3 +149,9 @@ def test_host_held_gradients_match_one_process():
     diff = max(abs(a - b) for a, b in zip(dp2["host-held"][0], one[0]))
     print(f"host-held DP2 against one process (bf16): max loss diff {diff:.2e}")
     assert diff < loss_tol
+
+
+@pytest.mark.slow
+def test_host_held_tied_embedding_is_summed_over_pipeline_stages_on_the_device():
+    pp2 = ARGV + ["--pipeline-model-parallel-size", "2"]
+    check_against_on_device({"host-held PP2": (pp2 + ["--optimizer-cpu-offload"], True)}, pp2)
