@@ -155,3 +155,81 @@ def test_host_held_gradients_match_one_process():
 def test_host_held_tied_embedding_is_summed_over_pipeline_stages_on_the_device():
     pp2 = ARGV + ["--pipeline-model-parallel-size", "2"]
     check_against_on_device({"host-held PP2": (pp2 + ["--optimizer-cpu-offload"], True)}, pp2)
+
+
+# ---- the estimator's host/device split against the live-tensor tracker ----
+def device_tracker(model, device: list, host: list):
+    """tools/bench's live-tensor tracker, counting `device` from the start and never `host`
+    (an op writing a host buffer returns it, which would register it)."""
+    from tools.bench.live_tensors import LiveTensorTracker, _storage_key
+
+    host_keys = {_storage_key(t)[0] for t in host}
+
+    class DeviceTracker(LiveTensorTracker):
+        def _register(self, t, label):
+            if _storage_key(t)[0] not in host_keys:
+                super()._register(t, label)
+
+    return DeviceTracker(model, preexisting=device)
+
+
+def layer_backward_peak(rank: int, world: int, argv: list, forced: bool) -> tuple[int, int]:
+    """(Iteration 2's layer-backward peak of live device storages, bytes of host storages),
+    the host-held path forced or not. On CPU every tensor is in one memory: what a GPU run
+    keeps in host memory (main parameters, Adam's state and, forced, the main gradients) is
+    told apart by name."""
+    from tools.bench.bench_memory import _mark_backward_stages
+
+    from megatron_ul.training.step import train_step
+
+    saved = host_grads.keeps_grads_apart
+    if forced:
+        host_grads.keeps_grads_apart = lambda device: True
+    try:
+        cfg = configure(argv, world)
+        trainer = setup(cfg)
+        model, optimizer = trainer.model, trainer.optimizer
+        first, second = next(trainer.train_batches), next(trainer.train_batches)
+        train_step(model, optimizer, first, clip_grad=cfg.train.clip_grad)  # Adam's state
+        params = list(model.parameters())
+        adam = [v for s in optimizer.optimizer.state.values() for v in s.values()]
+        state = [p.main_param for p in params] + [t for t in adam if t.dim() > 0]
+        grads = [p.main_grad for p in params]
+        host = state + grads if forced else []
+        tracker = device_tracker(model, params + ([] if forced else state + grads), host)
+        _mark_backward_stages(model, tracker)
+        with tracker:
+            tracker.phase = "iteration 2 forward"
+            train_step(model, optimizer, second, clip_grad=cfg.train.clip_grad)
+    finally:
+        host_grads.keeps_grads_apart = saved
+    host_bytes = sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in host}.values()
+    )
+    return tracker.peaks["iteration 2 layer backward"].bytes, host_bytes
+
+
+@pytest.mark.slow
+def test_estimated_host_device_split_of_host_held_gradients_matches_the_tracker():
+    """What the estimator says offload moves off the device (gradients, main parameters, Adam)
+    against the tracker's device peak and the host storages, bf16, all parameters offloaded."""
+    from megatron_ul.training import memory_estimator as me
+
+    argv = ARGV + ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    offload = argv + ["--optimizer-cpu-offload"]
+    on_device, _ = run_distributed(layer_backward_peak, 1, argv, False)[0]
+    held, host = run_distributed(layer_backward_peak, 1, offload, True)[0]
+    plain, offloaded = (me.estimate_config(configure(a, 1)) for a in (argv, offload))
+    estimated_saving = (
+        plain.gradient_bytes
+        + plain.optimizer_bytes
+        - offloaded.gradient_bytes
+        - offloaded.optimizer_bytes
+    )
+    estimated_host = offloaded.host_bytes - plain.host_bytes
+    print(
+        f"device saving: measured {on_device - held} B, estimated {estimated_saving:.0f} B; "
+        f"host: measured {host} B, estimated {estimated_host:.0f} B"
+    )
+    assert abs(estimated_saving / (on_device - held) - 1) < 0.15
+    assert abs(estimated_host / host - 1) < 0.15
