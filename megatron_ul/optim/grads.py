@@ -28,7 +28,8 @@ _BUCKET_BYTES = 64 * 2**20
 
 def grad_of(p: torch.nn.Parameter):
     """The gradient the optimizer reduces, clips and applies: a half-precision model's fp32
-    `main_grad` (optim/mixed_precision.py accumulates into it), else `p.grad`."""
+    `main_grad` (optim/mixed_precision.py accumulates into it), else `p.grad`. A host-held
+    main_grad no micro-batch wrote this step is zeroed first (host_grads.settle)."""
     main = getattr(p, "main_grad", None)
     if main is None:
         return p.grad
