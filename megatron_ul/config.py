@@ -279,7 +279,9 @@ class TrainConfig:
         False, help="--bf16/--fp16: keep the residual stream (and pipeline traffic) in fp32"
     )
     optimizer_cpu_offload: bool = flag(
-        False, help="fp32 main parameters and Adam state in host memory; the step runs there"
+        False,
+        help="fp32 main parameters and Adam state in host memory; the step runs there; without "
+        "ZeRO-1 a --bf16/--fp16 model's fp32 gradients accumulate in host memory too",
     )
     optimizer_offload_fraction: float = flag(
         1.0, help="--optimizer-cpu-offload: share of the parameters (in order) offloaded"

@@ -12,6 +12,8 @@ row with the error while the next section runs.
                 doubling of the local sequence
   offload       --activation-checkpoint-cpu-offload (pinned host memory, side stream on CUDA)
                 bit-identical to plain full recompute
+  optimizer-offload  --optimizer-cpu-offload of a bf16 model (fp32 gradients held on the
+                host): the same losses, a peak lower by the optimizer state and gradients
   checkpoint    torch_dist --async-save, then --load: model and optimizer state bitwise, and
                 the continued losses against the uninterrupted run
   adamw         fused AdamW against foreach AdamW
@@ -70,6 +72,7 @@ from tools.gpu_check_training import (
     documents_rows,
     fused_rows,
     offload_rows,
+    optimizer_offload_rows,
     performance_rows,
     precision_rows,
 )
@@ -323,6 +326,15 @@ def sections(mode: Mode) -> list[Section]:
             30,
         ),
         Section(
+            "optimizer-offload",
+            "Optimizer offload: host-held fp32 gradients",
+            ["check", "result", "bound", "status", "note"],
+            optimizer_offload_rows,
+            20,
+            "2 bf16 steps of 2 micro-batches, --optimizer-cpu-offload against the on-device "
+            "optimizer; peak = torch.cuda.max_memory_allocated.",
+        ),
+        Section(
             "checkpoint",
             "torch_dist --async-save and resume",
             ["check", "result", "bound", "status", "note"],
@@ -395,7 +407,7 @@ def main(argv=None) -> int:
         nargs="+",
         metavar="NAME",
         help="run only these sections (default: all, in order): precision "
-        "attention ring offload checkpoint adamw fused documents "
+        "attention ring offload optimizer-offload checkpoint adamw fused documents "
         "performance",
     )
     parser.add_argument(

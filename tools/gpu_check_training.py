@@ -290,6 +290,44 @@ def offload_rows(check: Check):
         ]
 
 
+# Bytes per parameter the offloaded bf16 run must save at its peak: the fp32 main parameters
+# and Adam's moments (12) and most of the host-held fp32 gradients (4, less one parameter's
+# fp32 staging); without host-held gradients the saving is 12.
+OPTIMIZER_OFFLOAD_SAVING_BOUND = 14.0
+
+
+def optimizer_offload_rows(check: Check):
+    """2 bf16 steps of 2 micro-batches with and without --optimizer-cpu-offload: the same
+    first loss (the same forward), the second within the half-precision tolerance (the step
+    runs in CPU foreach AdamW instead of the fused CUDA kernel; on CPU both are bitwise), and on
+    a GPU a peak lower by the main parameters, Adam's moments and the fp32 gradients."""
+    mode = check.mode
+    base = COMMON + LLAMA + mode.small + ["--train-iters", "2", "--bf16"]
+    with _deterministic():
+        plain = train_run(base, mode.device, keep_state=True)
+        check.need(15, "the offloaded run")
+        offload = train_run(base + ["--optimizer-cpu-offload"], mode.device, keep_state=True)
+    elements = sum(p.numel() for p in plain.params)
+    diff = max(abs(a - b) for a, b in zip(offload.losses, plain.losses))
+    if mode.device == "cuda":
+        losses_ok = offload.losses[0] == plain.losses[0] and diff < HALF_PRECISION_LOSS_TOLERANCE
+        losses_bound = f"step 1 equal, step 2 < {HALF_PRECISION_LOSS_TOLERANCE:g}"
+    else:
+        losses_ok, losses_bound = offload.losses == plain.losses, "bitwise (CPU)"
+    yield ["bf16, losses", f"{diff:.2e}", losses_bound, verdict(losses_ok), ""]
+    if plain.peak_gib is None or offload.peak_gib is None:
+        yield ["bf16, peak saving", "-", "GPU only", "SKIP", "CPU: the host is the device"]
+        return
+    saved = (plain.peak_gib - offload.peak_gib) * GiB / elements
+    yield [
+        "bf16, peak saving per parameter",
+        f"{saved:.1f} B ({plain.peak_gib:.2f} -> {offload.peak_gib:.2f} GiB)",
+        f">= {OPTIMIZER_OFFLOAD_SAVING_BOUND:g} B",
+        verdict(saved >= OPTIMIZER_OFFLOAD_SAVING_BOUND),
+        f"{elements / 1e6:.0f}M parameters; expected 16 B less one parameter's fp32 staging",
+    ]
+
+
 def checkpoint_rows(check: Check):
     mode = check.mode
     base = COMMON + LLAMA + mode.small + ["--train-iters", "4", "--ckpt-format", "torch_dist"]

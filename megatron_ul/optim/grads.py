@@ -15,11 +15,12 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 from ..mpu.param_spec import param_spec
+from ..mpu import host_staging
+from . import host_grads
 from .grad_buckets import BucketLauncher, bucket_elements, split_into_buckets
 
 _BUCKET_BYTES = 64 * 2**20
@@ -27,13 +28,18 @@ _BUCKET_BYTES = 64 * 2**20
 
 def grad_of(p: torch.nn.Parameter):
     """The gradient the optimizer reduces, clips and applies: a half-precision model's fp32
-    `main_grad` (optim/mixed_precision.py accumulates into it), else `p.grad`."""
+    `main_grad` (optim/mixed_precision.py accumulates into it), else `p.grad`. A host-held
+    main_grad no micro-batch wrote this step is zeroed first (host_grads.settle)."""
     main = getattr(p, "main_grad", None)
-    return main if main is not None else p.grad
+    if main is None:
+        return p.grad
+    host_grads.settle(p)
+    return main
 
 
 def all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
-    """Sum `grads` over `group` in a few large flat buffers (one per dtype and bucket)."""
+    """Sum `grads` over `group` in a few large flat buffers (one per dtype and bucket), on the
+    model's device even for host-held gradients."""
     if dist.get_world_size(group) == 1 or not grads:
         return
     buckets: dict[torch.dtype, list[list[torch.Tensor]]] = {}
@@ -44,11 +50,10 @@ def all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
         per_dtype[-1].append(g)
     for per_dtype in buckets.values():
         for bucket in per_dtype:
-            flat = _flatten_dense_tensors(bucket)
+            flat = host_staging.staged_flat(bucket)
             record("all_reduce", flat, group)
             dist.all_reduce(flat, group=group)
-            for g, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
-                g.copy_(reduced)
+            host_staging.write_back(bucket, flat)
 
 
 class DataParallelGradSync:
@@ -68,6 +73,8 @@ class DataParallelGradSync:
         deferred_params=(),
     ):
         self.dims = dims
+        # A bucket staged through the device (host-held gradients): one at a time.
+        self.staged: tuple | None = None
         deferred_ids = {id(p) for p in deferred_params}
         ordered = list(reversed(params))
         buckets = split_into_buckets(
@@ -94,18 +101,32 @@ class DataParallelGradSync:
         if dist.get_world_size(self.group) == 1 or not with_grad:
             return
         grads = [grad_of(p) for p in with_grad]
-        flat = _flatten_dense_tensors(grads)
+        staged = any(map(host_staging.is_host_held, grads))
+        if staged:
+            self._retire_staged()  # its device buffer is freed before the next one is made
+        flat = host_staging.staged_flat(grads)
         record("all_reduce", flat, self.group)
-        self.in_flight[i] = (grads, flat, dist.all_reduce(flat, group=self.group, async_op=True))
+        launched = (grads, flat, dist.all_reduce(flat, group=self.group, async_op=True))
+        if staged:
+            self.staged = launched
+        else:
+            self.in_flight[i] = launched
+
+    def _retire_staged(self) -> None:
+        if self.staged is not None:
+            grads, flat, handle = self.staged
+            self.staged = None
+            handle.wait()
+            host_staging.write_back(grads, flat)
 
     def finish(self) -> None:
         """Launch what backward has not, wait for every bucket and write the sums back."""
         self.launcher.launch_remaining()
+        self._retire_staged()
         for i in sorted(self.in_flight):
             grads, flat, handle = self.in_flight[i]
             handle.wait()
-            for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
+            host_staging.write_back(grads, flat)
         self.in_flight.clear()
 
 
@@ -133,10 +154,11 @@ def counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
 def global_grad_norm(params: list[torch.nn.Parameter], dims: ParallelDims) -> float:
     """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
     grads = [grad_of(p) for p in params if grad_of(p) is not None and counts_once(p, dims)]
+    host_staging.wait_for_host_copies()  # the host reads host-held gradients from here on
     # the parameters' device even when this rank counts no gradient (the reduction needs it)
     sq = torch.zeros((), dtype=torch.float64, device=params[0].device)
-    for g in grads:
-        sq += g.detach().double().pow(2).sum()
+    for g in grads:  # a host-held gradient's square sum moves to the device
+        sq += g.detach().double().pow(2).sum().to(sq.device, non_blocking=True)
     group = dims.pp_tp_group
     if dist.get_world_size(group) > 1:
         dist.all_reduce(sq, group=group)

@@ -11,9 +11,11 @@ megatron-core's --optimizer-cpu-offload:
   saved weights and Adam state are fp32 whatever the model's dtype.
 - --optimizer-cpu-offload puts the main copies of the first --optimizer-offload-fraction of the
   parameters (counted in elements, in model.parameters() order), and so their Adam state, in
-  host memory (pinned when a GPU trains): gradients go down, AdamW steps on the host, the new
-  weights go up, each copy non-blocking. On a CPU run the host *is* the device: the step is
-  the same arithmetic on the same values, bit for bit.
+  host memory (pinned when a GPU trains): AdamW steps on the host, the new weights go up, each
+  copy non-blocking. A half-precision model's offloaded parameters also hold their fp32
+  main_grad on the host, accumulated micro-batch by micro-batch through the device
+  (host_grads.py); an fp32 model's gradients go down once per step. On a CPU run the host *is*
+  the device: the step is the same arithmetic on the same values, bit for bit.
 An fp32 model that offloads nothing keeps torch's AdamW on the parameters themselves.
 """
 
@@ -23,9 +25,10 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
+from ..mpu import host_staging
+from . import host_grads
 from .grads import grad_of
-
-HOST = torch.device("cpu")
+from .host_grads import HOST
 
 
 def half_dtype(train: TrainConfig):
@@ -102,7 +105,9 @@ class MainParamOptimizer:
             main = main_copy(p, device) if half or device == HOST else p
             if main is not p:
                 p.main_param = main
-            if half:
+            if half and device == HOST and host_grads.keeps_grads_apart(p.device):
+                host_grads.attach_host_main_grad(p, host_buffer(p))
+            elif half:
                 attach_main_grad(p, torch.zeros_like(p, dtype=torch.float32))
             self.pairs.append((p, main))
         main_of = {id(p): m for p, m in self.pairs}
@@ -123,20 +128,18 @@ class MainParamOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        copies = []
         for p, main in self.pairs:
             grad = grad_of(p)
             if main is p or grad is None:
                 continue
             if main.device == grad.device:
                 main.grad = grad  # the fp32 main_grad itself: no copy
-            else:
+            else:  # an fp32 model's gradient goes down to the host main copy
                 if main.grad is None:
                     main.grad = host_buffer(main)
                 main.grad.copy_(grad, non_blocking=True)
-                copies.append(grad)
-        if copies and copies[0].device.type == "cuda":
-            torch.cuda.current_stream().synchronize()  # once per step: the host reads them
+                host_staging.copied_to_host(grad)
+        host_staging.wait_for_host_copies()  # at most once per step: the host reads them now
         self.optimizer.step()
         self.copy_main_to_model()
 
@@ -149,8 +152,11 @@ class MainParamOptimizer:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, _ in self.pairs:
-            if getattr(p, "main_grad", None) is not None:
-                p.main_grad.zero_()  # persistent: the accumulation hooks add into it
+            main_grad = getattr(p, "main_grad", None)
+            if main_grad is not None and host_staging.is_host_held(main_grad):
+                host_grads.mark_empty(p)  # overwritten next: no host memset racing a copy
+            elif main_grad is not None:
+                main_grad.zero_()  # persistent: the accumulation hooks add into it
             p.grad = None if set_to_none else p.grad
 
     def state_dict(self) -> dict:

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
 from .grads import grad_of
+from ..mpu.host_staging import wait_for_host_copies
 
 log = logging.getLogger("megatron_ul")
 
@@ -72,9 +73,11 @@ class GradScaler:
         ]
         # On the training device: NCCL has no CPU tensors, and one host sync is enough.
         found = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        wait_for_host_copies()  # host-held gradients are read (and scaled) on the host
         for g in grads:
             g.mul_(1.0 / self.scale)
-            found = torch.maximum(found, (~torch.isfinite(g)).any().float())
+            overflow = (~torch.isfinite(g)).any().float()
+            found = torch.maximum(found, overflow.to(found.device, non_blocking=True))
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(found, op=dist.ReduceOp.MAX)  # skip everywhere or nowhere
         found_inf = bool(found.item())

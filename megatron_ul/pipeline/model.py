@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from ..config import ResolvedConfig, ResolvedModelConfig
 from ..model.chunks import model_chunks
 from ..model.gpt import GPTModel
+from ..mpu import host_staging
 from ..mpu.comm_stats import record
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.param_spec import param_spec, set_param_spec
@@ -197,6 +198,12 @@ def allreduce_embedding_grads(model: nn.Module, dims: ParallelDims) -> None:
     for weight in tied_embedding_weights(model):
         # A half-precision model's gradient is its fp32 main_grad (optim/mixed_precision.py).
         grad = getattr(weight, "main_grad", None)
+        if grad is not None and host_staging.is_host_held(grad):  # NCCL takes no CPU tensor
+            flat = host_staging.staged_flat([grad])
+            record("all_reduce", flat, group)
+            dist.all_reduce(flat, group=group)
+            host_staging.write_back([grad], flat)
+            continue
         if grad is None:
             if weight.grad is None:
                 weight.grad = torch.zeros_like(weight)

@@ -64,6 +64,7 @@ from ..model.layer_spec import (
     norms_of,
 )
 from ..mpu.param_init import WORKSPACE_BYTES
+from ..optim.grad_buckets import bucket_elements
 
 GiB = 2**30
 RECOMPUTE_CHOICES = ("none", "selective", "full")
@@ -491,26 +492,57 @@ def activation_bytes(
 def _model_state(
     params: int, layout: Layout, zero_stage: int, precision: Precision, kernels: Kernels
 ) -> tuple[float, float, float, float]:
-    """(parameters, gradients, optimizer state on the device, optimizer bytes on the host).
+    """(parameters, gradients on the device, optimizer state on the device, host bytes).
     ZeRO shards over dp × CP × SP (every replica of the weights). The optimizer's fp32 main
-    parameters (half model), fp32 gradient copy and Adam moments move to host memory for
-    the offloaded fraction."""
+    parameters (half model) and Adam moments move to host memory for the offloaded fraction,
+    and so do its fp32 gradients: a copy for the host step (ZeRO-1, an fp32 model), or, for a
+    half-precision model under ZeRO-0, the accumulated main_grad itself (optim/host_grads.py)."""
     shards = layout.dp * layout.sp * layout.cp
     param_bytes = precision.param * params / (shards if zero_stage >= 3 else 1)
     grad_bytes = 4 * params / (shards if zero_stage >= 2 else 1)
     main = 4 if precision.half_model else 0  # fp32 main parameters
     stepped = params / (shards if zero_stage >= 1 else 1)
     optimizer = (8 + main) * stepped
-    host = kernels.optimizer_offload * (optimizer + 4 * stepped)  # + the fp32 gradient copy
-    return param_bytes, grad_bytes, optimizer * (1 - kernels.optimizer_offload), host
+    held = _host_held_gradient_fraction(zero_stage, precision, kernels)
+    copied = 0.0 if zero_stage == 0 and precision.half_model else kernels.optimizer_offload
+    host = kernels.optimizer_offload * optimizer + 4 * stepped * copied + held * grad_bytes
+    device_optimizer = optimizer * (1 - kernels.optimizer_offload)
+    return param_bytes, grad_bytes * (1 - held), device_optimizer, host
+
+
+def _host_held_gradient_fraction(zero_stage: int, precision: Precision, kernels: Kernels) -> float:
+    """The share of the fp32 gradients a GPU run keeps in host memory: a half-precision model's
+    offloaded parameters under ZeRO-0 (ZeRO-1 reduce-scatters a device buffer; on a CPU run
+    the host is the device)."""
+    if zero_stage == 0 and precision.half_model and not kernels.host_is_device:
+        return kernels.optimizer_offload
+    return 0.0
+
+
+def _host_gradient_staging_bytes(
+    m: ModelConfig, layout: Layout, zero_stage: int, precision: Precision, kernels: Kernels
+) -> tuple[float, float]:
+    """Device bytes of host-held gradients in transit: (accumulation: the largest parameter's
+    fp32 sum, staged once per micro-batch; reduction: one fp32 bucket, when dp_cp_sp > 1)."""
+    if not _host_held_gradient_fraction(zero_stage, precision, kernels):
+        return 0.0, 0.0
+    largest = _largest_parameter(m, layout.tp)
+    group = layout.dp * layout.sp * layout.cp
+    bucket = min(bucket_elements(None, group), stage_parameters(m, layout.tp, layout.pp))
+    return 4.0 * largest, 4.0 * bucket if group > 1 else 0.0
 
 
 def _optimizer_working_bytes(
-    m: ModelConfig, layout: Layout, zero_stage: int, stepped: float, kernels: Kernels
+    m: ModelConfig,
+    layout: Layout,
+    zero_stage: int,
+    stepped: float,
+    kernels: Kernels,
+    host_held: float = 0.0,
 ) -> float:
     """Temporaries of the step on the device: foreach AdamW's sqrt(exp_avg_sq) list (one
     per parameter under the per-tensor loop), and the gradient norm's fp64 copy and square of
-    the largest gradient."""
+    the largest gradient (computed on the host when every gradient is host-held)."""
     largest = _largest_parameter(m, layout.tp)
     adam = stepped if kernels.foreach_optimizer else min(stepped, largest)
     adam *= FOREACH_ADAM_BYTES * (1 - kernels.optimizer_offload)
@@ -519,7 +551,7 @@ def _optimizer_working_bytes(
         * largest
         / (layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
     )
-    return max(adam, clip)
+    return max(adam, clip if host_held < 1 else 0.0)
 
 
 # ---- totals -------------------------------------------------------------------------------------
@@ -558,6 +590,14 @@ def estimate(
         * _embedding_parameters(m, layout.tp)
         / (layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
     )
+    held = _host_held_gradient_fraction(zero_stage, precision, kernels)
+    staging, reduction_staging = _host_gradient_staging_bytes(
+        m, layout, zero_stage, precision, kernels
+    )
+    # Host-held gradients are the first parameters', the embedding's first: the device keeps
+    # the last ones', all alive while a layer backpropagates (the embedding's comes last).
+    all_grads = 4 * params / (layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
+    layer_grads = min(grad_bytes, max(all_grads - embedding_grad, 0.0))
     stepped = params / (layout.dp * layout.sp * layout.cp if zero_stage >= 1 else 1)
     output_grad = 4 * _embedding_parameters(m, layout.tp)
     layer_phase = {
@@ -571,7 +611,8 @@ def estimate(
                 "document attention backward": documents,
             }
         ),
-        "gradients (all but the embedding's)": max(grad_bytes - embedding_grad, 0.0),
+        "gradients (all but the embedding's)": layer_grads,
+        "host-held gradient staging (largest parameter, fp32)": staging,
     }
     forward_phase = {
         "activations kept": kept,
@@ -587,18 +628,24 @@ def estimate(
         "loss working set": loss,
         "output-layer gradient (accumulating)": 2 * output_grad if layout.pp == 1 else 0.0,
         "gradients (accumulating)": grads_in_forward,
+        "host-held gradient staging (largest parameter, fp32)": staging,
     }
     step_phase = {
         "gradients": grad_bytes,
         "optimizer step temporaries": _optimizer_working_bytes(
-            m, layout, zero_stage, stepped, kernels
+            m, layout, zero_stage, stepped, kernels, held
         ),
+    }
+    reduction_phase = {
+        "gradients": grad_bytes,
+        "host-held gradient staging (one bucket)": (reduction_staging),
     }
     phases = {
         "forward": forward_phase,
         "loss backward": loss_phase,
         "layer backward": layer_phase,
         "optimizer": step_phase,
+        **({"gradient reduction": reduction_phase} if reduction_staging else {}),
     }
     totals = {name: sum(terms.values()) for name, terms in phases.items()}
     peak = max(totals, key=totals.__getitem__)

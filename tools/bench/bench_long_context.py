@@ -161,7 +161,7 @@ def estimate_tables() -> str:
             activation_checkpoint_cpu_offload=True,
         ),
     }
-    precision = me.Precision(bf16=True)
+    precision = me.Precision(half_model=True)  # --bf16 as Megatron means it
 
     def fit(m, gpu_gb):
         found = me.smallest_fitting_layout(
