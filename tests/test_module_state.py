@@ -41,6 +41,11 @@ PINNED = {
     ): "what this process's last torch_dist load read (a measurement tests and benchmarks "
     "read after a run; nothing in the package reads it)",
     (
+        "mpu/host_staging.py",
+        "_pending_streams",
+    ): "streams with device-to-host copies into host-held gradients not yet waited for; "
+    "emptied by the one wait of each step (a CUDA stream is per process)",
+    (
         "mpu/param_init.py",
         "_deferred",
     ): "True only inside `with deferred()` (ZeRO-3's meta build, materialised after "
