@@ -43,7 +43,9 @@ the loss's backward (one chunk's logits, the output layer's gradient accumulatin
 backward (the rebuilt layer at its larger stage, MLP or attention, with the ring's or the
 document kernel's working set) and the optimizer step (foreach AdamW's temporaries, the grad
 norm's fp64 copy of the largest gradient). The model state (parameters, optimizer state) is
-under every phase; gradients are under the backward and step phases.
+under every phase; gradients are under the backward and step phases, and under every phase
+for a half-precision model (its fp32 main_grad buffers live from setup on) or several
+micro-batches.
 Checked against the live-tensor tracker (tools/bench/live_tensors.py) in
 tests/training/test_memory_estimator_measured.py, not against these formulas.
 Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU), kernels'
@@ -584,7 +586,11 @@ def estimate(
     backward = backward_working_bytes(m, layout, precision)
     ring = ring_working_bytes(m, layout, kernels)
     documents = document_working_bytes(m, layout, precision, kernels)
-    grads_in_forward = grad_bytes if layout.num_micro_batches > 1 else 0.0
+    # A half-precision model's fp32 main_grad buffers exist from setup on (ZeRO-0/1:
+    # optim/mixed_precision.py, distributed_optimizer.py); an fp32 model's gradients appear in
+    # the first backward (the embedding's last) and stay alive only across micro-batches.
+    persistent_grads = precision.half_model and zero_stage < 3
+    grads_in_forward = grad_bytes if layout.num_micro_batches > 1 or persistent_grads else 0.0
     embedding_grad = (
         4
         * _embedding_parameters(m, layout.tp)
@@ -594,10 +600,12 @@ def estimate(
     staging, reduction_staging = _host_gradient_staging_bytes(
         m, layout, zero_stage, precision, kernels
     )
-    # Host-held gradients are the first parameters', the embedding's first: the device keeps
-    # the last ones', all alive while a layer backpropagates (the embedding's comes last).
+    # While a layer backpropagates: the persistent buffers on the device (host-held ones are
+    # the first parameters', the embedding's first), else every gradient but the embedding's.
     all_grads = 4 * params / (layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
-    layer_grads = min(grad_bytes, max(all_grads - embedding_grad, 0.0))
+    layer_grads = (
+        grad_bytes if persistent_grads else min(grad_bytes, max(all_grads - embedding_grad, 0.0))
+    )
     stepped = params / (layout.dp * layout.sp * layout.cp if zero_stage >= 1 else 1)
     output_grad = 4 * _embedding_parameters(m, layout.tp)
     layer_phase = {
@@ -611,7 +619,7 @@ def estimate(
                 "document attention backward": documents,
             }
         ),
-        "gradients (all but the embedding's)": layer_grads,
+        "gradients (all but the embedding's)" if not persistent_grads else "gradients": layer_grads,
         "host-held gradient staging (largest parameter, fp32)": staging,
     }
     forward_phase = {
