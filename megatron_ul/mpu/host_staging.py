@@ -7,7 +7,10 @@ the current stream. `wait_for_host_copies` is the fence before the host reads th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .comm_stats import record
 
 # Streams with device-to-host copies the host has not waited for yet.
 _pending_streams: list = []
@@ -64,3 +67,12 @@ def write_back(grads: list[torch.Tensor], flat: torch.Tensor) -> None:
         g.copy_(reduced, non_blocking=True)
     if any(map(is_host_held, grads)):
         copied_to_host(flat)
+
+
+def all_reduce_flat(grads: list[torch.Tensor], group) -> None:
+    """Sum `grads` over `group` in one flat buffer (staged on the model's device when some are
+    host-held) and write the sums back."""
+    flat = staged_flat(grads)
+    record("all_reduce", flat, group)
+    dist.all_reduce(flat, group=group)
+    write_back(grads, flat)

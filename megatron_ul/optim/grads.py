@@ -50,10 +50,7 @@ def all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
         per_dtype[-1].append(g)
     for per_dtype in buckets.values():
         for bucket in per_dtype:
-            flat = host_staging.staged_flat(bucket)
-            record("all_reduce", flat, group)
-            dist.all_reduce(flat, group=group)
-            host_staging.write_back(bucket, flat)
+            host_staging.all_reduce_flat(bucket, group)
 
 
 class DataParallelGradSync:

@@ -199,10 +199,7 @@ def allreduce_embedding_grads(model: nn.Module, dims: ParallelDims) -> None:
         # A half-precision model's gradient is its fp32 main_grad (optim/mixed_precision.py).
         grad = getattr(weight, "main_grad", None)
         if grad is not None and host_staging.is_host_held(grad):  # NCCL takes no CPU tensor
-            flat = host_staging.staged_flat([grad])
-            record("all_reduce", flat, group)
-            dist.all_reduce(flat, group=group)
-            host_staging.write_back([grad], flat)
+            host_staging.all_reduce_flat([grad], group)
             continue
         if grad is None:
             if weight.grad is None:
