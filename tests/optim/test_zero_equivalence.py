@@ -2,8 +2,6 @@
 the single-process run: per-step loss within 1e-5, final parameters within 1e-5 relative
 (fp32, dropout off) — and the Adam state really is split over the dp_cp_sp ranks."""
 
-import functools
-
 import pytest
 
 from megatron_ul.config import ConfigError
@@ -13,6 +11,7 @@ from tests.training.equivalence import (
     GPT2_STYLE,
     LLAMA_GQA,
     compare,
+    one_process_reference,
     run_layout,
     run_zero_layout,
 )
@@ -37,9 +36,8 @@ STAGES = {"zero1": ["--use-distributed-optimizer"], "zero3": ["--zero-stage", "3
 DEFAULT = {("gpt2-mha-learned", "TP2-SP2", "zero3")}  # ZeRO-1: test_half_precision, test_overlap
 
 
-@functools.lru_cache(maxsize=None)
 def reference(model: str):
-    return run_layout(BASE + MODELS[model][0], 1)
+    return one_process_reference(MODELS[model][0])
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,8 @@ process, and compare per-step losses and final parameters."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -206,3 +208,30 @@ def compare(reference, candidate, heads: int, groups: int) -> tuple[float, float
             diff, ref = diff[~key], ref[~key]
         param_diff = max(param_diff, float(diff.max() / ref.abs().max()))
     return loss_diff, param_diff
+
+
+@functools.lru_cache(maxsize=None)
+def _one_process(model_flags: tuple[str, ...]):
+    return run_layout(BASE + list(model_flags), 1)
+
+
+def one_process_reference(model_flags: list[str]):
+    """The one-process run of BASE + model_flags, run once per session: every layout of that
+    model compares with it."""
+    return _one_process(tuple(model_flags))
+
+
+def assert_matches_one_process(label: str, model: tuple, flags: list[str], world: int) -> None:
+    """The layout bar: BASE + the model's flags + `flags` on `world` ranks reproduces the
+    one-process run, per-step loss within 1e-5 and final parameters within 1e-5 (relative).
+    model: (flags, query heads, kv groups)."""
+    model_flags, heads, groups = model
+    loss_diff, param_diff = compare(
+        one_process_reference(model_flags),
+        run_layout(BASE + model_flags + flags, world),
+        heads,
+        groups,
+    )
+    print(f"{label}: max loss diff {loss_diff:.2e}, max param rel diff {param_diff:.2e}")
+    assert loss_diff < 1e-5
+    assert param_diff < 1e-5

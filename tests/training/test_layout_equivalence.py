@@ -1,11 +1,9 @@
 """Every parallel layout reproduces the single-process run: per-step loss within 1e-5 and final
 parameters within 1e-5 (relative), fp32, same seed and data, dropout off."""
 
-import functools
-
 import pytest
 
-from tests.training.equivalence import BASE, GPT2_STYLE, LLAMA_GQA, compare, run_layout
+from tests.training.equivalence import GPT2_STYLE, LLAMA_GQA, assert_matches_one_process
 
 MODELS = {  # name -> (flags, query heads, kv groups)
     "gpt2-mha-learned": (GPT2_STYLE, 4, 4),
@@ -32,11 +30,6 @@ LAYOUTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def reference(model: str):
-    return run_layout(BASE + MODELS[model][0], 1)
-
-
 # The default suite runs SP, TP x SP, Megatron-SP and GQA with replicated kv heads once (data
 # parallelism: test_zero_equivalence, test_overlap_grad_reduce); the rest runs with --run-slow.
 DEFAULT = {
@@ -59,11 +52,4 @@ MATRIX = [
 @pytest.mark.parametrize("model,layout", MATRIX)
 def test_layout_matches_single_process(model, layout):
     flags, world = LAYOUTS[layout]
-    model_flags, heads, groups = MODELS[model]
-    ref = reference(model)
-    loss_diff, param_diff = compare(
-        ref, run_layout(BASE + model_flags + flags, world), heads, groups
-    )
-    print(f"{model} {layout}: max loss diff {loss_diff:.2e}, max param rel diff {param_diff:.2e}")
-    assert loss_diff < 1e-5
-    assert param_diff < 1e-5
+    assert_matches_one_process(f"{model} {layout}", MODELS[model], flags, world)

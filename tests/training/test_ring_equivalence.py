@@ -2,11 +2,9 @@
 reproduces the single-process run: per-step loss within 1e-5 and final parameters within 1e-5
 (relative), fp32, same seed and data, dropout off (the layout-equivalence bar)."""
 
-import functools
-
 import pytest
 
-from tests.training.equivalence import BASE, DOCUMENTS, GPT2_STYLE, LLAMA_GQA, compare, run_layout
+from tests.training.equivalence import DOCUMENTS, GPT2_STYLE, LLAMA_GQA, assert_matches_one_process
 
 MODELS = {  # name -> (flags, query heads, kv groups)
     "gpt2-mha-learned": (GPT2_STYLE, 4, 4),
@@ -85,19 +83,8 @@ SLOW = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
-def reference(model: str):
-    return run_layout(BASE + MODELS[model][0], 1)
-
-
 def _check(model, layout, flags, world):
-    model_flags, heads, groups = MODELS[model]
-    loss_diff, param_diff = compare(
-        reference(model), run_layout(BASE + model_flags + flags, world), heads, groups
-    )
-    print(f"{model} {layout}: max loss diff {loss_diff:.2e}, max param rel diff {param_diff:.2e}")
-    assert loss_diff < 1e-5
-    assert param_diff < 1e-5
+    assert_matches_one_process(f"{model} {layout}", MODELS[model], flags, world)
 
 
 @pytest.mark.parametrize("model,layout,flags,world", FAST, ids=[f"{m}-{n}" for m, n, *_ in FAST])

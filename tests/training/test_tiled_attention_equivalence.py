@@ -3,11 +3,15 @@ loss within 1e-5 and final parameters within 1e-5 (relative), fp32, on Ulysses, 
 and without Megatron-SP), the ring, ZeRO-3, under full recompute and activation offload; in
 bf16 within the half-precision layouts' tolerance."""
 
-import functools
-
 import pytest
 
-from tests.training.equivalence import BASE, DOCUMENTS, GPT2_STYLE, LLAMA_GQA, compare, run_layout
+from tests.training.equivalence import (
+    BASE,
+    DOCUMENTS,
+    GPT2_STYLE,
+    LLAMA_GQA,
+    assert_matches_one_process,
+)
 from tests.training.half_precision_runs import max_diffs, run_half
 from tests.training.test_half_precision import TOLERANCE
 
@@ -54,24 +58,13 @@ CASES = {  # name -> (model, flags, world); BASE has 32 tokens: 8 per rank under
 DEFAULT = {"SP2-gqa-recompute-offload"}
 
 
-@functools.lru_cache(maxsize=None)
-def reference(model: str):
-    return run_layout(BASE + MODELS[model][0], 1)
-
-
 @pytest.mark.parametrize(
     "case",
     [pytest.param(c, marks=() if c in DEFAULT else pytest.mark.slow) for c in CASES],
 )
 def test_tiled_attention_training_matches_one_process(case):
     model, flags, world = CASES[case]
-    model_flags, heads, groups = MODELS[model]
-    loss_diff, param_diff = compare(
-        reference(model), run_layout(BASE + model_flags + flags, world), heads, groups
-    )
-    print(f"{case}: max loss diff {loss_diff:.2e}, max param rel diff {param_diff:.2e}")
-    assert loss_diff < 1e-5
-    assert param_diff < 1e-5
+    assert_matches_one_process(case, MODELS[model], flags, world)
 
 
 @pytest.mark.slow
