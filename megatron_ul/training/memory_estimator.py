@@ -600,12 +600,10 @@ def estimate(
     staging, reduction_staging = _host_gradient_staging_bytes(
         m, layout, zero_stage, precision, kernels
     )
-    # While a layer backpropagates: the persistent buffers on the device (host-held ones are
-    # the first parameters', the embedding's first), else every gradient but the embedding's.
-    all_grads = 4 * params / (layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
-    layer_grads = (
-        grad_bytes if persistent_grads else min(grad_bytes, max(all_grads - embedding_grad, 0.0))
-    )
+    # While a layer backpropagates: the persistent buffers left on the device (host-held
+    # ones, only ever persistent ones, are the first parameters'), else every gradient but the
+    # embedding's, which comes last.
+    layer_grads = grad_bytes if persistent_grads else max(grad_bytes - embedding_grad, 0.0)
     stepped = params / (layout.dp * layout.sp * layout.cp if zero_stage >= 1 else 1)
     output_grad = 4 * _embedding_parameters(m, layout.tp)
     layer_phase = {
