@@ -37,11 +37,16 @@ def native_half_matmul_is_slow() -> bool:
 class Fp32HalfKernels(TorchDispatchMode):
     """Runs the half-precision CPU kernels in KERNELS in fp32 (see the module's docstring)."""
 
+    def __init__(self):
+        super().__init__()
+        self.widened = 0  # kernel calls run in fp32
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in KERNELS or not _has_half_cpu_tensor(args):
             return func(*args, **kwargs)
         out_dtypes = _output_dtypes(func, args, kwargs)
+        self.widened += 1
         wide = tree_map(_to_fp32, (args, kwargs))
         out = func(*wide[0], **wide[1])
         if isinstance(out, torch.Tensor):
