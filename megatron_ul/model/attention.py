@@ -95,8 +95,8 @@ def select_backend(use_flash_attn: bool, device: torch.device) -> str:
 
 
 def require_one_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """q, k and v must be in one dtype (the activation dtype): a mixed set would upcast the
-    packed Ulysses all-to-all buffer and is refused by FlashAttention-2."""
+    """q, k and v must be in one dtype (the activation dtype): a mixed set means one of them
+    was upcast (its all-to-all would move twice the bytes), and FlashAttention-2 refuses it."""
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(
             f"q, k and v must share the activation dtype (got {q.dtype}, {k.dtype}, {v.dtype})"

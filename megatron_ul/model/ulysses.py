@@ -1,9 +1,9 @@
 """DeepSpeed-Ulysses attention: all-to-all ∘ local attention ∘ all-to-all.
 
-Every SP rank holds N/SP tokens of q, k and v for all of its (TP-local) heads. One all-to-all
-carries q, k and v together (the paper's 3Nh) and leaves each rank the full sequence for
-heads/SP heads; attention runs locally; a second all-to-all (Nh) brings the output back to
-sequence shards. Sequence-first tensors make the gathered sequence land in global order.
+Every SP rank holds N/SP tokens of q, k and v for all of its (TP-local) heads. All-to-alls
+of q, k and v (the paper's 3Nh, one exchange per tensor) leave each rank the full sequence
+for heads/SP heads; attention runs locally; a second all-to-all (Nh) brings the output back
+to sequence shards. Sequence-first tensors make the gathered sequence land in global order.
 
 GQA: each SP rank needs the kv heads of its query heads. When the TP-local kv heads cannot be
 split evenly over SP, each kv head is replicated (repeat_interleave: head j's copies stay
@@ -128,7 +128,7 @@ class DistributedAttention:
             handed_over.clear()
         assert k is not None and v is not None
         sp = self.sp
-        require_one_dtype(q, k, v)  # the packed buffer below must not be upcast
+        require_one_dtype(q, k, v)
         if sp == 1:
             return self._attend(q, k, v, dropout_p, attention_mask)
         s, b, hq, d = q.shape
@@ -141,22 +141,26 @@ class DistributedAttention:
             k, v = (t.reshape(s, b, -1, d) for t in (k, v))
         elif r > 1:
             k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
-        hk = k.shape[2]
-        # Pack per destination rank j: [q heads of j | k heads of j | v heads of j], written
-        # straight into the send layout [SP, s, b, H/SP, d]: the all-to-all sends it as it is
-        # (seen as [s, b, SP, H/SP, d], its per-rank chunks are already contiguous) instead of
-        # making a send copy next to it.
-        per_rank = [t.reshape(s, b, sp, t.shape[2] // sp, d).movedim(2, 0) for t in (q, k, v)]
+        # all-to-all #1, one per tensor: scatter heads (dim 2), gather sequence (dim 0) ->
+        # [N, b, h/SP, d] each. Each is popped before its exchange so that, handed over, it
+        # dies once copied into its send buffer, and the send buffer once sent; the backward
+        # exchanges each gradient straight from the kernel's dq, dk, dv (one copy each, where
+        # one packed exchange for all three would first concatenate them).
+        pending = [q, k, v]
         del q, k, v
-        packed = torch.cat(per_rank, dim=3).movedim(0, 2)
-        del per_rank
-        # all-to-all #1: scatter heads (dim 2), gather sequence (dim 0) -> [N, b, 1, H/SP, d]
-        full = ulysses_all_to_all(
-            packed, scatter_dim=2, gather_dim=0, group=self.group, timers=self.timers
-        ).squeeze(2)
-        del packed
-        q_full, k_full, v_full = full.split([hq // sp, hk // sp, hk // sp], dim=2)
-        del full
+        gathered = []
+        while pending:
+            gathered.append(
+                ulysses_all_to_all(
+                    pending.pop(0),
+                    scatter_dim=2,
+                    gather_dim=0,
+                    group=self.group,
+                    timers=self.timers,
+                )
+            )
+        q_full, k_full, v_full = gathered
+        del gathered
         if unpack_kv is not None:  # the replicated layout, rebuilt from the distinct heads
             k_full, v_full = k_full[:, :, unpack_kv], v_full[:, :, unpack_kv]
         out = self._attend(q_full, k_full, v_full, dropout_p, attention_mask)

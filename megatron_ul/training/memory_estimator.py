@@ -378,9 +378,11 @@ def document_working_bytes(
 def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
     """Gradients alive at once at the attention's backward (the layer's backward peak): the
     residual-stream gradients, the attention output's gradient and dq, dk, dv; under Ulysses
-    also the backward all-to-all's send copy and receive buffer of dq, dk, dv."""
+    also the backward all-to-all's send copy and receive buffer, one tensor at a time (the
+    largest: dq)."""
     z = _sizes(m, layout)
-    exchange = 2 * z.qkv * precision.act if layout.sp > 1 else 0.0
+    dq_share = m.num_attention_heads / (m.num_attention_heads + 2 * m.query_groups)
+    exchange = 2 * z.qkv * dq_share * precision.act if layout.sp > 1 else 0.0
     return (
         BACKWARD_RESIDUAL_UNITS * z.norm * precision.residual
         + z.attn * precision.act

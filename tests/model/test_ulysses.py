@@ -116,3 +116,31 @@ def test_each_rank_receives_only_the_distinct_kv_heads_it_attends():
         assert send[rank][unpack].tolist() == [(3 * rank + t) // 2 for t in range(3)]
     assert kv_heads_to_send(2, 4, kv_replication_factor(2, 4), 0) == (None, None)  # 8/2 SP4
     assert kv_heads_to_send(8, 4, 1, 0) == (None, None)
+
+
+def _exchange_peak(rank, world):
+    """The layer's forward + backward peak of live tensors, in units of one q shard."""
+    from tools.bench.live_tensors import LiveTensorTracker
+
+    dims = ps.initialize_model_parallel(1, world, 1)
+    model_parallel_seed(0, dims)
+    attention = DistributedAttention(world, "sdpa", dims.sp_group)
+    seq, heads = 256, 4
+    leaves = [torch.randn(seq // world, 1, heads, 16, requires_grad=True) for _ in range(3)]
+    dout = torch.randn(seq // world, 1, heads, 16)
+    tracker = LiveTensorTracker()
+    with tracker:
+        out = attention([t * 1 for t in leaves], dropout_p=0.0)  # q, k, v handed over
+        out.backward(dout)
+    return tracker.peak()[1].bytes / dout.numel() / dout.element_size()
+
+
+def test_the_exchange_holds_one_tensors_buffers_at_a_time():
+    """q, k and v are exchanged one at a time, each dying once copied into its send buffer,
+    and dq, dk, dv are sent straight from the kernel's gradients (contiguous and scattered
+    along the sequence: no send copy). The peak, in the backward of an exchange, is the inputs
+    (3 units) and the upstream gradient (1), dq, dk, dv (3) and one exchange's receive buffer
+    and the gradient copied out of it (2). One packed exchange for all three, concatenating
+    them (and dq, dk, dv in its backward), peaks at 12 units."""
+    for peak in run_distributed(_exchange_peak, 2):
+        assert peak <= 9.1, peak

@@ -154,5 +154,12 @@ def test_a_run_times_its_phases_through_the_timers_it_was_given():
     """setup() builds one Timers and hands it to the model (all-to-all), the schedule and the
     step; nothing is installed process-wide."""
     calls = run_distributed(_timed_run, 2)[0]
-    # 2 iterations x 1 micro-batch; 1 layer x 2 all-to-alls forward + 2 backward
-    assert calls == {"forward": 2, "backward": 2, "all-to-all": 8, "grad-reduce": 2, "optimizer": 2}
+    # 2 iterations x 1 micro-batch; 1 layer x 4 all-to-alls (q, k, v, the output) forward
+    # + 4 backward
+    assert calls == {
+        "forward": 2,
+        "backward": 2,
+        "all-to-all": 16,
+        "grad-reduce": 2,
+        "optimizer": 2,
+    }

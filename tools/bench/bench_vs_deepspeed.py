@@ -274,14 +274,14 @@ def main(argv=None):
     ap.add_argument(
         "--seq-lengths",
         type=int,
-        nargs="+",
+        nargs="*",
         default=[4096, 8192],
         help="N for the layers around SDPA (the real layer)",
     )
     ap.add_argument(
         "--overhead-seq-lengths",
         type=int,
-        nargs="+",
+        nargs="*",
         default=[4096, 8192, 16384],
         help="N for the layers around the 'sum' local attention (their own work alone)",
     )
@@ -289,7 +289,7 @@ def main(argv=None):
     ap.add_argument("--heads", type=int, nargs="+", default=[8, 16])
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--gqa-seq-length", type=int, default=4096)
+    ap.add_argument("--gqa-seq-length", type=int, default=4096, help="0: no GQA case")
     ap.add_argument("--write-docs", action="store_true")
     args = ap.parse_args(argv)
     lengths = [(n, "sdpa") for n in args.seq_lengths]
@@ -300,7 +300,8 @@ def main(argv=None):
         for sp in args.sizes
         for h in args.heads
     ]
-    cases += [(args.gqa_seq_length, 4, 12, 6, args.dtype, att) for att in ("sdpa", "sum")]
+    if args.gqa_seq_length:
+        cases += [(args.gqa_seq_length, 4, 12, 6, args.dtype, att) for att in ("sdpa", "sum")]
     report(
         "vs-deepspeed",
         "Ulysses layer vs DeepSpeed's DistributedAttention and ALST's UlyssesSPAttentionHF "
