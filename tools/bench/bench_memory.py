@@ -283,7 +283,9 @@ def peak_worker(rank, world, argv, precision: str):
 
     cfg = configure(argv + (["--bf16"] if precision == "bf16" else []), world)
     rss_start = peak_rss_bytes()
-    trainer = setup(cfg)
+    offloaded = cfg.train.optimizer_cpu_offload
+    with _host_held_gradients() if offloaded else contextlib.nullcontext():
+        trainer = setup(cfg)
     model, optimizer = trainer.model, trainer.optimizer
     batches = [next(trainer.train_batches) for _ in range(cfg.train.train_iters)]
     params = list(model.parameters())
@@ -313,12 +315,21 @@ def peak_worker(rank, world, argv, precision: str):
     inner = getattr(optimizer, "optimizer", optimizer)
     state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
     classes = {"parameters": params + main, "optimizer state": state}
+    # What a GPU run keeps in host memory under --optimizer-cpu-offload (all parameters
+    # offloaded): fp32 main parameters, Adam's state and the host-held fp32 gradients. They
+    # stay the same size through forward and backward, so a phase's device peak is its peak
+    # less these bytes (the device's gradient staging is tracked like any tensor).
+    host_bytes = _storage_bytes(main + state + main_grads) if offloaded else 0
     phases = {}
     for phase, peak in tracker.peaks.items():
         phases[phase] = {
             "peak": peak.bytes,
             "where": peak.where,
             "breakdown": tracker.peak_breakdown(phase, classes),
+            # offloaded, the step and its temporaries run on the host
+            "device_peak": None
+            if offloaded and phase.endswith("optimizer")
+            else peak.bytes - host_bytes,
         }
     return {
         "phases": phases,
@@ -329,6 +340,27 @@ def peak_worker(rank, world, argv, precision: str):
         "tokens_per_rank": cfg.model.seq_length // (model.dims.sp * model.dims.cp),
         "params": sum(p.numel() for p in params),
     }
+
+
+@contextlib.contextmanager
+def _host_held_gradients():
+    """The offloaded parameters' fp32 gradients held apart from them, as in host memory on a
+    GPU (a CPU run otherwise keeps them on its one device), so the device-side staging of
+    their accumulation is what the tracker sees."""
+    from megatron_ul.optim import host_grads
+
+    keeps = host_grads.keeps_grads_apart
+    host_grads.keeps_grads_apart = lambda device: True  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        host_grads.keeps_grads_apart = keeps  # type: ignore[assignment]
+
+
+def _storage_bytes(tensors) -> int:
+    return sum(
+        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
+    )
 
 
 def _phase_wrap(owner, name: str, tracker, phase: str) -> None:
@@ -424,25 +456,33 @@ def table_peak(hidden: int, seq_length: int, precisions, top: int) -> str:
 
 # ---- 4b. options side by side, by term -------------------------------------------------------
 # Each adds to LONG_CONTEXT (which is every long-context option of main before the tiles).
-OPTIONS = {
-    "every long-context option": (),
-    "+ --attention-block-tiles 4": ("--attention-block-tiles", "4"),
+OPTIONS = {  # added to the bench model's flags; a run combines them with "+"
+    "base": (),  # every long-context option (LONG_CONTEXT)
+    "tiles": ("--attention-block-tiles", "4"),
+    "offload": ("--optimizer-cpu-offload",),
 }
 LAYER_BACKWARD = "iteration 2 layer backward"
 
 
-def compare_options(
-    hidden: int, seq_length: int, precisions, options: dict, extra: tuple = ()
-) -> dict:
-    """{(precision, option name): measure_peak's result}, measured one after the other in
-    this run."""
+def compare_options(hidden: int, seq_length: int, runs, extra: tuple = ()) -> dict:
+    """{(precision, options): measure_peak's result} for each "precision:option+option" of
+    `runs` (options from OPTIONS), measured one after the other in this run."""
     results = {}
-    for precision in precisions:
-        for name, flags in options.items():
-            results[precision, name] = measure_peak(
-                hidden, seq_length, precision, extra=tuple(extra) + tuple(flags)
+    for run in runs:
+        precision, _, names = run.partition(":")
+        if precision not in PRECISIONS or any(n not in OPTIONS for n in names.split("+")):
+            raise SystemExit(
+                f"--runs {run}: want PRECISION:OPTION[+OPTION], from "
+                f"{PRECISIONS} and {list(OPTIONS)}"
             )
-            print(f"measured {precision}, {name}", flush=True)
+        flags = [f for n in names.split("+") for f in OPTIONS[n]]
+        label = "every long-context option" + "".join(
+            f" + {' '.join(OPTIONS[n])}" for n in names.split("+") if OPTIONS[n]
+        )
+        results[precision, label] = measure_peak(
+            hidden, seq_length, precision, extra=tuple(extra) + tuple(flags)
+        )
+        print(f"measured {precision}, {label}", flush=True)
     return results
 
 
@@ -456,17 +496,20 @@ def table_options(results: dict, top: int = 14) -> str:
     above the model state; then what was alive at the layer-backward peak, by term."""
     rows = [
         "| precision | options | peak MiB | bytes/token | above params + Adam, bytes/token "
-        "| layer-backward peak MiB | bytes/token | above params + Adam, bytes/token |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| layer-backward peak MiB | bytes/token | above params + Adam, bytes/token "
+        "| device peak MiB (host-held state excluded) | bytes/token |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for (precision, name), r in results.items():
         n = r["tokens_per_rank"]
         peak_phase = max(r["phases"], key=lambda p: r["phases"][p]["peak"])
         layer = r["phases"][LAYER_BACKWARD]["peak"]
+        device = max(p["device_peak"] or 0 for p in r["phases"].values())
         rows.append(
             f"| {precision} | {name} | {r['peak'] / MIB:.1f} | {r['peak'] / n:.0f} | "
             f"{(r['peak'] - _model_state(r, peak_phase)) / n:.0f} | {layer / MIB:.1f} | "
-            f"{layer / n:.0f} | {(layer - _model_state(r, LAYER_BACKWARD)) / n:.0f} |"
+            f"{layer / n:.0f} | {(layer - _model_state(r, LAYER_BACKWARD)) / n:.0f} | "
+            f"{device / MIB:.1f} | {device / n:.0f} |"
         )
     columns = list(results)
     terms: dict[str, dict] = {}
@@ -635,11 +678,11 @@ def main() -> None:
         help="print only the live-tensor peaks of OPTIONS side by side, by term",
     )
     parser.add_argument(
-        "--precisions",
+        "--runs",
         nargs="+",
-        default=["fp32"],
-        choices=PRECISIONS,
-        help="for --compare-options",
+        default=["fp32:base"],
+        metavar="PRECISION:OPTION[+OPTION]",
+        help=f"for --compare-options: precisions {PRECISIONS}, options {list(OPTIONS)}",
     )
     parser.add_argument(
         "--vocab-size",
@@ -654,7 +697,7 @@ def main() -> None:
     if args.compare_options:
         hidden, seq_length = args.compare_options
         extra = ("--vocab-size", str(args.vocab_size)) if args.vocab_size else ()
-        print(table_options(compare_options(hidden, seq_length, args.precisions, OPTIONS, extra)))
+        print(table_options(compare_options(hidden, seq_length, args.runs, extra)))
         return
     command = " ".join(["python -m tools.bench.bench_memory", *sys.argv[1:]])
     sections = [
