@@ -77,6 +77,7 @@ class DistributedAttention:
         self.timers = timers  # times the two all-to-alls (--timing-log-level)
         self.window = window  # sliding window: keys a query sees before itself
         self.ring = ring if ring is not None and ring.size > 1 else None
+        self._kv_index_cache: dict = {}
 
     def _attend(self, q, k, v, dropout_p, attention_mask):
         if self.ring is not None:
@@ -110,6 +111,38 @@ class DistributedAttention:
             )
         return checkpoint(run, q, k, v) if self.recompute else run(q, k, v)
 
+    def _kv_indices(self, kv_heads: int, r: int, device):
+        """kv_heads_to_send's index tensors, made on the device once (not per call: a host
+        list copied to a GPU every layer and micro-batch would make the host wait)."""
+        key = (kv_heads, r, device)
+        if key not in self._kv_index_cache:
+            rank = dist.get_rank(self.group)
+            self._kv_index_cache[key] = kv_heads_to_send(kv_heads, self.sp, r, rank, device)
+        return self._kv_index_cache[key]
+
+    def _to_heads(self, x, send=None, unpack=None):
+        """x [N/SP, b, h, d] -> [N, b, h/SP, d] through one all-to-all; with kv_heads_to_send's
+        `send`, each rank receives only its distinct heads and `unpack` rebuilds its
+        replicated layout."""
+        if send is None:
+            return ulysses_all_to_all(
+                x, scatter_dim=2, gather_dim=0, group=self.group, timers=self.timers
+            )
+        s, b, _, d = x.shape
+        sp, m = send.shape
+        # [SP·m, s, b, d]: rank j's distinct heads, contiguous per rank, picked and laid out
+        # for the send in one copy.
+        picked = x.permute(2, 0, 1, 3)[send.flatten()]
+        del x
+        got = ulysses_all_to_all(
+            picked, scatter_dim=0, gather_dim=0, group=self.group, timers=self.timers
+        )
+        del picked
+        # [SP (source rank), s, b, c, d]: the replicated layout rebuilt in sequence order in
+        # one copy, then [N, b, c, d] as a view.
+        heads = got.view(sp, m, s, b, d).permute(0, 2, 3, 1, 4)[:, :, :, unpack]
+        return heads.reshape(sp * s, b, -1, d)
+
     def __call__(
         self,
         q,
@@ -120,8 +153,7 @@ class DistributedAttention:
         attention_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """(q, k, v), or one list [q, k, v] that is emptied: a caller handing over its only
-        references lets q, k and v die once packed for the all-to-all, and the packed buffer
-        once sent."""
+        references lets each of q, k and v die once copied into its send buffer."""
         if isinstance(q, list):
             handed_over = q
             q, k, v = handed_over
@@ -131,15 +163,9 @@ class DistributedAttention:
         require_one_dtype(q, k, v)
         if sp == 1:
             return self._attend(q, k, v, dropout_p, attention_mask)
-        s, b, hq, d = q.shape
         r = kv_replication_factor(k.shape[2], sp)
-        send_kv, unpack_kv = kv_heads_to_send(
-            k.shape[2], sp, r, dist.get_rank(self.group), k.device
-        )
-        if send_kv is not None:  # each rank gets only the kv heads its query heads use
-            k, v = k[:, :, send_kv], v[:, :, send_kv]
-            k, v = (t.reshape(s, b, -1, d) for t in (k, v))
-        elif r > 1:
+        send_kv, unpack_kv = self._kv_indices(k.shape[2], r, k.device)
+        if send_kv is None and r > 1:
             k, v = k.repeat_interleave(r, dim=2), v.repeat_interleave(r, dim=2)
         # all-to-all #1, one per tensor: scatter heads (dim 2), gather sequence (dim 0) ->
         # [N, b, h/SP, d] each. Each is popped before its exchange so that, handed over, it
@@ -148,21 +174,9 @@ class DistributedAttention:
         # one packed exchange for all three would first concatenate them).
         pending = [q, k, v]
         del q, k, v
-        gathered = []
-        while pending:
-            gathered.append(
-                ulysses_all_to_all(
-                    pending.pop(0),
-                    scatter_dim=2,
-                    gather_dim=0,
-                    group=self.group,
-                    timers=self.timers,
-                )
-            )
-        q_full, k_full, v_full = gathered
-        del gathered
-        if unpack_kv is not None:  # the replicated layout, rebuilt from the distinct heads
-            k_full, v_full = k_full[:, :, unpack_kv], v_full[:, :, unpack_kv]
+        q_full = self._to_heads(pending.pop(0))
+        k_full = self._to_heads(pending.pop(0), send_kv, unpack_kv)
+        v_full = self._to_heads(pending.pop(0), send_kv, unpack_kv)
         out = self._attend(q_full, k_full, v_full, dropout_p, attention_mask)
         del q_full, k_full, v_full
         # all-to-all #2: scatter sequence (dim 0), gather heads (dim 2) -> [N/SP, b, hq, d]

@@ -27,6 +27,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tools.bench.common import markdown_table, report, run_ranks
 
@@ -58,6 +59,41 @@ def counted_all_to_all(group_size: int, rank: int):
         yield sent
     finally:
         dist.all_to_all_single = real
+
+
+class CountedWrites(TorchDispatchMode):
+    """Bytes the ops write: every output, new or written in place, views (outputs that alias
+    an input without writing it), allocations that write nothing (empty) and the collectives
+    (what they fill is the wire's, counted apart) excluded. A layer's layout copies,
+    deterministic where its times are noisy."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d" or func.__name__.startswith(("empty", "new_empty")):
+            return out
+        returns = func._schema.returns
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        inputs = {a.untyped_storage().data_ptr() for a in _tensors(args, kwargs)}
+        for i, t in enumerate(outputs):
+            alias = returns[i].alias_info if i < len(returns) else None
+            if not torch.is_tensor(t):
+                continue
+            written = alias is not None and alias.is_write
+            if written or t.untyped_storage().data_ptr() not in inputs:
+                self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def _tensors(args, kwargs):
+    for a in list(args) + list((kwargs or {}).values()):
+        if torch.is_tensor(a):
+            yield a
+        elif isinstance(a, (tuple, list)):
+            yield from (t for t in a if torch.is_tensor(t))
 
 
 def _deepspeed_layer(dims, kv_heads: int, attend):
@@ -136,7 +172,7 @@ def _local_attention_fn(kind: str):
 def compare(dims, rank, world, seq, heads, kv_heads, head_dim, dtype_name, attention, rounds):
     """Per layer in LAYERS (None where it refuses the case): (bit-equal output against ours,
     bit-equal input gradients, fastest forward + backward: wall s and this rank's thread CPU
-    s, MB this rank sends)."""
+    s, MB this rank sends, MB its ops write)."""
     attend = _local_attention_fn(attention)
     ulysses = DistributedAttention(world, "sdpa", dims.sp_group)
     layers = {
@@ -164,12 +200,13 @@ def compare(dims, rank, world, seq, heads, kv_heads, head_dim, dtype_name, atten
         took = (time.perf_counter() - start, time.thread_time() - start_cpu)
         return took, out.detach(), [t.grad for t in leaves]
 
-    first, sent_mb = {}, {}
+    first, sent_mb, written_mb = {}, {}, {}
     for name, call in layers.items():
         if call is not None:
-            with counted_all_to_all(world, dims.sp_rank) as sent:
+            with counted_all_to_all(world, dims.sp_rank) as sent, CountedWrites() as written:
                 first[name] = run(call)
             sent_mb[name] = sent["bytes"] / MB
+            written_mb[name] = written.bytes / MB
     best = {name: first[name][0] for name in first}
     for _ in range(rounds):  # alternating: load on a shared machine hits all layers alike
         for name in first:
@@ -184,7 +221,7 @@ def compare(dims, rank, world, seq, heads, kv_heads, head_dim, dtype_name, atten
         _, out, grads = first[name]
         same_out = torch.equal(out, out_ours)
         same_grads = all(torch.equal(a, b) for a, b in zip(grads, grads_ours))
-        results[name] = (same_out, same_grads, *best[name], sent_mb[name])
+        results[name] = (same_out, same_grads, *best[name], sent_mb[name], written_mb[name])
     return results
 
 
@@ -221,21 +258,24 @@ def _row(case, per_rank):
         return max(r[name][i] for r in per_rank)
 
     row = [seq, sp, f"{heads}/{kv_heads}", attention, f"{slowest('ours', 2) * 1e3:.0f}"]
-    ratios, equal, sent = [], [], [f"{slowest('ours', 4):.2f}"]
+    ratios, equal = [], []
+    sent, written = [f"{slowest('ours', 4):.2f}"], [f"{slowest('ours', 5):.1f}"]
     for name in LAYERS[1:]:
         if per_rank[0][name] is None:
             row.append("refuses")
             ratios += ["-", "-"]
             equal.append("-")
             sent.append("-")
+            written.append("-")
             continue
+        written.append(f"{slowest(name, 5):.1f}")
         row.append(f"{slowest(name, 2) * 1e3:.0f}")
         ratios += [f"{slowest('ours', i) / slowest(name, i):.2f}" for i in (2, 3)]
         same_out = all(r[name][0] for r in per_rank)
         same_grads = all(r[name][1] for r in per_rank)
         equal.append(f"{'yes' if same_out else 'NO'}/{'yes' if same_grads else 'NO'}")
         sent.append(f"{slowest(name, 4):.2f}")
-    return row + ratios + equal + ["/".join(sent)]
+    return row + ratios + equal + ["/".join(sent), "/".join(written)]
 
 
 def table(cases, rounds: int) -> str:
@@ -262,6 +302,7 @@ def table(cases, rounds: int) -> str:
             "DeepSpeed bit-equal (out/grads)",
             "ALST bit-equal (out/grads)",
             "MB sent, max rank (ours/DeepSpeed/ALST)",
+            "MB written by ops, max rank (ours/DeepSpeed/ALST)",
         ],
         rows,
     )
