@@ -57,6 +57,46 @@ def test_rms_norm_saves_only_its_input_and_the_reciprocal_rms():
     assert sum(composite.values()) >= 2 * S * B * H * 4
 
 
+def _norm_backward(x, w, g, block_elements):
+    """(grad x, grad w, the backward's peak of live bytes) with the norm's backward blocks of
+    `block_elements` elements."""
+    from megatron_ul.model import norms
+
+    saved = norms.BACKWARD_BLOCK_ELEMENTS
+    norms.BACKWARD_BLOCK_ELEMENTS = block_elements
+    try:
+        out = rms_norm(x, w, 1e-5)
+        tracker = LiveTensorTracker(preexisting=(x, w, g))  # counted before: not by views
+        with tracker:
+            grads = torch.autograd.grad(out, (x, w), g)
+    finally:
+        norms.BACKWARD_BLOCK_ELEMENTS = saved
+    return (*grads, tracker.peak()[1].bytes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_in_row_blocks_bounds_its_fp32_temporaries(dtype):
+    """Blocks of rows: each row's gradient is the same bits as in one block; the weight's
+    gradient sums the blocks' fp32 partial sums (rounding of the order only); the fp32
+    temporaries shrink from three [rows, h] tensors to three blocks."""
+    torch.manual_seed(0)
+    rows = 2048
+    x = torch.randn(rows, 1, H, dtype=dtype, requires_grad=True)
+    w = (1 + 0.1 * torch.randn(H, dtype=dtype)).requires_grad_()
+    g = torch.randn(rows, 1, H, dtype=dtype)
+    one_dx, one_dw, one_peak = _norm_backward(x, w, g, rows * H)
+    dx, dw, peak = _norm_backward(x, w, g, 128 * H)  # 16 blocks of 128 rows
+    assert torch.equal(dx, one_dx)
+    # sums of 2048 terms of order 1, added in another order: fp32 rounding of the sum's size
+    rtol, atol = (1e-5, 1e-4) if dtype == torch.float32 else (1e-2, 1e-1)  # bf16: its ulp
+    torch.testing.assert_close(dw, one_dw, rtol=rtol, atol=atol)
+    fp32_rows = rows * H * 4
+    inputs = 2 * rows * H * x.element_size() + H * w.element_size()
+    assert one_peak - inputs >= 3 * fp32_rows  # three fp32 [rows, h] temporaries
+    # grad x and the blocks' (three fp32 blocks, rstd's and the weight's partial sums)
+    assert peak - inputs <= dx.numel() * dx.element_size() + 4 * 128 * H * 4
+
+
 def test_layer_norm_saves_its_input_mean_and_rstd():
     norm = LayerNorm(H, 1e-5)
     x = torch.randn(S, B, H, requires_grad=True)
