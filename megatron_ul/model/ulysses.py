@@ -74,7 +74,7 @@ class DistributedAttention:
     ):
         self.sp, self.backend, self.group = sp_size, backend, group
         self.recompute = recompute  # selective recompute: keep only q, k, v of the core
-        self.timers = timers  # times the two all-to-alls (--timing-log-level)
+        self.timers = timers  # times the all-to-alls (--timing-log-level)
         self.window = window  # sliding window: keys a query sees before itself
         self.ring = ring if ring is not None and ring.size > 1 else None
         self._kv_index_cache: dict = {}

@@ -178,14 +178,15 @@ def layer_backward_peak(rank: int, world: int, argv: list, forced: bool) -> tupl
     the host-held path forced or not. On CPU every tensor is in one memory: what a GPU run
     keeps in host memory (main parameters, Adam's state and, forced, the main gradients) is
     told apart by name."""
-    from tools.bench.bench_memory import _mark_backward_stages
+    from tools.bench.bench_memory import (
+        _host_held_gradients,
+        _mark_backward_stages,
+        _storage_bytes,
+    )
 
     from megatron_ul.training.step import train_step
 
-    saved = host_grads.keeps_grads_apart
-    if forced:
-        host_grads.keeps_grads_apart = lambda device: True
-    try:
+    with _host_held_gradients() if forced else nullcontext():
         cfg = configure(argv, world)
         trainer = setup(cfg)
         model, optimizer = trainer.model, trainer.optimizer
@@ -201,11 +202,7 @@ def layer_backward_peak(rank: int, world: int, argv: list, forced: bool) -> tupl
         with tracker:
             tracker.phase = "iteration 2 forward"
             train_step(model, optimizer, second, clip_grad=cfg.train.clip_grad)
-    finally:
-        host_grads.keeps_grads_apart = saved
-    host_bytes = sum(
-        {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in host}.values()
-    )
+    host_bytes = _storage_bytes(host)
     return tracker.peaks["iteration 2 layer backward"].bytes, host_bytes
 
 

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tools.bench.common import markdown_table, report, run_ranks
 
@@ -77,7 +78,11 @@ class CountedWrites(TorchDispatchMode):
             return out
         returns = func._schema.returns
         outputs = out if isinstance(out, (tuple, list)) else (out,)
-        inputs = {a.untyped_storage().data_ptr() for a in _tensors(args, kwargs)}
+        inputs = {
+            a.untyped_storage().data_ptr()
+            for a in tree_leaves((args, kwargs))
+            if torch.is_tensor(a)
+        }
         for i, t in enumerate(outputs):
             alias = returns[i].alias_info if i < len(returns) else None
             if not torch.is_tensor(t):
@@ -86,14 +91,6 @@ class CountedWrites(TorchDispatchMode):
             if written or t.untyped_storage().data_ptr() not in inputs:
                 self.bytes += t.numel() * t.element_size()
         return out
-
-
-def _tensors(args, kwargs):
-    for a in list(args) + list((kwargs or {}).values()):
-        if torch.is_tensor(a):
-            yield a
-        elif isinstance(a, (tuple, list)):
-            yield from (t for t in a if torch.is_tensor(t))
 
 
 def _deepspeed_layer(dims, kv_heads: int, attend):
