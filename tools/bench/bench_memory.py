@@ -18,6 +18,7 @@ import sys
 import torch
 import torch.distributed as dist
 from tools.bench.common import run_ranks
+from tools.bench.memory_targets import table_targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -534,121 +535,6 @@ def table_options(results: dict, top: int = 14) -> str:
             f"{terms[label][c] / MIB:.1f} ({terms[label][c] / n:.0f})" for c in columns
         )
         rows.append(f"| {label} | {cells} |")
-    return "\n".join(rows)
-
-
-# ---- 5. the targets, carried to GPUs by the estimator -------------------------------------------
-TARGET_GPT = [
-    "--num-layers",
-    "24",
-    "--hidden-size",
-    "2048",
-    "--num-attention-heads",
-    "32",
-    "--vocab-size",
-    "50257",
-]
-TARGET_LLAMA = [
-    "--num-layers",
-    "32",
-    "--hidden-size",
-    "4096",
-    "--num-attention-heads",
-    "32",
-    "--group-query-attention",
-    "--num-query-groups",
-    "8",
-    "--ffn-hidden-size",
-    "14336",
-    "--swiglu",
-    "--normalization",
-    "RMSNorm",
-    "--disable-bias-linear",
-    "--untie-embeddings-and-output-weights",
-    "--vocab-size",
-    "128256",
-]
-TARGET_COMMON = [
-    "--mock-data",
-    "--micro-batch-size",
-    "1",
-    "--position-embedding-type",
-    "rope",
-    "--recompute-granularity",
-    "full",
-    "--recompute-method",
-    "uniform",
-    "--bf16",
-    "--use-flash-attn",
-    "--attention-dropout",
-    "0",
-    "--hidden-dropout",
-    "0",
-    "--tiled-loss-chunk-size",
-    "8192",
-    "--tiled-mlp-chunk-size",
-    "16384",
-    "--activation-checkpoint-cpu-offload",
-]
-TARGETS = [  # (name, model, N, SP, GPU GB, ZeRO stage, optimizer offload, half model)
-    ("GPT 1.2B", TARGET_GPT, 1 << 20, 1, 141, 0, 0.0, True),
-    ("GPT 1.2B", TARGET_GPT, 1 << 20, 1, 141, 0, 0.0, False),
-    ("Llama-3-8B", TARGET_LLAMA, 500 * 1024, 1, 80, 0, 1.0, True),
-    ("Llama-3-8B", TARGET_LLAMA, 500 * 1024, 1, 80, 0, 0.0, True),
-    ("Llama-3-8B", TARGET_LLAMA, 4 << 20, 8, 80, 3, 0.0, True),
-    ("Llama-3-8B", TARGET_LLAMA, 16 << 20, 32, 80, 3, 0.0, True),
-]
-
-
-def table_targets() -> str:
-    from megatron_ul.training import memory_estimator as me
-    from megatron_ul.training.pretrain import configure
-
-    rows = [
-        "| model | N | GPUs | precision | estimate GiB/GPU | budget GiB | | peak phase and "
-        "its terms (GiB) | host GiB/GPU |",
-        "|---|---:|---|---|---:|---:|---|---|---:|",
-    ]
-    for name, model, n, sp, gpu_gb, zero, offload, half in TARGETS:
-        argv = (
-            TARGET_COMMON
-            + model
-            + [
-                "--seq-length",
-                str(n),
-                "--max-position-embeddings",
-                str(n),
-                "--global-batch-size",
-                "1",
-                "--ds-sequence-parallel-size",
-                str(sp),
-            ]
-        )
-        cfg = configure(argv + (["--zero-stage", "3"] if zero == 3 else []), sp)
-        est = me.estimate(
-            cfg.model,
-            me.layout_from_config(cfg),
-            zero_stage=zero,
-            recompute="full",
-            precision=me.Precision(half_model=half, bf16=not half),
-            kernels=me.Kernels(optimizer_offload=offload),
-        )
-        budget = gpu_gb * 1e9 / me.GiB - 2
-        terms = "; ".join(
-            f"{k} {v / me.GiB:.1f}"
-            for k, v in sorted(est.terms.items(), key=lambda kv: -kv[1])
-            if v > 0.5 * me.GiB
-        )
-        fits = "fits" if est.total_bytes <= budget * me.GiB else "does not fit"
-        rows.append(
-            f"| {name} | {n // 1024}K | {sp} × {gpu_gb} GB | "
-            f"{'half model' if half else 'autocast'}"
-            f"{', optimizer offload' if offload else ''}, ZeRO-{zero} | "
-            f"{est.total_bytes / me.GiB:.1f} | {budget:.0f} | {fits} | "
-            f"{est.peak_phase}: params {est.parameter_bytes / me.GiB:.1f}, optimizer "
-            f"{est.optimizer_bytes / me.GiB:.1f}; {terms} | "
-            f"{est.host_bytes / me.GiB:.0f} |"
-        )
     return "\n".join(rows)
 
 
