@@ -17,7 +17,11 @@ Kernels (chosen by `attention_dispatch.ring_unit_kernel`):
   cpu-flash       torch's fused CPU flash kernel (any float dtype, GQA, bias)
   flash-attn      flash_attn's _flash_attn_forward/_backward (CUDA, fp16/bf16, no bias)
   sdpa-efficient  torch's memory-efficient kernel (CUDA, fp32/fp16/bf16, bias; GQA by
-                  expanding k/v for the block, dk/dv summed back over the group)
+                  expanding k/v for the block, dk/dv summed back over the group). Its
+                  backward reads `out` as [b, s, h, d] memory whatever its strides, so out
+                  and dout are handed over in that layout. `efficient_attention` and its
+                  backward also take attention dropout: the forward's philox seed and
+                  offset go back to the backward, which redraws the same mask.
   reference       softmax written out in fp32 or wider (fp64 on CUDA, and tests)
 """
 
@@ -150,6 +154,16 @@ LSE_ALIGN = 32  # the kernel pads its lse rows to a multiple of this
 BIAS_ALIGN = 16  # ...and needs the bias rows' stride to be a multiple of this
 
 
+@dataclass(frozen=True)
+class Philox:
+    """The philox seed and offset the efficient kernel's forward drew for its dropout mask
+    (0-dim int64 host tensors, as the kernel returns them); its backward redraws the same
+    mask from them."""
+
+    seed: torch.Tensor
+    offset: torch.Tensor
+
+
 def _expand_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
@@ -159,39 +173,60 @@ def _full_bias(bias, q):
     return None if bias is None else bias.expand(q.shape[0], q.shape[1], *bias.shape[2:])
 
 
-def _efficient_forward(q, k, v, causal, bias, scale):
+def _kernel_layout(t: torch.Tensor) -> torch.Tensor:
+    """[b, h, s, d] with [b, s, h, d] memory, the only layout in which the backward reads
+    `out` right (its row stride is fixed to h·d; it takes only the batch and head strides).
+    No copy when t is laid out so already (the forward's own output is)."""
+    return (
+        t if t.transpose(1, 2).is_contiguous() else t.transpose(1, 2).contiguous().transpose(1, 2)
+    )
+
+
+def efficient_attention(q, k, v, causal, bias, scale, dropout_p: float = 0.0):
+    """The unit kernel's forward, with attention dropout: (out, lse, Philox or None). Dropout
+    acts on the normalised probabilities; lse is that of the undropped scores, so partial
+    results still merge exactly by their lse."""
     heads = q.shape[1]
-    out, lse, _, _ = cuda_ops._scaled_dot_product_efficient_attention(
+    out, lse, seed, offset = cuda_ops._scaled_dot_product_efficient_attention(
         q,
         _expand_heads(k, heads),
         _expand_heads(v, heads),
         _full_bias(bias, q),
         True,
-        0.0,
+        dropout_p,
         causal,
         scale=scale,
     )
-    return _empty_rows_to_neg_inf(out, lse[..., : q.shape[2]], bias)
+    out, lse = _empty_rows_to_neg_inf(out, lse[..., : q.shape[2]], bias)
+    return out, lse, (Philox(seed, offset) if dropout_p > 0 else None)
 
 
-def _efficient_backward(dout, q, k, v, out, lse, causal, bias, scale):
+def efficient_attention_backward(
+    dout, q, k, v, out, lse, causal, bias, scale, dropout_p: float = 0.0, philox=None
+):
+    """Gradients of `efficient_attention`; with dropout, `philox` is what its forward drew."""
     b, heads, sq, d = q.shape
     padded = torch.zeros(
         b, heads, -(-sq // LSE_ALIGN) * LSE_ALIGN, dtype=torch.float32, device=q.device
     )
     padded[..., :sq] = lse
-    no_rng = torch.empty((), dtype=torch.int64, device=q.device)
+    if dropout_p > 0:
+        if philox is None:
+            raise ValueError("efficient attention backward with dropout needs the forward's Philox")
+        seed, offset = philox.seed, philox.offset  # host tensors: the kernel reads them there
+    else:
+        seed = offset = torch.empty((), dtype=torch.int64)
     dq, dk, dv, _ = cuda_ops._scaled_dot_product_efficient_attention_backward(
-        dout.contiguous(),
+        _kernel_layout(dout),
         q,
         _expand_heads(k, heads),
         _expand_heads(v, heads),
         _full_bias(bias, q),
-        out.contiguous(),
+        _kernel_layout(out),
         padded,
-        no_rng,
-        no_rng,
-        0.0,
+        seed,
+        offset,
+        dropout_p,
         [True, True, True, False],
         causal,
         scale=scale,
@@ -200,6 +235,15 @@ def _efficient_backward(dout, q, k, v, out, lse, causal, bias, scale):
     if group > 1:
         dk, dv = (t.view(b, k.shape[1], group, *t.shape[2:]).sum(2) for t in (dk, dv))
     return dq, dk, dv
+
+
+def _efficient_forward(q, k, v, causal, bias, scale):
+    out, lse, _ = efficient_attention(q, k, v, causal, bias, scale)
+    return out, lse
+
+
+def _efficient_backward(dout, q, k, v, out, lse, causal, bias, scale):
+    return efficient_attention_backward(dout, q, k, v, out, lse, causal, bias, scale)
 
 
 SDPA_EFFICIENT = UnitKernel("sdpa-efficient", True, _efficient_forward, _efficient_backward)
