@@ -20,7 +20,7 @@ scatter each bucket of the gradient buffer over dp_cp_sp with SUM (the loss is a
 the global token count, see training/step.py), in place: the owned slices receive the sum, the
 rest of the buffer is stale until zero_grad. With --overlap-grad-reduce, (1) and (2) run per
 bucket from gradient hooks while backward still runs (same collectives, same bits). (3) Global
-norm from the owned slices: sum of squares, all-reduced over dp_cp_sp, then over the
+norm from the owned slices (grads.grad_norm): sum of squares, all-reduced over dp_cp_sp, then the
 model-parallel group; TP-replicated parameters count only on TP rank 0 (grads.counts_once).
 (4) Clip the shard. (5) torch AdamW steps views of the owned slices, one view per (parameter ∩
 owned slice), in Megatron's weight-decay groups (no decay for 1-D parameters) — element for
@@ -54,7 +54,7 @@ from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 from ..mpu.param_spec import param_spec
 from .grad_buckets import BucketLauncher, split_into_buckets
-from .grads import all_reduce_coalesced, counts_once, grad_of
+from .grads import all_reduce_coalesced, counts_once, grad_norm, grad_of
 from .mixed_precision import HOST, attach_main_grad, host_buffer, offloaded_prefix
 
 FORMAT = "megatron_ul.zero1.v2"
@@ -251,14 +251,11 @@ class DistributedOptimizer:
         return norm
 
     def _global_norm(self) -> float:
-        sq = torch.zeros((), dtype=torch.float64, device=self.grad_buffer.device)
-        for _, p, _, lo, hi in self.pieces:
-            if counts_once(p, self.dims):
-                sq += self.grad_buffer[lo:hi].double().pow(2).sum()
-        for group in (self.group, self.dims.pp_tp_group):
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(sq, group=group)
-        return math.sqrt(sq.item())
+        owned = [
+            self.grad_buffer[lo:hi] for _, p, _, lo, hi in self.pieces if counts_once(p, self.dims)
+        ]
+        groups = (self.group, self.dims.pp_tp_group)
+        return grad_norm(owned, self.grad_buffer.device, groups)
 
     # ---- update and parameter all-gather (steps 5-6) ---------------------------------------
     @torch.no_grad()

@@ -25,7 +25,6 @@ import math
 from typing import TypeVar, cast
 
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -34,7 +33,7 @@ from ..config import TrainConfig
 from ..mpu.parallel_state import ParallelDims
 from ..model.chunks import model_chunks
 from ..mpu.param_spec import param_spec
-from .grads import all_reduce_coalesced, counts_once
+from .grads import all_reduce_coalesced, counts_once, grad_norm
 
 M = TypeVar("M", bound=nn.Module)  # sharded in place: the model handed in comes back
 
@@ -107,14 +106,9 @@ class Zero3Optimizer:
         with_grad = [(p, _local(p.grad)) for p in self.params if p.grad is not None]
         sequence_parallel = [g for p, g in with_grad if param_spec(p).sequence_parallel]
         all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
-        sq = torch.zeros((), dtype=torch.float64, device=self.params[0].device)
-        for p, g in with_grad:
-            if counts_once(p, self.dims):
-                sq += g.double().pow(2).sum()
-        for group in (self.dims.dp_cp_sp_group, self.dims.pp_tp_group):
-            if dist.get_world_size(group) > 1:
-                dist.all_reduce(sq, group=group)
-        norm = math.sqrt(sq.item())
+        counted = [g for p, g in with_grad if counts_once(p, self.dims)]
+        groups = (self.dims.dp_cp_sp_group, self.dims.pp_tp_group)
+        norm = grad_norm(counted, self.params[0].device, groups)
         if max_norm > 0 and math.isfinite(norm):
             coeff = max_norm / (norm + 1e-6)
             if coeff < 1.0:
