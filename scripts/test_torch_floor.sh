@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The layout-equivalence, pipeline, ring, compiled-layer and checkpoint suites (their default tests)
-# on the oldest torch the project supports: the floor in requirements.txt ("torch>=X.Y" ->
-# torch==X.Y.0), in a virtual environment of its own. CI runs it after scripts/test.sh; run it
-# by hand the same way:
+# Every suite that touches kernels, optimizers or collectives (their default tests) on the oldest
+# torch the project supports: the floor in requirements.txt ("torch>=X.Y" -> torch==X.Y.0), in
+# a virtual environment of its own. The suites: tests/training (layouts, half precision),
+# tests/pipeline, tests/model (attention kernels and their dispatch, ring, Ulysses, documents,
+# tiles, fused layers, their stand-ins), tests/optim (ZeRO-1/3, the gradient norm, offload),
+# tests/mpu (TP layers, process groups, the NCCL point-to-point stand-in) and tests/checkpoint.
+# CI runs it after scripts/test.sh; run it by hand the same way:
 #   bash scripts/test_torch_floor.sh              # extra arguments go to pytest
 # Environment:
 #   TORCH_FLOOR_VENV   where the environment lives (default ~/.cache/megatron_ul/torch-X.Y.0);
@@ -23,8 +26,7 @@ fi
 version=$floor
 [[ $version == *.*.* ]] || version=$version.0
 venv=${TORCH_FLOOR_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron_ul/torch-$version}
-suites=(tests/training tests/pipeline tests/model/test_ring_attention.py tests/model/test_fused_layers.py
-        tests/checkpoint)
+suites=(tests/training tests/pipeline tests/model tests/optim tests/mpu tests/checkpoint)
 
 has_floor_torch() {
   [[ -x $venv/bin/python ]] && "$venv/bin/python" - "$version" <<'PY' 2>/dev/null
