@@ -2,13 +2,13 @@
 run, else torch SDPA. No communication happens here.
 
 The rule (one source of truth: `flash_attn_refusal`): FlashAttention-2 runs only when it is
-asked for (--use-flash-attn), `flash_attn` is importable, and the tensors are on a CUDA device
-and in fp16/bf16. Documents (--reset-attention-mask) and windows never reach this module: they
-travel as offsets to document_attention.py (flash-attn's varlen kernel) or the ring. Every
-other request falls back to SDPA, and the log says once which path ran and why; it never names
-flash-attn for a call that SDPA computed. attention_dispatch.decide is the whole decision (what
-the log and --dry-run print). Requests are not refused by validation, so that one launch
-script serves a GPU run and an fp32 CPU run.
+asked for (--use-flash-attn), `flash_attn` 2.5 to 2.8 is importable, and the tensors are on a
+CUDA device and in fp16/bf16. Documents (--reset-attention-mask) and windows never reach this
+module: they travel as offsets to document_attention.py (flash-attn's varlen kernel) or the
+ring. Every other request falls back to SDPA, and the log says once which path ran and why;
+it never names flash-attn for a call that SDPA computed. attention_dispatch.decide is the whole
+decision (what the log and --dry-run print). Requests are not refused by validation, so that
+one launch script serves a GPU run and an fp32 CPU run.
 
 Test hook: with the environment variable MEGATRON_UL_TEST_FLASH_ATTN_ON_CPU=1 the CPU counts as
 a device where flash-attn can run. Tests set it together with the strict CPU stand-in of
@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 from typing import Optional
 
 import torch
@@ -52,6 +53,38 @@ def flash_attn_module():
         return None
 
 
+# The releases whose private functions lse_kernels knows how to call (the ring's unit kernel):
+# 2.5 plain functions with window_size, 2.6 adds softcap, 2.7 and 2.8 torch custom ops with
+# window_size_left/right. Other releases are refused (SDPA runs, and the log says why).
+FLASH_ATTN_RELEASES = ((2, 5), (2, 8))
+
+
+def flash_attn_release(module) -> Optional[tuple[int, int]]:
+    """(major, minor) of the package's __version__ ("2.7.4.post1" -> (2, 7)), or None."""
+    match = re.match(r"(\d+)\.(\d+)", str(getattr(module, "__version__", "")))
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def flash_attn_api(module) -> str:
+    """The calling convention of the package's private functions: '2.5', '2.6' or '2.7'."""
+    release = flash_attn_release(module)
+    assert release is not None and FLASH_ATTN_RELEASES[0] <= release <= FLASH_ATTN_RELEASES[1]
+    return "2.5" if release == (2, 5) else "2.6" if release == (2, 6) else "2.7"
+
+
+def flash_attn_version_refusal(module) -> Optional[str]:
+    """Why this flash_attn release cannot run (None: a supported one)."""
+    release = flash_attn_release(module)
+    low, high = FLASH_ATTN_RELEASES
+    if release is not None and low <= release <= high:
+        return None
+    version = getattr(module, "__version__", "of unknown version")
+    return (
+        f"flash-attn {version} is installed; megatron_ul runs flash-attn "
+        f"{low[0]}.{low[1]} to {high[0]}.{high[1]}"
+    )
+
+
 def _device_runs_flash(device: torch.device) -> bool:
     return device.type == "cuda" or (
         device.type == "cpu" and os.environ.get(FLASH_ON_CPU_ENV) == "1"
@@ -63,8 +96,12 @@ def flash_attn_refusal(
 ) -> Optional[str]:
     """Why FlashAttention-2 cannot run here (for the log), or None when it can.
     dtype None: not known yet (checked again per call)."""
-    if flash_attn_module() is None:
+    module = flash_attn_module()
+    if module is None:
         return "flash-attn is not installed"
+    unsupported = flash_attn_version_refusal(module)
+    if unsupported is not None:
+        return unsupported
     if not _device_runs_flash(device):
         return f"tensors on {device.type}, FlashAttention-2 needs a CUDA device"
     return input_refusal(dtype, has_mask)
@@ -160,23 +197,24 @@ def local_attention(
     to document_attention instead).
     Returns [N, b, hq, d] in the dtype of q (the activation dtype: never upcast here).
     """
-    from .attention_dispatch import AttentionCall, decide
+    from .attention_dispatch import AttentionCall, decide, kv_for_kernel, sdpa_backend_pinned
 
     require_one_dtype(q, k, v)
-    use_flash = (
-        decide(
-            AttentionCall(
-                q.device,
-                q.dtype,
-                q.shape[-1],
-                q.shape[2],
-                k.shape[2],
-                use_flash_attn=backend == "flash",
-                dense_mask=attention_mask is not None,
-            )
+    kernel = decide(
+        AttentionCall(
+            q.device,
+            q.dtype,
+            q.shape[-1],
+            q.shape[2],
+            k.shape[2],
+            use_flash_attn=backend == "flash",
+            dropout=dropout_p,
+            dense_mask=attention_mask is not None,
+            seq_length=q.shape[0],
+            requires_grad=torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)),
         )
-        == "flash-attn"
     )
+    use_flash = kernel == "flash-attn"
     k, v = _own_buffer_unless_shared_with(k, q), _own_buffer_unless_shared_with(v, q)
     # Dropout on attention probabilities of this rank's heads: a per-(TP, SP)-rank stream.
     with get_rng_tracker().fork():
@@ -195,22 +233,30 @@ def local_attention(
         # heads inside the kernel instead of keeping k and v repeated hq/hk times for backward.
         # On torch 2.13 CPU the flash kernel takes it; 8 q / 2 kv heads, N=2048, d=64: saved
         # bytes 16.8 MB -> 10.6 MB, forward+backward time unchanged (0.59 s both).
-        k, v = expand_kv_for_sdpa(q, k, v, attention_mask is not None)
+        k, v = kv_for_kernel(kernel, q, k, v)
         gqa = k.shape[2] != q.shape[2]
         # [N, b, h, d] -> [b, h, N, d]
         q_, k_, v_ = (_sdpa_layout(t.permute(1, 2, 0, 3)) for t in (q, k, v))
-        if attention_mask is None:
-            out = F.scaled_dot_product_attention(
-                q_, k_, v_, dropout_p=dropout_p, is_causal=True, scale=softmax_scale, enable_gqa=gqa
-            )
-        else:
-            out = F.scaled_dot_product_attention(
-                q_,
-                k_,
-                v_,
-                attn_mask=~attention_mask,
-                dropout_p=dropout_p,
-                scale=softmax_scale,
-                enable_gqa=gqa,
-            )
+        # On CUDA torch runs the decided backend or refuses (attention_dispatch).
+        with sdpa_backend_pinned(kernel):
+            if attention_mask is None:
+                out = F.scaled_dot_product_attention(
+                    q_,
+                    k_,
+                    v_,
+                    dropout_p=dropout_p,
+                    is_causal=True,
+                    scale=softmax_scale,
+                    enable_gqa=gqa,
+                )
+            else:
+                out = F.scaled_dot_product_attention(
+                    q_,
+                    k_,
+                    v_,
+                    attn_mask=~attention_mask,
+                    dropout_p=dropout_p,
+                    scale=softmax_scale,
+                    enable_gqa=gqa,
+                )
         return out.permute(2, 0, 1, 3)

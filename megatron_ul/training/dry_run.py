@@ -9,7 +9,7 @@ import sys
 import torch
 
 from ..config import ResolvedConfig
-from ..model.attention_dispatch import planned_kernel
+from ..model.attention_dispatch import AttentionCall, planned_kernel
 from .memory_estimator import (
     GiB,
     estimate_config,
@@ -43,6 +43,28 @@ def precision_of(cfg: ResolvedConfig) -> tuple[str, torch.dtype]:
     return "fp32", torch.float32
 
 
+def attention_call(cfg: ResolvedConfig, device: torch.device) -> AttentionCall:
+    """The attention call every layer of this run makes in training on `device`: per-rank
+    head counts after the Ulysses exchange, the full sequence, the run's attention dropout."""
+    m, p = cfg.model, cfg.parallel
+    heads = p.tensor_model_parallel_size * p.ds_sequence_parallel_size
+    q_heads = m.num_attention_heads // heads
+    kv_heads = max(q_heads * m.query_groups // m.num_attention_heads, 1)
+    return AttentionCall(
+        device,
+        precision_of(cfg)[1],
+        m.head_dim,
+        q_heads,
+        kv_heads,
+        cfg.data.reset_attention_mask,
+        m.attention_window,
+        p.context_parallel_size > 1,
+        m.use_flash_attn,
+        dropout=m.attention_dropout,
+        seq_length=m.seq_length,
+    )
+
+
 def describe(cfg: ResolvedConfig) -> str:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, sp, pp, dp = (
@@ -70,17 +92,7 @@ def describe(cfg: ResolvedConfig) -> str:
         f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision {precision}, "
         f"{activation_bytes}-byte activations; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
-        "attention kernel on a GPU: "
-        + planned_kernel(
-            m.use_flash_attn,
-            activation_dtype,
-            m.head_dim,
-            m.num_attention_heads,
-            m.query_groups,
-            cfg.data.reset_attention_mask,
-            m.attention_window,
-            cp > 1,
-        ),
+        "attention kernel on a GPU: " + planned_kernel(attention_call(cfg, torch.device("cuda"))),
         "long context: " + long_context(cfg),
         "memory estimate per GPU: " + est.describe(),
         f"initialisation peak per GPU: "

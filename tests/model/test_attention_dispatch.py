@@ -1,16 +1,27 @@
-"""One decision for the attention kernel (model/attention_dispatch.py): for every shape and
-dtype the model produces, a CUDA run never reaches SDPA's math kernel (O(N²) memory), judged by
-the stand-in of torch's CUDA backend rules; --dry-run reports the same decision."""
+"""One decision for the attention kernel (model/attention_dispatch.py): torch SDPA's CUDA
+backend choice modelled from torch 2.11's sdp_utils.cpp, checked case by case against the rules
+read there; for every shape and dtype the model produces, a CUDA run never reaches SDPA's math
+kernel (O(N²) memory), judged by an independent transcription of those rules; --dry-run
+reports the same decision with the run's dropout."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
 
 from megatron_ul.model.attention_dispatch import (
+    A100,
+    H100,
     AttentionCall,
+    CudaSdpa,
+    SdpaInputs,
     attention_kernel,
     planned_kernel,
+    planned_kernels,
+    sdpa_backend_name,
+    sdpa_backend_pinned,
+    sdpa_choice,
     sdpa_cuda_backend,
     sdpa_expands_kv,
 )
@@ -19,55 +30,266 @@ CUDA = torch.device("cuda")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEADS = ((8, 8), (8, 2), (8, 1), (12, 6))  # (query heads, kv heads) per rank
 HEAD_DIMS = (16, 64, 128)
+BF16 = torch.bfloat16
+
+# (what, inputs, GPU, torch 2.11's choice): each expectation read off sdp_utils.cpp by hand.
+CASES = [
+    (
+        "sm90 + cuDNN 9.19 puts cuDNN first (check_prefer_cudnn_attention)",
+        SdpaInputs(BF16, 128, 8, 2),
+        H100,
+        "cudnn",
+    ),
+    (
+        "torch 2.11 hands cuDNN dropout 0.1 (no 1/16 check before 2.12)",
+        SdpaInputs(BF16, 128, 8, 2, dropout=0.1),
+        H100,
+        "cudnn",
+    ),
+    (
+        "TORCH_CUDNN_SDPA_DEPRIORITIZED=1: flash first again",
+        SdpaInputs(BF16, 128, 8, 2),
+        replace(H100, cudnn_deprioritized=True),
+        "flash",
+    ),
+    (
+        "cuDNN 9.15.0 is not newer than 9.15.0: flash first",
+        SdpaInputs(BF16, 128, 8, 2),
+        replace(H100, cudnn_version=91500),
+        "flash",
+    ),
+    ("cuDNN 9.15.1 is", SdpaInputs(BF16, 128, 8, 2), replace(H100, cudnn_version=91501), "cudnn"),
+    (
+        "sm80: flash first, cuDNN after math (Context.h order)",
+        SdpaInputs(BF16, 128, 8, 2),
+        A100,
+        "flash",
+    ),
+    (
+        "sm80 without flash and efficient: math before cuDNN",
+        SdpaInputs(BF16, 128, 8, 8),
+        A100.without("flash").without("efficient"),
+        "math",
+    ),
+    (
+        "... and cuDNN once math is off too",
+        SdpaInputs(BF16, 128, 8, 8),
+        A100.without("flash").without("efficient").without("math"),
+        "cudnn",
+    ),
+    (
+        "deterministic algorithms: cuDNN refused (check_cudnn_deterministic)",
+        SdpaInputs(BF16, 128, 8, 2),
+        replace(H100, deterministic=True),
+        "flash",
+    ),
+    (
+        "Hopper: cuDNN head dims up to 256 from cuDNN 9.10",
+        SdpaInputs(BF16, 256, 8, 8),
+        H100,
+        "cudnn",
+    ),
+    (
+        "sm100: cuDNN head dims up to 128 (192 only for DeepSeek's 192/128)",
+        SdpaInputs(BF16, 256, 8, 8),
+        CudaSdpa((10, 0)),
+        "flash",
+    ),
+    (
+        "head dim 264: flash refuses > 256, the efficient kernel takes % 8",
+        SdpaInputs(BF16, 264, 8, 8),
+        H100,
+        "efficient",
+    ),
+    (
+        "... and with GQA nothing fused (the efficient kernel takes equal heads only)",
+        SdpaInputs(BF16, 264, 8, 2),
+        H100,
+        "math",
+    ),
+    (
+        "head dim 18: cuDNN needs % 8; flash pads any head dim <= 256",
+        SdpaInputs(BF16, 18, 8, 8),
+        H100,
+        "flash",
+    ),
+    ("fp32: only the efficient kernel", SdpaInputs(torch.float32, 64, 8, 8), H100, "efficient"),
+    ("fp32 GQA: math", SdpaInputs(torch.float32, 64, 8, 2), H100, "math"),
+    ("fp32 head dim 18: % 4 fails", SdpaInputs(torch.float32, 18, 8, 8), H100, "math"),
+    (
+        "a mask: cuDNN takes it with GQA on sm90",
+        SdpaInputs(BF16, 64, 8, 2, has_mask=True, causal=False),
+        H100,
+        "cudnn",
+    ),
+    (
+        "a mask with GQA on sm80: flash refuses masks, the efficient kernel GQA",
+        SdpaInputs(BF16, 64, 8, 2, has_mask=True, causal=False),
+        A100,
+        "math",
+    ),
+    (
+        "a key sequence of 1: cuDNN refuses",
+        SdpaInputs(BF16, 64, 8, 8, causal=False, seq_q=4, seq_k=1),
+        H100,
+        "flash",
+    ),
+    (
+        "cuDNN 9.12 with dropout: refused (9.11 - 9.13)",
+        SdpaInputs(BF16, 64, 8, 8, dropout=0.125),
+        replace(H100, cudnn_version=91200).without("flash").without("efficient").without("math"),
+        "none",
+    ),
+    (
+        "... without dropout: taken",
+        SdpaInputs(BF16, 64, 8, 8),
+        replace(H100, cudnn_version=91200).without("flash").without("efficient").without("math"),
+        "cudnn",
+    ),
+    (
+        "is_causal with sq != sk: flash refuses",
+        SdpaInputs(BF16, 64, 8, 8, seq_q=16, seq_k=32),
+        A100,
+        "efficient",
+    ),
+    (
+        "sm86 training head dim 200: flash refuses (192, 224]",
+        SdpaInputs(BF16, 200, 8, 8),
+        CudaSdpa((8, 6)),
+        "efficient",
+    ),
+    (
+        "... not without a backward",
+        SdpaInputs(BF16, 200, 8, 8, requires_grad=False),
+        CudaSdpa((8, 6)),
+        "flash",
+    ),
+    (
+        "sm75 bf16: flash needs sm80, the efficient kernel bf16 from sm80",
+        SdpaInputs(BF16, 64, 8, 8),
+        CudaSdpa((7, 5), cudnn_version=None),
+        "math",
+    ),
+]
 
 
-def test_sdpa_rules_follow_torch_sdp_utils():
-    """flash: fp16/bf16, head dim %8 and <= 256, no mask, GQA inside; efficient: fp32 too, head
-    dim %8 (half) or %4 (fp32), equal heads; else math."""
-    assert sdpa_cuda_backend(torch.bfloat16, 128, 8, 2, False) == "flash"
-    assert sdpa_cuda_backend(torch.bfloat16, 128, 8, 8, True) == "efficient"
-    assert sdpa_cuda_backend(torch.bfloat16, 128, 8, 2, True) == "math"
-    assert sdpa_cuda_backend(torch.float32, 64, 8, 8, False) == "efficient"
-    assert sdpa_cuda_backend(torch.float32, 64, 8, 2, False) == "math"
-    assert sdpa_cuda_backend(torch.bfloat16, 264, 8, 8, False) == "efficient"
-    assert sdpa_cuda_backend(torch.float32, 18, 8, 8, False) == "math"
+@pytest.mark.parametrize("what, inputs, gpu, expected", CASES, ids=[c[0] for c in CASES])
+def test_sdpa_choice_follows_torch_2_11_sdp_utils(what, inputs, gpu, expected):
+    assert sdpa_choice(inputs, gpu) == expected
 
 
+def test_megatron_default_dropout_keeps_cudnn_out_and_a_sixteenth_does_not():
+    """Our one change to torch 2.11's choice: cuDNN rounds the dropout to 1/16 steps."""
+    call = AttentionCall(CUDA, BF16, 128, 8, 2, gpu=H100)
+    assert attention_kernel(replace(call, dropout=0.1)) == "sdpa flash"
+    assert attention_kernel(replace(call, dropout=0.125)) == "sdpa cudnn"
+    assert attention_kernel(call) == "sdpa cudnn"
+    assert attention_kernel(replace(call, gpu=A100)) == "sdpa flash"
+
+
+def _torch_2_11_takes(backend, dtype, d, hq, hk, dropout, gpu: CudaSdpa) -> bool:
+    """An independent transcription of sdp_utils.cpp's can_use_* for the model's calls (dense
+    q/k/v with stride-1 rows, is_causal on square sequences of > 1 token, a backward)."""
+    half = dtype in (torch.float16, torch.bfloat16)
+    sm = gpu.capability
+    if backend == "cudnn":
+        v = gpu.cudnn_version or 0
+        limit = 256 if sm == (9, 0) and v >= 91000 else 128
+        return (
+            half
+            and (8, 0) <= sm <= (12, 1)
+            and v >= 90000
+            and not gpu.deterministic
+            and not (dropout > 0 and 91100 < v < 91400)
+            and d % 8 == 0
+            and d <= limit
+            and hq % hk == 0
+        )
+    if backend == "flash":
+        return half and (8, 0) <= sm <= (12, 1) and d <= 256 and hq % hk == 0
+    if backend == "efficient":
+        return (dtype == torch.float32 or half) and d % (8 if half else 4) == 0 and hq == hk
+    return True
+
+
+@pytest.mark.parametrize("gpu", (H100, A100), ids=("sm90", "sm80"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_no_model_shape_reaches_the_math_kernel_on_cuda(dtype):
-    for (hq, hk), d, docs, window, ring in itertools.product(
-        HEADS, HEAD_DIMS, (False, True), (None, 64), (False, True)
+def test_no_model_shape_reaches_the_math_kernel_on_cuda(dtype, gpu):
+    """Every model call names a fused kernel; where it is SDPA's, torch 2.11 would take the
+    call on it (after our k/v expansion) and would pick no earlier backend of its order."""
+    order = ("cudnn", "flash", "efficient") if gpu.prefers_cudnn() else ("flash", "efficient")
+    for (hq, hk), d, docs, window, ring, dropout in itertools.product(
+        HEADS, HEAD_DIMS, (False, True), (None, 64), (False, True), (0.0, 0.1, 0.125)
     ):
-        call = AttentionCall(CUDA, dtype, d, hq, hk, docs, window, ring, False)
+        call = AttentionCall(CUDA, dtype, d, hq, hk, docs, window, ring, dropout=dropout, gpu=gpu)
         kernel = attention_kernel(call)
-        assert "math" not in kernel, (call, kernel)
-        if kernel.startswith("sdpa"):  # what local_attention passes after expanding k/v
-            heads = hq if sdpa_expands_kv(CUDA, dtype, d, hq, hk) else hk
-            assert sdpa_cuda_backend(dtype, d, hq, heads, False) != "math", call
+        assert "math" not in kernel and "none" not in kernel, (call, kernel)
+        if not kernel.startswith("sdpa "):
+            continue
+        backend = kernel.removeprefix("sdpa ")
+        kv = hq if sdpa_expands_kv(CUDA, dtype, d, hq, hk, dropout=dropout, gpu=gpu) else hk
+        assert backend != "efficient" or kv == hq, call  # the kernel takes equal heads only
+        assert _torch_2_11_takes(backend, dtype, d, hq, kv, dropout, gpu), (call, kernel)
+        allowed = [b for b in order if b != "cudnn" or (dropout * 16) % 1 == 0]
+        earlier = allowed[: allowed.index(backend)]
+        assert not any(_torch_2_11_takes(b, dtype, d, hq, kv, dropout, gpu) for b in earlier)
 
 
 def test_fp32_gqa_on_cuda_expands_kv_and_names_the_efficient_kernel():
-    assert sdpa_expands_kv(CUDA, torch.float32, 64, 8, 2)
-    assert not sdpa_expands_kv(CUDA, torch.bfloat16, 64, 8, 2)  # flash takes GQA
+    assert sdpa_expands_kv(CUDA, torch.float32, 64, 8, 2, gpu=H100)
+    assert not sdpa_expands_kv(CUDA, torch.bfloat16, 64, 8, 2, gpu=H100)  # flash takes GQA
     assert not sdpa_expands_kv(torch.device("cpu"), torch.float32, 64, 8, 2)
-    call = AttentionCall(CUDA, torch.float32, 64, 8, 2)
+    call = AttentionCall(CUDA, torch.float32, 64, 8, 2, gpu=H100)
     assert attention_kernel(call) == "sdpa efficient"
+    assert sdpa_cuda_backend(torch.float32, 64, 8, 2, False) == "math"  # without expanding
 
 
-def test_dry_run_names_each_path():
-    bf16 = torch.bfloat16
-    assert planned_kernel(True, bf16, 128, 32, 8, False, None, False) == (
-        "flash-attn where flash-attn is installed, else sdpa flash"
+def test_fused_sdp_choice_integers_name_torchs_backends():
+    from torch.nn.attention import SDPBackend
+
+    names = {"MATH": "math", "FLASH_ATTENTION": "flash", "EFFICIENT_ATTENTION": "efficient"}
+    names.update(CUDNN_ATTENTION="cudnn")
+    for member, name in names.items():
+        assert sdpa_backend_name(int(getattr(SDPBackend, member).value)) == name
+
+
+def test_the_pin_enables_exactly_the_decided_backend():
+    switches = torch.backends.cuda
+    read = {
+        "cudnn": switches.cudnn_sdp_enabled,
+        "flash": switches.flash_sdp_enabled,
+        "efficient": switches.mem_efficient_sdp_enabled,
+        "math": switches.math_sdp_enabled,
+    }
+    for backend in read:
+        with sdpa_backend_pinned(f"sdpa {backend}"):
+            assert [b for b, on in read.items() if on()] == [backend]
+    assert all(on() for on in read.values())
+    with sdpa_backend_pinned("sdpa cpu-flash"):
+        assert all(on() for on in read.values())
+
+
+def test_dry_run_names_each_path_with_the_runs_dropout():
+    call = AttentionCall(CUDA, BF16, 128, 32, 8, use_flash_attn=True, dropout=0.1)
+    assert planned_kernel(call) == (
+        "flash-attn where flash-attn is installed, else sdpa flash; in evaluation (no "
+        "dropout): flash-attn where flash-attn is installed, else sdpa cudnn on sm90 "
+        "(H100/H200), sdpa flash on sm80 (A100)"
     )
-    assert planned_kernel(True, bf16, 128, 32, 8, True, None, False) == (
+    assert planned_kernel(replace(call, dropout=0.0, use_flash_attn=False)) == (
+        "sdpa cudnn on sm90 (H100/H200), sdpa flash on sm80 (A100)"
+    )
+    docs = replace(call, documents=True, dropout=0.0)
+    assert planned_kernel(docs) == (
         "flash-attn varlen where flash-attn is installed, else document tiles"
     )
-    assert planned_kernel(False, torch.float32, 64, 8, 2, False, None, True) == (
-        "ring: sdpa-efficient"
-    )
-    assert planned_kernel(False, bf16, 64, 8, 2, True, 64, True) == (
-        "ring: sdpa-efficient / sdpa-efficient"
-    )
+    ring = AttentionCall(CUDA, torch.float32, 64, 8, 2, ring=True)
+    assert planned_kernel(ring) == "ring: sdpa-efficient"
+    masked = AttentionCall(CUDA, BF16, 64, 8, 2, True, 64, True)
+    assert planned_kernel(masked) == "ring: sdpa-efficient / sdpa-efficient"
+    kernels = planned_kernels(replace(call, dropout=0.0))
+    assert kernels[("sm90 (H100/H200)", True)] == "flash-attn"
+    assert kernels[("sm90 (H100/H200)", False)] == "sdpa cudnn"
 
 
 def _logged(caplog) -> list[str]:
