@@ -17,6 +17,7 @@ not loaded. Extra memory per rank is about one piece (pieces.BLOCK_BYTES) beyond
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -497,9 +499,67 @@ def records_of(metadata, iter_dir: str) -> tuple[dict, dict]:
 
 
 # ---- save and load ---------------------------------------------------------------------------
+class _KeepsOSErrors(io.BufferedWriter):
+    """A file DCP writes through, keeping the OS error of a failed write: torch.save's zip
+    writer reports a full disk as "unexpected pos", the OSError only in its context, which
+    DCP's collection of every rank's failure drops."""
+
+    def __init__(self, raw, errors: list):
+        super().__init__(raw)
+        self._errors = errors
+
+    def _kept(self, call, *args):
+        try:
+            return call(*args)
+        except OSError as e:
+            self._errors.append(e.strerror or str(e))
+            raise
+
+    def write(self, b):
+        return self._kept(super().write, b)
+
+    def flush(self):
+        return self._kept(super().flush)
+
+
+class _FileSystem(FileSystem):
+    """DCP's file system, whose failed writes raise our CheckpointError naming the file and
+    the OS error (ENOSPC, EDQUOT, EACCES ...): it reaches every rank (_first_checkpoint_error)."""
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode: str):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        errors: list[str] = []
+        try:
+            with _KeepsOSErrors(io.FileIO(os.fspath(path), "w"), errors) as stream:
+                yield stream
+        except OSError as e:
+            errors.append(e.strerror or str(e))
+            raise _write_failed(path, errors[0]) from e
+        except Exception as e:
+            if errors:
+                raise _write_failed(path, errors[0]) from e
+            raise
+
+
+def _write_failed(path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: cannot be written ({why}); check the free space, quota and permissions "
+        f"of {os.path.dirname(os.fspath(path))}"
+    )
+
+
 class _Writer(FileSystemWriter):
     """FileSystemWriter whose finish records where each piece went on the Metadata that
-    dcp.save returns (records_of reads it): torch 2.11's finish records it on a copy."""
+    dcp.save returns (records_of reads it): torch 2.11's finish records it on a copy; and
+    whose failed writes name the file and the OS error (_FileSystem)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.fs = _FileSystem()
 
     def finish(self, metadata, results) -> None:
         metadata.storage_data = {r.index: r.storage_data for rank in results for r in rank}
@@ -534,9 +594,24 @@ def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = F
     # until their file is closed: one file per piece keeps that to one piece.
     on_host = all(h.data.device.type == "cpu" for h in held)
     writer = _Writer(iter_dir, single_file_per_rank=on_host, sync_files=True)
-    os.makedirs(iter_dir, exist_ok=True)
+    made: CheckpointError | None = None
+    try:
+        os.makedirs(iter_dir, exist_ok=True)
+    except OSError as e:
+        # Said after DCP's collective, in which this rank still takes part (and fails).
+        made = CheckpointError(
+            f"{iter_dir}: cannot be created ({e.strerror or e}); check the free space, "
+            f"quota and permissions there"
+        )
     if not background:
-        metadata = _dcp_save(planner, writer, iter_dir, dims.checkpoint_group)
+        try:
+            metadata = _dcp_save(planner, writer, iter_dir, dims.checkpoint_group)
+        except CheckpointError:
+            if made is not None:
+                raise made from None
+            raise
+        if made is not None:
+            raise made
         return records_of(metadata, iter_dir)
     upload = dcp.async_save(
         {},
@@ -548,6 +623,9 @@ def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = F
     result: Future = Future()
 
     def finished(done: Future) -> None:  # runs on the writer's thread
+        if made is not None:
+            result.set_exception(made)
+            return
         try:
             result.set_result(records_of(done.result(), iter_dir))
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the save
@@ -570,8 +648,7 @@ def _as_checkpoint_error(e: BaseException, iter_dir: str) -> CheckpointError:
 
 
 def _free_space(path: str) -> str:
-    """What the file system holding `path` has left: torch.save inside DCP's writer reports a
-    full disk as "file write failed", without the OS error."""
+    """What the file system holding `path` has left (a failure _FileSystem did not see)."""
     while not os.path.isdir(path) and os.path.dirname(path) != path:
         path = os.path.dirname(path)
     try:
@@ -579,7 +656,7 @@ def _free_space(path: str) -> str:
     except OSError:
         return "free space unknown"
     free = st.f_bavail * st.f_frsize
-    return f"{free} bytes free there" + (" — No space left on device" if free < 1 << 20 else "")
+    return f"{free} bytes free there"
 
 
 def causes(e: BaseException) -> str:

@@ -212,19 +212,147 @@ def write_tracker(save_dir: str, iteration: int) -> None:
 
 
 def read_tracker(load_dir: str) -> Optional[int]:
-    """The latest complete iteration, or None when no save has completed in `load_dir`."""
+    """The latest complete iteration, or None when no save has completed in `load_dir`;
+    CheckpointError naming the file when it holds anything but a non-negative iteration."""
     path = os.path.join(load_dir, TRACKER)
     if not os.path.isfile(path):
         return None
-    text = open(path, "rb").read().decode(errors="replace").strip()
     try:
-        return int(text)
-    except ValueError:
+        with open(path, "rb") as f:
+            text = f.read(100).decode(errors="replace").strip()
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from e
+    if not text.isascii() or not text.isdigit():
         raise CheckpointError(
             f"{path}: expected an iteration number, found {text[:40]!r}; "
             f"write the iteration of a complete iter_XXXXXXX directory "
             f"into it"
-        ) from None
+        )
+    return int(text)
+
+
+# ---- publishing an iteration: the intent, and finishing it after a crash ---------------------
+# Publishing iteration N renames iter_N.tmp-<id> to iter_N and then moves the tracker. A kill
+# or a full disk between the two would leave a newer complete iter_N behind an older tracker,
+# which is also what a person rolling the tracker back leaves. So before the first rename the
+# save writes the tracker's next contents, "N\n", durably into DIR/PUBLISHING + <id> (the
+# intent); the tracker is then moved by renaming that file over it, which needs no free space.
+# A file of that name therefore means: a publish of N was under way and did not finish. The
+# next start (recover_publish) finishes it when the new iteration is complete and every file's
+# SHA-256 matches, and otherwise rolls it back; the tracker never moves back.
+PUBLISHING = f".{TRACKER}.publish-"
+
+
+def intent_path(save_dir: str, save_id: str) -> str:
+    return os.path.join(save_dir, PUBLISHING + save_id)
+
+
+def write_intent(save_dir: str, iteration: int, save_id: str) -> str:
+    """Record (durably) that iteration `iteration` of save `save_id` is being published."""
+    path = intent_path(save_dir, save_id)
+    write_bytes_durably(path, f"{iteration}\n".encode())
+    fsync_dir(save_dir)
+    return path
+
+
+def verify_iteration(iter_dir: str) -> Optional[str]:
+    """None when `iter_dir` is complete and every file metadata.json records has its recorded
+    size and SHA-256 (read whole); else what is wrong."""
+    try:
+        meta = read_metadata(iter_dir)
+    except CheckpointError as e:
+        return str(e)
+    for rel, record in meta["files"].items():
+        path = os.path.join(iter_dir, rel)
+        digest, size = hashlib.sha256(), 0
+        try:
+            with open(path, "rb") as f:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+                    size += len(block)
+        except OSError as e:
+            return f"{path}: cannot be read ({e.strerror or e})"
+        if {"bytes": size, "sha256": digest.hexdigest()} != {
+            "bytes": record.get("bytes"),
+            "sha256": record.get("sha256"),
+        }:
+            return f"{path}: not the bytes metadata.json records"
+    return None
+
+
+def recover_publish(save_dir: str) -> list[str]:
+    """Finish or roll back every publish a kill or a full disk interrupted in `save_dir` (call
+    only while holding its lock); returns one line per publish saying what was done. Raises
+    CheckpointError, naming the file, when the directory cannot be changed (the next start
+    tries again)."""
+    done = []
+    try:
+        for path in sorted(glob.glob(os.path.join(save_dir, f".{TRACKER}.tmp-*"))):
+            os.remove(path)  # a tracker write that never reached its rename
+        intents = sorted(glob.glob(os.path.join(save_dir, PUBLISHING + "*")))
+        for intent in intents:
+            done.append(_recover_one(save_dir, intent))
+        if intents:
+            fsync_dir(save_dir)
+    except OSError as e:
+        raise CheckpointError(
+            f"{e.filename or save_dir}: finishing an interrupted save failed "
+            f"({e.strerror or e}); check the free space and permissions of {save_dir}"
+        ) from e
+    return done
+
+
+def _recover_one(save_dir: str, intent: str) -> str:
+    save_id = os.path.basename(intent)[len(PUBLISHING) :]
+    with open(intent, "rb") as f:
+        text = f.read(100).decode(errors="replace").strip()
+    tracker = os.path.join(save_dir, TRACKER)
+    current = read_tracker(save_dir)
+    if not text.isdigit():  # killed while writing the intent: the renames never started
+        os.remove(intent)
+        return f"{intent}: an unfinished record of a save, removed; {_tracker_says(current)}"
+    iteration = int(text)
+    final = os.path.join(save_dir, iteration_dir_name(iteration))
+    tmp, aside = f"{final}.tmp-{save_id}", f"{final}.old-{save_id}"
+    published = not os.path.isdir(tmp)  # the tmp directory had been renamed into place
+    candidate = final if published else tmp
+    problem = verify_iteration(candidate) if os.path.isdir(candidate) else f"{candidate}: missing"
+    if problem is None and (current is None or current <= iteration):
+        if not published:
+            if os.path.isdir(final) and not os.path.isdir(aside):
+                os.rename(final, aside)
+            os.rename(tmp, final)
+            fsync_dir(save_dir)
+        os.replace(intent, tracker)  # the intent holds the tracker's new contents
+        fsync_dir(save_dir)
+        if os.path.isdir(aside):
+            remove_dir(aside, save_id)
+        return (
+            f"recovered an interrupted save: {final} is complete and every file's SHA-256 "
+            f"matches; {tracker} now names iteration {iteration} (it named "
+            f"{'nothing' if current is None else current})"
+        )
+    # Roll back: the previous copy of the iteration (if one was set aside) returns.
+    if os.path.isdir(aside) and not os.path.isdir(final):
+        os.rename(aside, final)
+    os.remove(intent)
+    why = problem or f"{tracker} already names the later iteration {current}"
+    return (
+        f"rolled back an interrupted save of iteration {iteration} ({why}); "
+        f"{_tracker_says(current)}"
+    )
+
+
+def _tracker_says(current: Optional[int]) -> str:
+    return (
+        "no checkpoint had completed before it"
+        if current is None
+        else f"resuming from iteration {current}, the newest complete checkpoint"
+    )
+
+
+def interrupted_publishes(save_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(save_dir, PUBLISHING + "*")))
 
 
 def unfinished_saves(load_dir: str) -> list[str]:
@@ -315,6 +443,11 @@ def claim_save_dir(save_dir: str) -> None:
         f"{time.strftime('%Y-%m-%d %H:%M:%S')}".encode(),
     )
     _held_locks[key] = fd
+
+
+def held_save_dirs() -> set[str]:
+    """The (real) paths of the directories whose lock this process holds."""
+    return set(_held_locks)
 
 
 def release_save_dir(save_dir: str) -> None:

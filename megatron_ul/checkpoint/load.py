@@ -16,6 +16,7 @@ from ..model.chunks import model_dims
 from . import dist_io, files, reshard, resume_rules
 from .files import CheckpointError
 from .record import Resume, run_layout
+from .save import _on_rank0, recover_publishes
 from .state import named_parameters, set_rng_state
 from .zero import load_checkpoint_model_state, load_checkpoint_optimizer_state
 
@@ -296,6 +297,8 @@ def load_checkpoint(cfg: ResolvedConfig, model, optimizer, scheduler, grad_scale
     """Collective: each rank reads what it needs; an error on any rank is raised on every rank
     (_on_every_rank). Returns where training resumes."""
     c = cfg.checkpoint
+    # A publish that a kill or a full disk interrupted is finished or rolled back first.
+    _on_rank0(lambda: recover_publishes(cfg))
     found = _on_every_rank(lambda: _locate(cfg))
     if found is None:
         return Resume()
@@ -324,6 +327,12 @@ def load_checkpoint(cfg: ResolvedConfig, model, optimizer, scheduler, grad_scale
     copy_main_to_model = getattr(optimizer, "copy_main_to_model", None)
     if copy_main_to_model is not None:
         copy_main_to_model()
+    # Said only now: every rank's load succeeded (_on_every_rank's collective verdict).
+    if dist.get_rank() == 0:
+        if c.finetune:
+            log.info("loaded weights of %s for fine-tuning; starting at iteration 0", iter_dir)
+        else:
+            log.info("loaded checkpoint %s at iteration %d", iter_dir, iteration)
     return resume
 
 
@@ -350,7 +359,6 @@ def _apply(
         )
         load_model_state(model, model_sd, source)
     if c.finetune:
-        log.info("loaded weights of %s for fine-tuning; starting at iteration 0", iter_dir)
         return Resume()
     if load_optim and common is None:
         _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
@@ -365,6 +373,4 @@ def _apply(
     _load_grad_scaler(grad_scaler, payload, source)
     if not c.no_load_rng:
         _load_rng(cfg, meta, iter_dir)
-    if dist.get_rank() == 0:
-        log.info("loaded checkpoint %s at iteration %d", iter_dir, iteration)
     return Resume(iteration, payload["consumed_samples"], payload["consumed_valid_samples"])

@@ -120,9 +120,38 @@ def claim_save_dir(cfg: ResolvedConfig) -> None:
 
     def claim() -> None:
         files.claim_save_dir(save_dir_of(cfg))
+        recover_publishes(cfg)
         check_nothing_overwritten(cfg)
 
     _on_rank0(claim)
+
+
+def recover_publishes(cfg: ResolvedConfig) -> None:
+    """Rank 0: finish or roll back the publishes a kill or a full disk interrupted in --save
+    (whose lock this job holds) and in --load, when no other job holds that one (a publish under
+    way there is its own; a read-only --load keeps its tracker, which is consistent). One log
+    line per publish."""
+    c = cfg.checkpoint
+    if c.save is not None and files.interrupted_publishes(c.save):
+        files.claim_save_dir(c.save)
+        for line in files.recover_publish(c.save):
+            log.warning("%s", line)
+    if c.load is None or c.load == c.save or not files.interrupted_publishes(c.load):
+        return
+    held = os.path.realpath(c.load) in files.held_save_dirs()
+    try:
+        files.claim_save_dir(c.load)
+    except CheckpointError as e:
+        log.warning("%s: not finishing its interrupted save (%s)", c.load, e)
+        return
+    try:
+        for line in files.recover_publish(c.load):
+            log.warning("%s", line)
+    except CheckpointError as e:
+        log.warning("%s", e)
+    finally:
+        if not held:
+            files.release_save_dir(c.load)
 
 
 def start_iteration(cfg: ResolvedConfig) -> int:
@@ -136,6 +165,8 @@ def start_iteration(cfg: ResolvedConfig) -> int:
         lost = files.lost_tracker_error(c.load)
         if lost is not None:
             raise lost
+    if iteration is not None:
+        files.find_iteration_dir(c.load, iteration)  # the tracker names one that exists
     return 0 if c.finetune or iteration is None else iteration
 
 
@@ -145,13 +176,25 @@ def check_nothing_overwritten(cfg: ResolvedConfig) -> None:
     --overwrite-checkpoints."""
     c = cfg.checkpoint
     start = start_iteration(cfg)
-    later = [i for i in files.complete_iterations(save_dir_of(cfg)) if i > start or start == 0]
+    save_dir = save_dir_of(cfg)
+    later = [i for i in files.complete_iterations(save_dir) if i > start or start == 0]
     if later and not c.overwrite_checkpoints:
         names = ", ".join(files.iteration_dir_name(i) for i in later[:4])
+        more = " …" if len(later) > 4 else ""
+        resumes_here = start and c.load is not None and os.path.samefile(c.load, save_dir)
+        if resumes_here:  # an interrupted save was recovered by now: set back on purpose
+            tracker = os.path.join(save_dir, files.TRACKER)
+            raise CheckpointError(
+                f"{tracker} names iteration {start}, but --save {save_dir} holds newer "
+                f"complete checkpoints this run would save over: {names}{more} (no "
+                f"interrupted save left them: was the tracker set back by hand?); to resume "
+                f"from the newest: echo {later[-1]} > {tracker}; to continue from iteration "
+                f"{start} and replace them: --overwrite-checkpoints"
+            )
         raise CheckpointError(
-            f"--save {c.save} holds complete checkpoints this run (starting at iteration "
-            f"{start}) would save over: {names}{' …' if len(later) > 4 else ''}; resume with "
-            f"--load {c.save}, choose another --save, or pass --overwrite-checkpoints"
+            f"--save {save_dir} holds complete checkpoints this run (starting at iteration "
+            f"{start}) would save over: {names}{more}; resume with --load {save_dir}, "
+            f"choose another --save, or pass --overwrite-checkpoints"
         )
 
 
@@ -283,25 +326,40 @@ def _write_dist_files(
 
 
 def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) -> None:
-    """Rank 0: make the complete tmp directory the iteration, then move the tracker."""
+    """Rank 0: make the complete tmp directory the iteration, then move the tracker. The
+    intent (files.write_intent) is on disk before the first rename, so that the next start
+    finishes or rolls back a publish that a kill or a full disk stopped at any step."""
+    intent, aside = None, None
     try:
         for root, dirs, _ in os.walk(tmp):
             for d in dirs:
                 files.fsync_dir(os.path.join(root, d))
         files.fsync_dir(tmp)
-        aside = None
+        intent = files.write_intent(save_dir, iteration, save_id)
         if os.path.exists(final):  # replace: move the old copy aside, delete it last
             aside = f"{final}.old-{save_id}"
             os.rename(final, aside)
         os.rename(tmp, final)
         files.fsync_dir(save_dir)
-        files.write_tracker(save_dir, iteration)
-    except OSError as e:
-        raise CheckpointError(
-            f"{e.filename or save_dir}: publishing iteration {iteration} failed ({e.strerror or e})"
-        ) from e
+        # The intent holds the tracker's new contents: renaming it needs no free space.
+        os.replace(intent, os.path.join(save_dir, files.TRACKER))
+        files.fsync_dir(save_dir)
+    except (OSError, CheckpointError) as e:
+        raise CheckpointError(_publish_failed(save_dir, final, iteration, intent, e)) from e
     if aside is not None:
         files.remove_dir(aside, save_id)
+
+
+def _publish_failed(save_dir, final, iteration, intent, e) -> str:
+    what = (
+        str(e) if isinstance(e, CheckpointError) else f"{e.filename or save_dir}: {e.strerror or e}"
+    )
+    if intent is not None and os.path.exists(intent):
+        return (
+            f"publishing iteration {iteration} failed ({what}); the next start with "
+            f"--save {save_dir} finishes it (if {final} is complete) or rolls it back"
+        )
+    return f"publishing iteration {iteration} failed ({what}); the previous checkpoint is current"
 
 
 def _tidy(cfg: ResolvedConfig, save_id: str, iteration: int) -> None:

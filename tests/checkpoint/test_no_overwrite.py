@@ -61,7 +61,9 @@ def test_resuming_before_later_checkpoints_is_refused(saved_in, tmp_path):
     d, fmt = saved_in
     shutil.copytree(os.path.join(d, "iter_0000002"), os.path.join(d, "iter_0000004"))
     message = _refused(ARGV + fmt + ["--load", d, "--save", d])
-    assert "starting at iteration 2" in message and "iter_0000004" in message
+    tracker = os.path.join(d, files.TRACKER)
+    assert f"{tracker} names iteration 2" in message and "iter_0000004" in message
+    assert "set back by hand" in message and f"echo 4 > {tracker}" in message
     assert "iter_0000002," not in message
 
 
