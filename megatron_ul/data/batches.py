@@ -125,7 +125,9 @@ def build_micro_batch(
     Megatron's get_ltor_masks_and_position_ids, computed on the full sequence.
     With ``reset_attention_mask`` the batch has ``cu_seqlens``: the document offsets of the
     FULL sequence over the flattened [b·N] batch (identical on every SP rank, since Ulysses
-    attends over the full sequence), instead of Megatron's dense [b, 1, N, N] mask.
+    attends over the full sequence), instead of Megatron's dense [b, 1, N, N] mask, and
+    ``document_offsets``, the same offsets as a list of ints: read here, where ``texts`` is
+    still host memory, so that the model never reads them back from the device.
     """
     if texts.dim() != 2 or texts.shape[1] < 2:
         raise ValueError(
@@ -164,4 +166,5 @@ def build_micro_batch(
     }
     if reset_attention_mask:
         batch["cu_seqlens"] = _document_offsets(tokens, eod_token)
+        batch["document_offsets"] = batch["cu_seqlens"].tolist()
     return batch

@@ -44,11 +44,17 @@ DOCUMENT_GRAD_TILE = 1024
 @dataclass
 class DocumentMask:
     """The documents of one micro-batch: cu_seqlens [docs + 1] int32 over [b·N], N the full
-    sequence length."""
+    sequence length, on the device, and `host_offsets`, the same offsets on the host.
+
+    The block loops, the ring's document starts and flash-attn's max_seqlen need the offsets
+    as Python ints; reading them from the device tensor would stop the host until the device
+    caught up, once per micro-batch. So the data path hands them over from where it computed
+    them on the host (data/batches.py). Without them the offsets are read from `cu_seqlens`,
+    free when it is host memory (tests, tools); on a GPU that read is a synchronisation."""
 
     cu_seqlens: torch.Tensor
     batch_size: int
-    _host: Optional[list] = field(default=None, repr=False)
+    host_offsets: Optional[list[int]] = None
     _ids: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
@@ -57,9 +63,9 @@ class DocumentMask:
 
     @property
     def offsets(self) -> list[int]:
-        if self._host is None:  # one device->host copy per micro-batch, not per layer
-            self._host = self.cu_seqlens.tolist()
-        return self._host
+        if self.host_offsets is None:
+            self.host_offsets = self.cu_seqlens.tolist()
+        return self.host_offsets
 
     def token_documents(self) -> torch.Tensor:
         """[b, N] index of each token's document, on the offsets' device (O(N); computed
@@ -77,11 +83,18 @@ class DocumentMask:
 
 
 def document_mask_of(batch: dict) -> Optional[DocumentMask]:
-    """The DocumentMask of a micro-batch dict (None without --reset-attention-mask)."""
-    cu = batch.get("cu_seqlens")
-    if cu is None:
-        return None
-    return DocumentMask(cu, batch["tokens"].shape[0])
+    """The DocumentMask of a micro-batch dict (None without --reset-attention-mask), with the
+    host offsets the batch carries as "document_offsets". Built once and kept in the dict as
+    "documents": every pipeline chunk of the micro-batch, and its backward, share it (and its
+    token-to-document index)."""
+    if "documents" not in batch:
+        cu = batch.get("cu_seqlens")
+        batch["documents"] = (
+            None
+            if cu is None
+            else DocumentMask(cu, batch["tokens"].shape[0], batch.get("document_offsets"))
+        )
+    return batch["documents"]
 
 
 # ---- the memory-linear SDPA path -----------------------------------------------------------
