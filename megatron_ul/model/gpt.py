@@ -7,7 +7,7 @@ global layers (1-based) this stage holds.
 
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +56,7 @@ class GPTModel(nn.Module):
         self.padded_vocab_size = cfg.padded_vocab_size(tp)
         std = cfg.init_method_std
         self.share_embeddings = not cfg.untie_embeddings_and_output_weights
+        self._tied_weight_read_hooks: list[Callable[[], None]] = []
         # What the residual stream and pipeline traffic carry (use_half_precision sets them).
         self.activation_dtype: torch.dtype = dtype
         self.fp32_residual = False
@@ -138,10 +139,25 @@ class GPTModel(nn.Module):
             x = scatter_to_sequence_parallel_region(x, self.tp_group)
         return dropout(x, self.cfg.hidden_dropout, self.training, self.sequence_parallel)
 
+    @property
+    def tied_output_weight(self) -> Optional[nn.Parameter]:
+        """The embedding table the output layer reads (tied embeddings), or None."""
+        if not (self.share_embeddings and hasattr(self, "word_embeddings")):
+            return None
+        return self.word_embeddings.weight
+
+    def register_tied_weight_read_hook(self, hook: Callable[[], None]) -> None:
+        """Run `hook` before the output layer reads the tied embedding table. Hooks on the
+        embedding module do not cover that read: on the last pipeline stage the embedding's
+        forward never runs. (The distributed optimizer waits for the table's all-gather here.)"""
+        self._tied_weight_read_hooks.append(hook)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, h] -> [s, b, padded_vocab/TP]."""
         if not self.share_embeddings:
             return self.output_layer(x)
+        for hook in self._tied_weight_read_hooks:
+            hook()
         if self.sequence_parallel:  # keeps only the [s/TP, b, h] shard for backward
             return sequence_parallel_linear(x, self.word_embeddings.weight, group=self.tp_group)
         return F.linear(

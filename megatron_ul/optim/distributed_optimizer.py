@@ -44,12 +44,14 @@ into the per-parameter form plain AdamW checkpoints use, so they load on any lay
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
+from ..model.gpt import GPTModel
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 from ..mpu.param_spec import param_spec
@@ -308,7 +310,9 @@ class DistributedOptimizer:
                 handle.wait()
 
     def _register_param_wait_hooks(self, model: torch.nn.Module) -> None:
-        """Before a module's forward, wait for the buckets holding its own parameters."""
+        """Before a module's forward, wait for the buckets holding its own parameters; and
+        before the output layer reads a tied embedding table, for the table's bucket (on the
+        last pipeline stage the embedding's own forward, and so its hook, never runs)."""
         bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
         for module in model.modules():
             own = {bucket_of[id(p)] for p in module.parameters(recurse=False) if id(p) in bucket_of}
@@ -317,6 +321,11 @@ class DistributedOptimizer:
                 module.register_forward_pre_hook(
                     lambda _m, _args, buckets=buckets: self.finish_param_sync(buckets)
                 )
+            if isinstance(module, GPTModel):
+                tied = module.tied_output_weight
+                if tied is not None and id(tied) in bucket_of:
+                    wait = partial(self.finish_param_sync, [bucket_of[id(tied)]])
+                    module.register_tied_weight_read_hook(wait)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero in place: the parameters' .grad must stay views of the gradient buffer."""
