@@ -492,40 +492,60 @@ def _model_state(result: dict, phase: str) -> int:
     return breakdown.get("parameters", 0) + breakdown.get("optimizer state", 0)
 
 
+def device_peak(result: dict) -> tuple[str, int]:
+    """(phase, bytes) of the largest device peak over the phases of a `measure_peak` result:
+    the live total less what a GPU run keeps in host memory (host-held state)."""
+    phase = max(result["phases"], key=lambda p: result["phases"][p]["device_peak"] or 0)
+    return phase, result["phases"][phase]["device_peak"] or 0
+
+
 def table_options(results: dict, top: int = 14) -> str:
     """One row per (precision, option): the peak and the layer-backward peak, per token and
-    above the model state; then what was alive at the layer-backward peak, by term."""
+    above the model state, and the device peak with its phase; then what was alive at the
+    layer-backward peak and at the device peak, by term."""
     rows = [
         "| precision | options | peak MiB | bytes/token | above params + Adam, bytes/token "
         "| layer-backward peak MiB | bytes/token | above params + Adam, bytes/token "
-        "| device peak MiB (host-held state excluded) | bytes/token |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| device peak MiB (host-held state excluded) | bytes/token | device peak's phase |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for (precision, name), r in results.items():
         n = r["tokens_per_rank"]
         peak_phase = max(r["phases"], key=lambda p: r["phases"][p]["peak"])
         layer = r["phases"][LAYER_BACKWARD]["peak"]
-        device = max(p["device_peak"] or 0 for p in r["phases"].values())
+        phase, device = device_peak(r)
         rows.append(
             f"| {precision} | {name} | {r['peak'] / MIB:.1f} | {r['peak'] / n:.0f} | "
             f"{(r['peak'] - _model_state(r, peak_phase)) / n:.0f} | {layer / MIB:.1f} | "
             f"{layer / n:.0f} | {(layer - _model_state(r, LAYER_BACKWARD)) / n:.0f} | "
-            f"{device / MIB:.1f} | {device / n:.0f} |"
+            f"{device / MIB:.1f} | {device / n:.0f} | {phase} "
+            f"(`{r['phases'][phase]['where'].replace(' | ', ' / ')}`) |"
         )
+    rows += [
+        "",
+        "Alive at the layer-backward peak (phase / module or autograd node / op), MiB "
+        "(bytes/token):",
+    ]
+    rows += _terms_table(results, lambda r: LAYER_BACKWARD, top)
+    rows += ["", "Alive at the device peak (in its phase, named above), MiB (bytes/token):"]
+    rows += _terms_table(results, lambda r: device_peak(r)[0], top)
+    return "\n".join(rows)
+
+
+def _terms_table(results: dict, phase_of, top: int) -> list[str]:
+    """What was alive at `phase_of(result)`'s peak of each result, one column per result."""
     columns = list(results)
     terms: dict[str, dict] = {}
     for key, r in results.items():
-        for label, nbytes in r["phases"][LAYER_BACKWARD]["breakdown"].items():
-            label = label.replace(LAYER_BACKWARD + " backward", "layer backward")
+        phase = phase_of(r)
+        for label, nbytes in r["phases"][phase]["breakdown"].items():
+            label = label.replace(phase + " backward", phase.split(" ", 2)[-1])
             label = label.replace("iteration 2 ", "").replace("iteration 1 ", "")
             label = label.replace(" | ", " / ")  # a table cell
             terms.setdefault(label, dict.fromkeys(columns, 0))[key] += nbytes
     largest = sorted(terms, key=lambda t: -max(terms[t].values()))[:top]
     n = results[columns[0]]["tokens_per_rank"]
-    rows += [
-        "",
-        "Alive at the layer-backward peak (phase / module or autograd node / op), MiB "
-        "(bytes/token):",
+    rows = [
         "",
         "| term | " + " | ".join(f"{p}, {o}" for p, o in columns) + " |",
         "|---|" + "---:|" * len(columns),
@@ -535,7 +555,7 @@ def table_options(results: dict, top: int = 14) -> str:
             f"{terms[label][c] / MIB:.1f} ({terms[label][c] / n:.0f})" for c in columns
         )
         rows.append(f"| {label} | {cells} |")
-    return "\n".join(rows)
+    return rows
 
 
 def machine_info() -> str:
