@@ -235,9 +235,9 @@ def _document_backward_in_place(dq, dk, dv, q, k, v, grad_out, block, scale) -> 
 
 def tiled_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float) -> Optional[str]:
     """The fused kernel of the tiled path (no loop per document), or None for the per-document
-    loop: CUDA runs torch's efficient kernel (fp64: the softmax written out); the CPU, and
-    attention dropout (the tiles' kernels run without it), keep the loop."""
-    if device.type != "cuda" or dropout_p > 0:
+    loop: CUDA runs torch's efficient kernel, attention dropout included (fp64: the softmax
+    written out, which takes no dropout); the CPU keeps the loop."""
+    if device.type != "cuda" or (dropout_p > 0 and dtype == torch.float64):
         return None
     return "reference" if dtype == torch.float64 else "sdpa-efficient"
 
@@ -317,7 +317,9 @@ def document_attention(
         if kernel == "document tiles":
             tiled = tiled_kernel(q.device, q.dtype, dropout_p)
             assert tiled is not None
-            return tiled_document_attention(q, k, v, documents, window, softmax_scale, tiled)
+            return tiled_document_attention(
+                q, k, v, documents, window, softmax_scale, tiled, dropout_p=dropout_p
+            )
         offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
         return BlockwiseAttention.apply(
             q, k, v, document_blocks(offsets, n, window), window, dropout_p, softmax_scale

@@ -11,6 +11,13 @@ host from the offsets (read once per micro-batch). Partial results merge with th
 backward takes the final lse and adds each call's gradients into dq, dk, dv in place.
 
 Kernels: lse_kernels (torch's efficient kernel on CUDA, its CPU flash kernel on CPU).
+
+Attention dropout runs inside the efficient kernel: each call drops its block of the
+normalised probabilities with the philox seed and offset it draws from the device generator,
+and its lse stays that of the undropped scores, so the merge by lse is as exact as without
+dropout. Backward hands each call the seed and offset its forward drew (no generator state is
+consumed there); a recomputed forward (activation checkpointing) replays the generator and so
+draws the same ones.
 """
 
 from __future__ import annotations
@@ -57,8 +64,12 @@ def _key_calls(sample, q0, q1, lo, window, tile) -> list[Call]:
     return calls
 
 
-def plan(starts: list[list[int]], n: int, window: Optional[int], tile: int = TILE) -> list[Call]:
-    """The kernel calls for documents starting at `starts` per sample (positions in [0, n))."""
+def plan(
+    starts: list[list[int]], n: int, window: Optional[int], tile: Optional[int] = None
+) -> list[Call]:
+    """The kernel calls for documents starting at `starts` per sample (positions in [0, n)),
+    in query tiles of `tile` tokens (default TILE, read at call time)."""
+    tile = TILE if tile is None else tile
     calls = []
     for sample, doc_starts in enumerate(starts):
         for q0 in range(0, n, tile):
@@ -104,18 +115,20 @@ def _merge(out, lse, part_out, part_lse):
 
 
 class TiledDocumentAttention(torch.autograd.Function):
-    """q [N, b, hq, d], k/v [N, b, hk, d] -> [N, b, hq, d]; keeps q, k, v, out and lse."""
+    """q [N, b, hq, d], k/v [N, b, hk, d] -> [N, b, hq, d]; keeps q, k, v, out and lse (and
+    with dropout each call's philox seed and offset)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, calls, ids, window, scale, kernel):
+    def forward(ctx, q, k, v, calls, ids, window, scale, kernel, dropout_p):
         acc = lse_kernels.lse_dtype(q.dtype)
         out = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse = torch.full(
             (q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=acc, device=q.device
         )  # [b, h, N]
+        philox = []
         for c in calls:
             bias = _bias(c, ids, window, q.dtype, q.device) if c.masked else None
-            part, part_lse = kernel.forward(
+            args = (
                 _heads_first(q, c.sample, c.q0, c.q1),
                 _heads_first(k, c.sample, c.k0, c.k1),
                 _heads_first(v, c.sample, c.k0, c.k1),
@@ -123,6 +136,11 @@ class TiledDocumentAttention(torch.autograd.Function):
                 bias,
                 scale,
             )
+            if dropout_p > 0:
+                part, part_lse, drawn = lse_kernels.efficient_attention(*args, dropout_p)
+                philox.append(drawn)
+            else:
+                part, part_lse = kernel.forward(*args)
             _merge(
                 _heads_first(out, c.sample, c.q0, c.q1),
                 lse[c.sample : c.sample + 1, :, c.q0 : c.q1],
@@ -132,18 +150,20 @@ class TiledDocumentAttention(torch.autograd.Function):
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan = calls, ids, window, scale, kernel
+        ctx.dropout = dropout_p, philox
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         calls, ids, window, scale, kernel = ctx.plan
+        dropout_p, philox = ctx.dropout
         dout = dout.to(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k, v))
-        for c in calls:
+        for i, c in enumerate(calls):
             bias = _bias(c, ids, window, q.dtype, q.device) if c.masked else None
             rows, keys = (c.sample, c.q0, c.q1), (c.sample, c.k0, c.k1)
-            grads = kernel.backward(
+            args = (
                 _heads_first(dout, *rows),
                 _heads_first(q, *rows),
                 _heads_first(k, *keys),
@@ -154,9 +174,13 @@ class TiledDocumentAttention(torch.autograd.Function):
                 bias,
                 scale,
             )
+            if dropout_p > 0:
+                grads = lse_kernels.efficient_attention_backward(*args, dropout_p, philox[i])
+            else:
+                grads = kernel.backward(*args)
             for target, at, grad in zip((dq, dk, dv), (rows, keys, keys), grads):
                 _heads_first(target, *at).add_(grad)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
 
 
 def document_starts(offsets: list[int], n: int, batch: int) -> list[list[int]]:
@@ -169,9 +193,23 @@ def document_starts(offsets: list[int], n: int, batch: int) -> list[list[int]]:
 
 
 def tiled_document_attention(
-    q, k, v, documents, window: Optional[int], softmax_scale: Optional[float], kernel_name: str
+    q,
+    k,
+    v,
+    documents,
+    window: Optional[int],
+    softmax_scale: Optional[float],
+    kernel_name: str,
+    *,
+    dropout_p: float = 0.0,
 ):
-    """Causal attention within `documents` (a DocumentMask or None) and the window."""
+    """Causal attention within `documents` (a DocumentMask or None) and the window, with
+    attention dropout `dropout_p` (torch's efficient kernel only)."""
+    if dropout_p > 0 and kernel_name != lse_kernels.SDPA_EFFICIENT.name:
+        raise ValueError(
+            f"--attention-dropout {dropout_p}: the document tiles take attention dropout on "
+            f"torch's efficient kernel only, not on {kernel_name}"
+        )
     n, b = q.shape[:2]
     offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
     ids = documents.token_documents() if documents is not None else None
@@ -185,4 +223,5 @@ def tiled_document_attention(
         window,
         scale,
         lse_kernels.kernel_named(kernel_name),
+        dropout_p,
     )
