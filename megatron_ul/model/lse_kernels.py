@@ -28,11 +28,12 @@ Kernels (chosen by `attention_dispatch.ring_unit_kernel`):
 from __future__ import annotations
 
 import importlib
-import inspect
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from .attention import flash_attn_api
 
 # Tests replace this with a CPU stand-in of the CUDA kernels' operator contracts.
 cuda_ops = torch.ops.aten
@@ -84,14 +85,32 @@ CPU_FLASH = UnitKernel("cpu-flash", True, _cpu_flash_forward, _cpu_flash_backwar
 
 
 # ---- flash-attn 2 --------------------------------------------------------------------------------
+# The private functions changed their calling convention twice (flash_attn_interface.py):
+#   2.5  _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size,
+#            alibi_slopes, return_softmax) -> (out, q, k, v, out_padded, lse, S_dmask, rng)
+#        _flash_attn_backward(dout, q, k, v, out, lse, dq, dk, dv, dropout_p, softmax_scale,
+#            causal, window_size, alibi_slopes, deterministic, rng_state) -> (dq, dk, dv, d)
+#   2.6  as 2.5 with softcap after window_size
+#   2.7+ torch custom ops (inspect.signature says only (*args, **kwargs)) taking
+#        window_size_left, window_size_right where 2.6 takes window_size:
+#        forward -> (out, lse, S_dmask, rng), backward -> softmax_d
+# Every release writes the gradients into the dq, dk, dv it is given, so the backward reads
+# them there. The convention comes from the installed release's version (attention.py refuses
+# releases outside 2.5-2.8 before any call).
 def _flash_interface():
     return importlib.import_module("flash_attn.flash_attn_interface")
 
 
-def _window_kwargs(fn) -> dict:
-    """flash-attn >= 2.7 takes window_size_left/right, 2.6 one window_size pair."""
-    if "window_size_left" in inspect.signature(fn).parameters:
-        return {"window_size_left": -1, "window_size_right": -1}
+def _flash_release_api() -> str:
+    return flash_attn_api(importlib.import_module("flash_attn"))
+
+
+def _window_kwargs(api: str) -> dict:
+    """The unbounded window (and softcap off) as the release spells them."""
+    if api == "2.7":
+        return {"window_size_left": -1, "window_size_right": -1, "softcap": 0.0}
+    if api == "2.6":
+        return {"window_size": (-1, -1), "softcap": 0.0}
     return {"window_size": (-1, -1)}
 
 
@@ -101,30 +120,27 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 def _flash_attn_forward(q, k, v, causal, bias, scale):
     assert bias is None, "flash-attn takes no bias"
-    fa = _flash_interface()
-    result = fa._flash_attn_forward(
+    api = _flash_release_api()
+    result = _flash_interface()._flash_attn_forward(
         _bshd(q),
         _bshd(k),
         _bshd(v),
         dropout_p=0.0,
         softmax_scale=scale,
         causal=causal,
-        softcap=0.0,
         alibi_slopes=None,
         return_softmax=False,
-        **_window_kwargs(fa._flash_attn_forward),
+        **_window_kwargs(api),
     )
-    # 2.7: (out, lse, S_dmask, rng_state); 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng)
-    out, lse = (result[0], result[1]) if len(result) == 4 else (result[0], result[5])
+    out, lse = (result[0], result[1]) if api == "2.7" else (result[0], result[5])
     # the kernel gives rows without keys lse +inf; the merge needs -inf
     return out.transpose(1, 2), lse.masked_fill(lse == float("inf"), float("-inf"))
 
 
 def _flash_attn_backward(dout, q, k, v, out, lse, causal, bias, scale):
     assert bias is None, "flash-attn takes no bias"
-    fa = _flash_interface()
     dq, dk, dv = (torch.empty(_bshd(t).shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    fa._flash_attn_backward(
+    _flash_interface()._flash_attn_backward(
         _bshd(dout).contiguous(),
         _bshd(q),
         _bshd(k),
@@ -137,11 +153,10 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, bias, scale):
         dropout_p=0.0,
         softmax_scale=scale,
         causal=causal,
-        softcap=0.0,
         alibi_slopes=None,
         deterministic=False,
         rng_state=None,
-        **_window_kwargs(fa._flash_attn_backward),
+        **_window_kwargs(_flash_release_api()),
     )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 

@@ -220,3 +220,34 @@ def _check_hybrid(rank, world):
                 f"U2xR{world // ulysses} hq={hq} hk={hk} window={window}",
             )
     return True
+
+
+def _check_flash_ring(rank, world):
+    """bf16, head dim 16, documents: the ring's unmasked units run flash-attn's private
+    functions (the stand-in of the release the fixture chose), the masked ones the CPU flash
+    kernel; forward and this rank's dq equal fp32 attention up to bf16 rounding."""
+    import flash_attn  # the stand-in (fixture): counts its calls in this rank
+
+    ring = Ring.from_dims(ps.initialize_model_parallel(1, 1, 1, context_parallel_size=world))
+    positions = ring_local_positions(ring.rank, ring.size, N)
+    g = torch.Generator().manual_seed(11)
+    full = [
+        torch.randn(N, B, h, 16, generator=g).bfloat16().float().requires_grad_() for h in (4, 2, 2)
+    ]
+    mine = [t.detach()[positions].bfloat16().requires_grad_() for t in full]
+    docs = documents()
+    out = ring_attention(*mine, ring, attention_mask=docs, backend="flash")
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    (out.float() * weights).sum().backward()
+    ref = reference_attention(*full, mask=dense_document_mask(docs))
+    torch.testing.assert_close(out.float(), ref.detach()[positions], atol=2e-2, rtol=2e-2)
+    full_weights = torch.zeros(ref.shape)
+    full_weights[positions] = weights
+    (ref * full_weights).sum().backward()
+    torch.testing.assert_close(mine[0].grad.float(), full[0].grad[positions], atol=2e-2, rtol=2e-2)
+    return flash_attn.calls["_flash_attn_forward"], flash_attn.calls["_flash_attn_backward"]
+
+
+def test_ring_flash_path_under_each_flash_attn_release_r2(flash_attn_stand_in):
+    for forward_calls, backward_calls in run_distributed(_check_flash_ring, 2):
+        assert forward_calls > 0 and backward_calls > 0

@@ -68,7 +68,6 @@ CASES = [
     ("cpu-flash", torch.bfloat16),
     ("sdpa-efficient", torch.bfloat16),
     ("sdpa-efficient", torch.float32),
-    ("flash-attn", torch.bfloat16),
 ]
 
 
@@ -76,12 +75,20 @@ CASES = [
     "name,dtype", CASES, ids=[f"{n}-{d}".replace("torch.", "") for n, d in CASES]
 )
 @pytest.mark.parametrize("masking", ["causal", "bias"])
-def test_unit_kernel_matches_explicit_softmax(name, dtype, masking, efficient_stand_in, request):
-    if name == "flash-attn":
-        request.getfixturevalue("flash_attn_stand_in")
+def test_unit_kernel_matches_explicit_softmax(name, dtype, masking, efficient_stand_in):
+    _check_unit_kernel(name, dtype, masking)
+
+
+def test_flash_attn_unit_kernel_under_each_release_matches_explicit_softmax(flash_attn_stand_in):
+    """The ring's flash-attn unit kernel calls each release's private functions with its own
+    calling convention (plain functions in 2.5/2.6, custom ops from 2.7)."""
+    _check_unit_kernel("flash-attn", torch.bfloat16, "causal")
+    calls = flash_attn_stand_in.calls
+    assert calls["_flash_attn_forward"] == 1 and calls["_flash_attn_backward"] == 1
+
+
+def _check_unit_kernel(name, dtype, masking):
     kernel = lse_kernels.kernel_named(name)
-    if masking == "bias" and not kernel.takes_bias:
-        pytest.skip("flash-attn takes no bias: the ring gives it unmasked units only")
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 24, D, generator=g).to(dtype) for h in (4, 2, 2))
     causal, bias = masking == "causal", _bias(2, 24, 24, dtype) if masking == "bias" else None
