@@ -17,18 +17,21 @@ its memory alone. Communication itself is not exercised (one GPU cannot show it)
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
 from megatron_ul.data.sequence_layout import rank_positions
+from megatron_ul.model import lse_kernels
 from megatron_ul.model.attention_dispatch import AttentionCall, attention_kernel
 from megatron_ul.model.document_attention import DocumentMask
 from megatron_ul.model.ring_attention import Ring
+from megatron_ul.model.tiled_document_attention import tiled_document_attention
 from megatron_ul.model.ulysses import DistributedAttention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
+from tools.gpu_check_sdpa import DIRECT_OPS
 
 HALF_OUT_TOLERANCE = 2e-2  # as tests/model/test_ring_attention.py (bf16)
 HALF_GRAD_TOLERANCE = 5e-2  # as tests/model/test_document_attention.py (bf16 gradients)
@@ -148,17 +151,29 @@ def forward_backward(
 
 
 def one_device(
-    case: Case, q, k, v, dout, documents, device: str, repeats: int = 2, fused_only: bool = True
+    case: Case,
+    q,
+    k,
+    v,
+    dout,
+    documents,
+    device: str,
+    repeats: int = 2,
+    fused_only: bool = True,
+    recorder: Any = None,
 ) -> Measured:
-    """The attention core on one device (no Ulysses, no ring); the last of `repeats` runs."""
+    """The attention core on one device (no Ulysses, no ring); the last of `repeats` runs is
+    returned, the first is recorded by `recorder` (an SdpaRecorder) if given."""
     core = DistributedAttention(1, "sdpa", None, window=case.window)
-    for _ in range(repeats):
-        run = forward_backward(core, q, k, v, dout, documents, device, fused_only)
+    for i in range(repeats):
+        with recorder if (recorder is not None and i == 0) else nullcontext():
+            run = forward_backward(core, q, k, v, dout, documents, device, fused_only)
     return run
 
 
-def kernel_of(case: Case, device: str, ring: bool = False) -> str:
-    """The kernel attention_dispatch decides for the case (what the row ran, for its note)."""
+def kernel_of(case: Case, device: str, ring: bool = False, dropout: bool = False) -> str:
+    """The kernel attention_dispatch decides for the case (our dispatch's own claim, for the
+    note; the kernel column records what ran)."""
     call = AttentionCall(
         torch.device(device),
         case.dtype,
@@ -168,6 +183,7 @@ def kernel_of(case: Case, device: str, ring: bool = False) -> str:
         case.documents > 0,
         case.window,
         ring,
+        dropout=dropout,
     )
     return attention_kernel(call)
 
@@ -251,8 +267,11 @@ class RingRun:
     working_mib: Optional[float]  # largest rank's, CUDA only
 
 
-def virtual_ring(case: Case, size: int, q, k, v, dout, documents, device: str) -> RingRun:
-    """Ring attention over `size` virtual ranks of the full-sequence q, k, v."""
+def virtual_ring(
+    case: Case, size: int, q, k, v, dout, documents, device: str, recorder: Any = None
+) -> RingRun:
+    """Ring attention over `size` virtual ranks of the full-sequence q, k, v; the first pass
+    recorded by `recorder` (an SdpaRecorder) if given."""
     positions = [rank_positions(case.seq, 0, 1, r, size).to(q.device) for r in range(size)]
     links = VirtualLinks(size)
 
@@ -276,7 +295,8 @@ def virtual_ring(case: Case, size: int, q, k, v, dout, documents, device: str) -
     previous, passes, converged = None, 0, False
     while not converged and passes < 2 * size + 1:
         links.new_pass()
-        runs = one_pass()
+        with recorder if (recorder is not None and passes == 0) else nullcontext():
+            runs = one_pass()
         passes += 1
         converged = previous is not None and _same(
             [m.results for m in runs], [m.results for m in previous]
@@ -299,4 +319,224 @@ def virtual_ring(case: Case, size: int, q, k, v, dout, documents, device: str) -
         converged,
         max(m.seconds for m in runs),
         max(working) if working[0] is not None else None,
+    )
+
+
+# ---- torch's efficient kernel called directly: the ring's units and the document tiles -------
+@contextmanager
+def efficient_kernel_ops(device: str, recorder: Any):
+    """Yields a note on what computes lse_kernels' efficient-kernel calls: torch's own CUDA ops
+    on a GPU; in the CPU mode the suite's CPU stand-in of those ops (tests/stand_ins), its
+    calls counted into `recorder`; None where neither is available."""
+    if device == "cuda":
+        yield "torch's CUDA kernel"
+        return
+    try:
+        from tests.stand_ins.sdpa_efficient_cuda import EfficientOps
+    except ImportError:
+        yield None
+        return
+    ops = EfficientOps()
+    original = lse_kernels.cuda_ops
+    lse_kernels.cuda_ops = _CountedOps(ops, recorder)  # type: ignore[assignment]
+    try:
+        yield "CPU stand-in (tests/stand_ins/sdpa_efficient_cuda.py)"
+    finally:
+        lse_kernels.cuda_ops = original
+
+
+class _CountedOps:
+    """Forwards to a stand-in's ops, counting each call as the recorder counts a real one."""
+
+    def __init__(self, ops: Any, recorder: Any):
+        self.ops, self.recorder = ops, recorder
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.ops, name)
+
+        def counted(*args, **kwargs):
+            if name in DIRECT_OPS:
+                self.recorder.add(f"{DIRECT_OPS[name]} (direct, stand-in)")
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+def heads_first_view(seq: int, heads: int, head_dim: int, dtype, device, g) -> torch.Tensor:
+    """[1, h, S, d] as the ring's chunk views and the tiles' _heads_first hand it to a kernel:
+    a transposed view of a [S, 1, h, d] buffer (rows h·d apart, heads d apart)."""
+    base = torch.randn(seq, 1, heads, head_dim, generator=g).to(device, dtype)
+    return base.permute(1, 2, 0, 3)
+
+
+def _unit_bias(seq: int, dtype, device) -> torch.Tensor:
+    """A masked unit's bias [1, 1, S, S]: causal within three documents, rows padded to
+    lse_kernels.BIAS_ALIGN as the ring and the tiles pad them."""
+    pos = torch.arange(seq, device=device)
+    doc = (pos >= seq // 3).long() + (pos >= (2 * seq) // 3).long()
+    visible = (pos.unsqueeze(1) >= pos.unsqueeze(0)) & (doc.unsqueeze(1) == doc.unsqueeze(0))
+    width = -(-seq // lse_kernels.BIAS_ALIGN) * lse_kernels.BIAS_ALIGN
+    bias = torch.zeros(1, 1, seq, width, dtype=dtype, device=device)[..., :seq]
+    return bias.masked_fill_(~visible, float("-inf"))
+
+
+def unit_reference(q, k, v, dout, causal: bool, bias, scale: float):
+    """(out, dq, dk, dv) of one unit written out in fp64 ([b, h, S, d]; kv heads repeated)."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(group, dim=1) for t in (k64, v64))
+    s = q64 @ kk.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + bias.double()
+    if causal:
+        s = s.masked_fill(torch.ones_like(s, dtype=torch.bool).triu(1), float("-inf"))
+    out = s.softmax(-1) @ vv
+    out.backward(dout.double())
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+def efficient_unit(kind: str, seq: int, heads: tuple, dtype, device: str, seed: int = 0):
+    """One ring unit through lse_kernels.SDPA_EFFICIENT, forward then backward with the final
+    out and lse, as the ring runs it: kind 'causal' (a diagonal unit), 'full' (an earlier
+    block) or 'masked' (a bias: documents cut through the unit). Returns (results, reference,
+    seconds)."""
+    hq, hk, d = heads
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (heads_first_view(seq, h, d, dtype, device, g) for h in (hq, hk, hk, hq))
+    causal, bias = kind == "causal", _unit_bias(seq, dtype, device) if kind == "masked" else None
+    scale = d**-0.5
+    kernel = lse_kernels.SDPA_EFFICIENT
+    _sync(device)
+    start = time.perf_counter()
+    out, lse = kernel.forward(q, k, v, causal, bias, scale)
+    # the callers merge into their own [S, b, h, d] buffer and hand backward a view of it
+    out_view = torch.empty(seq, 1, hq, d, dtype=dtype, device=device).permute(1, 2, 0, 3)
+    out_view.copy_(out)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out_view, lse, causal, bias, scale)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    reference = unit_reference(q, k, v, dout, causal, bias, scale)
+    return (out, dq, dk, dv), reference, seconds
+
+
+def efficient_tiles(case: Case, device: str):
+    """Documents and a window through the document tiles on lse_kernels.SDPA_EFFICIENT,
+    forward + backward; returns (results, reference, seconds)."""
+    q, k, v, dout, documents = inputs(case, device)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    _sync(device)
+    start = time.perf_counter()
+    ql, kl, vl = leaves
+    out = tiled_document_attention(ql, kl, vl, documents, case.window, None, "sdpa-efficient")
+    out.backward(dout)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    reference = dense_reference(q, k, v, dout, documents, case.window)
+    return (out.detach(), *(t.grad for t in leaves)), reference, seconds
+
+
+# ---- attention dropout: the mask read back from the output -----------------------------------
+DROPOUT_RATE_SIGMAS = 6.0  # the dropped fraction's bound, in binomial standard deviations
+
+
+@dataclass
+class DropoutRun:
+    out: torch.Tensor
+    grads: tuple
+
+
+def dropout_inputs(case: Case, device: str, seed: int = 0):
+    """q, k, dout random; v the identity over the sequence (v[j] = e_j: the case's head dim is
+    at least its length), so that out[i] is row i of the dropped, rescaled probabilities and
+    the mask the kernel drew can be read back: out[i, j] == 0 exactly where key j was dropped
+    (or is not visible)."""
+    q, k, _, dout, documents = inputs(case, device, seed)
+    if case.head_dim < case.seq:
+        raise ValueError(f"{case.name}: head dim {case.head_dim} < sequence {case.seq}")
+    v = torch.zeros(case.seq, 1, case.kv_heads, case.head_dim)
+    index = torch.arange(case.seq)
+    v[index, 0, :, index] = 1.0
+    return q, k, v.to(device, case.dtype), dout, documents
+
+
+def dropout_run(case: Case, q, k, v, dout, documents, device: str, p: float, seed: int):
+    """Forward + backward of the model's attention core with attention dropout p, the
+    dropout stream seeded with `seed` (as a one-rank training run seeds it)."""
+    tracker = get_rng_tracker()
+    tracker.reset(device)
+    tracker.add(MODEL_PARALLEL_RNG, seed)
+    core = DistributedAttention(1, "sdpa", None, window=case.window)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = core(*leaves, dropout_p=p, attention_mask=documents)
+    out.backward(dout)
+    return DropoutRun(out.detach(), tuple(t.grad for t in leaves))
+
+
+def visible_keys(case: Case, documents, device: str) -> torch.Tensor:
+    """[N (queries), N (keys)] bool: causal, within the window and the document."""
+    n = case.seq
+    pos = torch.arange(n, device=device)
+    allowed = pos.unsqueeze(1) >= pos.unsqueeze(0)
+    if case.window is not None:
+        allowed &= pos.unsqueeze(1) - pos.unsqueeze(0) <= case.window
+    if documents is not None:
+        doc = torch.zeros(n, dtype=torch.long, device=device)
+        doc[documents.cu_seqlens[1:-1].long()] = 1
+        doc = doc.cumsum(0)
+        allowed &= doc.unsqueeze(1) == doc.unsqueeze(0)
+    return allowed
+
+
+def masked_reference(q, k, v, dout, allowed, kept, p: float):
+    """(out, dq, dk, dv) in fp64 of attention whose probabilities are multiplied by the kept
+    mask / (1 - p) (kept [b, h, N, N], the mask the kernel drew), by autograd."""
+    n, _, hq, d = q.shape
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    group = hq // k.shape[2]
+    kk, vv = (t.repeat_interleave(group, dim=2) for t in (k64, v64))
+    scores = torch.einsum("qbhd,kbhd->bhqk", q64, kk) / d**0.5
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    dropped = probs * kept.double() / (1.0 - p)
+    out = torch.einsum("bhqk,kbhd->qbhd", dropped, vv)
+    out.backward(dout.double())
+    return out.detach(), q64.grad, k64.grad, v64.grad
+
+
+@dataclass
+class DropoutCheck:
+    dropped: float  # fraction of visible (query, key) pairs dropped
+    rate_bound: float  # |dropped - p| allowed
+    leaked: int  # non-zero probabilities outside the visible keys
+    same_seed_equal: bool  # the same seed twice: output and gradients bitwise
+    other_seed_differs: bool  # another seed: another mask
+    out_error: float
+    grad_error: float
+
+
+def dropout_check(case: Case, device: str, p: float) -> DropoutCheck:
+    """Attention dropout p through the model's core, against fp64 with the mask it drew."""
+    q, k, v, dout, documents = dropout_inputs(case, device)
+    first = dropout_run(case, q, k, v, dout, documents, device, p, seed=1234)
+    again = dropout_run(case, q, k, v, dout, documents, device, p, seed=1234)
+    other = dropout_run(case, q, k, v, dout, documents, device, p, seed=4321)
+    same = torch.equal(first.out, again.out) and all(
+        torch.equal(a, b) for a, b in zip(first.grads, again.grads)
+    )
+    # out [N, 1, hq, d] -> [1, hq, N (queries), N (keys)]: the kept probabilities
+    probs = first.out[..., : case.seq].permute(1, 2, 0, 3)
+    allowed = visible_keys(case, documents, device)
+    kept = (probs != 0) & allowed
+    visible = int(allowed.sum()) * case.heads
+    dropped = 1.0 - float(kept.sum()) / visible
+    leaked = int(((probs != 0) & ~allowed).sum())
+    reference = masked_reference(q, k, v, dout, allowed, kept, p)
+    out_err, grad_err = errors((first.out, *first.grads), reference)
+    return DropoutCheck(
+        dropped,
+        DROPOUT_RATE_SIGMAS * (p * (1 - p) / visible) ** 0.5,
+        leaked,
+        same,
+        not torch.equal(first.out, other.out),
+        out_err,
+        grad_err,
     )

@@ -4,19 +4,20 @@ exception into a FAIL row and keeps to the time budget (tools/gpu_check.py runs 
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from collections import Counter
 from typing import Callable, Optional
 
 import torch
 
-from megatron_ul.model import attention
 from megatron_ul.training.memory_estimator import GiB
-from tools.bench.common import REPO_ROOT, command_line, machine_info, write_section
+from tools.bench.common import REPO_ROOT, write_section
+from tools.gpu_check_results import ResultFiles, number, table_row
+from tools.gpu_check_sdpa import recorded, summary
 
 HALF_PRECISION_LOSS_TOLERANCE = 2e-2  # as tests/optim/test_precision.py (fp16 vs fp32)
 FP32_LOSS_TOLERANCE = 1e-5  # the project's fp32 bar (tests/model/test_fused_layers)
@@ -29,6 +30,9 @@ SCOPE = (
     "communication; the ring rows run R virtual ranks in one process (their compute, "
     "with the messages handed over in memory)."
 )
+# The check must end within 8 minutes on one H200: its sections get this much from the start
+# of the process, the rest is for the last writes and the interpreter's exit.
+GPU_TIME_BUDGET_S = 8 * 60 - 30
 GPU_DOC = os.path.join(REPO_ROOT, "docs", "gpu.md")
 BENCHMARKS_DOC = os.path.join(REPO_ROOT, "docs", "benchmarks.md")
 
@@ -50,6 +54,10 @@ class Mode:
     documents_seq: int
     documents: int
     window: int
+    efficient_seq: int  # the efficient kernel's unit blocks (query and key rows)
+    efficient_heads: tuple  # (query heads, kv heads, head dim): more than one head
+    tile_seq: int  # the document tiles' sequence (several 512-token tiles)
+    dropout_heads: tuple  # (query heads, kv heads, head dim); the sequence is the head dim
     offload_model: list = field(default_factory=list)
 
 
@@ -89,7 +97,7 @@ GPU = Mode(
     (8192, 32768),
     65536,
     1 << 20,
-    8 * 60 - 30,
+    GPU_TIME_BUDGET_S,
     attention_seq=4096,
     heads=(16, 4, 128),
     ring_seq=8192,
@@ -97,6 +105,10 @@ GPU = Mode(
     documents_seq=131072,
     documents=10_000,
     window=4096,
+    efficient_seq=1024,
+    efficient_heads=(8, 2, 128),
+    tile_seq=2048,
+    dropout_heads=(16, 4, 128),
     offload_model=[
         "--num-layers",
         "8",
@@ -152,6 +164,10 @@ CPU = Mode(
     documents_seq=256,
     documents=20,
     window=16,
+    efficient_seq=64,
+    efficient_heads=(4, 2, 16),
+    tile_seq=768,
+    dropout_heads=(4, 2, 64),
 )
 
 
@@ -164,113 +180,226 @@ class Section:
     key: str
     title: str
     header: list  # the last two columns are always "status" and "note"
-    rows: Callable  # rows(check) -> iterator of rows (lists matching the header)
-    needs_s: float  # about how long it takes on the GPU (the budget guard)
+    rows: Callable  # rows(check) -> iterator of rows (lists matching the header, or Row)
+    estimate_s: float  # about how long it takes on one H200 (from its shapes)
+    cap_s: float  # it may not start a case past this many seconds after its start
     note: str = ""
+    backend_column: bool = False  # attention rows: the kernel that ran, before status
+
+
+@dataclass
+class Row:
+    """A row with what its cells cannot say: the attention kernels that ran (SdpaRecorder
+    counts) and numbers kept at full precision for the result file."""
+
+    cells: list
+    calls: Counter = field(default_factory=Counter)
+    measured: dict = field(default_factory=dict)
 
 
 class Check:
-    """Runs sections: prints each row as it comes (flushed), turns an exception into a FAIL
-    row, skips what the time budget no longer allows, and (with write_docs) rewrites the
-    docs' gpu-check section after every section, so a later crash keeps the earlier tables."""
+    """Runs sections, each isolated: a row is printed (flushed) and written to the result
+    files as it comes; an exception anywhere in a section, its release of device memory
+    included, becomes a FAIL row and the next section runs; after an error that leaves the
+    CUDA context unusable (a sticky error: device-side assert, illegal address) the later
+    sections are recorded as SKIP with that error instead of being run; cases that no longer
+    fit the time budget (the whole run's, or the section's cap) are SKIP rows marked as
+    skipped for time. With write_docs the docs' gpu-check section is rewritten after every
+    section."""
 
-    def __init__(self, mode: Mode, write_docs: bool, out=None):
+    def __init__(
+        self,
+        mode: Mode,
+        write_docs: bool = False,
+        out=None,
+        results: Optional[ResultFiles] = None,
+        time_budget_s: Optional[float] = None,
+        start: Optional[float] = None,
+    ):
         self.mode, self.write_docs = mode, write_docs
         self.out = out or sys.stdout
-        self.deadline = time.monotonic() + mode.budget_s
-        # The budget binds on a GPU; CPU timings of the reduced mode depend on machine load.
-        self.enforce_budget = mode.device == "cuda"
-        self.tables: list[str] = []
+        self.results = results
+        self.budget_s = mode.budget_s if time_budget_s is None else time_budget_s
+        self.start = time.monotonic() if start is None else start  # the budget counts from here
+        self.deadline = self.start + self.budget_s
+        self.section_deadline = self.deadline
+        # The budget binds on a GPU; CPU timings of the reduced mode depend on machine load,
+        # so there it binds only when asked for.
+        self.enforce_budget = mode.device == "cuda" or time_budget_s is not None
         self.counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
-        self.started = datetime.datetime.now(datetime.timezone.utc)
+        self.skipped_for_time: list[str] = []
+        self.cuda_lost: Optional[str] = None  # the sticky CUDA error, once there is one
+        self.section: Optional[Section] = None
+        self._row_start = self.start
 
     def left(self) -> float:
-        return self.deadline - time.monotonic()
+        return min(self.deadline, self.section_deadline) - time.monotonic()
 
     def need(self, seconds: float, what: str) -> None:
-        """Skip the rest of the section unless about `seconds` (GPU estimate) remain."""
+        """Skip the rest of the section unless about `seconds` (GPU estimate) remain, in the
+        whole run's budget and in the section's cap."""
         if self.enforce_budget and self.left() < seconds:
-            raise OutOfTime(f"time budget: {self.left():.0f} s left, {what} needs ~{seconds:.0f} s")
+            whole = self.deadline - time.monotonic()
+            raise OutOfTime(
+                f"skipped for time: {what} needs ~{seconds:.0f} s, {max(self.left(), 0):.0f} s "
+                f"left ({max(whole, 0):.0f} s of the run's {self.budget_s:.0f} s budget); the "
+                f"section's later cases were not run"
+            )
 
     def print(self, text: str = "") -> None:
         print(text, file=self.out, flush=True)
 
     def run(self, section: Section) -> None:
-        lines = [
-            f"### {section.title}",
-            "",
-            table_row(section.header),
-            "|" + "|".join("---" for _ in section.header) + "|",
-        ]
-        self.print("\n".join(["", *lines]))
-        width = len(section.header)
-        start = time.monotonic()
-        try:
-            self.need(section.needs_s, f"section {section.key}")
-            for row in section.rows(self):
-                lines.append(self._emit(row))
-        except OutOfTime as e:
-            lines.append(self._emit(filled(width, section.key, "SKIP", str(e))))
-        except Exception as e:  # noqa: BLE001 - one failing section must not hide the others
-            where = traceback.extract_tb(e.__traceback__)[-1]
-            message = (
-                f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''} "
-                f"({os.path.basename(where.filename)}:{where.lineno})"
+        self.section = section
+        header = ResultFiles.header_of(section)
+        entry = None
+        if self.results is not None:  # on disk at once: a crash shows which section it hit
+            entry = self.results.begin_section(section)
+            self._write()
+        self.print(
+            "\n".join(
+                ["", f"### {section.title}", "", table_row(header)]
+                + ["|" + "|".join("---" for _ in header) + "|"]
             )
-            lines.append(
-                self._emit(filled(width, f"{section.key}: section aborted", "FAIL", message))
-            )
-        release()  # after the traceback (and the tensors its frames hold) is gone
-        tail = (
-            f"{section.note + ' ' if section.note else ''}Section time: "
-            f"{time.monotonic() - start:.1f} s."
         )
+        start = self._row_start = time.monotonic()
+        self.section_deadline = start + section.cap_s
+        outcome = "ran"
+        if self.cuda_lost is not None:
+            outcome = "not run: CUDA context lost"
+            self._emit(filled(len(header), section.key, "SKIP", f"not run: {self.cuda_lost}"))
+        else:
+            try:
+                self.need(section.estimate_s, f"section {section.key}")
+                for row in section.rows(self):
+                    self._emit(row)
+            except OutOfTime as e:
+                outcome = "cut for time"
+                self._emit(filled(len(header), section.key, "SKIP", str(e)), for_time=True)
+            except Exception as e:  # noqa: BLE001 - one failing section must not hide the others
+                outcome = "aborted"
+                self._emit(filled(len(header), f"{section.key}: section aborted", "FAIL", _why(e)))
+                self._probe_cuda(section, e)
+            # after the traceback (and the tensors its frames hold) is gone
+            try:
+                release()
+            except Exception as e:  # noqa: BLE001 - a release that fails is the section's failure
+                outcome = "aborted"
+                self._emit(
+                    filled(
+                        len(header), f"{section.key}: release after the section", "FAIL", _why(e)
+                    )
+                )
+                self._probe_cuda(section, e)
+        seconds = time.monotonic() - start
+        tail = f"{section.note + ' ' if section.note else ''}Section time: {seconds:.1f} s."
         self.print("\n" + tail)
-        self.tables.append("\n".join(lines) + "\n\n" + tail)
+        if entry is not None:
+            entry["seconds"], entry["outcome"] = round(seconds, 2), outcome
+            self._write()
         if self.write_docs:
-            self.write(finished=False)
+            self.write_doc_sections(finished=False)
+        self.section = None
 
-    def _emit(self, row: list) -> str:
-        status = str(row[-2])
+    def _probe_cuda(self, section: Section, error: BaseException) -> None:
+        """After an exception on a GPU: is the CUDA context still usable? A sticky error
+        makes every later CUDA call fail; the later sections then are not run."""
+        if self.mode.device != "cuda" or self.cuda_lost is not None:
+            return
+        try:
+            torch.cuda.synchronize()
+            probe = torch.ones(1, device="cuda")
+            probe.add_(1)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - any failure here means the context is gone
+            self.cuda_lost = (
+                f"the CUDA context is unusable since section {section.key} "
+                f"({_why(error)}; probe: {_why(e)})"
+            )
+
+    def _emit(self, row, for_time: bool = False) -> None:
+        if not isinstance(row, Row):
+            row = Row(list(row))
+        section = self.section
+        assert section is not None, "rows are emitted inside Check.run"
+        cells = list(row.cells)
+        if section.backend_column:
+            cells[-2:-2] = [summary(row.calls)]
+        status = str(cells[-2])
         if status in self.counts:
             self.counts[status] += 1
-        line = table_row(row)
-        self.print(line)
-        return line
+        if for_time:
+            self.skipped_for_time.append(f"{section.key}: {cells[0]}")
+        self.print(table_row(cells))
+        if self.results is not None:
+            now = time.monotonic()
+            self.results.add_row(
+                _row_record(section, ResultFiles.header_of(section), cells, row, for_time)
+                | {"at_s": round(now - self.start, 2), "seconds": round(now - self._row_start, 2)}
+            )
+            self._row_start = now
+            self._write()
+
+    def _write(self) -> None:
+        """Rewrite the result files; a full disk must not stop the measurements."""
+        assert self.results is not None
+        try:
+            self.results.write()
+        except OSError as e:
+            self.print(f"(result files not written: {e})")
 
     def summary(self) -> str:
         c = self.counts
         return f"{c['PASS']} PASS, {c['FAIL']} FAIL, {c['SKIP']} SKIP."
 
-    def body(self, finished: bool) -> str:
-        mode = self.mode
-        when = self.started.strftime("%Y-%m-%d %H:%M UTC")
-        device = torch.cuda.get_device_name() if mode.device == "cuda" else "CPU (reduced mode)"
-        flash = "installed" if attention.flash_attn_module() is not None else "not installed"
-        state = (
-            self.summary()
-            if finished
-            else "**Incomplete: the run stopped or is still running after the tables above.**"
-        )
-        return "\n\n".join(
-            [
-                "## GPU check (tools/gpu_check.py)",
-                f"Run {when} on {device}. Machine: {machine_info()}; flash-attn {flash}.",
-                f"Command: `{command_line()}`",
-                SCOPE,
-                *self.tables,
-                state,
-            ]
-        )
+    def finish(self, state: str = "complete") -> None:
+        """The last write of the result files (and the docs' section, with write_docs)."""
+        if self.results is not None:
+            self.results.record["state"] = state
+            self._write()
+        if self.write_docs:
+            self.write_doc_sections(finished=state == "complete")
 
-    def write(self, finished: bool) -> None:
-        body = self.body(finished)
+    def write_doc_sections(self, finished: bool) -> None:
+        if self.results is None:
+            return
+        body = self.results.markdown(heading="##")
+        if not finished and self.results.record["state"] == "complete":
+            body += "\n\n**Incomplete: the run stopped or is still running.**"
         write_section("gpu-check", body, BENCHMARKS_DOC)
         write_section("gpu-check", body, GPU_DOC)
 
 
-def table_row(cells: list) -> str:
-    return "| " + " | ".join(str(c).replace("|", "/") for c in cells) + " |"
+def _why(e: BaseException) -> str:
+    """'Type: first line (file:line)' of an exception, for a FAIL row's note."""
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" ({os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    first = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"{type(e).__name__}: {first}{where}"
+
+
+def _row_record(section: Section, header: list, cells: list, row: Row, for_time: bool) -> dict:
+    columns = dict(zip(header[1:-2], cells[1:-2]))
+    bound = next((cells[i] for i, h in enumerate(header) if "bound" in str(h).lower()), None)
+    measured = {
+        h: value
+        for h, cell in columns.items()
+        if "bound" not in str(h).lower() and (value := number(cell)) is not None
+    }
+    measured.update(row.measured)
+    return {
+        "section": section.key,
+        "case": str(cells[0]),
+        "verdict": str(cells[-2]),
+        "note": str(cells[-1]),
+        "bound": bound,
+        "values": columns,
+        "measured": measured,
+        "sdpa_backend": recorded(row.calls),
+        "sdpa_calls": dict(row.calls),
+        "skipped_for_time": for_time,
+        "cells": [str(c) for c in cells],
+    }
 
 
 def filled(width: int, label: str, status: str, note: str) -> list:

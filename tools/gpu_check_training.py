@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -18,12 +19,14 @@ from megatron_ul.optim.precision import GradScaler
 from megatron_ul.training.memory_estimator import GiB, estimate_config
 from megatron_ul.training.metrics import flops_per_token, peak_tflops
 from megatron_ul.training.pretrain import configure, setup
+from tools.gpu_check_sdpa import SdpaRecorder
 from tools.gpu_check_runner import (
     FP32_LOSS_TOLERANCE,
     HALF_PRECISION_LOSS_TOLERANCE,
     MEMORY_BOUND,
     Check,
     Mode,
+    Row,
     gib,
     peak_gib,
     peak_reset,
@@ -50,6 +53,7 @@ COMMON = [
     "--adam-eps",
     "1e-6",
 ]
+ATTENTION_DROPOUT = 0.1  # Megatron's default --attention-dropout
 LLAMA = [
     "--group-query-attention",
     "--position-embedding-type",
@@ -65,6 +69,7 @@ LLAMA = [
 @dataclass
 class TrainRun:
     losses: list
+    calls: Counter  # attention kernels of the first iteration (SdpaRecorder), if recorded
     seconds: list  # per timed iteration (the first includes any compilation)
     peak_gib: Optional[float]
     estimate_gib: float
@@ -75,10 +80,35 @@ class TrainRun:
     trainer_cfg: object
 
 
-def _timed(batches: Iterator, device: str, stamps: list) -> Iterator:
+class _FirstIteration:
+    """An SdpaRecorder active from the start of training to the second batch fetch: the
+    first iteration's attention calls (untimed: the timings leave the first iteration out)."""
+
+    def __init__(self, record: bool):
+        self.recorder = SdpaRecorder() if record else None
+        self.active = False
+
+    def start(self) -> None:
+        if self.recorder is not None:
+            self.recorder.__enter__()
+            self.active = True
+
+    def stop(self) -> None:
+        if self.active and self.recorder is not None:
+            self.active = False
+            self.recorder.__exit__(None, None, None)
+
+    @property
+    def calls(self) -> Counter:
+        return self.recorder.calls if self.recorder is not None else Counter()
+
+
+def _timed(batches: Iterator, device: str, stamps: list, first: _FirstIteration) -> Iterator:
     """Yield from `batches`, stamping the time of each fetch: the training loop fetches one
     global batch per iteration, so consecutive stamps bound one iteration."""
     for batch in batches:
+        if len(stamps) == 1:
+            first.stop()
         if device == "cuda":
             torch.cuda.synchronize()
         stamps.append(time.perf_counter())
@@ -91,22 +121,29 @@ def train_run(
     batches: Optional[Iterator] = None,
     keep_state: bool = False,
     sdpa_flash: bool = False,
+    record: bool = False,
 ) -> TrainRun:
     """Train with pretrain_gpt.py's flags (the real loop: whatever --bf16 or --fused-layers
-    mean today), optionally on our own batches; time each iteration."""
+    mean today), optionally on our own batches; time each iteration and (record) count the
+    attention kernels of the first one."""
     cfg = configure(argv, world_size=1)
     peak_reset(device)
     start = time.perf_counter()
     trainer = setup(cfg)
     init_seconds = time.perf_counter() - start
     stamps: list = []
+    first = _FirstIteration(record)
     trainer.train_batches = _timed(
-        batches if batches is not None else trainer.train_batches, device, stamps
+        batches if batches is not None else trainer.train_batches, device, stamps, first
     )
     peak_reset(device)
     try:
         with _sdpa_flash_kernel(device) if sdpa_flash else contextlib.nullcontext():
-            losses = trainer.train()
+            first.start()
+            try:
+                losses = trainer.train()
+            finally:
+                first.stop()
         if device == "cuda":
             torch.cuda.synchronize()
         stamps.append(time.perf_counter())
@@ -115,6 +152,7 @@ def train_run(
         state = _cloned(trainer.optimizer.state_dict()) if keep_state else {}
         return TrainRun(
             losses,
+            first.calls,
             [b - a for a, b in zip(stamps, stamps[1:])],
             peak,
             estimate_config(cfg).total_bytes / GiB,
@@ -192,15 +230,17 @@ def precision_rows(check: Check):
     fp32 = train_run(base, mode.device).losses
     bound = f"< {HALF_PRECISION_LOSS_TOLERANCE:g}"
 
-    def against_fp32(name, losses, note):
-        diff = _max_diff(losses, fp32)
-        ok = diff < HALF_PRECISION_LOSS_TOLERANCE and losses != fp32
-        return [name, f"{diff:.2e}", bound, verdict(ok), note]
+    def against_fp32(name, run, note):
+        diff = _max_diff(run.losses, fp32)
+        ok = diff < HALF_PRECISION_LOSS_TOLERANCE and run.losses != fp32
+        return Row([name, f"{diff:.2e}", bound, verdict(ok), note], run.calls)
 
-    run = train_run(base + ["--bf16"], mode.device, sdpa_flash=True)
+    run = train_run(base + ["--bf16"], mode.device, record=True)
+    yield against_fp32("bf16 vs fp32 (SDPA's own choice)", run, "")
+    run = train_run(base + ["--bf16"], mode.device, sdpa_flash=True, record=True)
     yield against_fp32(
         "bf16, torch SDPA flash kernel vs fp32",
-        run.losses,
+        run,
         "SDPA forced to FLASH_ATTENTION" if mode.device == "cuda" else "CPU SDPA",
     )
     why_not = attention.flash_attn_refusal(torch.device(mode.device), torch.bfloat16)
@@ -209,18 +249,16 @@ def precision_rows(check: Check):
     else:
         calls = [0]
         with _counting_flash_attn_calls(calls):
-            run = train_run(base + ["--bf16", "--use-flash-attn"], mode.device)
-        row = against_fp32(
-            "bf16, flash-attn 2 vs fp32", run.losses, f"{calls[0]} flash_attn_func calls"
-        )
+            run = train_run(base + ["--bf16", "--use-flash-attn"], mode.device, record=True)
+        row = against_fp32("bf16, flash-attn 2 vs fp32", run, f"{calls[0]} flash_attn_func calls")
         if calls[0] == 0:
-            row[3] = "FAIL"
+            row.cells[3] = "FAIL"
         yield row
-    run = train_run(base + ["--fp16", "--initial-loss-scale", "4096"], mode.device)
+    run = train_run(base + ["--fp16", "--initial-loss-scale", "4096"], mode.device, record=True)
     scaler = _loss_scaler(run)
     yield against_fp32(
         "fp16 + dynamic loss scaling vs fp32",
-        run.losses,
+        run,
         f"final scale {scaler.scale:g}, {scaler.skipped_steps} skipped",
     )
     run = train_run(
@@ -235,16 +273,20 @@ def precision_rows(check: Check):
             "2",
         ],
         mode.device,
+        record=True,
     )
     scaler = _loss_scaler(run)
     ok = scaler.skipped_steps == 2 and scaler.scale == 2.0**118
-    yield [
-        "fp16 overflow: loss scale 2^120 for 2 steps",
-        f"{scaler.skipped_steps} skipped",
-        "2 skipped, scale 2^118",
-        verdict(ok),
-        "",
-    ]
+    yield Row(
+        [
+            "fp16 overflow: loss scale 2^120 for 2 steps",
+            f"{scaler.skipped_steps} skipped",
+            "2 skipped, scale 2^118",
+            verdict(ok),
+            "",
+        ],
+        run.calls,
+    )
 
 
 def offload_rows(check: Check):
@@ -413,24 +455,73 @@ def adamw_rows(check: Check):
 
 
 def fused_rows(check: Check):
+    """--fused-layers against eager layers: bf16 (the training configuration) first, then
+    fp32; each fused run compiles cold (the first two steps: forward and backward graphs)."""
     mode = check.mode
     base = COMMON + LLAMA + mode.small + ["--train-iters", "3"]
     backend = ["--fused-layers-backend", "aot_eager"] if mode.device == "cpu" else []
-    eager = train_run(base, mode.device)
-    check.need(60, "compiling the layers")
-    fused = train_run(base + ["--fused-layers"] + backend, mode.device)
-    diff = _max_diff(fused.losses, eager.losses)
-    steady_fused, steady_eager = fused.seconds[-1], eager.seconds[-1]
-    compile_s = fused.seconds[0] + fused.seconds[1] - 2 * steady_fused
-    yield [
-        "--fused-layers vs eager layers, fp32 losses",
-        f"{diff:.2e}",
-        f"< {FP32_LOSS_TOLERANCE:g}",
-        f"{compile_s:.1f}",
-        f"{steady_fused / steady_eager:.2f}",
-        verdict(diff < FP32_LOSS_TOLERANCE),
-        f"backend {'aot_eager (CPU)' if backend else 'inductor'}",
-    ]
+    for precision, flags, tolerance in (
+        ("bf16", ["--bf16"], HALF_PRECISION_LOSS_TOLERANCE),
+        ("fp32", [], FP32_LOSS_TOLERANCE),
+    ):
+        check.need(45, f"compiling the layers in {precision}")
+        eager = train_run(base + flags, mode.device)
+        # (not recorded: a TorchFunctionMode would be traced into the compiled layers)
+        fused = train_run(base + flags + ["--fused-layers"] + backend, mode.device)
+        diff = _max_diff(fused.losses, eager.losses)
+        steady_fused, steady_eager = fused.seconds[-1], eager.seconds[-1]
+        compile_s = fused.seconds[0] + fused.seconds[1] - 2 * steady_fused
+        yield [
+            f"--fused-layers vs eager layers, {precision} losses",
+            f"{diff:.2e}",
+            f"< {tolerance:g}",
+            f"{compile_s:.1f}",
+            f"{steady_fused / steady_eager:.2f}",
+            verdict(diff < tolerance),
+            f"backend {'aot_eager (CPU)' if backend else 'inductor'}",
+        ]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole value (a ZeRO-3 parameter is a DTensor sharded over one rank)."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
+def zero3_rows(check: Check):
+    """--zero-stage 3 (FSDP2 over a one-rank mesh) against the plain optimizer: the same
+    losses (fp32 to the project's bar; bf16, where FSDP2 casts the gathered parameters, within
+    the half-precision tolerance), the final parameters and both peaks."""
+    mode = check.mode
+    base = COMMON + LLAMA + mode.small + ["--train-iters", str(mode.steps)]
+    for precision, flags, tolerance in (
+        ("fp32", [], FP32_LOSS_TOLERANCE),
+        ("bf16", ["--bf16"], HALF_PRECISION_LOSS_TOLERANCE),
+    ):
+        check.need(15, f"ZeRO-3 in {precision}")
+        with _deterministic():
+            plain = train_run(base + flags, mode.device, keep_state=True)
+            zero3 = train_run(
+                base + flags + ["--zero-stage", "3"], mode.device, keep_state=True, record=True
+            )
+        diff = _max_diff(zero3.losses, plain.losses)
+        params = max(
+            float((_local(a).float() - b.float()).abs().max() / b.float().abs().max())
+            for a, b in zip(zero3.params, plain.params)
+        )
+        yield Row(
+            [
+                f"ZeRO-3 on one rank vs plain AdamW, {precision}",
+                f"{diff:.2e}",
+                f"{params:.2e}",
+                f"< {tolerance:g}",
+                gib(zero3.peak_gib),
+                gib(plain.peak_gib),
+                verdict(diff < tolerance),
+                f"{mode.steps} steps; parameters: largest relative difference",
+            ],
+            zero3.calls,
+        )
 
 
 def _documents_batches(cfg, device: str, documents: int) -> Iterator:
@@ -476,35 +567,56 @@ def documents_rows(check: Check):
     )
     window = ["--window-size", str(mode.window), "0"]
     docs = ["--reset-attention-mask"]
+    dropout = ["--attention-dropout", str(ATTENTION_DROPOUT)]
     plan = [
         ("causal (no documents)", [], 0),
         (f"{mode.documents:,} documents", docs, mode.documents),
+        (
+            f"{mode.documents:,} documents, --attention-dropout {ATTENTION_DROPOUT:g}",
+            docs + dropout,
+            mode.documents,
+        ),
         (f"window {mode.window}", window, 0),
         (f"{mode.documents:,} documents + window {mode.window}", docs + window, mode.documents),
     ]
-    causal_s = None
+    causal_s = documents_s = None
     for name, extra, documents in plan:
-        check.need(30, name)
+        check.need(45 if dropout[0] in extra else 25, name)
         cfg = configure(base + extra, world_size=1)
         run = train_run(
-            base + extra, mode.device, batches=_documents_batches(cfg, mode.device, documents)
+            base + extra,
+            mode.device,
+            batches=_documents_batches(cfg, mode.device, documents),
+            record=True,
         )
         seconds = sum(run.seconds[1:]) / max(len(run.seconds) - 1, 1)
         fits = run.peak_gib is None or run.peak_gib <= MEMORY_BOUND * run.estimate_gib
+        with_dropout = dropout[0] in extra
         # Fewer scores than dense causal attention: never slower (a GPU figure; CPU timings
-        # of these tiny shapes are noise).
-        faster = causal_s is None or seconds <= causal_s or mode.device != "cuda"
+        # of these tiny shapes are noise). Dropout runs another kernel path: its time is
+        # reported next to the same documents without dropout, not bounded.
+        faster = causal_s is None or with_dropout or seconds <= causal_s or mode.device != "cuda"
         causal_s = causal_s or seconds
         note = "" if faster else "slower than dense causal attention at the same length"
-        yield [
-            name,
-            f"{seconds:.2f}",
-            gib(run.peak_gib),
-            f"{run.estimate_gib:.2f}",
-            f"<= {MEMORY_BOUND}x estimate" + ("; <= causal time" if extra else ""),
-            verdict(fits and faster),
-            note,
-        ]
+        if with_dropout and documents_s:
+            note = f"{seconds / documents_s:.2f}x the time without dropout"
+        elif extra == docs:
+            documents_s = seconds
+        bound = f"<= {MEMORY_BOUND}x estimate" + (
+            "; <= causal time" if extra and not with_dropout else ""
+        )
+        yield Row(
+            [
+                name,
+                f"{seconds:.2f}",
+                gib(run.peak_gib),
+                f"{run.estimate_gib:.2f}",
+                bound,
+                verdict(fits and faster),
+                note,
+            ],
+            run.calls,
+        )
 
 
 def _perf_argv(mode: Mode, seq: int, use_flash: bool, recompute: bool) -> list:
@@ -521,7 +633,7 @@ def _perf_argv(mode: Mode, seq: int, use_flash: bool, recompute: bool) -> list:
             "--global-batch-size",
             "1",
             "--train-iters",
-            "4",
+            "2" if recompute else "4",
             "--bf16",
         ]
     )
@@ -551,10 +663,10 @@ def performance_rows(check: Check):
         tokens = cfg.train.global_batch_size * seq
         flops = flops_per_token(cfg.model, cfg.model.padded_vocab_size(1)) * tokens
         estimate = estimate_config(cfg).total_bytes / GiB
-        if rate is not None:  # 4 iterations with full recompute, plus start-up
-            check.need(5 * flops / rate + 20, f"sequence {seq}")
+        if rate is not None:  # 2 iterations with full recompute (4/3 the FLOPs), start-up
+            check.need(3 * flops / rate + 20, f"sequence {seq}")
         try:
-            run = train_run(argv, mode.device)
+            run = train_run(argv, mode.device, record=True)
         except RuntimeError as e:  # the longest search ends at the first length that OOMs
             if not (recompute and _is_oom(e)):
                 raise
@@ -578,16 +690,20 @@ def performance_rows(check: Check):
         tflops = flops / seconds / 1e12
         peak = peak_tflops(cfg)
         fits = run.peak_gib is None or run.peak_gib <= MEMORY_BOUND * estimate
-        yield [
-            seq,
-            "full" if recompute else "none",
-            f"{tokens / seconds:,.0f}",
-            f"{tflops:.3g}",
-            f"{tflops / peak:.1%}" if peak else "n/a",
-            f"{seconds:.2f}",
-            f"{run.init_seconds:.1f}",
-            gib(run.peak_gib),
-            f"{estimate:.2f}",
-            verdict(fits),
-            f"<= {MEMORY_BOUND}x estimate",
-        ]
+        yield Row(
+            [
+                seq,
+                "full" if recompute else "none",
+                f"{tokens / seconds:,.0f}",
+                f"{tflops:.3g}",
+                f"{tflops / peak:.1%}" if peak else "n/a",
+                f"{seconds:.2f}",
+                f"{run.init_seconds:.1f}",
+                gib(run.peak_gib),
+                f"{estimate:.2f}",
+                verdict(fits),
+                f"<= {MEMORY_BOUND}x estimate",
+            ],
+            run.calls,
+            {"TFLOP/s": tflops, "MFU": tflops / peak if peak else None, "s/iter": seconds},
+        )
