@@ -550,10 +550,14 @@ def run(args) -> Progress:
             outputs.write(encoded)
             progress.update(encoded)
         TerminationRequest.check()
+        check_documents(args, progress)
         outputs.commit()
     except corpus.CorpusError as error:
         outputs.discard()
         raise InputError(str(error)) from error
+    except InputError:
+        outputs.discard()
+        raise
     except OSError as error:
         outputs.discard()
         raise InputError(
@@ -571,6 +575,21 @@ def run(args) -> Progress:
             workers.stop()
     progress.summary(outputs)
     return progress
+
+
+def check_documents(args, progress) -> None:
+    """A run whose input yields no document at all (every line bad, or every document empty:
+    no token written) fails instead of writing an empty dataset. A --shard-block with no
+    records is allowed (its empty part merges to nothing)."""
+    if progress.tokens > 0:
+        return
+    if args.shard_block is not None and progress.documents == 0 and progress.skipped == 0:
+        return
+    raise InputError(
+        f"--input {args.input}: no document to write ({progress.documents} documents, "
+        f"{progress.empty} of them empty, {progress.skipped} bad lines skipped); is it JSON "
+        f"lines with the --json-keys {args.json_keys}?"
+    )
 
 
 def start_workers(encoder, workers):
@@ -598,7 +617,7 @@ def main(argv=None) -> int:
         run(args)
     except InputError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
-        return 1
+        return 2  # bad input or output: like every other tool's refusal
     except KeyboardInterrupt:
         print("interrupted; no output written", file=sys.stderr, flush=True)
         return 130

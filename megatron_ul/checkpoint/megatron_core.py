@@ -52,12 +52,14 @@ from dataclasses import asdict
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from ..config import ModelConfig
-from . import files, megatron_lm, megatron_pickle, reshard
+from . import dist_io, files, megatron_lm, megatron_pickle, reshard
 from .dist_io import DCP_METADATA, DCP_METADATA_GLOBALS
 from .files import CheckpointError
+from .interop_settings import check_carried
 from .safe_pickle import restricted_load
 
 SPECS = ("transformer_engine", "local")
@@ -216,9 +218,17 @@ def _common_state(iter_dir: str, index: Metadata, trust_pickle: bool) -> dict:
         )
     info = where[0][1]
     path = os.path.join(iter_dir, info.relative_path)
-    with open(path, "rb") as f:
-        f.seek(info.offset)
-        data = f.read(info.length)
+    try:
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot be read ({e.strerror or e})") from e
+    if len(data) != info.length:
+        raise CheckpointError(
+            f"{path}: truncated ({info.length} bytes at {info.offset} expected, "
+            f"{len(data)} there); the checkpoint is incomplete"
+        )
     state = megatron_pickle.load_stream(io.BytesIO(data), f"{path} ({_COMMON_KEY})", trust_pickle)
     return state[0] if isinstance(state, (list, tuple)) else state
 
@@ -278,8 +288,12 @@ def read_core_dist(
     }
     try:
         dcp.load(loaded, storage_reader=reader, no_dist=True)
-    except Exception as e:  # noqa: BLE001 - DCP wraps the cause
-        raise CheckpointError(f"{iter_dir}: the stored tensors cannot be read ({e})") from e
+    # DCP's CheckpointException derives from BaseException; its text is every traceback.
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps the cause
+        raise CheckpointError(
+            f"{iter_dir}: the stored tensors cannot be read ({dist_io.causes(e)}); the "
+            f"checkpoint's .distcp files are damaged or incomplete"
+        ) from e
     shards: dict[str, list] = {}
     for key, (ours, layers) in wanted.items():
         if layers is None:
@@ -327,7 +341,15 @@ def import_core(
 
 # ---- writing -------------------------------------------------------------------------------------
 def check_exportable(m: dict) -> None:
+    """Refuse, before anything is written, a model megatron-core would compute otherwise."""
+    check_carried(m, "megatron_core", "a megatron-core GPTModel checkpoint")
     megatron_lm.check_norm_exportable(m)
+    if not m["swiglu"] and m["gelu_approximate"] == "tanh" and not m["add_bias_linear"]:
+        raise CheckpointError(
+            "the model uses --gelu-approximate tanh without biases (--disable-bias-linear); "
+            "megatron-core computes the tanh GELU only in its fused bias-GELU kernel, which "
+            "needs biases (its --openai-gelu is never read), so it would compute erf GELU"
+        )
     if m["position_embedding_type"] == "rope" and m["rotary_base"] != int(m["rotary_base"]):
         raise CheckpointError(
             f"the model uses --rotary-base {m['rotary_base']:g}; Megatron-LM's "
@@ -416,40 +438,46 @@ def core_modules():
     )
 
 
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.gelu(x, approximate="tanh")
-
-
 def core_model(m: dict, tp: int = 1, pre_process: bool = True, post_process: bool = True):
-    """megatron-core's GPTModel (local spec, CPU, fp32, no dropout) for our model `m`, as
-    Megatron-LM's args -> TransformerConfig would build it; needs model parallel initialised."""
+    """megatron-core's GPTModel (local spec, CPU, fp32, no dropout) for our model `m`, built
+    from the args our exporter writes for it (core_model_from_args); needs model parallel
+    initialised."""
+    args = megatron_lm.megatron_args(m, tp, 1, 0, {}, core=("torch_dist", "local"))
+    return core_model_from_args(args, pre_process, post_process)
+
+
+def core_model_from_args(args, pre_process: bool = True, post_process: bool = True):
+    """megatron-core's GPTModel (local spec, CPU, fp32, no dropout) as Megatron-LM builds it
+    from a checkpoint's `args` (megatron/training/arguments.py core_transformer_config_from_args
+    and gpt_builders.py): the activation is F.gelu unless --swiglu, and the MLP computes the
+    tanh GELU only through bias_activation_fusion (= args.bias_gelu_fusion) with biases;
+    --openai-gelu is never read. Fusions that compute the same function unfused are off."""
     core = core_modules()
-    cfg = ModelConfig(**m)
-    activation = (
-        torch.nn.functional.silu
-        if m["swiglu"]
-        else _gelu_tanh
-        if m["gelu_approximate"] == "tanh"
-        else torch.nn.functional.gelu
-    )
+    swiglu = bool(getattr(args, "swiglu", False))
+    window = getattr(args, "window_size", None)
     config = core.TransformerConfig(
-        num_layers=m["num_layers"],
-        hidden_size=m["hidden_size"],
-        num_attention_heads=m["num_attention_heads"],
-        num_query_groups=m["num_query_groups"] or m["num_attention_heads"],
-        kv_channels=m["kv_channels"] or m["hidden_size"] // m["num_attention_heads"],
-        ffn_hidden_size=cfg.ffn_size,
-        normalization=m["normalization"],
-        layernorm_epsilon=m["norm_epsilon"],
-        gated_linear_unit=m["swiglu"],
-        activation_func=activation,
-        add_bias_linear=m["add_bias_linear"],
-        add_qkv_bias=m["add_bias_linear"],
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=(
+            args.num_query_groups if args.group_query_attention else args.num_attention_heads
+        ),
+        kv_channels=args.kv_channels,
+        ffn_hidden_size=args.ffn_hidden_size,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=swiglu,
+        activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
+        bias_activation_fusion=(
+            False if swiglu else bool(getattr(args, "bias_gelu_fusion", True))
+        ),
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=getattr(args, "add_qkv_bias", args.add_bias_linear),
+        window_size=tuple(window) if window else None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
         use_cpu_initialization=True,
-        bias_activation_fusion=False,
         masked_softmax_fusion=False,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
@@ -458,14 +486,14 @@ def core_model(m: dict, tp: int = 1, pre_process: bool = True, post_process: boo
     )
     return core.GPTModel(
         config,
-        core.local_spec(normalization=m["normalization"]),
-        vocab_size=cfg.padded_vocab_size(tp),
-        max_sequence_length=m["max_position_embeddings"],
+        core.local_spec(normalization=args.normalization),
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
-        share_embeddings_and_output_weights=not m["untie_embeddings_and_output_weights"],
-        position_embedding_type=m["position_embedding_type"],
-        rotary_base=int(m["rotary_base"]),
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=int(args.rotary_base),
     )
 
 
@@ -486,30 +514,69 @@ def _write_dist(full: reshard.FullCheckpoint, args: argparse.Namespace, final: s
             "model": model.sharded_state_dict(),
         }
         tmp = f"{final}.tmp-export"
-        os.makedirs(tmp)
-        try:
-            with _without_cuda_sync():
-                core.dist_checkpointing.save(state, tmp)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        with megatron_lm.removed_on_failure(os.path.dirname(final)):
+            os.makedirs(tmp)
+            try:
+                with _cpu_only_shims():
+                    core.dist_checkpointing.save(state, tmp)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
     os.rename(tmp, final)
     files.write_tracker(os.path.dirname(final), args.iteration)
 
 
 @contextlib.contextmanager
-def _without_cuda_sync():
-    """megatron-core's writer synchronizes CUDA after copying tensors to the host; on a
-    machine without CUDA every tensor is already there, so there is nothing to wait for."""
+def _cpu_only_shims():
+    """megatron-core's torch_dist writer assumes CUDA in two places that do no arithmetic on
+    the checkpoint: it synchronizes CUDA after copying tensors to the host (on a machine
+    without CUDA every tensor is already there) and all-reduces a failure flag in a tensor on
+    torch.cuda.current_device() (here the CPU, which the gloo group reduces)."""
     if torch.cuda.is_available():
         yield
         return
-    synchronize = torch.cuda.synchronize
+    saved = torch.cuda.synchronize, torch.cuda.current_device
     torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     try:
         yield
     finally:
-        torch.cuda.synchronize = synchronize
+        torch.cuda.synchronize, torch.cuda.current_device = saved
+
+
+def null_tokenizer_note(flags: list[str]) -> list[str]:
+    """The --vocab-size Megatron-LM 0.18+ needs: its NullTokenizer counts EOD among the
+    --vocab-size ids, where 0.17 and earlier add it (the printed flags are for those)."""
+    if "NullTokenizer" not in flags:
+        return []
+    size = int(flags[flags.index("--vocab-size") + 1])
+    return [
+        f"the flags give NullTokenizer --vocab-size {size} as Megatron-LM up to 0.17 counts "
+        f"it (EOD = {size} added); Megatron-LM 0.18 and later need --vocab-size {size + 1}"
+    ]
+
+
+def dist_layout() -> str:
+    """Which torch_dist layout the installed megatron-core writes, and which Megatron-LM
+    releases read it (megatron/core/dist_checkpointing: up to 0.18 the plain objects go to
+    common.pt; 0.19 stores them inside the DCP checkpoint and still reads common.pt)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("megatron-core")
+    except PackageNotFoundError:
+        return "torch_dist layout of an unknown megatron-core release"
+    major_minor = tuple(int(x) for x in re.findall(r"\d+", found)[:2])
+    if major_minor >= (0, 19):
+        return (
+            f"torch_dist written by megatron-core {found}: the args and other plain objects "
+            f"inside the DCP checkpoint (no common.pt); Megatron-LM 0.19 and later read it, "
+            f"0.18 and earlier do not"
+        )
+    return (
+        f"torch_dist written by megatron-core {found}: the args and other plain objects in "
+        f"common.pt; Megatron-LM releases with torch_dist (0.19 included) read it"
+    )
 
 
 class _one_process_model_parallel:

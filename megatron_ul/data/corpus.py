@@ -161,7 +161,7 @@ def _jsonl_chunks(path, max_lines, max_bytes):
     with raw:
         first_in_shard = 0
         lines, num_bytes = [], 0
-        for line in handle:
+        for line in _lines_of(path, handle):
             lines.append(line)
             num_bytes += len(line)
             if len(lines) >= max_lines or num_bytes >= max_bytes:
@@ -171,6 +171,18 @@ def _jsonl_chunks(path, max_lines, max_bytes):
                 lines, num_bytes = [], 0
         if lines:
             yield first_in_shard, lines, num_bytes, 1.0
+
+
+def _lines_of(path, handle):
+    """The shard's lines; a truncated or corrupt compressed stream (EOFError, zlib.error,
+    zstandard.ZstdError, ...) or a read error is a CorpusError naming the file."""
+    try:
+        yield from handle
+    except Exception as error:  # noqa: BLE001 -- each decompressor raises its own types
+        raise CorpusError(
+            f"--input {path}: cannot be read ({type(error).__name__}: {error}); the file is "
+            f"truncated or corrupt"
+        ) from error
 
 
 def _parquet_chunks(path, keys, max_rows):

@@ -125,8 +125,19 @@ class IndexCache:
             expected = marker.get("arrays", {}).get(name)
             try:
                 array = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as error:
-                raise IndexCacheError(f"{path}: missing, truncated or corrupt ({error})") from error
+            # numpy raises EOFError (empty file), zipfile's BadZipFile (a "PK" file), ...
+            except Exception as error:  # noqa: BLE001 - any failure to parse: a damaged file
+                raise IndexCacheError(
+                    f"{path}: missing, truncated or corrupt ({type(error).__name__}: {error})"
+                ) from error
+            if not isinstance(array, np.ndarray):  # np.load opens an .npz archive as NpzFile
+                close = getattr(array, "close", None)
+                if close is not None:
+                    close()
+                raise IndexCacheError(
+                    f"{path}: a {type(array).__name__}, not one .npy array (another format "
+                    f"under a cached index's name)"
+                )
             if (
                 expected is None
                 or list(array.shape) != expected["shape"]

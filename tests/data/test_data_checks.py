@@ -221,7 +221,7 @@ def test_preprocess_failing_mid_write_keeps_the_previous_output(
     before = _files(tmp_path)
     monkeypatch.setattr(preprocess_data, "LINES_PER_CHUNK", 5)
     disk_full_after(3)
-    assert preprocess_data.main(args) == 1
+    assert preprocess_data.main(args) == 2
     assert "No space left on device" in capsys.readouterr().err
     assert _files(tmp_path) == before  # no temporary left, the old pair untouched
     IndexedDataset(str(tmp_path / "out_text_document"))

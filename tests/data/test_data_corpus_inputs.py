@@ -231,7 +231,7 @@ def test_bad_corpus_inputs_name_the_file(tmp_path, capsys, case):
         preprocess_data.main(
             ["--input", str(target), "--output-prefix", str(tmp_path / "o"), *null_flags()]
         )
-        == 1
+        == 2
     )
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and str(target) in error[0] and "--input" in error[0]
@@ -249,7 +249,7 @@ def test_write_failure_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypa
         preprocess_data.main(
             ["--input", source, "--output-prefix", str(tmp_path / "o"), *null_flags()]
         )
-        == 1
+        == 2
     )
     error = capsys.readouterr().err.strip().splitlines()
     assert len(error) == 1 and "--output-prefix" in error[0] and "No space left" in error[0]

@@ -181,7 +181,7 @@ def test_bad_input_stops_before_any_output(tmp_path, capsys, case):
         open(source, "w").write("\n  \n\n")
     elif case == "bad_gzip":
         open(source, "wb").write(b"this is not gzip data")
-    assert preprocess_data.main(null_args(source, tmp_path / "out")) == 1
+    assert preprocess_data.main(null_args(source, tmp_path / "out")) == 2
     assert f"--input {source}" in capsys.readouterr().err
     assert output_files(tmp_path) == []
 
@@ -190,7 +190,7 @@ def test_unwritable_prefix_and_missing_tokenizer_file(tmp_path, capsys):
     source = write_jsonl(tmp_path / "in.jsonl", [{"text": "1"}])
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    assert preprocess_data.main(null_args(source, blocker / "sub" / "out")) == 1
+    assert preprocess_data.main(null_args(source, blocker / "sub" / "out")) == 2
     assert "--output-prefix" in capsys.readouterr().err
     assert (
         preprocess_data.main(
@@ -205,7 +205,7 @@ def test_unwritable_prefix_and_missing_tokenizer_file(tmp_path, capsys):
                 str(tmp_path / "none.model"),
             ]
         )
-        == 1
+        == 2
     )
     assert "--tokenizer-model" in capsys.readouterr().err
     assert output_files(tmp_path) == ["a_file"]
