@@ -54,14 +54,20 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_FLAGS = "--kv-channels (or --hidden-size / --num-attention-heads)"
 
 # ---- torch SDPA's CUDA backend choice -------------------------------------------------------
-# Read from torch 2.11's aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (the release/2.11
-# text: cuDNN first on sm90/sm100 since 2.9, Hopper's cuDNN head dims up to 256 from cuDNN 9.10,
-# no GQA in the efficient kernel) and sdp_utils_cpp.h; each rule names its function there.
+# Read from torch 2.11's aten/src/ATen/native/transformers/cuda/sdp_utils.cpp (its release/2.11
+# text: cuDNN first on sm90/sm100 with a run-time cuDNN newer than 9.15.0, Hopper's cuDNN head
+# dims up to 256 from cuDNN 9.10, no GQA in the efficient kernel, no 1/16 dropout check) and
+# sdp_utils_cpp.h; each rule below names its function there.
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
-# The integers of at::SDPBackend (ATen/SDPBackend.h), as torch.ops.aten._fused_sdp_choice
-# returns them.
-_FUSED_SDP_CHOICE = {-1: "error", 0: "math", 1: "flash", 2: "efficient", 3: "cudnn"}
-_FUSED_SDP_CHOICE[4] = "overrideable"
+# The integers of at::SDPBackend, as torch.ops.aten._fused_sdp_choice returns them.
+_FUSED_SDP_CHOICE = {
+    -1: "error",
+    0: "math",
+    1: "flash",
+    2: "efficient",
+    3: "cudnn",
+    4: "overrideable",
+}
 TORCH_2_11_CUDNN = 91900  # the cuDNN (9.19) that torch 2.11's CUDA wheels bundle
 CUDNN_DEPRIORITIZED_ENV = "TORCH_CUDNN_SDPA_DEPRIORITIZED"
 
