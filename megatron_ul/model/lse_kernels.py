@@ -15,7 +15,7 @@ the ring's diagonal units).
 
 Kernels (chosen by `attention_dispatch.ring_unit_kernel`):
   cpu-flash       torch's fused CPU flash kernel (any float dtype, GQA, bias)
-  flash-attn      flash_attn's _flash_attn_forward/_backward (CUDA, fp16/bf16, no bias)
+  flash-attn      flash_attn's _flash_attn_forward/_backward (2.5-2.8; CUDA, fp16/bf16, no bias)
   sdpa-efficient  torch's memory-efficient kernel (CUDA, fp32/fp16/bf16, bias; GQA by
                   expanding k/v for the block, dk/dv summed back over the group). Its
                   backward reads `out` as [b, s, h, d] memory whatever its strides, so out
