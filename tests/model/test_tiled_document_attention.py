@@ -213,3 +213,24 @@ def test_tiles_dropout_masks_replayed_by_activation_recomputation(monkeypatch):
     for a, b in zip(plain_grads, again_grads):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     assert not torch.allclose(plain, other) and not torch.allclose(plain_grads[0], other_grads[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_dispatch_and_runtime_agree_on_tiles_with_dropout(dtype, dropout):
+    """attention_dispatch reports document tiles on CUDA with dropout (fp64: the loop, its
+    kernel takes no dropout), and document_attention finds the tiles' kernel for the same."""
+    from megatron_ul.model.attention_dispatch import AttentionCall, attention_kernel
+    from megatron_ul.model.document_attention import tiled_kernel
+
+    cuda = torch.device("cuda")
+    for documents, window in ((True, None), (False, 64), (True, 64)):
+        call = AttentionCall(
+            cuda, dtype, 64, 8, 8, documents, window, dropout=dropout, flash_attn_installed=False
+        )
+        kernel = attention_kernel(call)
+        tiles = tiled_kernel(cuda, dtype, dropout)
+        assert (kernel == "document tiles") == (tiles is not None), (call, kernel)
+        assert kernel == (
+            "document blocks" if dropout and dtype == torch.float64 else "document tiles"
+        )
