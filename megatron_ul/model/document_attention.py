@@ -308,7 +308,7 @@ def document_attention(
             documents is not None,
             window,
             use_flash_attn=backend == "flash",
-            dropout=dropout_p > 0,
+            dropout=dropout_p,
         )
     )
     with get_rng_tracker().fork():  # attention dropout: a per-(TP, SP)-rank stream
