@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 (GPT2LMHeadModel) and Llama (LlamaForCausalLM) <-> megatron_ul weights.
+"""Hugging Face GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and Mistral
+(MistralForCausalLM: Llama with a sliding window) <-> megatron_ul weights.
 
 Pure tensor mappings on full (TP1) state dicts keyed by our canonical names; reading and writing
 safetensors lives in tools/checkpoint/hf.py. Layout facts the mapping relies on:
@@ -8,7 +9,9 @@ safetensors lives in tools/checkpoint/hf.py. Layout facts the mapping relies on:
   - SwiGLU fc1 is [gate; up]; RoPE is rotate-half in both, so no permutation;
   - our vocabulary is padded, and padded rows are outside the softmax: import pads with
     zeros, export drops them;
-  - GPT-2 uses gelu_new (tanh approximation): imported as gelu_approximate = "tanh".
+  - GPT-2 uses gelu_new (tanh approximation): imported as gelu_approximate = "tanh";
+  - every config.json key is read, known to change nothing, or refused (HF_KEYS), and every
+    setting of ours is carried or refused (interop_settings.OURS).
 """
 
 from __future__ import annotations
@@ -19,15 +22,77 @@ import torch
 
 from ..config import ModelConfig
 from .files import CheckpointError
+from .interop_settings import check_carried
 
 
 def _hf_error(what: str) -> CheckpointError:
     return CheckpointError(f"Hugging Face config.json: {what}")
 
 
+# config.json keys that never change the logits (bookkeeping, token ids, dropout, init,
+# generation and head-summary settings), for every model type.
+HF_NO_EFFECT = frozenset(
+    """_name_or_path architectures model_type transformers_version torch_dtype dtype
+    bos_token_id eos_token_id pad_token_id sep_token_id decoder_start_token_id use_cache
+    initializer_range attention_dropout attn_pdrop embd_pdrop resid_pdrop output_attentions
+    output_hidden_states return_dict problem_type id2label label2id chunk_size_feed_forward
+    is_encoder_decoder add_cross_attention task_specific_params n_ctx summary_activation
+    summary_first_dropout summary_proj_to_labels summary_type summary_use_proj
+    reorder_and_upcast_attn pretraining_tp tokenizer_class prefix finetuning_task
+    max_length min_length do_sample num_beams temperature top_k top_p repetition_penalty
+    length_penalty no_repeat_ngram_size bad_words_ids num_return_sequences""".split()
+)
+# {model_type: {config key: the values we compute, or MAPPED (read by the mapping)}}
+MAPPED = "mapped"
+HF_KEYS: dict[str, dict[str, Any]] = {
+    "gpt2": {
+        **{
+            k: MAPPED
+            for k in """n_layer n_embd n_head n_inner n_positions vocab_size layer_norm_epsilon
+            activation_function tie_word_embeddings""".split()
+        },
+        "scale_attn_weights": (True,),
+        "scale_attn_by_inverse_layer_idx": (False,),
+    },
+    "llama": {
+        **{
+            k: MAPPED
+            for k in """num_hidden_layers hidden_size num_attention_heads num_key_value_heads
+            head_dim intermediate_size vocab_size max_position_embeddings rms_norm_eps
+            hidden_act rope_theta rope_parameters rope_scaling tie_word_embeddings""".split()
+        },
+        "attention_bias": (False,),
+        "mlp_bias": (False,),
+    },
+}
+# Mistral is Llama with a causal sliding window over the last `sliding_window` tokens.
+HF_KEYS["mistral"] = {
+    **{k: v for k, v in HF_KEYS["llama"].items() if k not in ("attention_bias", "mlp_bias")},
+    "sliding_window": MAPPED,
+}
+
+
+def check_hf_keys(hf: dict) -> None:
+    """Refuse, naming the key, a config.json setting the mapping neither reads nor computes."""
+    known = HF_KEYS[str(hf.get("model_type"))]
+    bad = [
+        f"{key} = {value!r}"
+        for key, value in hf.items()
+        if key not in HF_NO_EFFECT
+        and known.get(key) != MAPPED
+        and not (key in known and value in known[key])
+    ]
+    if bad:
+        raise _hf_error(
+            f"{', '.join(bad)}: not a setting megatron_ul computes (or knows to change "
+            f"nothing); not imported"
+        )
+
+
 # ---- GPT-2 -------------------------------------------------------------------------------------
 def gpt2_model_config(hf: dict) -> dict:
     """Our ModelConfig fields for a GPT2Config dict."""
+    check_hf_keys(hf)
     act = hf.get("activation_function", "gelu_new")
     if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
         raise _hf_error(f"activation_function {act!r} is not supported (gelu_new or gelu)")
@@ -118,6 +183,7 @@ def ours_to_gpt2(p: dict, m: dict) -> tuple[dict, dict]:
             "this model is not GPT-2 shaped (needs LayerNorm, GELU, biases, "
             "learned positions, no GQA); export it as llama"
         )
+    check_carried(m, "hf_gpt2", "Hugging Face GPT-2 (GPT2LMHeadModel)")
     tied = not m["untie_embeddings_and_output_weights"]
     heads, d = m["num_attention_heads"], m["hidden_size"] // m["num_attention_heads"]
     sd = {
@@ -166,6 +232,8 @@ def _rope_theta(hf: dict) -> float:
 
 
 def llama_model_config(hf: dict) -> dict:
+    """Our ModelConfig fields for a LlamaConfig or MistralConfig dict."""
+    check_hf_keys(hf)
     if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
         raise _hf_error("only SiLU (SwiGLU) MLPs without biases are supported")
     heads = hf["num_attention_heads"]
@@ -189,7 +257,19 @@ def llama_model_config(hf: dict) -> dict:
         "add_bias_linear": False,
         "untie_embeddings_and_output_weights": not hf.get("tie_word_embeddings", False),
         "gelu_approximate": "none",
+        "window_size": _window_from_hf(hf),
     }
+
+
+def _window_from_hf(hf: dict) -> list[int] | None:
+    """Mistral's sliding_window W: a query sees itself and the W - 1 tokens before it
+    (transformers' sliding_window_overlay: kv_idx > q_idx - W), our --window-size W-1,0."""
+    window = hf.get("sliding_window") if hf.get("model_type") == "mistral" else None
+    if window is None:
+        return None
+    if window < 1:
+        raise _hf_error(f"sliding_window {window}: must be at least 1")
+    return [int(window) - 1, 0]
 
 
 def llama_to_ours(sd: dict, m: dict) -> dict:
@@ -228,6 +308,8 @@ def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
             "this model is not Llama shaped (needs RMSNorm, SwiGLU, no "
             "biases, RoPE); export it as gpt2"
         )
+    check_carried(m, "hf_llama", "Hugging Face Llama / Mistral")
+    window = ModelConfig(**m).attention_window
     heads = m["num_attention_heads"]
     groups = m["num_query_groups"] or heads
     head_dim = m["kv_channels"] or m["hidden_size"] // heads
@@ -254,7 +336,7 @@ def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
                 hf + "mlp.down_proj.weight": p[ours + "mlp.fc2.weight"],
             }
         )
-    config = {
+    config: dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "num_hidden_layers": m["num_layers"],
@@ -273,14 +355,22 @@ def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
         "mlp_bias": False,
         "tie_word_embeddings": tied,
     }
+    if window is not None:  # Llama has no window: Mistral is Llama with one
+        config.update(
+            model_type="mistral",
+            architectures=["MistralForCausalLM"],
+            sliding_window=window + 1,
+        )
+        del config["attention_bias"], config["mlp_bias"]
     return {k: v.contiguous() for k, v in sd.items()}, config
 
 
 def detect(hf_config: dict) -> str:
+    """'gpt2' or 'llama' (Mistral maps as Llama with its window)."""
     kind = hf_config.get("model_type")
-    if kind not in ("gpt2", "llama"):
-        raise _hf_error(f"model_type {kind!r} is not supported (gpt2 or llama)")
-    return kind
+    if kind not in HF_KEYS:
+        raise _hf_error(f"model_type {kind!r} is not supported (gpt2, llama or mistral)")
+    return "gpt2" if kind == "gpt2" else "llama"
 
 
 def to_ours(hf_config: dict, hf_state: dict) -> tuple[dict, dict]:

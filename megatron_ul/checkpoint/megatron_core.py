@@ -468,9 +468,7 @@ def core_model_from_args(args, pre_process: bool = True, post_process: bool = Tr
         layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=swiglu,
         activation_func=torch.nn.functional.silu if swiglu else torch.nn.functional.gelu,
-        bias_activation_fusion=(
-            False if swiglu else bool(getattr(args, "bias_gelu_fusion", True))
-        ),
+        bias_activation_fusion=(False if swiglu else bool(getattr(args, "bias_gelu_fusion", True))),
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=getattr(args, "add_qkv_bias", args.add_bias_linear),
         window_size=tuple(window) if window else None,

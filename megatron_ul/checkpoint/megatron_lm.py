@@ -42,6 +42,7 @@ else the padded size (so the imported model computes exactly what Megatron compu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import re
@@ -54,6 +55,7 @@ from ..config import ModelConfig
 from ..pipeline.model import chunk_layer_numbers
 from . import files, megatron_pickle, reshard
 from .files import CheckpointError
+from .interop_settings import check_carried, refuse_megatron_settings
 
 log = logging.getLogger("megatron_ul")
 
@@ -69,6 +71,7 @@ LAYER_NAMES = [
     ("mlp.dense_4h_to_h", "mlp.fc2"),
 ]
 FINAL_NORM = ("final_norm", "final_layernorm")
+_TIED_REPLICA = "replica.word_embeddings.weight"
 _LOCAL_LAYER = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -108,14 +111,8 @@ def model_config_from_args(args, true_vocab_size: int | None = None, core: bool 
     def get(name: str, default: Any = None) -> Any:  # Megatron's args: fields vary by version
         return getattr(args, name, default)
 
+    refuse_megatron_settings(args, "megatron-core checkpoint" if core else "Megatron-LM checkpoint")
     unsupported = [
-        (get("num_experts"), "mixture of experts"),
-        (
-            get("apply_residual_connection_post_layernorm"),
-            "--apply-residual-connection-post-layernorm",
-        ),
-        (get("squared_relu"), "--squared-relu"),
-        ((get("rotary_percent", 1.0) or 1.0) != 1.0, "--rotary-percent < 1"),
         (get("add_qkv_bias") and not get("add_bias_linear", True), "--add-qkv-bias"),
         (
             not core
@@ -137,8 +134,10 @@ def model_config_from_args(args, true_vocab_size: int | None = None, core: bool 
     kv = get("kv_channels")
     vocab = true_vocab_size or megatron_vocab_size(args)
     swiglu, bias = bool(get("swiglu")), get("add_bias_linear", True)
-    # Megatron's GELU: tanh-approximated with --openai-gelu or its fused bias-gelu kernel
-    tanh = not swiglu and (get("openai_gelu") or (bias and get("bias_gelu_fusion", True)))
+    # Megatron's GELU is tanh-approximated in its fused bias-gelu kernel (used only with
+    # biases); the legacy model also with --openai-gelu, which megatron-core never reads
+    fused = bias and get("bias_gelu_fusion", True)
+    tanh = not swiglu and (fused or (not core and get("openai_gelu")))
     rope = get("position_embedding_type") == "rope" or get("use_rotary_position_embeddings")
     return {
         "num_layers": args.num_layers,
@@ -161,18 +160,36 @@ def model_config_from_args(args, true_vocab_size: int | None = None, core: bool 
         "add_bias_linear": bias,
         "untie_embeddings_and_output_weights": bool(get("untie_embeddings_and_output_weights")),
         "gelu_approximate": "tanh" if tanh else "none",
+        "window_size": _window(args, core),
     }
 
 
+def _window(args, core: bool) -> list[int] | None:
+    """--window-size LEFT,RIGHT of a megatron-core model; the legacy model never reads it
+    (it computes full attention whatever the args record)."""
+    window = getattr(args, "window_size", None)
+    if not window or window[0] < 0:
+        return None
+    if not core:
+        log.warning(
+            "the Megatron-LM checkpoint records --window-size %s, which its legacy model "
+            "ignores (it computes full attention); importing with full attention",
+            tuple(window),
+        )
+        return None
+    if window[1] != 0:
+        raise CheckpointError(
+            f"the megatron-core checkpoint uses --window-size {tuple(window)}: a window "
+            f"reaching {window[1]} tokens ahead; megatron_ul computes causal windows only "
+            f"(RIGHT 0)"
+        )
+    return [int(window[0]), 0]
+
+
 def _core_unsupported(get) -> list[tuple]:
-    """megatron-core GPTModel features this model does not compute."""
+    """megatron-core GPTModel features this model does not compute (besides the table of
+    interop_settings)."""
     return [
-        (get("qk_layernorm"), "--qk-layernorm"),
-        (get("rotary_interleaved"), "--rotary-interleaved"),
-        (get("use_rope_scaling"), "--use-rope-scaling"),
-        (get("multi_latent_attention"), "multi-latent attention"),
-        (get("apply_layernorm_1p"), "--apply-layernorm-1p"),
-        (get("mtp_num_layers"), "multi-token prediction"),
         (
             get("position_embedding_type", "learned_absolute") not in ("rope", "learned_absolute"),
             f"--position-embedding-type {get('position_embedding_type')}",
@@ -181,12 +198,18 @@ def _core_unsupported(get) -> list[tuple]:
 
 
 def megatron_vocab_size(args) -> int:
-    """The rows of the softmax that are real tokens. Megatron-LM's NullTokenizer of the legacy
-    model's releases (up to 0.17) has --vocab-size V ids plus EOD = V; other tokenizers leave
-    args.vocab_size unset, so the padded size (all of which Megatron's softmax includes)."""
+    """The rows of the softmax that are real tokens. Megatron-LM's NullTokenizer up to 0.17
+    has --vocab-size V ids plus EOD = V (V + 1 rows); from 0.18 it has V rows, EOD = V - 1 (or
+    --null-tokenizer-eod-id), and those releases record args.null_tokenizer_eod_id. Other
+    tokenizers leave args.vocab_size unset, so the padded size (all of which Megatron's
+    softmax includes)."""
     if getattr(args, "tokenizer_type", None) == "NullTokenizer" and args.vocab_size:
-        return args.vocab_size + 1
+        return args.vocab_size + (0 if hasattr(args, NULL_TOKENIZER_EOD_ARG) else 1)
     return getattr(args, "vocab_size", None) or args.padded_vocab_size
+
+
+# Recorded by Megatron-LM from 0.18 on, whose NullTokenizer has --vocab-size rows in all.
+NULL_TOKENIZER_EOD_ARG = "null_tokenizer_eod_id"
 
 
 def _legacy_rotary_base(args) -> int:
@@ -248,10 +271,45 @@ def _stage_tensors(model: dict, args, pp_rank: int, chunk: int, path: str) -> di
 
 def stage_layer_numbers(args, pp_rank: int, chunk: int) -> list[int]:
     """1-based global numbers of the layers of model chunk `chunk` of pipeline rank `pp_rank`
-    in a Megatron-LM run with `args` (Megatron's even split, interleaved by chunk)."""
+    in a Megatron-LM run with `args`: Megatron's even split, interleaved by chunk, or its
+    uneven one (--decoder-first/last-pipeline-num-layers: those stages hold that many layers,
+    the others split the rest evenly; megatron-core's get_transformer_layer_offset)."""
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
-    return chunk_layer_numbers(
-        args.num_layers, args.pipeline_model_parallel_size, chunks, pp_rank, chunk
+    pp = args.pipeline_model_parallel_size
+    first, last = uneven_split(args)
+    if pp == 1 or (first is None and last is None):
+        return chunk_layer_numbers(args.num_layers, pp, chunks, pp_rank, chunk)
+    if chunks > 1:
+        raise CheckpointError(
+            "the checkpoint splits its layers unevenly (--decoder-first/last-pipeline-num-"
+            "layers) over virtual pipeline stages; only the uneven split without virtual "
+            "stages is read (or save it with --ckpt-format torch_dist)"
+        )
+    middle_stages = pp - (first is not None) - (last is not None)
+    middle_layers = args.num_layers - (first or 0) - (last or 0)
+    per = middle_layers // middle_stages if middle_stages else 0
+    if (
+        middle_layers < 0
+        or (middle_stages and middle_layers % middle_stages)
+        or (not middle_stages and middle_layers)
+    ):
+        raise CheckpointError(
+            f"the checkpoint's args split {args.num_layers} layers over {pp} stages with "
+            f"{first} in the first and {last} in the last; the rest does not divide evenly"
+        )
+    if pp_rank == 0 and first is not None:
+        return list(range(1, first + 1))
+    if pp_rank == pp - 1 and last is not None:
+        return list(range(args.num_layers - last + 1, args.num_layers + 1))
+    start = (first or 0) + (pp_rank - (first is not None)) * per
+    return list(range(start + 1, start + per + 1))
+
+
+def uneven_split(args) -> tuple[int | None, int | None]:
+    """(layers of the first stage, of the last stage) when Megatron split them unevenly."""
+    return (
+        getattr(args, "decoder_first_pipeline_num_layers", None),
+        getattr(args, "decoder_last_pipeline_num_layers", None),
     )
 
 
@@ -300,8 +358,14 @@ def read_stage_files(
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     chunks = getattr(args, "virtual_pipeline_model_parallel_size", None) or 1
     model_cfg = asdict(ModelConfig(**config_from_args(args)))
+    uneven = pp > 1 and uneven_split(args) != (None, None)
+    # an uneven split has no table of its own: its tensors carry global names by then, so the
+    # TP merge only needs one stage's table (and the tied head's replica is checked here)
     table = reshard.layout_table(
-        {"model": model_cfg}, tp, pp, args.num_layers // (pp * chunks) if chunks > 1 else None
+        {"model": model_cfg},
+        tp,
+        1 if uneven else pp,
+        args.num_layers // (pp * chunks) if chunks > 1 else None,
     )
     shards: dict[str, list] = {}
     for s in range(pp):
@@ -315,6 +379,15 @@ def read_stage_files(
                 for name, tensor in stage_tensors(state[key], args, s, c, path).items():
                     shards.setdefault(name, []).append(tensor)
             del state
+    replica = shards.pop(_TIED_REPLICA, None) if uneven else None
+    if replica is not None and not all(
+        torch.equal(a, b) for a, b in zip(replica, shards["word_embeddings.weight"])
+    ):
+        log.warning(
+            "%s: the last stage's tied output weight differs from the first stage's table; "
+            "keeping the first stage's",
+            iter_dir,
+        )
     params = merge_shards(shards, table, model_cfg["vocab_size"], iter_dir)
     return full_checkpoint(params, model_cfg, args, iteration, f"{source} {iter_dir}")
 
@@ -435,6 +508,9 @@ def check_norm_exportable(m: dict) -> None:
 
 
 def check_exportable(m: dict) -> None:
+    """Refuse, before anything is written, a model Megatron-LM's legacy model would compute
+    otherwise."""
+    check_carried(m, "megatron_lm", "Megatron-LM's legacy GPT model")
     check_norm_exportable(m)
     if m["position_embedding_type"] == "rope" and m["rotary_base"] != LEGACY_ROTARY_BASE:
         raise CheckpointError(
@@ -453,6 +529,9 @@ def megatron_args(
     transformer impl) of a megatron-core GPTModel instead."""
     heads = m["num_attention_heads"]
     data = (common.get("args") or {}).get("data") or {}
+    tanh = m["gelu_approximate"] == "tanh" and not m["swiglu"]
+    left = ModelConfig(**m).attention_window
+    window = None if left is None else (left, 0)
     return argparse.Namespace(
         num_layers=m["num_layers"],
         hidden_size=m["hidden_size"],
@@ -476,8 +555,11 @@ def megatron_args(
         add_bias_linear=m["add_bias_linear"],
         add_qkv_bias=m["add_bias_linear"],
         untie_embeddings_and_output_weights=m["untie_embeddings_and_output_weights"],
-        bias_gelu_fusion=m["gelu_approximate"] == "tanh" and m["add_bias_linear"],
-        openai_gelu=m["gelu_approximate"] == "tanh" and not m["add_bias_linear"],
+        # tanh GELU: Megatron's fused bias-GELU kernel with biases; without, the legacy
+        # model's --openai-gelu (megatron-core has none: its exporter refuses that model)
+        bias_gelu_fusion=tanh and m["add_bias_linear"],
+        openai_gelu=tanh and not m["add_bias_linear"] and core is None,
+        window_size=window if core else None,
         apply_residual_connection_post_layernorm=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -567,10 +649,17 @@ def write_stage_files(
     `final` (a temporary directory renamed into place, tracker last); `state_of(tensors, m,
     pp, pp_rank)` is one stage's model state dict from its {our name: TP shard}."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    m, iteration = full.metadata["model"], args.iteration
     table = reshard.layout_table(full.metadata, tp, pp, None)
     save_dir = os.path.dirname(final)
-    os.makedirs(save_dir, exist_ok=True)
+    with removed_on_failure(save_dir):
+        os.makedirs(save_dir, exist_ok=True)
+        _write_stages(full, args, final, state_of, table)
+    files.write_tracker(save_dir, args.iteration)
+
+
+def _write_stages(full, args, final: str, state_of, table: dict) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    m, iteration = full.metadata["model"], args.iteration
     tmp = f"{final}.tmp-export"
     try:
         for s in range(pp):
@@ -590,7 +679,18 @@ def write_stage_files(
         files.rmtree_quietly(tmp)
         raise
     os.rename(tmp, final)
-    files.write_tracker(save_dir, iteration)
+
+
+@contextlib.contextmanager
+def removed_on_failure(save_dir: str):
+    """A failed export leaves nothing behind: the --save-dir it created goes too."""
+    existed = os.path.exists(save_dir)
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            files.rmtree_quietly(save_dir)
+        raise
 
 
 def megatron_flags(args: argparse.Namespace) -> list[str]:
@@ -644,6 +744,8 @@ def megatron_flags(args: argparse.Namespace) -> list[str]:
         flags += ["--group-query-attention", "--num-query-groups", args.num_query_groups]
     if not args.use_legacy_models and args.position_embedding_type == "rope":
         flags += ["--rotary-base", args.rotary_base]
+    if getattr(args, "window_size", None):
+        flags += ["--window-size", f"{args.window_size[0]},{args.window_size[1]}"]
     switches = [
         (args.swiglu, "--swiglu"),
         (not args.add_bias_linear, "--disable-bias-linear"),

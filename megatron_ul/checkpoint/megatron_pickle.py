@@ -2,7 +2,8 @@
 
 Megatron pickles more than tensors: `args` is an argparse.Namespace holding enums
 (args.model_type = megatron.core.enums.ModelType, args.attention_backend =
-megatron.core.transformer.enums.AttnBackend, args.exit_signal = signal.Signals) and the RNG
+megatron.core.transformer.enums.AttnBackend, the CUDA-graph settings' enums of the same
+module, args.exit_signal = signal.Signals) and the RNG
 state holds numpy's MT19937 state array. torch's weights_only unpickler admits exactly the
 globals named in ALLOWED below and nothing else; Megatron's enums are rebuilt as plain
 stand-ins (name and value kept), so neither the megatron package nor any code from the file
@@ -46,7 +47,14 @@ def _enum_stand_in(qualified: str) -> type:
     return type(name, (MegatronEnum,), {"enum_name": qualified, "__module__": __name__})
 
 
-_MEGATRON_ENUMS = ["megatron.core.enums.ModelType", "megatron.core.transformer.enums.AttnBackend"]
+# The enums Megatron-LM 0.16 to 0.19 leave in args: ModelType and AttnBackend (all), the
+# --cuda-graph-scope list (CudaGraphScope, 0.16-0.17), --cuda-graph-modules (CudaGraphModule,
+# 0.18+) and --inference-cuda-graph-scope (InferenceCudaGraphScope, always set from 0.18).
+_TRANSFORMER_ENUMS = "megatron.core.transformer.enums."
+_MEGATRON_ENUMS = ["megatron.core.enums.ModelType"] + [
+    _TRANSFORMER_ENUMS + name
+    for name in ("AttnBackend", "CudaGraphScope", "CudaGraphModule", "InferenceCudaGraphScope")
+]
 _numpy_core = getattr(np, "_core", None) or np.core
 # The one allowlist: (object, the global's name as the pickle spells it). numpy 1.x pickles
 # its array reconstructor as numpy.core.*, numpy 2.x as numpy._core.*.
@@ -81,6 +89,13 @@ def load_stream(stream, what: str, trust_pickle: bool = False):
                 f"{what}: full unpickling needs the module {e.name!r}, which "
                 f"is not installed; without --trust-pickle the restricted "
                 f"loader reads Megatron's own enums without it"
+            ) from e
+        except Exception as e:  # noqa: BLE001 - whatever the pickled code raised
+            raise CheckpointError(
+                f"{what}: full unpickling failed ({type(e).__name__}: {str(e)[:200]}); the "
+                f"installed packages do not define what the file names (another Megatron "
+                f"release wrote it?). Without --trust-pickle the restricted loader reads "
+                f"Megatron's own enums without them"
             ) from e
     with torch.serialization.safe_globals(ALLOWED):
         try:

@@ -27,7 +27,9 @@ from megatron_ul.checkpoint.megatron_core import (
     FORMATS,
     SPECS,
     WEIGHTS_ONLY,
+    dist_layout,
     export_core,
+    null_tokenizer_note,
     import_core,
 )
 
@@ -67,7 +69,12 @@ def _export(a) -> str:
         a.target_tensor_parallel_size,
         a.target_pipeline_parallel_size,
     )
-    return f"wrote {out}\nnote: {WEIGHTS_ONLY}\nMegatron-LM flags: {' '.join(flags)}"
+    notes = [WEIGHTS_ONLY]
+    if a.ckpt_format == "torch_dist":
+        notes.append(dist_layout())
+    notes += null_tokenizer_note(flags)
+    text = "".join(f"note: {n}\n" for n in notes)
+    return f"wrote {out}\n{text}Megatron-LM flags: {' '.join(flags)}"
 
 
 def main(argv=None) -> int:
