@@ -11,7 +11,11 @@ Install with `monkeypatch.setattr(lse_kernels, "cuda_ops", EfficientOps())`.
 
 Every rule below was read in torch's sources (aten/src/ATen/native/transformers/cuda/:
 attention.cu, attention_backward.cu, mem_eff_attention/kernel_forward.h, kernel_backward.h,
-gemm_kernel_utils.h, and the operators' meta functions in torch/_meta_registrations.py). Both
+gemm_kernel_utils.h, and the operators' meta functions in torch/_meta_registrations.py; no
+v2.11.0 checkout was reachable, so the files were read as stored: attention_backward.cu at
+pytorch 00afd8f, kernel_backward.h at 00f993d, kernel_forward.h at 01b4eae, the forward's
+`_efficient_attention_forward` in attention.cu at e129513 and in a later mem_eff_api copy of
+it, whose seed/offset code is the same; the meta functions in the installed torch). Both
 operators view [b, h, s, d] inputs as [b, s, h, d] ("BMHK", a transpose, no copy) and hand
 that to the CUTLASS kernels; strides below are of those views.
 
@@ -197,7 +201,6 @@ def keep_scale(seed: int, offset: int, shape, dropout_p: float) -> torch.Tensor:
 def _draw_philox() -> tuple[torch.Tensor, torch.Tensor]:
     """(seed, offset) from torch's default CPU generator, advancing it once per call."""
     seed, offset = torch.randint(0, 1 << 40, (2,), dtype=torch.int64).tolist()
-    offset = offset * 4  # philox_cuda_state hands out offsets in multiples of 4
     return torch.tensor(seed, dtype=torch.int64), torch.tensor(offset, dtype=torch.int64)
 
 
