@@ -67,6 +67,8 @@ def micro_batch_iterator(dataset, sampler, num_workers: int = 0):
         batch_sampler=sampler,
         num_workers=num_workers,
         collate_fn=_collate_texts,
+        # samples are cut into micro-batches on the host first; training/data.py pins the
+        # packed result, the one buffer that is copied to the device
         pin_memory=False,
         # a private generator: starting the iterator must not
         # draw from the global RNG (dropout), or a resumed run

@@ -115,10 +115,13 @@ def to_device(micro_batches: list[dict], device) -> list[dict]:
 
     Their bytes are packed into one host buffer (pinned when the device is CUDA), copied with
     non_blocking=True, and unpacked on the device as views of the copy: one transfer per step
-    that the host does not wait for, where a copy per tensor from pageable memory blocks the
-    host each time. A fresh pinned buffer per step (torch's caching host allocator reuses a
-    block only once its copy has finished) is never written while the device reads it.
-    Non-tensor values (the host document offsets) are kept as they are."""
+    that the host does not wait for. A blocking copy ends in a stream synchronisation (torch
+    2.11 aten/src/ATen/native/cuda/Copy.cu, copy_kernel_cuda: memcpy_and_sync), and
+    cudaMemcpyAsync from pageable memory returns only once the driver has staged it (CUDA's
+    API synchronisation rules). The pinned buffer is fresh per step and never written after
+    the copy is queued: the copy records an event on it (CachingHostAllocator_recordEvent), so
+    the allocator reuses the block only once the copy is done. Non-tensor values (the host
+    document offsets) are kept as they are."""
     tensors = [v for mb in micro_batches for v in mb.values() if isinstance(v, torch.Tensor)]
     spans, total = [], 0
     for t in tensors:
