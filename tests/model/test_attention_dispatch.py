@@ -341,3 +341,52 @@ def test_the_log_names_each_path_once_with_the_decided_kernel(monkeypatch, caplo
     assert _logged(caplog) == [
         f"attention: {path} = {kernel} (cpu)" for (_, _, path), kernel in zip(runs, kernels)
     ]
+
+
+@pytest.mark.parametrize(
+    "kernel, kv_heads_seen",
+    [("sdpa cudnn", 2), ("sdpa flash", 2), ("sdpa efficient", 8), ("sdpa math", 2)],
+)
+def test_local_attention_runs_sdpa_pinned_to_the_decided_backend(
+    monkeypatch, kernel, kv_heads_seen
+):
+    """Whatever decide names for a CUDA call, local_attention calls SDPA with exactly that
+    backend switched on, and k/v repeated to the query heads for the efficient kernel only
+    (decide answers as on a GPU; SDPA then runs on the CPU with every backend on again)."""
+    from megatron_ul.model import attention, attention_dispatch
+    from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
+
+    get_rng_tracker().reset("cpu")
+    get_rng_tracker().add(MODEL_PARALLEL_RNG, 0)
+    monkeypatch.setattr(attention_dispatch, "decide", lambda call: kernel)
+    switches = torch.backends.cuda
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        on = [
+            name
+            for name, flag in (
+                ("cudnn", switches.cudnn_sdp_enabled()),
+                ("flash", switches.flash_sdp_enabled()),
+                ("efficient", switches.mem_efficient_sdp_enabled()),
+                ("math", switches.math_sdp_enabled()),
+            )
+            if flag
+        ]
+        seen.append((on, k.shape[1], kw["enable_gqa"]))
+        with sdpa_backend_pinned("sdpa math"):
+            return real_sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    q = torch.randn(16, 1, 8, 8)
+    k, v = torch.randn(16, 1, 2, 8), torch.randn(16, 1, 2, 8)
+    out = attention.local_attention(q, k, v, backend="sdpa", dropout_p=0.0)
+    reference = real_sdpa(
+        q.permute(1, 2, 0, 3),
+        k.repeat_interleave(4, 2).permute(1, 2, 0, 3),
+        v.repeat_interleave(4, 2).permute(1, 2, 0, 3),
+        is_causal=True,
+    ).permute(2, 0, 1, 3)
+    assert seen == [([kernel.removeprefix("sdpa ")], kv_heads_seen, kv_heads_seen != 8)]
+    torch.testing.assert_close(out, reference)
