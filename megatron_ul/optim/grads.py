@@ -158,8 +158,8 @@ def grad_norm(grads: list[torch.Tensor], device: torch.device, groups=()) -> flo
     """L2 norm of `grads` summed over `groups` (all-reduced one after the other); the one
     gradient norm every optimizer uses.
 
-    One pass over each gradient in its own dtype, squares accumulated in fp32: one
-    `torch._foreach_norm(..., dtype=float32)` per device and dtype, torch's multi-tensor
+    One pass over each gradient in its own dtype, squares accumulated in fp32 (fp64 gradients:
+    fp64): one `torch._foreach_norm(..., dtype=float32)` per device and dtype, torch's multi-tensor
     kernel as Megatron's `multi_tensor_l2norm` (ForeachReduceOp.cu, foreach_tensor_norm_cuda:
     each element read once, only per-chunk fp32 partial sums kept), so no upcast copy of any
     gradient exists. The per-tensor norms are squared, summed and reduced in fp64: the sum
@@ -167,7 +167,9 @@ def grad_norm(grads: list[torch.Tensor], device: torch.device, groups=()) -> flo
     an inf or nan element gives an inf or nan norm. One host sync: the result."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
     for same_kind in _by_device_and_dtype(grads):
-        norms = torch._foreach_norm(same_kind, 2, dtype=torch.float32)
+        # fp32, or fp64 for fp64 gradients (torch refuses a narrowing dtype)
+        accumulate = torch.promote_types(same_kind[0].dtype, torch.float32)
+        norms = torch._foreach_norm(same_kind, 2, dtype=accumulate)
         part = torch.stack(norms).double().square().sum()
         sq += part.to(device, non_blocking=True)  # a host-held gradient's part moves over
     for group in groups:

@@ -31,7 +31,7 @@ def _fp64_norm(tensors) -> float:
     return math.sqrt(sum(float(t.detach().double().pow(2).sum()) for t in tensors))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_norm_of_gradients_matches_fp64(dtype):
     g = torch.Generator().manual_seed(0)
     shapes = [((32000, 512), 1e-3), ((512,), 1.0), ((1536, 512), 0.1), ((0,), 1.0), ((7,), 100.0)]
