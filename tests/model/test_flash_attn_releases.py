@@ -281,3 +281,25 @@ def test_backward_reads_lse_through_the_kernels_addressing(flash_attn_stand_in):
         dq_with(lse[:1].clone())
     with pytest.raises(RuntimeError, match="dq must have contiguous last dimension"):
         dq_with(lse, torch.empty(*q.shape[:3], 2 * q.shape[3], dtype=q.dtype)[..., ::2])
+
+
+def test_varlen_dropout_drops_what_s_dmask_shows(flash_attn_stand_in):
+    """Per sequence: output and gradients equal fp64 attention through the dropped
+    probabilities that S_dmask reports ([b, h, 128, 128] per sequence, negative = dropped)."""
+    p = 0.25
+    q, k, v = (t[0].requires_grad_() for t in _qkv(b=1, s=10))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    out, _, s_dmask = flash_attn_stand_in.flash_attn_varlen_func(
+        q, k, v, cu, cu, 6, 6, dropout_p=p, return_attn_probs=True
+    )
+    assert s_dmask.shape == (2, 4, 128, 128)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(out.dtype)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for i, (a, b) in enumerate(((0, 4), (4, 10))):
+        keep = (s_dmask[i : i + 1, :, : b - a, : b - a] >= 0).double()
+        leaves = [t.detach()[a:b].unsqueeze(0).double().requires_grad_() for t in (q, k, v)]
+        ref, _ = _fp64_attention(*leaves, causal=False, keep=keep, dropout_p=p)
+        torch.testing.assert_close(out[a:b].double(), ref[0].detach(), atol=2e-2, rtol=2e-2)
+        expected = torch.autograd.grad(ref, leaves, dout[a:b].unsqueeze(0).double())
+        for got, want in zip(grads, expected):
+            torch.testing.assert_close(got[a:b].double(), want[0], atol=3e-2, rtol=3e-2)

@@ -631,13 +631,14 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         left, right = K.kernel_window(*K.check_window(*window_size), causal, max_k)
         causal = causal and left < 0
         seed, rng_state = K.seed_of(dropout_p, None)
-        outs, lses = [], []
+        outs, lses, probs = [], [], []
         for i, (qkv, alibi) in enumerate(_sequences(bq, bk, q, k, v, alibi_slopes)):
-            out, lse, _ = K.forward(
+            out, lse, p = K.forward(
                 *qkv, dropout_p, scale, (left, right), causal, softcap, alibi, seed + i
             )
             outs.append(out[0])
             lses.append(lse[0])
+            probs.append(p[0])
         out = torch.cat(outs)
         ctx.save_for_backward(q, k, v, out, rng_state)
         ctx.args = (bq, bk, dropout_p, scale, (left, right), causal, softcap, alibi_slopes, seed)
@@ -650,7 +651,14 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
                 lse[i, :, : row.shape[-1]] = row
         else:
             lse = torch.cat(lses, dim=1)  # [h, total_q]
-        return out, lse, torch.empty((0,), dtype=q.dtype, device=q.device)
+        s_dmask = torch.empty((0,), dtype=q.dtype, device=q.device)
+        if dropout_p > 0:  # per sequence, padded to multiples of 128; dropped entries negated
+            s_dmask = q.new_zeros(
+                (len(probs), q.shape[1], K.round_multiple(max_q, 128), K.round_multiple(max_k, 128))
+            )
+            for i, p in enumerate(probs):
+                s_dmask[i, :, : p.shape[-2], : p.shape[-1]] = p
+        return out, lse, s_dmask
 
     @staticmethod
     def backward(ctx, dout, *args):
