@@ -41,6 +41,7 @@ LAYOUTS = {
     ),
     "SP2 ZeRO-1": (["--ds-sequence-parallel-size", "2", "--use-distributed-optimizer"], 2),
 }
+DEFAULT = {"one process", "PP2"}
 
 
 def _count_syncs(rank: int, world: int, argv: list[str]) -> tuple[list, list]:
@@ -71,7 +72,10 @@ def _label(what: str, where: str):
     return (what, where)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(name, marks=() if name in DEFAULT else pytest.mark.slow) for name in LAYOUTS],
+)
 def test_a_training_step_syncs_only_for_its_loss_and_grad_norm(layout):
     flags, world = LAYOUTS[layout]
     argv = BASE + GPT2_STYLE + DOCUMENTS + ["--train-iters", str(STEPS)] + flags
