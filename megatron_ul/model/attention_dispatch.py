@@ -302,19 +302,29 @@ def sdpa_cuda_backend(
 ) -> str:
     """sdpa_choice for a causal self-attention call (is_causal on square sequences, or a
     dense mask)."""
-    x = SdpaInputs(
+    x = _causal_inputs(
+        dtype, head_dim, q_heads, kv_heads, has_mask, dropout, seq_length, requires_grad
+    )
+    return sdpa_choice(x, gpu)
+
+
+def _causal_inputs(
+    dtype, head_dim, q_heads, kv_heads, has_mask, dropout, seq_length, requires_grad
+) -> SdpaInputs:
+    """The SdpaInputs of local_attention's call: is_causal on square sequences, or a mask."""
+    causal = not has_mask
+    return SdpaInputs(
         dtype,
         head_dim,
         q_heads,
         kv_heads,
         has_mask,
         dropout,
-        not has_mask,
+        causal,
         seq_length,
         seq_length,
         requires_grad,
     )
-    return sdpa_choice(x, gpu)
 
 
 def _gpu_of(device: torch.device, gpu: Optional[CudaSdpa]) -> CudaSdpa:
@@ -352,21 +362,11 @@ def sdpa_expands_kv(
     if device.type != "cuda" or q_heads == kv_heads:
         return False
     our = _our_gpu(_gpu_of(device, gpu), dropout)
-    x = SdpaInputs(
-        dtype,
-        head_dim,
-        q_heads,
-        kv_heads,
-        has_mask,
-        dropout,
-        not has_mask,
-        seq_length,
-        seq_length,
-        requires_grad,
+    x = _causal_inputs(
+        dtype, head_dim, q_heads, kv_heads, has_mask, dropout, seq_length, requires_grad
     )
-    return (
-        sdpa_choice(x, our) == "math" and sdpa_choice(replace(x, kv_heads=q_heads), our) != "math"
-    )
+    expanded = sdpa_choice(replace(x, kv_heads=q_heads), our)
+    return sdpa_choice(x, our) == "math" and expanded == "efficient"
 
 
 _TORCH_SDPA_BACKENDS = {
@@ -495,25 +495,30 @@ def _cuda_sdpa_backend(call: AttentionCall) -> str:
     """The SDPA backend local_attention pins for a CUDA call: torch's own choice among the
     backends we allow (`_our_gpu`), on k/v expanded to the query heads where only that keeps
     the call off the math kernel (fp32 GQA: the efficient kernel takes equal heads only)."""
-    gpu = _our_gpu(_gpu_of(call.device, call.gpu), call.dropout)
-    x = SdpaInputs(
+    gpu = _gpu_of(call.device, call.gpu)
+    expand = sdpa_expands_kv(
+        call.device,
         call.dtype,
         call.head_dim,
         call.q_heads,
         call.kv_heads,
         call.dense_mask,
+        dropout=call.dropout,
+        seq_length=call.seq_length,
+        requires_grad=call.requires_grad,
+        gpu=gpu,
+    )
+    x = _causal_inputs(
+        call.dtype,
+        call.head_dim,
+        call.q_heads,
+        call.q_heads if expand else call.kv_heads,
+        call.dense_mask,
         call.dropout,
-        not call.dense_mask,
-        call.seq_length,
         call.seq_length,
         call.requires_grad,
     )
-    backend = sdpa_choice(x, gpu)
-    if backend == "math" and call.q_heads != call.kv_heads:
-        expanded = sdpa_choice(replace(x, kv_heads=call.q_heads), gpu)
-        if expanded == "efficient":
-            return expanded
-    return backend
+    return sdpa_choice(x, _our_gpu(gpu, call.dropout))
 
 
 def kernel_refusal(call: AttentionCall) -> Optional[str]:
