@@ -303,3 +303,28 @@ def test_varlen_dropout_drops_what_s_dmask_shows(flash_attn_stand_in):
         expected = torch.autograd.grad(ref, leaves, dout[a:b].unsqueeze(0).double())
         for got, want in zip(grads, expected):
             torch.testing.assert_close(got[a:b].double(), want[0], atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_alibi_and_softcap_as_the_kernel_applies_them(flash_attn_stand_in, causal):
+    """ALiBi adds -slope * |i - j| (documented); the causal kernel adds slope * j instead
+    (alibi.h), the same softmax with lse shifted by slope * i. softcap (2.6+):
+    S = cap * tanh(S / cap) before the mask."""
+    q, k, v = _qkv(s=8)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    softcap = {} if flash_attn_stand_in.API == "2.5" else {"softcap": 5.0}
+    out, lse, _ = flash_attn_stand_in.flash_attn_func(
+        q, k, v, causal=causal, alibi_slopes=slopes, return_attn_probs=True, **softcap
+    )
+    qd, kd, vd = q.double(), k.double()[:, :, [0, 0, 1, 1]], v.double()[:, :, [0, 0, 1, 1]]
+    s = torch.einsum("bihd,bjhd->bhij", qd, kd) / 4
+    if softcap:
+        s = 5.0 * torch.tanh(s / 5.0)
+    i, j = torch.arange(8.0).unsqueeze(1), torch.arange(8.0).unsqueeze(0)
+    s = s - slopes.double().view(1, 4, 1, 1) * (i - j).abs()
+    if causal:
+        s = s.masked_fill(j > i, float("-inf"))
+    ref = torch.einsum("bhij,bjhd->bihd", s.softmax(-1), vd)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    shift = slopes.double().view(1, 4, 1) * torch.arange(8.0) if causal else 0.0
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1) + shift, atol=1e-3, rtol=1e-3)

@@ -88,7 +88,7 @@ def _mha_fwd(q, k, v, dropout_p, scale, causal, left, right, softcap, alibi, ret
     if return_softmax:
         K.check(dropout_p > 0.0, "return_softmax is only supported when p_dropout > 0.0")
     left, right = K.kernel_window(*K.check_window(left, right), causal, sk)
-    causal = causal and left < 0
+    causal = left < 0 and right == 0  # set_params_fprop: what the kernel treats as causal
     seed, rng_state = K.seed_of(dropout_p, None)
     out, lse, p = K.forward(q, k, v, dropout_p, scale, (left, right), causal, softcap, alibi, seed)
     pad = K.round_multiple(d, 8) - d
@@ -167,7 +167,7 @@ def _mha_bwd(
         K.check_like(name, t, q, tuple(like.shape))
         given.append(t)
     left, right = K.kernel_window(*K.check_window(left, right), causal, sk)
-    causal = causal and left < 0
+    causal = left < 0 and right == 0  # set_params_fprop: what the kernel treats as causal
     seed, _ = K.seed_of(dropout_p, rng_state)
     lse = K.read_lse(lse, b, h, sq)
     *grads, delta = K.backward(
@@ -629,7 +629,7 @@ class FlashAttnVarlenFunc(torch.autograd.Function):
         K.check_dropout_softcap(dropout_p, softcap)
         K.check_alibi(alibi_slopes, len(bq) - 1, q.shape[1])
         left, right = K.kernel_window(*K.check_window(*window_size), causal, max_k)
-        causal = causal and left < 0
+        causal = left < 0 and right == 0  # set_params_fprop: what the kernel treats as causal
         seed, rng_state = K.seed_of(dropout_p, None)
         outs, lses, probs = [], [], []
         for i, (qkv, alibi) in enumerate(_sequences(bq, bk, q, k, v, alibi_slopes)):
