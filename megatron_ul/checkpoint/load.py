@@ -370,6 +370,8 @@ def _apply(
         log.info(
             "--no-load-optim: optimizer and LR schedule start afresh at iteration %d", iteration
         )
+    if not load_optim:
+        resume_rules.say_run_differences(payload.get("args"), asdict(cfg))
     _load_grad_scaler(grad_scaler, payload, source)
     if not c.no_load_rng:
         _load_rng(cfg, meta, iter_dir)

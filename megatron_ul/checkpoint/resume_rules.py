@@ -8,7 +8,10 @@ Two rules, after Megatron-LM's OptimizerParamScheduler (which also schedules wei
   difference then gets one log line saying whose value is used.
 - RUN: this run's value is used, with one log line naming the flag, the checkpoint's value and
   what the change does.
-Settings that decide parameter shapes are refused by io.check_model_matches.
+Settings that decide parameter shapes or the function the weights compute are refused by
+load.check_model_matches (load.MODEL_FIELDS). Every other setting is in NEUTRAL, with why a
+resume needs no rule for it: tests/checkpoint/test_resume_rules.py fails on a config field in
+none of the three.
 """
 
 from __future__ import annotations
@@ -81,15 +84,203 @@ SETTINGS = (
     ),
 )
 
+SETTINGS += (
+    Setting(
+        "--hidden-dropout",
+        "model.hidden_dropout",
+        RUN,
+        "dropout after attention and MLP changes: the losses differ from the original run's",
+    ),
+    Setting(
+        "--attention-dropout",
+        "model.attention_dropout",
+        RUN,
+        "dropout on attention probabilities changes: the losses differ from the original run's",
+    ),
+    Setting(
+        "--window-size",
+        "model.window_size",
+        RUN,
+        "attention sees another window of keys: the losses differ from the original run's",
+    ),
+    Setting(
+        "--make-vocab-size-divisible-by",
+        "model.make_vocab_size_divisible_by",
+        RUN,
+        "the padded vocabulary changes (torch_dist fills new padding rows with zeros; the torch "
+        "format refuses other shapes)",
+    ),
+    Setting(
+        "--bf16",
+        "train.bf16",
+        RUN,
+        "forward and backward run in the new precision (the fp32 main weights and Adam state "
+        "continue): the losses differ from the original run's",
+    ),
+    Setting(
+        "--fp16",
+        "train.fp16",
+        RUN,
+        "forward and backward run in the new precision, with or without loss scaling: the "
+        "losses differ from the original run's",
+    ),
+    Setting(
+        "--fp32-residual-connection",
+        "train.fp32_residual_connection",
+        RUN,
+        "the residual stream's precision changes",
+    ),
+    Setting("--loss-scale", "train.loss_scale", RUN, "fp16 loss scaling changes"),
+    Setting(
+        "--initial-loss-scale",
+        "train.initial_loss_scale",
+        RUN,
+        "fp16: used only when the checkpoint holds no loss-scaler state",
+    ),
+    Setting("--min-loss-scale", "train.min_loss_scale", RUN, "fp16 loss scaling changes"),
+    Setting("--loss-scale-window", "train.loss_scale_window", RUN, "fp16 loss scaling changes"),
+    Setting("--hysteresis", "train.hysteresis", RUN, "fp16 loss scaling changes"),
+    Setting(
+        "--reset-position-ids",
+        "data.reset_position_ids",
+        RUN,
+        "position ids of the batches change: the losses differ from the original run's",
+    ),
+    Setting(
+        "--reset-attention-mask",
+        "data.reset_attention_mask",
+        RUN,
+        "attention across documents changes: the losses differ from the original run's",
+    ),
+    Setting(
+        "--eod-mask-loss",
+        "data.eod_mask_loss",
+        RUN,
+        "the loss on end-of-document tokens changes",
+    ),
+    Setting("--mock-data", "data.mock_data", RUN, "the training data changes from here"),
+    Setting("--data-path", "data.data_path", RUN, "the training data changes from here"),
+    Setting("--split", "data.split", RUN, "the training data changes from here"),
+    Setting("--tokenizer-type", "data.tokenizer_type", RUN, "the tokens change from here"),
+    Setting("--vocab-file", "data.vocab_file", RUN, "the tokens may change from here"),
+    Setting("--merge-file", "data.merge_file", RUN, "the tokens may change from here"),
+    Setting("--tokenizer-model", "data.tokenizer_model", RUN, "the tokens may change from here"),
+    Setting(
+        "--ckpt-format",
+        "checkpoint.ckpt_format",
+        RUN,
+        "the next saves use the new format (this load read the checkpoint's)",
+    ),
+)
+
+# The config field behind each row compared on the LR schedule's state.
+SCHEDULER_FIELDS = {
+    "scheduler.max_lr": "train.lr",
+    "scheduler.min_lr": "train.min_lr",
+    "scheduler.warmup_steps": "train.lr_warmup_iters",
+    "scheduler.decay_steps": "train.lr_decay_iters",
+    "scheduler.decay_style": "train.lr_decay_style",
+}
+
+_SAME_FUNCTION = "memory and speed only: the same function, up to rounding"
+_LAYOUT = (
+    "the parallel layout: the load reshards; RNG streams start from --seed on another "
+    "layout (logged)"
+)
+_IO = "where, when and what is saved, loaded or logged"
+# Config fields a resume needs no rule for: "<section>.<field>": why.
+NEUTRAL = {
+    **{
+        f"model.{f}": _SAME_FUNCTION
+        for f in (
+            "use_flash_attn",
+            "recompute_granularity",
+            "recompute_method",
+            "recompute_num_layers",
+            "fused_layers",
+            "fused_layers_backend",
+            "tiled_loss_chunk_size",
+            "tiled_mlp_chunk_size",
+            "attention_block_tiles",
+            "activation_checkpoint_cpu_offload",
+        )
+    },
+    "model.init_method_std": "the initialisation only, which a resume replaces by the weights",
+    "model.max_position_embeddings": "refused with learned positions (load.check_model_matches); "
+    "unused with RoPE",
+    **{
+        f"parallel.{f}": _LAYOUT
+        for f in (
+            "tensor_model_parallel_size",
+            "ds_sequence_parallel_size",
+            "context_parallel_size",
+            "pipeline_model_parallel_size",
+            "num_layers_per_virtual_pipeline_stage",
+            "sequence_parallel",
+            "world_size",
+            "use_distributed_optimizer",
+            "zero_stage",
+        )
+    },
+    "parallel.distributed_backend": "communication only",
+    "parallel.distributed_timeout_minutes": "communication only",
+    "parallel.overlap_grad_reduce": _SAME_FUNCTION,
+    "parallel.overlap_param_gather": _SAME_FUNCTION,
+    "parallel.ddp_bucket_size": _SAME_FUNCTION,
+    "train.optimizer_cpu_offload": _SAME_FUNCTION,
+    "train.optimizer_offload_fraction": _SAME_FUNCTION,
+    "train.eval_interval": "validation only (its data position continues from the samples "
+    "consumed)",
+    "train.eval_iters": "validation only",
+    "train.dry_run": "no training",
+    "train.gpu_memory_gb": "--dry-run only",
+    "data.data_cache_path": "where index files are cached; their names carry their inputs",
+    "data.given_vocab_size": "--vocab-size as given; model.vocab_size is refused",
+    **{
+        f"checkpoint.{f}": _IO
+        for f in (
+            "save",
+            "load",
+            "save_interval",
+            "async_save",
+            "no_save_optim",
+            "no_load_optim",
+            "no_load_rng",
+            "finetune",
+            "exit_interval",
+            "exit_duration_in_mins",
+            "exit_signal_handler",
+            "keep_last_n_checkpoints",
+            "remove_unfinished_checkpoints",
+            "override_opt_param_scheduler",
+            "use_checkpoint_opt_param_scheduler",
+            "overwrite_checkpoints",
+        )
+    },
+    **{
+        f"logging.{f}": _IO
+        for f in (
+            "log_interval",
+            "tensorboard_dir",
+            "timing_log_level",
+            "timing_device_sync",
+            "peak_tflops",
+        )
+    },
+}
+
 # Held in the optimizer's groups: without its state loaded they are this run's anyway.
 OPTIMIZER_FLAGS = frozenset({"--adam-beta1", "--adam-beta2", "--adam-eps", "--weight-decay"})
+
+
+_ABSENT = object()  # not recorded (imported checkpoints hold no arguments)
 
 
 def _value(where: str, args: dict | None, schedule: dict):
     section, key = where.split(".", 1)
     if section == "scheduler":
-        return schedule.get(key)
-    return (args or {}).get(section, {}).get(key)
+        return schedule.get(key, _ABSENT)
+    return ((args or {}).get(section) or {}).get(key, _ABSENT)
 
 
 def differences(
@@ -108,9 +299,21 @@ def differences(
             continue
         saved = _value(s.saved, saved_args, saved_schedule)
         ours = _value(s.saved, our_args, our_schedule)
-        if saved is not None and saved != ours:
+        if saved is not _ABSENT and ours is not _ABSENT and saved != ours:
             out.append((s, saved, ours))
     return out
+
+
+def say_run_differences(saved_args: dict | None, our_args: dict) -> None:
+    """A resume that does not load the optimizer and schedule (--no-load-optim): the RUN
+    rows, said as decide says them (the schedule and optimizer rows start from this run's
+    flags anyway)."""
+    diffs = [
+        d
+        for d in differences(saved_args, {}, our_args, {}, optimizer_loaded=False)
+        if d[0].rule == RUN
+    ]
+    decide(diffs, False, False, "")
 
 
 def decide(diffs: list, override: bool, use_checkpoint: bool, source: str) -> bool:

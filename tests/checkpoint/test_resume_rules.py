@@ -75,7 +75,9 @@ RULES = {s.flag: s.rule for s in resume_rules.SETTINGS}
 
 
 def test_every_setting_has_a_row():
-    assert set(ROWS) == set(RULES)
+    """The rest of the table: tests/checkpoint/test_resume_every_setting.py (which checks
+    that the two files together cover every row)."""
+    assert set(ROWS) <= set(RULES)
 
 
 def _resume(save, flags, caplog):
@@ -97,6 +99,7 @@ def test_a_changed_setting_is_refused_or_said(flag, fmt, pristine, tmp_path, sin
         pytest.skip("the formats differ only in how the optimizer's groups are restored")
     save = copy_of(pristine, fmt, tmp_path / "ckpt")
     changed, theirs, ours, used = ROWS[flag]
+    changed = changed + ["--ckpt-format", fmt]  # the checkpoint's: not a change
     if RULES[flag] == resume_rules.RUN:
         trainer, said = _resume(save, changed, caplog)
         assert said == [
