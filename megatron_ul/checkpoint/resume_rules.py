@@ -35,7 +35,7 @@ class Setting:
     effect: str  # what using this run's value does
 
 
-SETTINGS = (
+SETTINGS: tuple[Setting, ...] = (
     Setting("--lr", "scheduler.max_lr", SCHEDULE, "the peak learning rate changes"),
     Setting("--min-lr", "scheduler.min_lr", SCHEDULE, "the final learning rate changes"),
     Setting("--lr-warmup-iters", "scheduler.warmup_steps", SCHEDULE, "warm-up length changes"),
