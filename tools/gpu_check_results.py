@@ -106,6 +106,19 @@ class ResultFiles:
         }
         self.scope = ""
 
+    @classmethod
+    def from_file(cls, json_path: str) -> "ResultFiles":
+        """A written record, to render its Markdown again (--docs-from)."""
+        with open(json_path) as f:
+            record = json.load(f)
+        if record.get("schema") != SCHEMA or "rows" not in record:
+            raise ValueError(f"{json_path}: not a GPU-check result file of schema {SCHEMA}")
+        files = cls.__new__(cls)
+        files.record, files.json_path = record, json_path
+        files.md_path = json_path[: -len(".json")] + ".md"
+        files.scope = ""
+        return files
+
     def begin_section(self, section) -> dict:
         entry = {
             "key": section.key,
