@@ -149,9 +149,9 @@ def counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
 
 
 # The CPU's fp32 norm adds each vector lane's squares in sequence, 6.5e-4 off over a 16M-element
-# gradient; norms of 4096-element pieces, summed in fp64, stay within 1e-6 of the exact value (the
+# gradient; norms of 4096-element rows, summed in fp64, stay within 1e-6 of the exact value (the
 # CUDA kernel reduces each 65536-element chunk as a tree: no such drift there).
-_CPU_PIECE = 4096
+_CPU_ROW = 4096
 
 
 def grad_norm(grads: list[torch.Tensor], device: torch.device, groups=()) -> float:
@@ -159,39 +159,52 @@ def grad_norm(grads: list[torch.Tensor], device: torch.device, groups=()) -> flo
     gradient norm every optimizer uses.
 
     One pass over each gradient in its own dtype, squares accumulated in fp32 (fp64 gradients:
-    fp64): one `torch._foreach_norm(..., dtype=float32)` per device and dtype, torch's multi-tensor
-    kernel as Megatron's `multi_tensor_l2norm` (ForeachReduceOp.cu, foreach_tensor_norm_cuda:
-    each element read once, only per-chunk fp32 partial sums kept), so no upcast copy of any
-    gradient exists. The per-tensor norms are squared, summed and reduced in fp64: the sum
+    fp64), no upcast copy of any gradient: on a GPU one `torch._foreach_norm(..., dtype=fp32)`
+    per device and dtype, torch's multi-tensor kernel as Megatron's `multi_tensor_l2norm`
+    (ForeachReduceOp.cu, foreach_tensor_norm_cuda: each element read once, only per-chunk fp32
+    partial sums kept). The partial norms are squared, summed and reduced in fp64: the sum
     cannot overflow unless one gradient's own norm is beyond fp32 (about 1.8e19, then inf);
     an inf or nan element gives an inf or nan norm. One host sync: the result."""
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    for same_kind in _by_device_and_dtype(grads):
-        # fp32, or fp64 for fp64 gradients (torch refuses a narrowing dtype)
-        accumulate = torch.promote_types(same_kind[0].dtype, torch.float32)
-        norms = torch._foreach_norm(same_kind, 2, dtype=accumulate)
-        part = torch.stack(norms).double().square().sum()
-        sq += part.to(device, non_blocking=True)  # a host-held gradient's part moves over
+    for norms in _partial_norms(grads):
+        # a host-held gradient's part moves to the device
+        sq += norms.double().square().sum().to(device, non_blocking=True)
     for group in groups:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
     return math.sqrt(sq.item())
 
 
-def _by_device_and_dtype(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """torch's fast path takes one device and one dtype per call; on the CPU, contiguous
-    gradients as pieces of _CPU_PIECE elements (views)."""
-    kinds: dict[tuple, list[torch.Tensor]] = {}
+def _partial_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """1-D tensors of norms whose squares add up to the gradients' square sum."""
+    parts, foreach = [], {}
     for g in grads:
         if g.numel() == 0:
             continue
         g = g.detach()
-        if g.device.type == "cpu" and g.is_contiguous() and g.numel() > _CPU_PIECE:
-            pieces = list(g.view(-1).split(_CPU_PIECE))
-        else:
-            pieces = [g]
-        kinds.setdefault((g.device, g.dtype), []).extend(pieces)
-    return list(kinds.values())
+        pieces = [g]
+        if g.device.type == "cpu" and g.is_contiguous() and g.numel() > _CPU_ROW:
+            if g.dtype in (torch.float32, torch.float64):  # read in place, row by row
+                parts += _row_norms(g.view(-1))
+                continue
+            # the CPU norm upcasts a half-precision input whole: one piece at a time
+            pieces = list(g.view(-1).split(_CPU_ROW))
+        # torch's fast path takes one device and one dtype per call
+        foreach.setdefault((g.device, g.dtype), []).extend(pieces)
+    for same_kind in foreach.values():
+        # fp32, or fp64 for fp64 gradients (torch refuses a narrowing dtype)
+        accumulate = torch.promote_types(same_kind[0].dtype, torch.float32)
+        parts.append(torch.stack(torch._foreach_norm(same_kind, 2, dtype=accumulate)))
+    return parts
+
+
+def _row_norms(flat: torch.Tensor) -> list[torch.Tensor]:
+    rows = flat.numel() // _CPU_ROW
+    whole = flat[: rows * _CPU_ROW].view(rows, _CPU_ROW)
+    return [
+        torch.linalg.vector_norm(whole, dim=1),
+        torch.linalg.vector_norm(flat[rows * _CPU_ROW :]).reshape(1),
+    ]
 
 
 def global_grad_norm(params: list[torch.nn.Parameter], dims: ParallelDims) -> float:
