@@ -82,7 +82,9 @@ def number(cell) -> Optional[float]:
 class ResultFiles:
     """The JSON record of one run and its Markdown rendering, rewritten after every row."""
 
-    def __init__(self, directory: str, mode: str, env: dict, command: str, budget_s: float):
+    def __init__(
+        self, directory: str, mode: str, env: dict, command: str, budget_s: Optional[float]
+    ):
         self.started = datetime.datetime.now(datetime.timezone.utc)
         name = "cpu" if mode == "cpu" else slug(env["device"])
         stem = f"{self.started:%Y-%m-%d}-{name}"
@@ -180,8 +182,13 @@ class ResultFiles:
         parts = [
             f"{heading} GPU check: {where}",
             f"Run {r['started']} (updated {r['updated']}); {versions}.",
-            f"Command: `{r['command']}`; time budget {r['time_budget_s']:.0f} s. "
-            f"Machine-readable: `{os.path.basename(self.json_path)}`.",
+            f"Command: `{r['command']}`; "
+            + (
+                f"time budget {r['time_budget_s']:.0f} s. "
+                if r["time_budget_s"] is not None
+                else "no time budget. "
+            )
+            + f"Machine-readable: `{os.path.basename(self.json_path)}`.",
         ]
         if self.scope:
             parts.append(self.scope)
