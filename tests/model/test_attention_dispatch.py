@@ -390,3 +390,48 @@ def test_local_attention_runs_sdpa_pinned_to_the_decided_backend(
     ).permute(2, 0, 1, 3)
     assert seen == [([kernel.removeprefix("sdpa ")], kv_heads_seen, kv_heads_seen != 8)]
     torch.testing.assert_close(out, reference)
+
+
+def test_the_runtime_facts_are_read_from_torch_and_the_environment(monkeypatch):
+    """cuda_sdpa_facts on a (faked) H100: capability and cuDNN from torch, the environment
+    variable as torch's check_env reads it ("1"), deterministic mode unless warn_only, and the
+    torch.backends.cuda switches as sdpa_kernel leaves them."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from megatron_ul.model.attention_dispatch import cuda_sdpa_facts
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    assert cuda_sdpa_facts(CUDA) == H100
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert cuda_sdpa_facts(CUDA).cudnn_deprioritized
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "0")
+    assert not cuda_sdpa_facts(CUDA).cudnn_deprioritized
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        assert cuda_sdpa_facts(CUDA).enabled == {"flash", "efficient"}
+    was = torch.are_deterministic_algorithms_enabled()
+    was_warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert cuda_sdpa_facts(CUDA).deterministic
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert not cuda_sdpa_facts(CUDA).deterministic
+    finally:
+        torch.use_deterministic_algorithms(was, warn_only=was_warn_only)
+
+
+def test_the_log_names_the_gpu_and_the_dropout_on_cuda(monkeypatch, caplog):
+    import logging
+
+    from megatron_ul.model import attention
+    from megatron_ul.model.attention_dispatch import decide
+
+    monkeypatch.setattr(attention, "_announced", set())
+    with caplog.at_level(logging.INFO, logger=attention.__name__):
+        decide(AttentionCall(CUDA, BF16, 128, 8, 2, dropout=0.1, gpu=H100))
+        decide(AttentionCall(CUDA, BF16, 128, 8, 2, requires_grad=False, gpu=H100))
+    assert _logged(caplog) == [
+        "attention: causal = sdpa flash (cuda sm90, cuDNN 91900; dropout 0.1)",
+        "attention: causal = sdpa cudnn (cuda sm90, cuDNN 91900)",
+    ]
