@@ -33,10 +33,12 @@ On CUDA, torch picks SDPA's backend itself. `sdpa_cuda_backend` models that choi
 2.11's source (below), and local_attention runs SDPA pinned to the modelled backend
 (`sdpa_backend_pinned`, torch.nn.attention.sdpa_kernel with that one backend), so what the
 log and --dry-run name is what runs: were the model wrong on some GPU, torch would refuse the
-call with its reasons instead of running another kernel silently. One choice is ours: cuDNN is
-left out where the attention dropout is not a multiple of 1/16, since torch 2.11 hands it such
-a probability and cuDNN's kernels round it to 1/16 steps (Megatron's default 0.1 would train
-with another dropout); torch 2.12+ leaves cuDNN out there itself (`check_cudnn_dropout`).
+call with its reasons instead of running another kernel silently. Two choices are ours: cuDNN
+is left out where the attention dropout is not a multiple of 1/16, since torch 2.11 hands it
+such a probability and cuDNN's kernels round it to 1/16 steps (Megatron's default 0.1 would
+train with another dropout; torch 2.12+ leaves cuDNN out there itself, `check_cudnn_dropout`),
+and for head dims above 128, where cuDNN's limits changed after 2.11 (a pin to cuDNN would then
+fail on a newer torch); flash takes those calls on every release.
 """
 
 from __future__ import annotations
@@ -336,10 +338,12 @@ def _gpu_of(device: torch.device, gpu: Optional[CudaSdpa]) -> CudaSdpa:
     return H100
 
 
-def _our_gpu(gpu: CudaSdpa, dropout: float) -> CudaSdpa:
-    """The backends we let torch choose from: without cuDNN where it would round the
-    dropout probability to a multiple of 1/16 (the module docstring)."""
-    if dropout > 0 and (dropout * 16) % 1:
+def _our_gpu(gpu: CudaSdpa, dropout: float, head_dim: int) -> CudaSdpa:
+    """The backends we let torch choose from: without cuDNN where it would round the dropout
+    probability to a multiple of 1/16, or where the head dim is above 128 (torch 2.11 takes
+    up to 256 on sm90, later releases only with cuDNN 9.23 and only some sizes in backward:
+    pinned to cuDNN there, a newer torch would refuse the call). The module docstring."""
+    if (dropout > 0 and (dropout * 16) % 1) or head_dim > 128:
         return gpu.without("cudnn")
     return gpu
 
@@ -361,7 +365,7 @@ def sdpa_expands_kv(
     the caller repeats k/v to the query heads, so that the efficient kernel takes the call."""
     if device.type != "cuda" or q_heads == kv_heads:
         return False
-    our = _our_gpu(_gpu_of(device, gpu), dropout)
+    our = _our_gpu(_gpu_of(device, gpu), dropout, head_dim)
     x = _causal_inputs(
         dtype, head_dim, q_heads, kv_heads, has_mask, dropout, seq_length, requires_grad
     )
@@ -518,7 +522,7 @@ def _cuda_sdpa_backend(call: AttentionCall) -> str:
         call.seq_length,
         call.requires_grad,
     )
-    return sdpa_choice(x, _our_gpu(gpu, call.dropout))
+    return sdpa_choice(x, _our_gpu(gpu, call.dropout, call.head_dim))
 
 
 def kernel_refusal(call: AttentionCall) -> Optional[str]:

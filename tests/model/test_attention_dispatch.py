@@ -179,12 +179,20 @@ def test_sdpa_choice_follows_torch_2_11_sdp_utils(what, inputs, gpu, expected):
 
 
 def test_megatron_default_dropout_keeps_cudnn_out_and_a_sixteenth_does_not():
-    """Our one change to torch 2.11's choice: cuDNN rounds the dropout to 1/16 steps."""
+    """One of our two changes to torch 2.11's choice: cuDNN rounds the dropout to 1/16 steps."""
     call = AttentionCall(CUDA, BF16, 128, 8, 2, gpu=H100)
     assert attention_kernel(replace(call, dropout=0.1)) == "sdpa flash"
     assert attention_kernel(replace(call, dropout=0.125)) == "sdpa cudnn"
     assert attention_kernel(call) == "sdpa cudnn"
     assert attention_kernel(replace(call, gpu=A100)) == "sdpa flash"
+
+
+def test_head_dims_above_128_keep_cudnn_out_where_torch_2_11_would_take_them():
+    """cuDNN's head-dim limits changed after 2.11: a pin to it could fail on a newer torch."""
+    call = AttentionCall(CUDA, BF16, 256, 8, 8, gpu=H100)
+    assert sdpa_choice(SdpaInputs(BF16, 256, 8, 8), H100) == "cudnn"
+    assert attention_kernel(call) == "sdpa flash"
+    assert attention_kernel(replace(call, head_dim=128)) == "sdpa cudnn"
 
 
 def _torch_2_11_takes(backend, dtype, d, hq, hk, dropout, gpu: CudaSdpa) -> bool:
@@ -230,7 +238,7 @@ def test_no_model_shape_reaches_the_math_kernel_on_cuda(dtype, gpu):
         kv = hq if sdpa_expands_kv(CUDA, dtype, d, hq, hk, dropout=dropout, gpu=gpu) else hk
         assert backend != "efficient" or kv == hq, call  # the kernel takes equal heads only
         assert _torch_2_11_takes(backend, dtype, d, hq, kv, dropout, gpu), (call, kernel)
-        allowed = [b for b in order if b != "cudnn" or (dropout * 16) % 1 == 0]
+        allowed = [b for b in order if b != "cudnn" or ((dropout * 16) % 1 == 0 and d <= 128)]
         earlier = allowed[: allowed.index(backend)]
         assert not any(_torch_2_11_takes(b, dtype, d, hq, kv, dropout, gpu) for b in earlier)
 
