@@ -111,6 +111,30 @@ def parse_args(argv=None):
         "--append-eod", action="store_true", help="append the EOD token to every non-empty document"
     )
     group.add_argument("--lang", default="english", help="Punkt model for --split-sentences")
+    # Megatron-LM's two HuggingFaceTokenizer paths: with the tokenizer's special tokens (BOS
+    # ...; its default from 0.18 and its --legacy-tokenizer) or the text's tokens only (its
+    # 0.16/0.17 default; --tokenizer-hf-no-include-special-tokens from 0.18).
+    group.add_argument(
+        "--tokenizer-hf-no-include-special-tokens",
+        dest="include_special_tokens",
+        action="store_false",
+        default=True,
+        help="HuggingFaceTokenizer: the text's own tokens only, no BOS (Megatron-LM 0.16/0.17's "
+        "default); default: with the special tokens, as Megatron-LM 0.18+ and --legacy-tokenizer",
+    )
+    group.add_argument(
+        "--tokenizer-hf-include-special-tokens",
+        dest="include_special_tokens",
+        action="store_true",
+        help="HuggingFaceTokenizer: with the special tokens (the default; Megatron-LM 0.16/0.17 "
+        "spelling)",
+    )
+    group.add_argument(
+        "--legacy-tokenizer",
+        action="store_true",
+        help="Megatron-LM 0.16/0.17's legacy tokenizers: for HuggingFaceTokenizer the special "
+        "tokens included (the default here); other tokenizer types are the same either way",
+    )
     group = parser.add_argument_group("output data")
     group.add_argument(
         "--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx"
@@ -157,6 +181,16 @@ def parse_args(argv=None):
             parser.error(f"--{flag.replace('_', '-')} must be >= 1")
     if args.keep_newlines and not args.split_sentences:
         parser.error("--keep-newlines only applies with --split-sentences")
+    if args.legacy_tokenizer and not args.include_special_tokens:
+        parser.error(
+            "--legacy-tokenizer always includes the special tokens; drop "
+            "--tokenizer-hf-no-include-special-tokens"
+        )
+    if not args.include_special_tokens and args.tokenizer_type != "HuggingFaceTokenizer":
+        parser.error(
+            "--tokenizer-hf-no-include-special-tokens applies to --tokenizer-type "
+            "HuggingFaceTokenizer only"
+        )
     if args.shard_block is not None:
         try:
             index, count = (int(part) for part in args.shard_block.split("/"))
@@ -217,6 +251,7 @@ def build_tokenizer_from_args(args):
             merge_file=args.merge_file,
             tokenizer_model=args.tokenizer_model,
             vocab_size=args.vocab_size,
+            include_special_tokens=args.include_special_tokens,
         )
         if args.append_eod:
             tokenizer.eod  # noqa: B018 -- fails now, not mid-run, if there is no EOD

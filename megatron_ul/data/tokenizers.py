@@ -350,9 +350,17 @@ class HuggingFaceTokenizer(AbstractTokenizer):
 
     name = "HuggingFaceTokenizer"
 
-    def __init__(self, folder: str, prefer_transformers: bool = True):
+    def __init__(
+        self, folder: str, prefer_transformers: bool = True, include_special_tokens: bool = True
+    ):
         self.folder = folder
         self.backend = None
+        # Megatron-LM's include_special_tokens (megatron/core/tokenizers/text/libraries/
+        # huggingface_tokenizer.py text_to_ids): True, its default from 0.18 and its legacy
+        # tokenizer's only behaviour, is tokenizer(text).input_ids (BOS and the like added by
+        # the post-processor); False, the 0.16/0.17 default, is
+        # convert_tokens_to_ids(tokenize(text)): the text's own tokens only.
+        self.include_special_tokens = include_special_tokens
         if prefer_transformers:
             try:
                 import transformers  # noqa: F401
@@ -421,13 +429,22 @@ class HuggingFaceTokenizer(AbstractTokenizer):
 
     def tokenize(self, text: str) -> list:
         if self.backend == "transformers":
+            if not self.include_special_tokens:
+                return list(self.hf.convert_tokens_to_ids(self.hf.tokenize(text)))
             return list(self.hf(text).input_ids)
-        return self.hf.encode(text).ids
+        return self.hf.encode(text, add_special_tokens=self.include_special_tokens).ids
 
     def tokenize_batch(self, texts: list) -> list:
         if self.backend == "transformers":
+            if not self.include_special_tokens:
+                return [self.tokenize(text) for text in texts]
             return [list(ids) for ids in self.hf(texts).input_ids] if texts else []
-        return [encoding.ids for encoding in self.hf.encode_batch(texts)]
+        return [
+            encoding.ids
+            for encoding in self.hf.encode_batch(
+                texts, add_special_tokens=self.include_special_tokens
+            )
+        ]
 
     def detokenize(self, ids) -> str:
         return self.hf.decode([int(token_id) for token_id in ids])
@@ -472,9 +489,15 @@ def _require_file(path, flag: str, tokenizer_type: str) -> str:
 
 
 def build_tokenizer(
-    tokenizer_type: str, vocab_file=None, merge_file=None, tokenizer_model=None, vocab_size=None
+    tokenizer_type: str,
+    vocab_file=None,
+    merge_file=None,
+    tokenizer_model=None,
+    vocab_size=None,
+    include_special_tokens: bool = True,
 ) -> AbstractTokenizer:
-    """Builds the tokenizer named by ``--tokenizer-type`` from its flags' values."""
+    """Builds the tokenizer named by ``--tokenizer-type`` from its flags' values
+    (`include_special_tokens`: HuggingFaceTokenizer's, see there)."""
     if tokenizer_type == "GPT2BPETokenizer":
         return GPT2BPETokenizer(
             _require_file(vocab_file, "--vocab-file", tokenizer_type),
@@ -499,7 +522,7 @@ def build_tokenizer(
                 f"--tokenizer-model {tokenizer_model}: no such folder "
                 "(HuggingFaceTokenizer reads a local tokenizer folder; nothing is downloaded)"
             )
-        return HuggingFaceTokenizer(tokenizer_model)
+        return HuggingFaceTokenizer(tokenizer_model, include_special_tokens=include_special_tokens)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None:
             raise ValueError("NullTokenizer needs --vocab-size")
