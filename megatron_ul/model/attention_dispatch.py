@@ -12,7 +12,8 @@ of
   sdpa efficient        torch SDPA, its memory-efficient kernel (CUDA fp32; GQA by expanding
                         k/v first, since the kernel takes equal head counts only)
   sdpa math             torch SDPA's math kernel (the N×N scores; refused for a run)
-  sdpa cpu-flash        torch SDPA on CPU (its fused flash kernel, any float dtype)
+  sdpa cpu-flash        torch SDPA on CPU (its fused flash kernel, any float dtype; its math
+                        kernel with attention dropout, where the log says "sdpa math")
   document tiles        documents / window on CUDA without flash-attn: query tiles of 512 on
                         torch's efficient kernel, a few calls per tile whatever the number
                         of documents (tiled_document_attention.py)
@@ -490,8 +491,12 @@ def attention_kernel(call: AttentionCall) -> str:
         return "document tiles" if tiles else "document blocks"
     if flash:
         return "flash-attn"
+    if call.device.type == "cpu":
+        # sdp_utils_cpp.cpp `use_flash_attention_cpp` runs `check_for_dropout`: with attention
+        # dropout torch's CPU SDPA takes its math kernel.
+        return "sdpa math" if call.dropout > 0 else "sdpa cpu-flash"
     if call.device.type != "cuda":
-        return "sdpa cpu-flash" if call.device.type == "cpu" else "sdpa"
+        return "sdpa"
     return "sdpa " + _cuda_sdpa_backend(call)
 
 
@@ -533,7 +538,7 @@ def kernel_refusal(call: AttentionCall) -> Optional[str]:
         kernel = attention_kernel(call)
     except ValueError as refused:
         return str(refused)
-    if kernel not in ("sdpa math", "sdpa none"):
+    if call.device.type != "cuda" or kernel not in ("sdpa math", "sdpa none"):
         return None
     wanted = "at most 256 or a multiple of 8" if call.dtype in HALF_DTYPES else "a multiple of 4"
     return (

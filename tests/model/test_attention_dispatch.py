@@ -443,3 +443,22 @@ def test_the_log_names_the_gpu_and_the_dropout_on_cuda(monkeypatch, caplog):
         "attention: causal = sdpa flash (cuda sm90, cuDNN 91900; dropout 0.1)",
         "attention: causal = sdpa cudnn (cuda sm90, cuDNN 91900)",
     ]
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float64))
+@pytest.mark.parametrize("dropout", (0.0, 0.1))
+@pytest.mark.parametrize("heads", ((4, 4), (4, 2)))
+def test_the_cpu_kernel_named_is_the_one_torch_chooses(dtype, dropout, heads):
+    """On the CPU the name comes from torch itself (aten::_fused_sdp_choice on a real call's
+    inputs), not from our rules: its flash kernel refuses dropout and falls to math."""
+    q_heads, kv_heads = heads
+    q = torch.randn(1, q_heads, 32, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, kv_heads, 32, 16, dtype=dtype, requires_grad=True)
+    choice = torch.ops.aten._fused_sdp_choice(
+        q, k, k, None, dropout, True, enable_gqa=q_heads != kv_heads
+    )
+    named = attention_kernel(
+        AttentionCall(torch.device("cpu"), dtype, 16, q_heads, kv_heads, dropout=dropout)
+    )
+    torch_name = sdpa_backend_name(choice)
+    assert named == ("sdpa cpu-flash" if torch_name == "flash" else f"sdpa {torch_name}")
