@@ -92,15 +92,15 @@ def megatron_iteration_dir(load_dir: str, iteration: int | None) -> tuple[str, i
             raise CheckpointError(
                 f"{tracker}: missing; --load-dir must be a Megatron-LM checkpoint directory"
             )
-        text = open(tracker).read().strip()
+        with open(tracker, "rb") as f:
+            text = f.read(100).decode(errors="replace").strip()
         if text == "release":
             return os.path.join(load_dir, "release"), 0
-        try:
-            iteration = int(text)
-        except ValueError:
+        if not text.isascii() or not text.isdigit():
             raise CheckpointError(
                 f"{tracker}: expected an iteration or 'release', found {text[:40]!r}"
-            ) from None
+            )
+        iteration = int(text)
     return os.path.join(load_dir, files.iteration_dir_name(iteration)), iteration
 
 

@@ -6,8 +6,8 @@ count, sequence length, seed, ...), so a changed input gets a new name instead
 of a stale hit. The description is written last, with each array's shape and
 dtype, as the completion marker.
 
-Loading checks the marker, every file's shape and dtype and the caller's
-semantic checks (``validate``); a partial, truncated or corrupt set is reported
+Loading checks the marker, every file's shape, dtype and SHA-256 and the
+caller's semantic checks (``validate``); a partial, truncated or corrupt set is reported
 by file name and rebuilt. One process builds (rank 0 of torch.distributed when
 initialised, else the process whose ``RANK`` is 0 or unset), writing through
 temporary names; the others wait (barrier, or polling for the marker with a
@@ -42,6 +42,15 @@ def _distributed_rank():
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return None
+
+
+def _digest(array: np.ndarray) -> str:
+    """SHA-256 of the array's bytes (C order), read in blocks of a memory map."""
+    flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    digest = hashlib.sha256()
+    for start in range(0, flat.size, 1 << 26):
+        digest.update(flat[start : start + (1 << 26)])
+    return digest.hexdigest()
 
 
 class IndexCache:
@@ -147,6 +156,11 @@ class IndexCache:
                     f"{path}: shape {array.shape} / dtype {array.dtype} do not match "
                     f"{self.marker_path} ({expected})"
                 )
+            # Markers written before checksums were recorded carry none: not compared.
+            if "sha256" in expected and _digest(array) != expected["sha256"]:
+                raise IndexCacheError(
+                    f"{path}: corrupt (its SHA-256 differs from the one {self.marker_path} records)"
+                )
             arrays[name] = array
         if validate is not None:
             try:
@@ -170,7 +184,11 @@ class IndexCache:
             marker = {
                 "key": self.key_text,
                 "arrays": {
-                    name: {"shape": list(np.shape(array)), "dtype": str(np.asarray(array).dtype)}
+                    name: {
+                        "shape": list(np.shape(array)),
+                        "dtype": str(np.asarray(array).dtype),
+                        "sha256": _digest(np.asarray(array)),
+                    }
                     for name, array in arrays.items()
                 },
             }
