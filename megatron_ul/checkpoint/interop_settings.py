@@ -125,8 +125,8 @@ CORE_FIELDS.update(
         "softmax_type": _refused("--softmax-type", "vanilla", None),
         "glu_linear_offset": _refused("--glu-linear-offset", 0.0, None),
         "activation_func_clamp_value": _refused("--activation-func-clamp-value", None),
-        "num_moe_experts": _refused(
-            "--num-experts (mixture of experts)", None, 0, arg="num_experts"
+        "num_moe_experts": _refused(  # Megatron-DeepSpeed records [1] for its dense model
+            "--num-experts (mixture of experts)", None, 0, 1, [1], arg="num_experts"
         ),
         "rotary_interleaved": _refused("--rotary-interleaved", False, None),
         "window_attn_skip_freq": _refused("--window-attn-skip-freq", None),

@@ -222,7 +222,9 @@ def _perturbed(args):
 )
 def test_megatron_core_setting_we_do_not_compute_is_refused_naming_it(setting, tmp_path):
     name, value, flag = setting
-    m = dataclasses.asdict(ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ))
+    m = dataclasses.asdict(
+        ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ)
+    )
     args = _core_args({**m, "position_embedding_type": "rope"}, **{name: value})
     iter_dir = os.path.join(str(tmp_path / "core"), files.iteration_dir_name(3))
     path = files.model_file(iter_dir, 0, 0, 1)
@@ -243,7 +245,9 @@ def test_megatron_core_setting_we_do_not_compute_is_refused_naming_it(setting, t
     ],
 )
 def test_gelu_is_what_megatron_core_computes(bias, fusion, openai, expected, tmp_path, core_state):
-    m = dataclasses.asdict(ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ))
+    m = dataclasses.asdict(
+        ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ)
+    )
     m.update(add_bias_linear=bias, hidden_size=32, num_attention_heads=4)
     args = _core_args(m, bias_gelu_fusion=fusion, openai_gelu=openai, add_qkv_bias=bias)
     model = _perturbed(args)
@@ -408,7 +412,9 @@ def test_megatron_lm_release_checkpoint_imports_without_trust_pickle(
     from megatron.core.enums import ModelType
     from megatron.core.transformer.enums import AttnBackend
 
-    m = dataclasses.asdict(ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ))
+    m = dataclasses.asdict(
+        ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ)
+    )
     args = _core_args(m, vocab_size=199 if release < "0.18" else 200)
     args.model_type, args.attention_backend = ModelType.encoder_or_decoder, AttnBackend.auto
     args.exit_signal = signal.SIGTERM
@@ -441,11 +447,14 @@ def test_uneven_pipeline_split_torch_format_imports(first, last, tmp_path, core_
     get_transformer_layer_offset places the layers (local numbering per stage), import with
     megatron-core's logits."""
     layers, pp = 4, 3 if (first and last) else 2
-    m = dataclasses.asdict(ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ))
+    m = dataclasses.asdict(
+        ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ)
+    )
     m["num_layers"] = layers
     args = _core_args(m, pipeline_model_parallel_size=pp)
     args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers = first, last
-    model = _perturbed(args)
+    # the whole model in one piece (megatron-core's stage split is the slow PP2 test's)
+    model = _perturbed(_core_args(m))
     full = model.state_dict()
     if pp == 2:
         counts = [first, layers - first] if first else [layers - last, last]
@@ -522,3 +531,81 @@ def test_gpt2_export_with_window_is_refused(tmp_path, single_rank):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ---- PP2 with megatron-core's own pipeline stages (two gloo ranks) ------------------------------
+def core_pp_logits(rank: int, world: int, args, iter_dir: str, save: bool):
+    """On each of `world` ranks: megatron-core's GPTModel stage for pipeline rank `rank` (its
+    own layer placement, uneven split included) either loads its stage file strictly or
+    (`save`) is perturbed and saves its state_dict() there, as Megatron-LM lays the files out;
+    the hidden states go from stage to stage as its schedule sends them. Returns the last
+    stage's logits [b, s, padded vocab] (None elsewhere)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    with _cpu_shims():
+        parallel_state.initialize_model_parallel(1, world)
+        torch.manual_seed(5)
+        try:
+            model = megatron_core.core_model_from_args(
+                args, pre_process=rank == 0, post_process=rank == world - 1
+            )
+            path = files.model_file(iter_dir, 0, rank, world)
+            if save:
+                g = torch.Generator().manual_seed(11 + rank)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(0.05 * torch.randn(p.shape, generator=g))
+                os.makedirs(os.path.dirname(path))
+                state = {"args": args, "iteration": 3, "model": model.state_dict()}
+                torch.save(state, path)
+            else:
+                state = torch.load(path, weights_only=False)
+                model.load_state_dict(state["model"], strict=True)
+            model.eval()
+            causal = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+            if rank > 0:
+                hidden = torch.empty(SEQ, 2, args.hidden_size)
+                dist.recv(hidden, rank - 1)
+                model.set_input_tensor(hidden)
+            with torch.no_grad():
+                out = model(
+                    input_ids=_tokens(),
+                    position_ids=torch.arange(SEQ).expand(2, SEQ),
+                    attention_mask=causal,
+                )
+            if rank < world - 1:
+                dist.send(out.contiguous(), rank + 1)
+                return None
+            return out.float()
+        finally:
+            parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", [None, 1])
+def test_pp2_checkpoints_match_megatron_core_pipeline_stages(first, tmp_path, single_rank):
+    """Our PP2 torch-format export loads into megatron-core's own two pipeline stages with our
+    logits; their perturbed stages' state_dict() files (even split, and --decoder-first-
+    pipeline-num-layers 1 placed by megatron-core itself) import with theirs."""
+    pytest.importorskip("megatron.core", reason="megatron-core not installed")
+    from tests.distributed import run_distributed
+
+    src, out, saved, ours = (str(tmp_path / n) for n in ("src", "core", "saved", "ours"))
+    m = _train(src, LLAMA, layers=3 if first else 4)
+    if first is None:
+        iter_dir, _ = export_core(src, out, "torch", "local", tp=1, pp=2)
+        args = megatron_lm.megatron_args(m, 1, 2, 1, {}, core=("torch", "local"))
+        theirs = run_distributed(core_pp_logits, 2, args, iter_dir, False)[-1]
+        diff = float((_our_logits(src) - theirs[..., :VOCAB]).abs().max())
+        print(f"PP2 export: max |logit diff| ours vs megatron-core stages: {diff:.2e}")
+        assert diff <= 1e-5
+    args = megatron_lm.megatron_args(m, 1, 2, 3, {}, core=("torch", "local"))
+    args.decoder_first_pipeline_num_layers = first
+    saved_iter = os.path.join(saved, files.iteration_dir_name(3))
+    theirs = run_distributed(core_pp_logits, 2, args, saved_iter, True)[-1]
+    files.write_tracker(saved, 3)
+    import_core(saved, ours)
+    diff = float((_our_logits(ours) - theirs[..., :VOCAB]).abs().max())
+    print(f"PP2 (first stage {first}) import: max |logit diff| {diff:.2e}")
+    assert diff <= 1e-5

@@ -39,7 +39,8 @@ def main(argv=None) -> int:
         "--model-type",
         choices=["gpt2", "llama"],
         default=None,
-        help="default: llama for SwiGLU models, else gpt2",
+        help="default: llama for SwiGLU models (Mistral when the model has a --window-size), "
+        "else gpt2",
     )
     exp.add_argument(
         "--bos-token-id",
