@@ -334,3 +334,50 @@ def test_a_real_full_disk_across_the_checkpoint_size(case, pristine, tmp_path, s
             subprocess.run(["umount", mnt], check=True)
     print(outcomes)
     assert outcomes[0][1] == "full" and outcomes[-1][1] == "saved"
+
+
+def test_a_load_only_run_finishes_the_interrupted_save(pristine, tmp_path, single_rank, caplog):
+    """Killed at the tracker's move; the next run only --loads the directory (no job holds
+    its lock): it finishes the save and resumes at the new iteration."""
+    trial = Trial(pristine, "torch", tmp_path)
+    d = trial.fresh_dir(str(tmp_path))
+    steps = _steps_of_a_save(trial, tmp_path)
+    k = next(i for i, s in enumerate(steps, 1) if s.startswith("replace .latest"))
+    with pytest.raises(Killed), Faults(d, k).active():
+        trial.save(d)
+    files.release_save_dir(d)
+    assert files.read_tracker(d) == 2 and files.interrupted_publishes(d)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="megatron_ul"):
+        trainer = setup(configure(TINY + trial.flags + ["--load", d, "--train-iters", "4"], 1))
+    assert trainer.start_iteration == 3 and files.read_tracker(d) == 3
+    assert not files.interrupted_publishes(d)
+    assert os.path.realpath(d) not in files.held_save_dirs()  # taken for the recovery only
+    said = [r.getMessage() for r in caplog.records if "interrupted save" in r.getMessage()]
+    assert len(said) == 1 and "now names iteration 3 (it named 2)" in said[0]
+
+
+def test_torch_dist_names_the_os_error_of_a_full_disk(
+    pristine, tmp_path, single_rank, monkeypatch, caplog
+):
+    """A disk that fills inside torch.save's zip writer (which replaces the OSError by
+    "unexpected pos"): the message names the .distcp file and the OS error."""
+    trial = Trial(pristine, "torch_dist", tmp_path)
+    d = trial.fresh_dir(str(tmp_path))
+    real = io.FileIO
+
+    class Full(real):  # type: ignore[misc,valid-type]
+        def write(self, b):
+            if os.path.basename(self.name).endswith(".distcp") and self.tell() + len(b) > 256:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return super().write(b)
+
+    monkeypatch.setattr(io, "FileIO", Full)
+    with pytest.raises(files.CheckpointError) as info:
+        trial.save(d)
+    monkeypatch.setattr(io, "FileIO", real)
+    message = str(info.value)
+    assert "__0_0.distcp: cannot be written (No space left on device)" in message, message
+    assert "unexpected pos" not in message
+    files.release_save_dir(d)
+    assert trial.restart(d, caplog) == 2
