@@ -171,9 +171,11 @@ class BlockwiseAttention(torch.autograd.Function):
                 with torch.enable_grad():
                     out = _block_attention(*pieces, block, ctx.window, ctx.dropout_p, ctx.scale)
                 gq, gk, gv = torch.autograd.grad(out, pieces, grad_out[q0:q1, b])
+                del out, pieces  # not alive while the next block recomputes
                 dq[q0:q1, b] += gq
                 dk[k0:k1, b] += gk
                 dv[k0:k1, b] += gv
+                del gq, gk, gv
         finally:
             device_rng_set(current, device_type)
         return dq, dk, dv, None, None, None, None
@@ -182,11 +184,18 @@ class BlockwiseAttention(torch.autograd.Function):
 def _writes_in_place(q, k, block, dropout_p: float) -> bool:
     """Whether a block's backward can add tile by tile into dq/dk/dv: torch's CPU flash
     kernel (it returns the log-sum-exp the tiles need), a whole causal document (no window
-    mask), no dropout (tiles would redraw the masks), as many kv heads as query heads, and
-    fp32/fp64 accumulators (a half-precision one would round once per tile)."""
+    mask), no dropout (tiles would redraw the masks) and as many kv heads as query heads.
+
+    Half precision too: the kernel itself (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp,
+    cpu_flash_attention_backward) accumulates grad_q, grad_k and grad_v in the input dtype,
+    one bf16/fp16 rounding per (query block, key block) pair of its own (GEMMs with beta 1
+    into the half-precision gradients). A tile pair's gradient added into the accumulator is
+    one more rounding per tile pair, at most one per two of the kernel's own (a tile holds
+    two or more of its blocks), so the error stays of the kernel's order; the test holds it
+    to an fp64 reference beside the whole-document call."""
     return (
         q.device.type == "cpu"
-        and q.dtype in (torch.float32, torch.float64)
+        and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
         and dropout_p == 0
         and not block[5]
         and k.shape[2] == q.shape[2]
