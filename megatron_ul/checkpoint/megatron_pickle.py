@@ -13,9 +13,12 @@ is needed. Anything else pickled in the file is refused with an error naming the
 from __future__ import annotations
 
 import argparse
+import io
 import os
+import pathlib
 import re
 import signal
+import types
 from typing import Any, Callable
 
 import numpy as np
@@ -47,6 +50,23 @@ def _enum_stand_in(qualified: str) -> type:
     return type(name, (MegatronEnum,), {"enum_name": qualified, "__module__": __name__})
 
 
+class MegatronRecord:
+    """A pickled Megatron dataclass instance (OptimizerConfig), rebuilt as its fields only."""
+
+    record_name = "?"
+
+    def __setstate__(self, state):
+        self.__dict__.update(state if isinstance(state, dict) else {})
+
+    def __repr__(self):
+        return f"{self.record_name}({self.__dict__!r})"
+
+
+def _record_stand_in(qualified: str) -> type:
+    name = qualified.rsplit(".", 1)[1]
+    return type(name, (MegatronRecord,), {"record_name": qualified, "__module__": __name__})
+
+
 # The enums Megatron-LM 0.16 to 0.19 leave in args: ModelType and AttnBackend (all), the
 # --cuda-graph-scope list (CudaGraphScope, 0.16-0.17), --cuda-graph-modules (CudaGraphModule,
 # 0.18+) and --inference-cuda-graph-scope (InferenceCudaGraphScope, always set from 0.18).
@@ -55,6 +75,14 @@ _MEGATRON_ENUMS = ["megatron.core.enums.ModelType"] + [
     _TRANSFORMER_ENUMS + name
     for name in ("AttnBackend", "CudaGraphScope", "CudaGraphModule", "InferenceCudaGraphScope")
 ]
+# Beyond args, what megatron-core itself admits when it loads its checkpoints with
+# weights_only (megatron/core/safe_globals.py, 0.16 to 0.19): the rerun state machine's enums
+# (saved when its mode is on), OptimizerConfig, and plain SimpleNamespace, PosixPath, BytesIO.
+_MEGATRON_ENUMS += [
+    "megatron.core.rerun_state_machine." + name
+    for name in ("RerunMode", "RerunState", "RerunDiagnostic")
+]
+_MEGATRON_RECORDS = ["megatron.core.optimizer.optimizer_config.OptimizerConfig"]
 _numpy_core = getattr(np, "_core", None) or np.core
 # The one allowlist: (object, the global's name as the pickle spells it). numpy 1.x pickles
 # its array reconstructor as numpy.core.*, numpy 2.x as numpy._core.*.
@@ -66,7 +94,11 @@ ALLOWED: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     (_numpy_core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
     (_numpy_core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
     (type(np.dtype(np.uint32)), "numpy.dtypes.UInt32DType"),
+    (types.SimpleNamespace, "types.SimpleNamespace"),
+    (pathlib.PosixPath, "pathlib.PosixPath"),
+    (io.BytesIO, "_io.BytesIO"),
     *[(_enum_stand_in(name), name) for name in _MEGATRON_ENUMS],
+    *[(_record_stand_in(name), name) for name in _MEGATRON_RECORDS],
 ]
 
 

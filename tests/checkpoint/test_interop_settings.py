@@ -423,7 +423,34 @@ def test_megatron_lm_release_checkpoint_imports_without_trust_pickle(
         setattr(args, name, _value(enums, spec))
     model = _perturbed(args)
     _save_core_args(model, args, "torch", str(tmp_path / "core"))
-    import_core(str(tmp_path / "core"), str(tmp_path / "ours"))
+    # the rest of what Megatron-LM's save_checkpoint puts in the file (RNG state with numpy's
+    # arrays; with the rerun machine on, its enums; an optimizer config)
+    import random
+
+    import numpy as np
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.rerun_state_machine import RerunMode
+
+    path = files.model_file(os.path.join(str(tmp_path / "core"), "iter_0000003"), 0, 0, 1)
+    state = torch.load(path, weights_only=False)
+    state["rng_state"] = [
+        {
+            "random_rng_state": random.getstate(),
+            "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state(),
+        }
+    ]
+    state["rerun_state_machine"] = {"mode": list(RerunMode)[-1]}
+    state["optimizer"] = {"config": OptimizerConfig(lr=3e-4)}
+    torch.save(state, path)
+    # megatron-core registers its classes with torch's weights_only loader when imported;
+    # the allowlist must stand on its own
+    registered = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    try:
+        import_core(str(tmp_path / "core"), str(tmp_path / "ours"))
+    finally:
+        torch.serialization.add_safe_globals(registered)
     assert _model_of(str(tmp_path / "ours"))["vocab_size"] == 200  # both: 200 real rows
     diff = float((_our_logits(str(tmp_path / "ours")) - _core_logits(model)).abs().max())
     assert diff <= 1e-5
