@@ -561,7 +561,7 @@ if __name__ == "__main__":
 
 
 # ---- PP2 with megatron-core's own pipeline stages (two gloo ranks) ------------------------------
-def core_pp_logits(rank: int, world: int, args, iter_dir: str, save: bool):
+def core_pp_logits(rank: int, world: int, args, iter_dir: str, save: bool, fmt: str = "torch"):
     """On each of `world` ranks: megatron-core's GPTModel stage for pipeline rank `rank` (its
     own layer placement, uneven split included) either loads its stage file strictly or
     (`save`) is perturbed and saves its state_dict() there, as Megatron-LM lays the files out;
@@ -583,9 +583,25 @@ def core_pp_logits(rank: int, world: int, args, iter_dir: str, save: bool):
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(0.05 * torch.randn(p.shape, generator=g))
-                os.makedirs(os.path.dirname(path))
-                state = {"args": args, "iteration": 3, "model": model.state_dict()}
-                torch.save(state, path)
+                if fmt == "torch_dist":  # every stage's sharded tensors, globally numbered
+                    import multiprocessing
+
+                    from megatron.core import dist_checkpointing
+
+                    # its writer starts a multiprocessing Manager, which a daemonic process
+                    # (these rank workers) may not; the flag only guards that check
+                    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+
+                    os.makedirs(iter_dir, exist_ok=True)
+                    state = {"args": args, "checkpoint_version": 3.0, "iteration": 3}
+                    with megatron_core._cpu_only_shims():
+                        dist_checkpointing.save(
+                            {**state, "model": model.sharded_state_dict()}, iter_dir
+                        )
+                else:
+                    os.makedirs(os.path.dirname(path))
+                    state = {"args": args, "iteration": 3, "model": model.state_dict()}
+                    torch.save(state, path)
             else:
                 state = torch.load(path, weights_only=False)
                 model.load_state_dict(state["model"], strict=True)
@@ -610,8 +626,8 @@ def core_pp_logits(rank: int, world: int, args, iter_dir: str, save: bool):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("first", [None, 1])
-def test_pp2_checkpoints_match_megatron_core_pipeline_stages(first, tmp_path, single_rank):
+@pytest.mark.parametrize("first,fmt", [(None, "torch"), (1, "torch"), (1, "torch_dist")])
+def test_pp2_checkpoints_match_megatron_core_pipeline_stages(first, fmt, tmp_path, single_rank):
     """Our PP2 torch-format export loads into megatron-core's own two pipeline stages with our
     logits; their perturbed stages' state_dict() files (even split, and --decoder-first-
     pipeline-num-layers 1 placed by megatron-core itself) import with theirs."""
@@ -627,12 +643,12 @@ def test_pp2_checkpoints_match_megatron_core_pipeline_stages(first, tmp_path, si
         diff = float((_our_logits(src) - theirs[..., :VOCAB]).abs().max())
         print(f"PP2 export: max |logit diff| ours vs megatron-core stages: {diff:.2e}")
         assert diff <= 1e-5
-    args = megatron_lm.megatron_args(m, 1, 2, 3, {}, core=("torch", "local"))
+    args = megatron_lm.megatron_args(m, 1, 2, 3, {}, core=(fmt, "local"))
     args.decoder_first_pipeline_num_layers = first
     saved_iter = os.path.join(saved, files.iteration_dir_name(3))
-    theirs = run_distributed(core_pp_logits, 2, args, saved_iter, True)[-1]
+    theirs = run_distributed(core_pp_logits, 2, args, saved_iter, True, fmt)[-1]
     files.write_tracker(saved, 3)
     import_core(saved, ours)
     diff = float((_our_logits(ours) - theirs[..., :VOCAB]).abs().max())
-    print(f"PP2 (first stage {first}) import: max |logit diff| {diff:.2e}")
+    print(f"PP2 {fmt} (first stage {first}) import: max |logit diff| {diff:.2e}")
     assert diff <= 1e-5
