@@ -652,3 +652,51 @@ def test_pp2_checkpoints_match_megatron_core_pipeline_stages(first, fmt, tmp_pat
     diff = float((_our_logits(ours) - theirs[..., :VOCAB]).abs().max())
     print(f"PP2 {fmt} (first stage {first}) import: max |logit diff| {diff:.2e}")
     assert diff <= 1e-5
+
+
+# ---- legacy Megatron-LM ------------------------------------------------------------------------
+def _legacy_checkpoint(tmp_path, m: dict, **changes) -> str:
+    """A legacy (use_legacy_models) stage file whose args carry `changes`; no tensors needed
+    to reach the settings check."""
+    args = megatron_lm.megatron_args(m, 1, 1, 3, {})
+    for k, v in changes.items():
+        setattr(args, k, v)
+    load = str(tmp_path / "legacy")
+    path = files.model_file(os.path.join(load, files.iteration_dir_name(3)), 0, 0, 1)
+    os.makedirs(os.path.dirname(path))
+    torch.save({"args": args, "iteration": 3, "model": {"language_model": {}}}, path)
+    files.write_tracker(load, 3)
+    return load
+
+
+@pytest.mark.parametrize(
+    "name,value,flag",
+    [
+        ("squared_relu", True, "--squared-relu"),
+        ("apply_layernorm_1p", True, "--apply-layernorm-1p"),
+    ],
+)
+def test_legacy_setting_we_do_not_compute_is_refused(name, value, flag, tmp_path):
+    m = dataclasses.asdict(
+        ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ)
+    )
+    load = _legacy_checkpoint(tmp_path, m, **{name: value})
+    with pytest.raises(CheckpointError, match=flag):
+        megatron_lm.import_megatron(load, str(tmp_path / "ours"))
+    assert not os.path.exists(tmp_path / "ours")
+
+
+def test_legacy_window_is_read_as_the_full_attention_it_computed(caplog):
+    m = dataclasses.asdict(
+        ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ)
+    )
+    args = megatron_lm.megatron_args(m, 1, 1, 3, {})
+    args.window_size = (4, 0)
+    assert megatron_lm.model_config_from_args(args)["window_size"] is None
+    assert "ignores" in caplog.text
+    core_args = megatron_lm.megatron_args(m, 1, 1, 3, {}, core=("torch", "local"))
+    core_args.window_size = (4, 0)
+    assert megatron_lm.model_config_from_args(core_args, core=True)["window_size"] == [4, 0]
+    core_args.window_size = (4, 2)
+    with pytest.raises(CheckpointError, match="causal windows only"):
+        megatron_lm.model_config_from_args(core_args, core=True)
