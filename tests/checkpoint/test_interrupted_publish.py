@@ -381,3 +381,23 @@ def test_torch_dist_names_the_os_error_of_a_full_disk(
     assert "unexpected pos" not in message
     files.release_save_dir(d)
     assert trial.restart(d, caplog) == 2
+
+
+def test_an_interrupted_save_whose_files_are_short_is_rolled_back(
+    pristine, tmp_path, single_rank, caplog
+):
+    """Killed at the tracker's move, and the new iteration's model file later found short:
+    the restart rolls back to iteration 2, saying why."""
+    trial = Trial(pristine, "torch", tmp_path)
+    d = trial.fresh_dir(str(tmp_path))
+    steps = _steps_of_a_save(trial, tmp_path)
+    k = next(i for i, s in enumerate(steps, 1) if s.startswith("replace .latest"))
+    with pytest.raises(Killed), Faults(d, k).active():
+        trial.save(d)
+    files.release_save_dir(d)
+    model = files.model_file(os.path.join(d, "iter_0000003"), 0, 0, 1)
+    os.truncate(model, os.path.getsize(model) // 2)
+    assert trial.restart(d, caplog) == 2
+    said = [r.getMessage() for r in caplog.records if "interrupted save" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("rolled back an interrupted save of iteration 3")
+    assert model in said[0]
