@@ -49,7 +49,7 @@ def _digest(array: np.ndarray) -> str:
     flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
     digest = hashlib.sha256()
     for start in range(0, flat.size, 1 << 26):
-        digest.update(memoryview(flat[start : start + (1 << 26)]))
+        digest.update(flat[start : start + (1 << 26)].tobytes())
     return digest.hexdigest()
 
 
