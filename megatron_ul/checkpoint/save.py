@@ -328,38 +328,52 @@ def _write_dist_files(
 def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) -> None:
     """Rank 0: make the complete tmp directory the iteration, then move the tracker. The
     intent (files.write_intent) is on disk before the first rename, so that the next start
-    finishes or rolls back a publish that a kill or a full disk stopped at any step."""
-    intent, aside = None, None
+    finishes or rolls back a publish that a kill or a full disk stopped at any step; an error
+    before the tmp directory's rename is rolled back here."""
+    intent, aside, renamed = files.intent_path(save_dir, save_id), None, False
     try:
         for root, dirs, _ in os.walk(tmp):
             for d in dirs:
                 files.fsync_dir(os.path.join(root, d))
         files.fsync_dir(tmp)
-        intent = files.write_intent(save_dir, iteration, save_id)
+        files.write_intent(save_dir, iteration, save_id)
         if os.path.exists(final):  # replace: move the old copy aside, delete it last
             aside = f"{final}.old-{save_id}"
             os.rename(final, aside)
         os.rename(tmp, final)
+        renamed = True
         files.fsync_dir(save_dir)
         # The intent holds the tracker's new contents: renaming it needs no free space.
         os.replace(intent, os.path.join(save_dir, files.TRACKER))
         files.fsync_dir(save_dir)
     except (OSError, CheckpointError) as e:
-        raise CheckpointError(_publish_failed(save_dir, final, iteration, intent, e)) from e
+        what = (
+            str(e) if isinstance(e, CheckpointError) else f"{e.filename or save_dir}: {e.strerror or e}"
+        )
+        if not renamed:
+            _roll_back(intent, aside, final)
+        raise CheckpointError(
+            f"publishing iteration {iteration} failed ({what}); "
+            + (
+                f"the next start with --save {save_dir} finishes it"
+                if renamed
+                else "the previous checkpoint is current"
+            )
+        ) from e
     if aside is not None:
         files.remove_dir(aside, save_id)
 
 
-def _publish_failed(save_dir, final, iteration, intent, e) -> str:
-    what = (
-        str(e) if isinstance(e, CheckpointError) else f"{e.filename or save_dir}: {e.strerror or e}"
-    )
-    if intent is not None and os.path.exists(intent):
-        return (
-            f"publishing iteration {iteration} failed ({what}); the next start with "
-            f"--save {save_dir} finishes it (if {final} is complete) or rolls it back"
-        )
-    return f"publishing iteration {iteration} failed ({what}); the previous checkpoint is current"
+def _roll_back(intent: str, aside: str | None, final: str) -> None:
+    """Undo a publish stopped before the tmp directory's rename (what is left, the next start
+    rolls back)."""
+    try:
+        if aside is not None and os.path.isdir(aside) and not os.path.exists(final):
+            os.rename(aside, final)
+        if os.path.exists(intent):
+            os.remove(intent)
+    except OSError as e:
+        log.warning("%s: left for the next start to roll back (%s)", intent, e)
 
 
 def _tidy(cfg: ResolvedConfig, save_id: str, iteration: int) -> None:
