@@ -20,6 +20,7 @@ the recompute, as mpu.recompute does, so results are bit-identical to plain full
 
 from __future__ import annotations
 
+import sys
 from typing import Optional
 
 import torch
@@ -126,12 +127,15 @@ class _OffloadedCheckpoint(torch.autograd.Function):
     def backward(ctx, grad_out):
         x = ctx.handle.fetch().detach().requires_grad_(ctx.input_requires_grad)
         device_type = x.device.type
+        captured: list[torch.Tensor] = []
         current = _rng_states(device_type)
         _set_rng_states(ctx.rng, device_type)
         try:
             enabled, dtype = ctx.autocast
             with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-                out = ctx.function(x, *ctx.args)
+                inp = _CapturedGradient.apply(x, captured) if ctx.input_requires_grad else x
+                out = _ReleasedGradient.apply(ctx.function(inp, *ctx.args))
+                del inp
         finally:
             _set_rng_states(current, device_type)
         # Backpropagate from the output's gradient edge, not the output: nothing in backward
@@ -142,8 +146,82 @@ class _OffloadedCheckpoint(torch.autograd.Function):
             torch.autograd.backward(edge, grad_out)
         elif out.requires_grad:
             torch.autograd.backward(out, grad_out)
-        grad_x = x.grad if ctx.input_requires_grad else None
+        grad_x = captured[0] if captured else None
         return (None, None, None, grad_x) + (None,) * len(ctx.args)
+
+
+class _CapturedGradient(torch.autograd.Function):
+    """Identity on the recomputed run's input whose backward keeps the input's gradient in
+    `captured` and passes nothing on. Through a leaf's .grad, the residual gradient would be
+    cloned (AccumulateGrad copies a gradient that the attention branch still holds) and then
+    accumulated into: a second residual-sized buffer for the whole attention backward."""
+
+    @staticmethod
+    def forward(ctx, x, captured):
+        ctx.captured = captured
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.captured.append(grad)
+        return None, None
+
+
+class _ReleasedGradient(torch.autograd.Function):
+    """Identity on the recomputed run's output whose backward hands the output's gradient on
+    as a tensor that only the engine holds, and empties the caller's. The layer's last
+    residual add passes it on as the inner residual gradient; the engine then sums it and
+    the MLP branch's gradient in place into one of the two and frees the other, so one
+    residual-sized gradient lives through the attention half, not that sum beside a caller's
+    handle kept alive until the whole inner backward ends.
+
+    Taken only when nothing but the engine and this checkpoint's caller reference it (its
+    storage has no other tensor and its use counts are those `_sole_holder_uses` measured);
+    otherwise passed on as it is. A layer output's gradient is consumed here: a Python name
+    that still held it (none in this package) would see an empty tensor afterwards."""
+
+    @staticmethod
+    def forward(ctx, out):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _PROBE is not None:
+            _PROBE.append(_uses(grad))
+            return grad
+        sole = _SOLE_HOLDER_USES
+        if sole is not None and all(n <= m for n, m in zip(_uses(grad), sole)):
+            owned = grad.detach()
+            grad.set_()  # the caller's handle lets go of the storage
+            return owned
+        return grad
+
+
+_PROBE: Optional[list] = None
+_SOLE_HOLDER_USES: Optional[tuple[int, int, int]] = None
+
+
+def _uses(t: torch.Tensor) -> tuple[int, int, int]:
+    """(C++ handles on t, tensors on its storage, Python references to t): a view of t, or
+    any tensor sharing its memory, adds to the second; a Python name or list keeping it (a
+    hook that stored it) to the third. Each count includes this call's own."""
+    storage = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    return t._use_count(), storage, sys.getrefcount(t)
+
+
+def _sole_holder_uses() -> Optional[tuple[int, int, int]]:
+    """The use count that a layer output's gradient has in _ReleasedGradient's backward when
+    nothing outside autograd holds it (a fresh gradient from the next op), measured once on
+    a two-element run: the engine's own references differ between torch releases."""
+    global _PROBE
+    _PROBE = []
+    try:
+        x = torch.ones(2, requires_grad=True)
+        y = _OffloadedCheckpoint.apply(lambda t: t * 2.0, HostOffloader(x.device), [], x)
+        (y * 3.0).sum().backward()
+        return _PROBE[0] if _PROBE else None
+    finally:
+        _PROBE = None
 
 
 def offloaded_checkpoint(
@@ -153,4 +231,7 @@ def offloaded_checkpoint(
     collects the handles of one forward pass in order (for prefetching)."""
     if not torch.is_grad_enabled():
         return function(x, *args)
+    global _SOLE_HOLDER_USES
+    if _SOLE_HOLDER_USES is None:
+        _SOLE_HOLDER_USES = _sole_holder_uses()
     return _OffloadedCheckpoint.apply(function, offloader, chain, x, *args)
