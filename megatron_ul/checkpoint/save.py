@@ -347,9 +347,10 @@ def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) 
         os.replace(intent, os.path.join(save_dir, files.TRACKER))
         files.fsync_dir(save_dir)
     except (OSError, CheckpointError) as e:
-        what = (
-            str(e) if isinstance(e, CheckpointError) else f"{e.filename or save_dir}: {e.strerror or e}"
-        )
+        if isinstance(e, CheckpointError):
+            what = str(e)
+        else:
+            what = f"{e.filename or save_dir}: {e.strerror or e}"
         if not renamed:
             _roll_back(intent, aside, final)
         raise CheckpointError(
