@@ -314,6 +314,10 @@ def _recover_one(save_dir: str, intent: str) -> str:
     published = not os.path.isdir(tmp)  # the tmp directory had been renamed into place
     candidate = final if published else tmp
     problem = verify_iteration(candidate) if os.path.isdir(candidate) else f"{candidate}: missing"
+    if problem is None:  # the directory this save wrote, not an older copy of the iteration
+        meta = read_metadata(candidate)
+        if (meta.get("iteration"), meta.get("save_id", save_id)) != (iteration, save_id):
+            problem = f"{candidate}: written by another save"
     if problem is None and (current is None or current <= iteration):
         if not published:
             if os.path.isdir(final) and not os.path.isdir(aside):

@@ -531,6 +531,7 @@ def _finish_save(
         "special_tokens": special_token_ids(cfg),
         "files": records,
         "rng": True,
+        "save_id": save_id,  # which save wrote it: the publish intent names the same id
     }
     if dist_format:
         meta["piece_sha256"] = digests

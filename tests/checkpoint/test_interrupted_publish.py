@@ -401,3 +401,14 @@ def test_an_interrupted_save_whose_files_are_short_is_rolled_back(
     said = [r.getMessage() for r in caplog.records if "interrupted save" in r.getMessage()]
     assert len(said) == 1 and said[0].startswith("rolled back an interrupted save of iteration 3")
     assert model in said[0]
+
+
+def test_an_intent_never_publishes_another_saves_directory(pristine, tmp_path):
+    """An intent whose save's directory is gone (removed after a failure) while an older
+    complete copy of the iteration is in place: that copy is not taken for the new save."""
+    d = shutil.copytree(pristine["torch"], str(tmp_path / "ckpt"))
+    intent = files.write_intent(d, 2, "feedbeef0000")
+    lines = files.recover_publish(d)
+    assert len(lines) == 1 and lines[0].startswith("rolled back an interrupted save of iteration 2")
+    assert "written by another save" in lines[0] and not os.path.exists(intent)
+    assert files.read_tracker(d) == 2 and files.is_complete(os.path.join(d, "iter_0000002"))
