@@ -145,9 +145,9 @@ def test_rotary_returns_the_activation_dtype():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             out = apply_rotary(x, cos, sin)
         assert out.dtype == torch.bfloat16
+        cos_full, sin_full = (torch.cat([t, t], -1).double() for t in (cos, sin))  # per half
         expected = (
-            x.double() * cos.double()
-            + torch.cat([-x[..., 4:], x[..., :4]], -1).double() * sin.double()
+            x.double() * cos_full + torch.cat([-x[..., 4:], x[..., :4]], -1).double() * sin_full
         )
         torch.testing.assert_close(out.double(), expected, atol=1e-2, rtol=1e-2)
 
