@@ -20,7 +20,7 @@ def _weights(dtype):
 
 
 def _layer(w):
-    def layer(x):
+    def layer(x):  # a residual "attention" half, then a residual "MLP" half
         x1 = x + torch.relu(x @ w[0]) @ w[1].t()
         return x1 + torch.relu(x1 @ w[2]) @ w[3].t()
 
@@ -93,3 +93,31 @@ def test_a_gradient_held_elsewhere_is_left_alone(taken):
     assert taken == [False, False, True]
     for grad in (kept[0], given, y.grad):
         assert grad is not None and torch.equal(grad, torch.full((S, H), 3.0))
+
+
+def test_output_gradient_not_alive_through_the_attention_half(monkeypatch):
+    """Live tensors of one layer backward whose first half (attention-like) is the heavier: one
+    residual-sized buffer less when the output's gradient is taken over."""
+    from tools.bench.live_tensors import LiveTensorTracker
+
+    n, h = 2048, 16
+    g = torch.Generator().manual_seed(0)
+    w = [(torch.randn(h, m * h, generator=g) / 8).requires_grad_() for m in (8, 8, 1, 1)]
+    layer = _layer(w)
+    unit = n * h * 4
+
+    def peak(take: bool) -> float:
+        monkeypatch.setattr(offload, "_SOLE_HOLDER_USES", None)
+        x0 = torch.randn(n, h, generator=g, requires_grad=True)
+        y = offload.offloaded_checkpoint(layer, offload.HostOffloader(x0.device), [], x0 * 1.0)
+        if not take:  # counts no gradient can have
+            monkeypatch.setattr(offload, "_SOLE_HOLDER_USES", (0, 0, 0))
+        loss = (y * 1.0).sum()
+        del y
+        with LiveTensorTracker(preexisting=[x0, *w]) as tracker:
+            tracker.phase = "backward"
+            loss.backward()
+        return tracker.peaks["backward"].bytes / unit
+
+    kept, taken = peak(False), peak(True)
+    assert kept - taken > 0.95, (kept, taken)

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # A new peak is photographed (every live storage and its label) only when it beats the last
 # photographed one by this fraction: the exact peak is always kept, the breakdown is within it.
 SNAPSHOT_STEP = 0.002
+_FINALIZERS = "_live_tensor_finalizers"
 
 
 def peak_rss_bytes() -> int:
@@ -135,7 +136,10 @@ class LiveTensorTracker(TorchDispatchMode):
             entry = self._storages[key] = [nbytes, 0, label]
             self.live_bytes += nbytes
         entry[1] += 1
-        weakref.finalize(t, self._release, key)
+        finalizer = weakref.finalize(t, self._release, key)
+        # a tensor emptied in place by set_() lets go of its storage while its Python object
+        # lives on: its finalizers run then (see __torch_dispatch__)
+        t.__dict__.setdefault(_FINALIZERS, []).append(finalizer)
 
     def _release(self, key) -> None:
         entry = self._storages.get(key)
@@ -147,6 +151,9 @@ class LiveTensorTracker(TorchDispatchMode):
             del self._storages[key]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.set_.default and len(args) == 1:  # emptied
+            for finalizer in args[0].__dict__.pop(_FINALIZERS, ()):
+                finalizer()
         out = func(*args, **(kwargs or {}))
         outputs = out if isinstance(out, (tuple, list)) else (out,)
         label = None
