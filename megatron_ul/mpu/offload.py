@@ -206,7 +206,8 @@ def _uses(t: torch.Tensor) -> tuple[int, int, int]:
     any tensor sharing its memory, adds to the second; a Python name or list keeping it (a
     hook that stored it) to the third. Each count includes this call's own."""
     storage = torch._C._storage_Use_Count(t.untyped_storage()._cdata)
-    return t._use_count(), storage, sys.getrefcount(t)
+    handles = t._use_count()  # type: ignore[attr-defined]  # torch's stubs omit it
+    return handles, storage, sys.getrefcount(t)
 
 
 def _sole_holder_uses() -> Optional[tuple[int, int, int]]:
