@@ -2,13 +2,16 @@
 tests/checkpoint/test_megatron_core_reference.py:
 
     python megatron_core_reference.py MEGATRON_LM_DIR OUT_DIR torch|torch_dist
+    python megatron_core_reference.py MEGATRON_LM_DIR LOAD_DIR LOGITS.pt -- PRINTED FLAGS...
 
 parses a Llama-style model's flags (RoPE, SwiGLU, RMSNorm, untied, no biases, --window-size
 4,0, NullTokenizer --vocab-size 200) with the checkout's own parse_args/validate_args, builds
 the model with its gpt_builder (local spec), perturbs every parameter, writes it with its
 save_checkpoint (args with that release's enums, RNG state: the real file), and saves the
 model's logits of fixed tokens and its tokenizer's vocabulary size to
-OUT_DIR/reference_logits.pt. One process, gloo, TP1 PP1.
+OUT_DIR/reference_logits.pt. The second form builds the model from an export's printed flags,
+loads the export with the checkout's load_checkpoint (strict) and writes those logits. One
+process, gloo, TP1 PP1.
 
 CPU stand-ins, none of which changes a number: the checkout's triton-importing modules and
 Python 3.12's typing.override (tests/data/megatron_lm_preprocess_launcher.py);
@@ -52,7 +55,11 @@ def _cuda_on_cpu(torch) -> None:
         setattr(torch, name, on_cpu)
 
 
-def main(root: str, out_dir: str, fmt: str) -> None:
+def main(root: str, out_dir: str, fmt: str, load_flags: list | None = None) -> None:
+    """Save a perturbed model to `out_dir` in format `fmt`; or, with `load_flags` (the flags an
+    export of ours printed), build the model from those flags, load `out_dir` with Megatron's
+    load_checkpoint (strict, its check_checkpoint_args included) and write its logits to
+    `fmt` (a file path)."""
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.path.join(here, "..", "data", "megatron_lm_preprocess_launcher.py")
     spec = importlib.util.spec_from_file_location("launcher", path)
@@ -73,7 +80,12 @@ def main(root: str, out_dir: str, fmt: str) -> None:
     )
     for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(name, value)
-    sys.argv = ["pretrain_gpt", *FLAGS, "--save", out_dir, "--ckpt-format", fmt]
+    if load_flags is None:
+        sys.argv = ["pretrain_gpt", *FLAGS, "--save", out_dir, "--ckpt-format", fmt]
+    else:  # the printed flags, then what a CPU run adds
+        cpu = FLAGS[FLAGS.index("--micro-batch-size") : FLAGS.index("--micro-batch-size") + 2]
+        cpu += FLAGS[FLAGS.index("--use-cpu-initialization") :]
+        sys.argv = ["pretrain_gpt", *load_flags, *cpu, "--load", out_dir]
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
 
@@ -92,11 +104,16 @@ def main(root: str, out_dir: str, fmt: str) -> None:
     from megatron.training.checkpointing import save_checkpoint
 
     model = gpt_builder(args, True, True).float()
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(11)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    save_checkpoint(3, [model], None, None, 0)
+    if load_flags is None:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(11)
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+        save_checkpoint(3, [model], None, None, 0)
+    else:
+        from megatron.training.checkpointing import load_checkpoint
+
+        load_checkpoint([model], None, None, strict=True)
     model.eval()
     tokens = torch.randint(0, 200, (2, 16), generator=torch.Generator().manual_seed(3))
     causal = torch.triu(torch.ones(16, 16, dtype=torch.bool), diagonal=1)[None, None]
@@ -106,9 +123,11 @@ def main(root: str, out_dir: str, fmt: str) -> None:
 
     torch.save(
         {"tokens": tokens, "logits": logits.float(), "vocab": get_tokenizer().vocab_size},
-        os.path.join(out_dir, "reference_logits.pt"),
+        fmt if load_flags is not None else os.path.join(out_dir, "reference_logits.pt"),
     )
 
 
 if __name__ == "__main__":  # the guard matters: its torch_dist writer starts a Manager process
-    main(*sys.argv[1:4])
+    # save: ROOT OUT_DIR FORMAT; load: ROOT LOAD_DIR LOGITS_FILE -- PRINTED FLAGS...
+    rest = sys.argv[sys.argv.index("--") + 1 :] if "--" in sys.argv else None
+    main(*sys.argv[1:4], load_flags=rest)

@@ -58,3 +58,42 @@ def test_megatron_lm_saved_checkpoint_imports_with_its_logits(fmt, tmp_path, sin
     diff = float((logits.transpose(0, 1) - ref["logits"][..., :vocab]).abs().max())
     print(f"{fmt}: max |logit diff| ours vs Megatron-LM's saved model: {diff:.2e}")
     assert diff <= 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_export_loads_in_megatron_lm_with_the_printed_flags(fmt, tmp_path, single_rank, capsys):
+    """Our export (a window, GQA, RoPE, SwiGLU model; torch_dist written by the installed
+    megatron-core) loads into the checkout's Megatron-LM with exactly the printed flags (the
+    NullTokenizer size as the printed note says for 0.18+) and computes our logits."""
+    from megatron_ul.training.pretrain import configure, setup
+    from tests.checkpoint.runs import NO_DROPOUT, TINY
+    from tests.checkpoint.test_megatron_core import LLAMA, _our_logits
+    from tools.checkpoint import megatron_core as tool
+
+    src, out = str(tmp_path / "src"), str(tmp_path / "core")
+    argv = TINY + NO_DROPOUT + LLAMA + ["--window-size", "4", "0", "--train-iters", "1"]
+    setup(configure(argv + ["--lr-warmup-iters", "0", "--save", src], 1)).train()
+    capsys.readouterr()
+    export = ["export", "--load-dir", src, "--save-dir", out, "--ckpt-format", fmt]
+    assert tool.main(export + ["--transformer-impl", "local"]) == 0
+    printed = capsys.readouterr().out
+    flags = printed.split("Megatron-LM flags: ")[1].split()
+    null = ["megatron", "core", "tokenizers", "text", "libraries", "null_tokenizer.py"]
+    with open(os.path.join(MEGATRON_LM_DIR, *null)) as f:
+        counts_eod = "_vocab_size_without_eod + 1" in f.read()  # up to 0.17: V ids + EOD
+    if not counts_eod:  # 0.18+: the note's --vocab-size
+        i = flags.index("--vocab-size") + 1
+        flags[i] = str(int(flags[i]) + 1)
+    logits = str(tmp_path / "logits.pt")
+    result = subprocess.run(
+        [sys.executable, REFERENCE, MEGATRON_LM_DIR, out, logits, "--", *flags],
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    theirs = torch.load(logits)["logits"][..., :200]
+    diff = float((_our_logits(src) - theirs).abs().max())
+    print(f"{fmt}: max |logit diff| Megatron-LM loading our export vs ours: {diff:.2e}")
+    assert diff <= 1e-5
