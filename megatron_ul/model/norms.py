@@ -65,10 +65,27 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         compute = torch.promote_types(x.dtype, torch.float32)
-        rstd = torch.rsqrt(x.to(compute).square().mean(-1, keepdim=True).add_(eps))
-        ctx.save_for_backward(x, weight, rstd)
         out_dtype = torch.promote_types(x.dtype, weight.dtype)
-        return (x.to(compute) * rstd).mul_(weight.to(compute)).to(out_dtype)
+        h = x.shape[-1]
+        rows = x.numel() // h
+        block = max(BACKWARD_BLOCK_ELEMENTS // h, -(-rows // BACKWARD_MAX_BLOCKS), 1)
+        if block >= rows or not x.is_contiguous():
+            rstd = torch.rsqrt(x.to(compute).square().mean(-1, keepdim=True).add_(eps))
+            out = (x.to(compute) * rstd).mul_(weight.to(compute)).to(out_dtype)
+        else:  # the same rows over blocks: fp32 temporaries bounded as in backward
+            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+            rstd = torch.empty((*x.shape[:-1], 1), dtype=compute, device=x.device)
+            x_rows, out_rows, rstd_rows = x.view(rows, h), out.view(rows, h), rstd.view(rows, 1)
+            w = weight.to(compute)
+            for start in range(0, rows, block):
+                piece = slice(start, start + block)
+                x_c = x_rows[piece].to(compute)
+                r = torch.rsqrt(x_c.square().mean(-1, keepdim=True).add_(eps))
+                rstd_rows[piece] = r
+                out_rows[piece] = (x_c * r).mul_(w)
+                del x_c, r
+        ctx.save_for_backward(x, weight, rstd)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
