@@ -1,8 +1,9 @@
 """Megatron-LM's own save_checkpoint of a megatron-core GPTModel on CPU, as the reference for
 tests/checkpoint/test_megatron_core_reference.py:
 
-    python megatron_core_reference.py MEGATRON_LM_DIR OUT_DIR torch|torch_dist
-    python megatron_core_reference.py MEGATRON_LM_DIR LOAD_DIR LOGITS.pt -- PRINTED FLAGS...
+    PYTHONPATH=MEGATRON_LM_DIR python megatron_core_reference.py MEGATRON_LM_DIR OUT_DIR FORMAT
+    PYTHONPATH=MEGATRON_LM_DIR python megatron_core_reference.py MEGATRON_LM_DIR LOAD_DIR \
+        LOGITS.pt -- PRINTED FLAGS...
 
 parses a Llama-style model's flags (RoPE, SwiGLU, RMSNorm, untied, no biases, --window-size
 4,0, NullTokenizer --vocab-size 200) with the checkout's own parse_args/validate_args, builds
@@ -70,7 +71,6 @@ def main(root: str, out_dir: str, fmt: str, load_flags: list | None = None) -> N
     if not hasattr(typing, "override"):
         typing.override = lambda f: f
     sys.meta_path.insert(0, launcher._StubFinder(launcher._triton_modules(root)))
-    sys.path.insert(0, root)
     import torch
 
     _cuda_on_cpu(torch)

@@ -33,7 +33,7 @@ def test_megatron_lm_saved_checkpoint_imports_with_its_logits(fmt, tmp_path, sin
     from megatron_ul.inference.generate import load_for_generation
 
     theirs, ours = str(tmp_path / "theirs"), str(tmp_path / "ours")
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONPATH=MEGATRON_LM_DIR, PYTHONWARNINGS="ignore")
     result = subprocess.run(
         [sys.executable, REFERENCE, MEGATRON_LM_DIR, theirs, fmt],
         env=env,
@@ -87,7 +87,7 @@ def test_export_loads_in_megatron_lm_with_the_printed_flags(fmt, tmp_path, singl
     logits = str(tmp_path / "logits.pt")
     result = subprocess.run(
         [sys.executable, REFERENCE, MEGATRON_LM_DIR, out, logits, "--", *flags],
-        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+        env=dict(os.environ, PYTHONPATH=MEGATRON_LM_DIR, PYTHONWARNINGS="ignore"),
         capture_output=True,
         text=True,
         timeout=600,

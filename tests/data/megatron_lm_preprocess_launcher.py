@@ -2,7 +2,8 @@
 without triton and on Python 3.11, for the byte comparisons of
 tests/data/test_preprocess_tokenizer_paths_vs_megatron_lm.py:
 
-    python megatron_lm_preprocess_launcher.py MEGATRON_LM_DIR/tools/preprocess_data.py FLAGS...
+    PYTHONPATH=MEGATRON_LM_DIR python megatron_lm_preprocess_launcher.py \
+        MEGATRON_LM_DIR/tools/preprocess_data.py FLAGS...
 
 Import-time stand-ins only, none of which preprocessing calls: every megatron module of the
 checkout that imports triton at module level (GPU kernels) is an empty module whose names are
@@ -67,6 +68,5 @@ if __name__ == "__main__":
     if not hasattr(typing, "override"):
         typing.override = lambda f: f  # type: ignore[attr-defined]
     sys.meta_path.insert(0, _StubFinder(_triton_modules(root)))
-    sys.path.insert(0, root)
     sys.argv = sys.argv[1:]
     runpy.run_path(script, run_name="__main__")
