@@ -177,7 +177,8 @@ def grad_norm(grads: list[torch.Tensor], device: torch.device, groups=()) -> flo
 
 def _partial_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """1-D tensors of norms whose squares add up to the gradients' square sum."""
-    parts, foreach = [], {}
+    parts: list[torch.Tensor] = []
+    foreach: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g in grads:
         if g.numel() == 0:
             continue

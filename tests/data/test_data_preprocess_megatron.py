@@ -199,7 +199,7 @@ def test_split_sentences_without_punkt_data_fails_at_once(tmp_path):
         timeout=120,
         cwd=REPO_ROOT,
     )
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert "--split-sentences" in result.stderr and (
         "punkt_tab" in result.stderr or "nltk" in result.stderr
     )
