@@ -153,7 +153,6 @@ class Kernels:
 # one and the residual branch's), in [s, b, h] units of the residual dtype.
 BACKWARD_RESIDUAL_UNITS = 2
 RING_SCORE_UNITS = 5  # s, p, dp, dp - delta, ds of one unit alive in its backward
-CLIP_BYTES_PER_ELEMENT = 16  # the grad norm upcasts each gradient to fp64 and squares it
 FOREACH_ADAM_BYTES = 4  # _foreach_sqrt(exp_avg_sq): one fp32 list the size of the step
 
 
@@ -537,25 +536,15 @@ def _host_gradient_staging_bytes(
 
 
 def _optimizer_working_bytes(
-    m: ModelConfig,
-    layout: Layout,
-    zero_stage: int,
-    stepped: float,
-    kernels: Kernels,
-    host_held: float = 0.0,
+    m: ModelConfig, layout: Layout, stepped: float, kernels: Kernels
 ) -> float:
     """Temporaries of the step on the device: foreach AdamW's sqrt(exp_avg_sq) list (one
-    per parameter under the per-tensor loop), and the gradient norm's fp64 copy and square of
-    the largest gradient (computed on the host when every gradient is host-held)."""
+    per parameter under the per-tensor loop). The gradient norm holds one fp32 number per
+    gradient (optim/grads.py: torch._foreach_norm), nothing that counts here."""
     largest = _largest_parameter(m, layout.tp)
     adam = stepped if kernels.foreach_optimizer else min(stepped, largest)
     adam *= FOREACH_ADAM_BYTES * (1 - kernels.optimizer_offload)
-    clip = (
-        CLIP_BYTES_PER_ELEMENT
-        * largest
-        / (layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
-    )
-    return max(adam, clip if host_held < 1 else 0.0)
+    return adam
 
 
 # ---- totals -------------------------------------------------------------------------------------
@@ -598,7 +587,6 @@ def estimate(
         * _embedding_parameters(m, layout.tp)
         / (layout.dp * layout.sp * layout.cp if zero_stage >= 2 else 1)
     )
-    held = _host_held_gradient_fraction(zero_stage, precision, kernels)
     staging, reduction_staging = _host_gradient_staging_bytes(
         m, layout, zero_stage, precision, kernels
     )
@@ -640,9 +628,7 @@ def estimate(
     }
     step_phase = {
         "gradients": grad_bytes,
-        "optimizer step temporaries": _optimizer_working_bytes(
-            m, layout, zero_stage, stepped, kernels, held
-        ),
+        "optimizer step temporaries": _optimizer_working_bytes(m, layout, stepped, kernels),
     }
     reduction_phase = {
         "gradients": grad_bytes,
