@@ -55,6 +55,29 @@ PINNED = {
         ("model/lse_kernels.py", name): "a frozen descriptor of one unit kernel (immutable)"
         for name in ("CPU_FLASH", "FLASH_ATTN", "SDPA_EFFICIENT", "REFERENCE")
     },
+    **{
+        ("model/attention_dispatch.py", name): "a frozen descriptor of one modelled GPU "
+        "(immutable), what --dry-run plans for"
+        for name in ("H100", "A100")
+    },
+    **{
+        key: "a table of the settings a converter maps or refuses, built once at import from "
+        "the config classes and never written after"
+        for key in (
+            ("checkpoint/hf.py", "HF_KEYS"),
+            ("checkpoint/interop_settings.py", "CORE_FIELDS"),
+            ("checkpoint/interop_settings.py", "_FLAGS"),
+        )
+    },
+    (
+        "mpu/offload.py",
+        "_SOLE_HOLDER_USES",
+    ): "the use counts of a gradient nothing else holds, measured once per process (they "
+    "depend on the torch release, one per process)",
+    (
+        "mpu/offload.py",
+        "_PROBE",
+    ): "None except while that one measurement runs; restored when it ends",
 }
 
 _CONTAINER_CALLS = {

@@ -33,15 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-# torch 2.11's SDPBackend values (aten/src/ATen/SDPBackend.h), used where the enum is absent
-SDP_BACKENDS_2_11 = {
-    -1: "error",
-    0: "math",
-    1: "flash",
-    2: "efficient",
-    3: "cudnn",
-    4: "overrideable",
-}
+from megatron_ul.model.attention_dispatch import sdpa_backend_name
+
+TORCH_2_11_SDP_VALUES = range(-1, 5)  # at::SDPBackend's values in torch 2.11 (SDPBackend.h)
+
 _SHORT = {
     "ERROR": "error",
     "MATH": "math",
@@ -77,15 +72,16 @@ _SDPA = inspect.Signature(
 
 
 def backend_names() -> dict[int, str]:
-    """SDPBackend value -> short name, from the running torch's enum (else torch 2.11's)."""
+    """SDPBackend value -> short name, from the running torch's enum (else torch 2.11's, as
+    attention_dispatch.sdpa_backend_name has them)."""
     try:
         from torch.nn.attention import SDPBackend
 
         members = SDPBackend.__members__.items()
         names = {int(member.value): _SHORT.get(name, name.lower()) for name, member in members}
-        return names or dict(SDP_BACKENDS_2_11)
     except (ImportError, AttributeError, TypeError):
-        return dict(SDP_BACKENDS_2_11)
+        names = {}
+    return names or {value: sdpa_backend_name(value) for value in TORCH_2_11_SDP_VALUES}
 
 
 def fused_sdp_choice(*args, **kwargs) -> str:
@@ -103,7 +99,7 @@ def fused_sdp_choice(*args, **kwargs) -> str:
         scale=a["scale"],
         enable_gqa=bool(a["enable_gqa"]),
     )
-    return backend_names().get(int(choice), f"unknown ({choice})")
+    return backend_names().get(int(choice)) or sdpa_backend_name(choice)
 
 
 def _op_name(func) -> tuple[str, str]:

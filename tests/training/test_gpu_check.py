@@ -21,7 +21,8 @@ from megatron_ul.model.attention import FLASH_ON_CPU_ENV
 from tests.conftest import ROOT, STAND_INS
 from tools import gpu_check, gpu_check_runner
 from tools.gpu_check_results import ResultFiles, environment
-from tools.gpu_check_sdpa import SDP_BACKENDS_2_11, SdpaRecorder, backend_names
+from megatron_ul.model.attention_dispatch import sdpa_backend_name
+from tools.gpu_check_sdpa import TORCH_2_11_SDP_VALUES, SdpaRecorder, backend_names
 
 ORDER = [
     "efficient",
@@ -371,7 +372,7 @@ def test_the_kernel_that_ran_is_sdpas_own_choice_on_the_calls_inputs():
     for argument in ("Tensor? attn_mask=None", "float dropout_p=0.", "bool is_causal=False"):
         assert argument in schema
     assert "float? scale=None" in schema and "bool enable_gqa=False" in schema
-    assert backend_names() == SDP_BACKENDS_2_11
+    assert backend_names() == {v: sdpa_backend_name(v) for v in TORCH_2_11_SDP_VALUES}
     q, k = torch.randn(1, 4, 32, 16), torch.randn(1, 2, 32, 16)
     calls = [
         ((q, k, k), {"is_causal": True, "enable_gqa": True}),
@@ -391,7 +392,7 @@ def test_the_kernel_that_ran_is_sdpas_own_choice_on_the_calls_inputs():
             a.get("is_causal", False),
             enable_gqa=a.get("enable_gqa", False),
         )
-        expected.append(f"sdpa {SDP_BACKENDS_2_11[choice]} (cpu)")
+        expected.append(f"sdpa {sdpa_backend_name(choice)} (cpu)")
     with SdpaRecorder() as recorder:
         for args, kwargs in calls:
             F.scaled_dot_product_attention(*args, **kwargs)
