@@ -29,7 +29,10 @@ With a fused attention kernel (flash / SDPA) nothing of size N² is kept (ring a
 only q, k, v, its fp32 output and log-sum-exp, the output counted twice); without one
 (--attention-kernel math) the scores and probabilities, a/(TP·SP) heads × N² per sample, are.
 Long sequences (docs/long_context.md): --tiled-loss-chunk-size keeps no logits; its working set
-is one chunk's logits and their shifted copy, 2·c·TP_gathered·b·V/TP fp32. --tiled-mlp-chunk-size
+is one chunk's logits and, in backward, their gradient, c·TP_gathered·b·V/TP each in the
+activation dtype, beside one fp32 block of rows of the softmax (mpu/cross_entropy.py).
+RoPE's fp32 cos and sin tables, [s, b, 1, d/2] each, live from the forward to the last layer's
+backward. --tiled-mlp-chunk-size
 keeps no MLP intermediate; one chunk's is counted. --attention-block-tiles T keeps neither the
 input norm's output (one tile's, 1/T, while recomputed) nor the projection's re-laid-out copy of
 the attention output. --activation-checkpoint-cpu-offload moves
@@ -65,6 +68,7 @@ from ..model.layer_spec import (
     held_parameters,
     norms_of,
 )
+from ..mpu.cross_entropy import ROW_BLOCK_ELEMENTS
 from ..mpu.param_init import WORKSPACE_BYTES
 from ..optim.grad_buckets import bucket_elements
 
@@ -134,15 +138,16 @@ class Kernels:
     ring: "scores" (today's ring unit: fp32 C×C scores, probabilities and their gradients per
     unit of C = N/(2·CP) tokens) or "fused" (a fused unit kernel returning the log-sum-exp: one
     unit's output and log-sum-exp, O(C·d)). documents: --reset-attention-mask; document_kernel
-    "accumulate" (each document's dq, dk, dv next to the full-size accumulators: the CPU loop
-    in half precision) or "in-place" (added into the accumulators tile by tile: the CPU loop in
-    fp32/fp64, model/document_attention.py). optimizer_offload:
+    "in-place" (gradients added into the full-size accumulators tile by tile: the CPU loop in
+    every precision without a window, dropout or GQA, model/document_attention.py; flash-attn's
+    varlen backward on GPUs) or "accumulate" (each document's dq, dk, dv next to the
+    accumulators: the CPU loop's per-document path). optimizer_offload:
     --optimizer-offload-fraction (0 = off). host_is_device: offloaded bytes live in the same
     memory (a CPU run), so they count in the peak."""
 
     ring: str = "scores"
     documents: bool = False
-    document_kernel: str = "accumulate"
+    document_kernel: str = "in-place"
     foreach_optimizer: bool = True
     optimizer_offload: float = 0.0
     host_is_device: bool = False
@@ -362,19 +367,31 @@ def ring_working_bytes(m: ModelConfig, layout: Layout, kernels: Kernels) -> floa
 def document_working_bytes(
     m: ModelConfig, layout: Layout, precision: Precision, kernels: Kernels
 ) -> float:
-    """Document attention's backward beyond dq/dk/dv. "accumulate": each document's
-    gradients next to the full-size accumulators (one document as long as the sequence in the
-    worst case). "in-place" (gradients added tile by tile): the longest document's recomputed
-    output."""
+    """Document attention's backward beyond dq/dk/dv. "in-place" (gradients added into the
+    accumulators tile by tile): the longest document's recomputed output, in the activation
+    dtype, and its fp32 log-sum-exp (one number per query and head); one tile pair's gradients
+    besides are O(tile), not counted. "accumulate": each document's dq, dk, dv next to the
+    accumulators (one document as long as the sequence in the worst case)."""
     if not kernels.documents or layout.cp > 1:
         return 0.0
     z = _sizes(m, layout)
     if kernels.document_kernel == "in-place":
-        return z.attn * precision.act
+        return z.attn * precision.act + z.attn / m.head_dim * 4
     return z.qkv * precision.act
 
 
-def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
+def residual_gradient_units(m: ModelConfig, recompute: str = "none") -> int:
+    """Residual-stream gradients alive while a layer backpropagates, in [s, b, h] units. The
+    offloaded checkpoint hands the layer output's gradient to the inner backward as its only
+    reference, so it is freed once summed into the residual gradient (mpu/offload.py): one
+    unit fewer than autograd's incoming gradient beside the residual branch's."""
+    offloaded = recompute == "full" and m.activation_checkpoint_cpu_offload
+    return BACKWARD_RESIDUAL_UNITS - (1 if offloaded else 0)
+
+
+def backward_working_bytes(
+    m: ModelConfig, layout: Layout, precision: Precision, recompute: str = "none"
+) -> float:
     """Gradients alive at once at the attention's backward (the layer's backward peak): the
     residual-stream gradients, the attention output's gradient and dq, dk, dv; under Ulysses
     also the backward all-to-all's send copy and receive buffer, one tensor at a time (the
@@ -383,7 +400,7 @@ def backward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision)
     dq_share = m.num_attention_heads / (m.num_attention_heads + 2 * m.query_groups)
     exchange = 2 * z.qkv * dq_share * precision.act if layout.sp > 1 else 0.0
     return (
-        BACKWARD_RESIDUAL_UNITS * z.norm * precision.residual
+        residual_gradient_units(m, recompute) * z.norm * precision.residual
         + z.attn * precision.act
         + z.qkv * precision.act
         + exchange
@@ -398,7 +415,7 @@ def layer_backward_terms(
     half saved, its gradients, and the ring's or the document kernel's working set)."""
     saved = layer_terms(m, layout, precision, kernels)
     z, res, act = _sizes(m, layout), precision.residual, precision.act
-    residual_grads = BACKWARD_RESIDUAL_UNITS * z.norm * res
+    residual_grads = residual_gradient_units(m, "full") * z.norm * res
     mlp_stage = {
         **saved,
         "residual-stream gradients": residual_grads,
@@ -411,7 +428,7 @@ def layer_backward_terms(
         "norm output (QKV input)": z.norm * act / m.attention_block_tiles,
         "q, k, v": saved["q, k, v"],
         "backward working set (residual grads, d out, dq, dk, dv)": backward_working_bytes(
-            m, layout, precision
+            m, layout, precision, "full"
         ),
         "ring unit working set": ring_working_bytes(m, layout, kernels),
         "document attention backward": document_working_bytes(m, layout, precision, kernels),
@@ -424,11 +441,11 @@ def layer_backward_terms(
 
 
 def head_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
-    """Final norm's input and output (the output layer's input), and the fp32 softmax the
-    untiled vocab-parallel loss keeps."""
+    """Final norm's input and output (the output layer's input), and the logits the untiled
+    vocab-parallel loss keeps for backward (in their own dtype, mpu/cross_entropy.py)."""
     z = _sizes(m, layout)
-    softmax = 0.0 if _loss_chunk(m, layout) else _logits_bytes(m, layout, z.s)
-    return z.norm * precision.residual + z.norm * precision.act + softmax
+    logits = 0.0 if _loss_chunk(m, layout) else _logits_bytes(m, layout, z.s, precision.act)
+    return z.norm * precision.residual + z.norm * precision.act + logits
 
 
 def _loss_chunk(m: ModelConfig, layout: Layout) -> int | None:
@@ -443,16 +460,51 @@ def _logits_bytes(m: ModelConfig, layout: Layout, rows: float, element: float = 
     return rows * layout.micro_batch_size * m.padded_vocab_size(layout.tp) / layout.tp * element
 
 
-def loss_working_bytes(m: ModelConfig, layout: Layout, precision: Precision = Precision()) -> float:
-    """The loss's short-lived buffers on the last stage: the logits, their fp32 upcast (half
-    precision) and the shifted copy the softmax is made of; tiled, one chunk's,
-    [c·TP_gathered, b, V/TP] each."""
-    element = 8 + (2 if precision.act == 2 else 0)
+def _loss_rows(m: ModelConfig, layout: Layout) -> float:
+    """Rows of logits the loss computes at once: a tiled chunk (all-gathered under
+    Megatron-SP) or this rank's tokens."""
     chunk = _loss_chunk(m, layout)
-    if chunk is None:
-        return _logits_bytes(m, layout, m.seq_length / layout.sequence_ranks, element - 4)
     gathered = layout.tp if layout.sequence_parallel else 1
-    return _logits_bytes(m, layout, chunk * gathered, element)
+    return m.seq_length / layout.sequence_ranks if chunk is None else chunk * gathered
+
+
+def _softmax_block_bytes(m: ModelConfig, layout: Layout, rows: float) -> float:
+    """One fp32 block of rows of the softmax: the cross entropy computes exp(logits − max)
+    block by block, forward and backward, never over the whole chunk (mpu/cross_entropy.py)."""
+    local_vocab = m.padded_vocab_size(layout.tp) // layout.tp
+    block_rows = max(1, ROW_BLOCK_ELEMENTS // local_vocab)
+    return min(rows * layout.micro_batch_size, block_rows) * local_vocab * 4
+
+
+def loss_working_bytes(
+    m: ModelConfig, layout: Layout, precision: Precision = Precision(), backward: bool = True
+) -> float:
+    """The loss's short-lived buffers on the last stage, [rows, b, V/TP] in the activation
+    dtype: tiled, one chunk's logits (recomputed in backward) and, in backward, their gradient;
+    untiled, only the gradient (the logits are kept, head_activation_bytes). Besides them one
+    fp32 block of the softmax's rows."""
+    chunk, rows = _loss_chunk(m, layout), _loss_rows(m, layout)
+    logits = _logits_bytes(m, layout, rows, precision.act)
+    held = (0.0 if chunk is None else logits) + (logits if backward else 0.0)
+    return held + _softmax_block_bytes(m, layout, rows)
+
+
+def rope_table_bytes(m: ModelConfig, layout: Layout) -> float:
+    """RoPE's fp32 cos and sin, [s, b, 1, d/2] each for this rank's s tokens (model/rotary.py:
+    one angle per rotated pair), built once per forward and held by every layer's recompute
+    until the last layer's backward; the rotation's fp32 temporaries are row blocks."""
+    if m.position_embedding_type != "rope":
+        return 0.0
+    z = _sizes(m, layout)
+    return 2 * z.s * layout.micro_batch_size * (m.head_dim // 2) * 4
+
+
+def output_layer_gradient_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
+    """One gradient of the output layer's weight in the model's dtype (a half-precision model
+    adds it into its fp32 main_grad, counted with the gradients, and drops it,
+    optim/mixed_precision.py; an fp32 model keeps it as .grad). Full-size under every ZeRO
+    stage: backward makes it whole before any reduction."""
+    return (2 if precision.half_model else 4) * _embedding_parameters(m, layout.tp)
 
 
 def kept_activation_bytes(
@@ -573,8 +625,11 @@ def estimate(
         optimizer_bytes += host_optimizer
     per_layer_kept = layer_activation_bytes(m, layout, precision, recompute, kernels)
     head = head_activation_bytes(m, layout, precision) if layout.pp == 1 else 0.0
-    loss = loss_working_bytes(m, layout, precision) if layout.pp == 1 else 0.0
-    backward = backward_working_bytes(m, layout, precision)
+    last = layout.pp == 1
+    loss = loss_working_bytes(m, layout, precision) if last else 0.0
+    loss_forward = loss_working_bytes(m, layout, precision, backward=False) if last else 0.0
+    rope = rope_table_bytes(m, layout)
+    backward = backward_working_bytes(m, layout, precision, recompute)
     ring = ring_working_bytes(m, layout, kernels)
     documents = document_working_bytes(m, layout, precision, kernels)
     # A half-precision model's fp32 main_grad buffers exist from setup on (ZeRO-0/1:
@@ -590,12 +645,15 @@ def estimate(
     staging, reduction_staging = _host_gradient_staging_bytes(
         m, layout, zero_stage, precision, kernels
     )
+    # A layer's backward stages only its own parameters' sums (the embedding's and the output
+    # layer's come before and after it).
+    largest_layer = max(held_elements(p, layout.tp) for p in described_layer(m).parameters())
+    layer_staging = min(staging, 4.0 * largest_layer)
     # While a layer backpropagates: the persistent buffers left on the device (host-held
     # ones, only ever persistent ones, are the first parameters'), else every gradient but the
     # embedding's, which comes last.
     layer_grads = grad_bytes if persistent_grads else max(grad_bytes - embedding_grad, 0.0)
     stepped = params / (layout.dp * layout.sp * layout.cp if zero_stage >= 1 else 1)
-    output_grad = 4 * _embedding_parameters(m, layout.tp)
     layer_phase = {
         "activations kept (other layers)": kept - (per_layer_kept if recompute == "full" else 0.0),
         **(
@@ -608,23 +666,36 @@ def estimate(
             }
         ),
         "gradients (all but the embedding's)" if not persistent_grads else "gradients": layer_grads,
-        "host-held gradient staging (largest parameter, fp32)": staging,
+        "host-held gradient staging (largest layer parameter, fp32)": layer_staging,
+        "RoPE tables": rope,
     }
     forward_phase = {
         "activations kept": kept,
         "head": head,
-        "loss working set": loss,
+        "loss working set": loss_forward,
         "ring unit working set": ring / 2,
         "gradients (accumulating)": grads_in_forward,
+        "RoPE tables": rope,
     }
-    # The output layer's gradient is summed chunk by chunk into a new tensor: two coexist.
+    # A chunk's cross entropy backward, then its output layer's (the logits gone, their
+    # gradient not): autograd sums the output weight's gradients of all chunks in one buffer
+    # before accumulating it once, and the final hidden states' gradient fills chunk by chunk.
+    output_grad = output_layer_gradient_bytes(m, layout, precision)
+    chunk_grad = _logits_bytes(m, layout, _loss_rows(m, layout), precision.act)
+    summed = output_grad if _loss_chunk(m, layout) else 0.0
+    loss_stage = (
+        max(loss + summed, chunk_grad + summed + output_grad, output_grad + staging)
+        if layout.pp == 1
+        else 0.0
+    )
+    z = _sizes(m, layout)
     loss_phase = {
         "activations kept": kept,
         "head": head,
-        "loss working set": loss,
-        "output-layer gradient (accumulating)": 2 * output_grad if layout.pp == 1 else 0.0,
+        "loss working set (or the output layer's gradients)": loss_stage,
+        "final hidden states' gradient": z.norm * precision.act if layout.pp == 1 else 0.0,
         "gradients (accumulating)": grads_in_forward,
-        "host-held gradient staging (largest parameter, fp32)": staging,
+        "RoPE tables": rope,
     }
     step_phase = {
         "gradients": grad_bytes,

@@ -37,15 +37,14 @@ def estimated(hidden, seq_length, precision, sp=1, cp=1, extra=()):
         ]
     )
     cfg = configure(argv, sp * cp)
-    # The CPU document loop adds fp32 gradients in place; in bf16 it keeps each document's.
-    kernel = "in-place" if precision == "fp32" else "accumulate"
+    # The CPU document loop adds every precision's gradients in place (no window, dropout or GQA).
     return me.estimate(
         cfg.model,
         me.layout_from_config(cfg),
         recompute="full",
         precision=PRECISIONS[precision],
         kernels=me.Kernels(
-            ring="fused", documents=True, document_kernel=kernel, host_is_device=True
+            ring="fused", documents=True, document_kernel="in-place", host_is_device=True
         ),
     )
 
