@@ -489,6 +489,23 @@ def loss_working_bytes(
     return held + _softmax_block_bytes(m, layout, rows)
 
 
+def layer_forward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
+    """A layer's own forward at its attention projection (beside its input, which is kept):
+    the input norm's output, the fused QKV output, q and k split out of it and their RoPE
+    rotations (model/transformer.py, project). Under --attention-block-tiles T one tile's of
+    each, beside the assembled q, k, v."""
+    z, act = _sizes(m, layout), precision.act
+    qk = (
+        z.qkv
+        * (m.num_attention_heads + m.query_groups)
+        / (m.num_attention_heads + 2 * m.query_groups)
+    )
+    rotated = 2 * qk if m.position_embedding_type == "rope" else qk
+    working = (z.norm + z.qkv + rotated) * act
+    tiles = m.attention_block_tiles
+    return working if tiles <= 1 else z.qkv * act + working / tiles
+
+
 def rope_table_bytes(m: ModelConfig, layout: Layout) -> float:
     """RoPE's fp32 cos and sin, [s, b, 1, d/2] each for this rank's s tokens (model/rotary.py:
     one angle per rotated pair), built once per forward and held by every layer's recompute
@@ -669,10 +686,13 @@ def estimate(
         "host-held gradient staging (largest layer parameter, fp32)": layer_staging,
         "RoPE tables": rope,
     }
+    # A layer's forward and the head's do not coexist.
+    layer_forward = layer_forward_working_bytes(m, layout, precision)
     forward_phase = {
         "activations kept": kept,
-        "head": head,
-        "loss working set": loss_forward,
+        "head and loss working set (or a layer's own forward)": max(
+            head + loss_forward, layer_forward
+        ),
         "ring unit working set": ring / 2,
         "gradients (accumulating)": grads_in_forward,
         "RoPE tables": rope,
