@@ -490,10 +490,11 @@ def loss_working_bytes(
 
 
 def layer_forward_working_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
-    """A layer's own forward at its attention projection (beside its input, which is kept):
-    the input norm's output, the fused QKV output, q and k split out of it and their RoPE
-    rotations (model/transformer.py, project). Under --attention-block-tiles T one tile's of
-    each, beside the assembled q, k, v."""
+    """A layer's own forward beside its input (which is kept), at the larger of its attention
+    projection (the input norm's output, the fused QKV output, q and k split out of it and
+    their RoPE rotations, model/transformer.py's project; under --attention-block-tiles T one
+    tile's of each, beside the assembled q, k, v) and its MLP (the post-attention residual,
+    its norm's output and what the MLP, or one tiled chunk of it, makes)."""
     z, act = _sizes(m, layout), precision.act
     qk = (
         z.qkv
@@ -503,7 +504,10 @@ def layer_forward_working_bytes(m: ModelConfig, layout: Layout, precision: Preci
     rotated = 2 * qk if m.position_embedding_type == "rope" else qk
     working = (z.norm + z.qkv + rotated) * act
     tiles = m.attention_block_tiles
-    return working if tiles <= 1 else z.qkv * act + working / tiles
+    attention = working if tiles <= 1 else z.qkv * act + working / tiles
+    shape = activation_shape(m, layout, precision)
+    mlp = z.norm * (precision.residual + act) + described_layer(m).mlp.saved_bytes(shape)
+    return max(attention, mlp)
 
 
 def rope_table_bytes(m: ModelConfig, layout: Layout) -> float:
@@ -522,6 +526,23 @@ def output_layer_gradient_bytes(m: ModelConfig, layout: Layout, precision: Preci
     optim/mixed_precision.py; an fp32 model keeps it as .grad). Full-size under every ZeRO
     stage: backward makes it whole before any reduction."""
     return (2 if precision.half_model else 4) * _embedding_parameters(m, layout.tp)
+
+
+def loss_backward_terms(
+    m: ModelConfig, layout: Layout, precision: Precision, staging: float = 0.0
+) -> tuple[float, float]:
+    """(the loss's working set or the output layer's gradients, whichever is larger; the
+    final hidden states' gradient) while the loss backpropagates. A chunk's cross entropy
+    backward (logits, their gradient, one fp32 block), then its output layer's backward (the
+    logits gone, their gradient not); autograd sums the output weight's gradients of all
+    chunks in one buffer before accumulating it once (then `staging`, its host-held fp32 sum),
+    and the final hidden states' gradient fills chunk by chunk."""
+    output_grad = output_layer_gradient_bytes(m, layout, precision)
+    chunk_grad = _logits_bytes(m, layout, _loss_rows(m, layout), precision.act)
+    summed = output_grad if _loss_chunk(m, layout) else 0.0
+    loss = loss_working_bytes(m, layout, precision)
+    stage = max(loss + summed, chunk_grad + summed + output_grad, output_grad + staging)
+    return stage, _sizes(m, layout).norm * precision.act
 
 
 def kept_activation_bytes(
@@ -697,23 +718,14 @@ def estimate(
         "gradients (accumulating)": grads_in_forward,
         "RoPE tables": rope,
     }
-    # A chunk's cross entropy backward, then its output layer's (the logits gone, their
-    # gradient not): autograd sums the output weight's gradients of all chunks in one buffer
-    # before accumulating it once, and the final hidden states' gradient fills chunk by chunk.
-    output_grad = output_layer_gradient_bytes(m, layout, precision)
-    chunk_grad = _logits_bytes(m, layout, _loss_rows(m, layout), precision.act)
-    summed = output_grad if _loss_chunk(m, layout) else 0.0
-    loss_stage = (
-        max(loss + summed, chunk_grad + summed + output_grad, output_grad + staging)
-        if layout.pp == 1
-        else 0.0
+    loss_stage, hidden_grad = (
+        loss_backward_terms(m, layout, precision, staging) if layout.pp == 1 else (0.0, 0.0)
     )
-    z = _sizes(m, layout)
     loss_phase = {
         "activations kept": kept,
         "head": head,
         "loss working set (or the output layer's gradients)": loss_stage,
-        "final hidden states' gradient": z.norm * precision.act if layout.pp == 1 else 0.0,
+        "final hidden states' gradient": hidden_grad,
         "gradients (accumulating)": grads_in_forward,
         "RoPE tables": rope,
     }
