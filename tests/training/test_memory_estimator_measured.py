@@ -1,8 +1,8 @@
 """The estimator against an independent measurement: the live-tensor tracker of
 tools/bench/bench_memory.py (every storage alive, op by op, over two training iterations so
 that Adam's state exists), on CPU gloo ranks. 1 layer, 8 heads, SwiGLU, RMSNorm, RoPE, vocab
-32000, full recompute with the inputs offloaded, tiled loss and MLP, documents. Within 15% at
-the peak and at the layers' backward peak."""
+32000, full recompute with the inputs offloaded, tiled loss and MLP, documents. Within 10% at
+the peak and in every phase of the second iteration."""
 
 import pytest
 
@@ -10,7 +10,8 @@ from megatron_ul.training import memory_estimator as me
 from megatron_ul.training.pretrain import configure
 from tools.bench.bench_memory import LONG_CONTEXT, PEAK_MODEL, measure_peak
 
-TOLERANCE = 0.15
+TOLERANCE = 0.10
+PHASES = ("forward", "loss backward", "layer backward", "optimizer")  # the tracker's, iteration 2
 PRECISIONS = {  # the bench's precision -> the estimator's (the CPU keeps float dropout masks)
     "fp32": me.Precision(dropout_mask_bytes=4),
     "autocast-bf16": me.Precision(bf16=True, dropout_mask_bytes=4),
@@ -52,11 +53,10 @@ def estimated(hidden, seq_length, precision, sp=1, cp=1, extra=()):
 def check(hidden, seq_length, precision, sp=1, cp=1, extra=()):
     got = measure_peak(hidden, seq_length, precision, sp, cp, tuple(extra))
     est = estimated(hidden, seq_length, precision, sp, cp, extra)
-    layer = got["phases"].get("iteration 2 layer backward", {}).get("peak")
     state = est.parameter_bytes + est.optimizer_bytes
-    rows = [
-        ("peak", got["peak"], est.total_bytes),
-        ("layer backward", layer, state + est.phases["layer backward"]),
+    rows = [("peak", got["peak"], est.total_bytes)] + [
+        (phase, got["phases"][f"iteration 2 {phase}"]["peak"], state + est.phases[phase])
+        for phase in PHASES
     ]
     for name, measured, estimate in rows:
         error = estimate / measured - 1
