@@ -415,13 +415,19 @@ def layer_backward_terms(
     half saved, its gradients, and the ring's or the document kernel's working set)."""
     saved = layer_terms(m, layout, precision, kernels)
     z, res, act = _sizes(m, layout), precision.residual, precision.act
-    residual_grads = residual_gradient_units(m, "full") * z.norm * res
+    # The MLP half still holds the incoming gradient beside its input's, filled chunk by
+    # chunk; the released output gradient shows in the attention half.
+    residual_grads = BACKWARD_RESIDUAL_UNITS * z.norm * res
+    # fc2's input, the MLP's last saved block, is freed once fc2's backward has run, before
+    # the activation's backward (the MLP's peak).
+    mlp = described_layer(m).mlp
+    for name in ("MLP intermediate", "tiled MLP chunk (while recomputed)"):
+        if name in saved:
+            saved[name] *= 1 - 1 / mlp.saved_blocks
     mlp_stage = {
         **saved,
         "residual-stream gradients": residual_grads,
-        "MLP gradients": described_layer(m).mlp.gradient_bytes(
-            activation_shape(m, layout, precision)
-        ),
+        "MLP gradients": mlp.gradient_bytes(activation_shape(m, layout, precision)),
     }
     attention_stage = {
         "layer input (norm input)": z.norm * res,
