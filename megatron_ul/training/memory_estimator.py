@@ -41,11 +41,12 @@ the full-recompute layer inputs to host memory (reported as host_bytes); two sta
 nothing of size N² (O(N) offsets).
 Pipelining with 1F1B keeps min(PP, micro-batches) micro-batches of L/PP layers alive on the
 first stage.
-The peak is the largest of the phases, which never coexist (MemoryEstimate.phases): forward,
-the loss's backward (one chunk's logits, the output layer's gradient accumulating), a layer's
+The peak is the largest of the phases, which never coexist (MemoryEstimate.phases): forward
+(a layer's own forward or the head with its loss chunk), the loss's backward (one chunk's
+logits and their gradient, the output weight's gradient summed over the chunks), a layer's
 backward (the rebuilt layer at its larger stage, MLP or attention, with the ring's or the
-document kernel's working set) and the optimizer step (foreach AdamW's temporaries, the grad
-norm's fp64 copy of the largest gradient). The model state (parameters, optimizer state) is
+document kernel's working set) and the optimizer step (foreach AdamW's temporaries; the
+gradient norm holds one fp32 number per gradient). The model state (parameters, optimizer state) is
 under every phase; gradients are under the backward and step phases, and under every phase
 for a half-precision model (its fp32 main_grad buffers live from setup on) or several
 micro-batches.
