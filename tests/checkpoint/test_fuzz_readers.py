@@ -14,22 +14,16 @@ import os
 import shutil
 import zipfile
 
-import numpy as np
 import pytest
 import torch
 
 from megatron_ul.checkpoint import files
 from megatron_ul.training.pretrain import configure, setup
+from tests.file_mutations import COMMON
 from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV
 from tools.checkpoint import hf as hf_tool
 from tools.checkpoint import megatron_core as core_tool
 from tools.checkpoint import megatron_lm as lm_tool
-
-
-def _npz() -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, a=np.arange(4))
-    return buffer.getvalue()
 
 
 def _zip_of_json() -> bytes:
@@ -45,25 +39,11 @@ def _torch_foreign() -> bytes:
     return buffer.getvalue()
 
 
-def _flip(data: bytes, at: int) -> bytes:
-    if not data:
-        return b"\xff"
-    at = min(max(at, 0), len(data) - 1)
-    return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
-
-
 # name: bytes -> bytes
 MUTATIONS = {
-    "truncated to half": lambda d: d[: len(d) // 2],
-    "flipped in the middle": lambda d: _flip(d, len(d) // 2),
-    "foreign: .npz": lambda d: _npz(),
-    "emptied": lambda d: b"",
-    "flipped at the start": lambda d: _flip(d, 0),
-    "truncated by one byte": lambda d: d[:-1],
-    "flipped near the end": lambda d: _flip(d, len(d) - 9),
+    **COMMON,
     "foreign: zip of JSON": lambda d: _zip_of_json(),
     "foreign: another torch file": lambda d: _torch_foreign(),
-    "foreign: random bytes": lambda d: np.random.default_rng(0).bytes(max(len(d), 64)),
 }
 
 

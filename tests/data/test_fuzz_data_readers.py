@@ -9,7 +9,6 @@ Default suite: each file gets one mutation in turn; --run-slow: every mutation o
 from __future__ import annotations
 
 import gzip
-import io
 import logging
 import os
 import shutil
@@ -22,35 +21,13 @@ from megatron_ul.data.gpt_dataset import DataError
 from megatron_ul.data.index_cache import IndexCache
 from megatron_ul.checkpoint.files import CheckpointError
 from megatron_ul.training.pretrain import configure, setup
+from tests.file_mutations import COMMON
 from tests.checkpoint.conftest import single_rank  # noqa: F401 - a fixture
 from tests.data.fixtures import write_jsonl
 from tools import preprocess_data
 
 
-def _npz() -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, a=np.arange(4))
-    return buffer.getvalue()
-
-
-def _flip(data: bytes, at: int) -> bytes:
-    if not data:
-        return b"\xff"
-    at = min(max(at, 0), len(data) - 1)
-    return data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :]
-
-
-MUTATIONS = {
-    "truncated to half": lambda d: d[: len(d) // 2],
-    "flipped in the middle": lambda d: _flip(d, len(d) // 2),
-    "foreign: .npz": lambda d: _npz(),
-    "emptied": lambda d: b"",
-    "flipped at the start": lambda d: _flip(d, 0),
-    "truncated by one byte": lambda d: d[:-1],
-    "flipped near the end": lambda d: _flip(d, len(d) - 9),
-    "foreign: random bytes": lambda d: np.random.default_rng(0).bytes(max(len(d), 64)),
-    "foreign: JSON": lambda d: b'{"not": "this file"}\n',
-}
+MUTATIONS = {**COMMON, "foreign: JSON": lambda d: b'{"not": "this file"}\n'}
 
 
 def _mutations(paths: list[str], slow: bool) -> list[tuple[str, str]]:
