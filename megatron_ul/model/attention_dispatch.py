@@ -343,7 +343,7 @@ def _our_gpu(gpu: CudaSdpa, dropout: float, head_dim: int) -> CudaSdpa:
     """The backends we let torch choose from: without cuDNN where it would round the dropout
     probability to a multiple of 1/16, or where the head dim is above 128 (torch 2.11 takes
     up to 256 on sm90, later releases only with cuDNN 9.23 and only some sizes in backward:
-    pinned to cuDNN there, a newer torch would refuse the call). The module docstring."""
+    pinned to cuDNN there, a newer torch would refuse the call); the module docstring says why."""
     if (dropout > 0 and (dropout * 16) % 1) or head_dim > 128:
         return gpu.without("cudnn")
     return gpu
@@ -370,8 +370,18 @@ def sdpa_expands_kv(
     x = _causal_inputs(
         dtype, head_dim, q_heads, kv_heads, has_mask, dropout, seq_length, requires_grad
     )
-    expanded = sdpa_choice(replace(x, kv_heads=q_heads), our)
-    return sdpa_choice(x, our) == "math" and expanded == "efficient"
+    return _choice_expanding_kv(x, our)[1]
+
+
+def _choice_expanding_kv(x: SdpaInputs, gpu: CudaSdpa) -> tuple[str, bool]:
+    """(backend, whether k/v are repeated to the query heads first): sdpa_choice of `x`, or of
+    `x` with equal head counts where only that keeps the call off the math kernel (the
+    efficient kernel takes equal heads only)."""
+    backend = sdpa_choice(x, gpu)
+    if backend == "math" and x.q_heads != x.kv_heads:
+        if sdpa_choice(replace(x, kv_heads=x.q_heads), gpu) == "efficient":
+            return "efficient", True
+    return backend, False
 
 
 _TORCH_SDPA_BACKENDS = {
@@ -504,30 +514,18 @@ def _cuda_sdpa_backend(call: AttentionCall) -> str:
     """The SDPA backend local_attention pins for a CUDA call: torch's own choice among the
     backends we allow (`_our_gpu`), on k/v expanded to the query heads where only that keeps
     the call off the math kernel (fp32 GQA: the efficient kernel takes equal heads only)."""
-    gpu = _gpu_of(call.device, call.gpu)
-    expand = sdpa_expands_kv(
-        call.device,
+    our = _our_gpu(_gpu_of(call.device, call.gpu), call.dropout, call.head_dim)
+    x = _causal_inputs(
         call.dtype,
         call.head_dim,
         call.q_heads,
         call.kv_heads,
         call.dense_mask,
-        dropout=call.dropout,
-        seq_length=call.seq_length,
-        requires_grad=call.requires_grad,
-        gpu=gpu,
-    )
-    x = _causal_inputs(
-        call.dtype,
-        call.head_dim,
-        call.q_heads,
-        call.q_heads if expand else call.kv_heads,
-        call.dense_mask,
         call.dropout,
         call.seq_length,
         call.requires_grad,
     )
-    return sdpa_choice(x, _our_gpu(gpu, call.dropout, call.head_dim))
+    return _choice_expanding_kv(x, our)[0]
 
 
 def kernel_refusal(call: AttentionCall) -> Optional[str]:
