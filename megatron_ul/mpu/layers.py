@@ -95,11 +95,6 @@ class _SequenceParallelLinear(torch.autograd.Function):
     def forward(ctx, x, weight, bias, group):
         ctx.group = group
         ctx.input_dtype = x.dtype
-        device = x.device.type
-        if torch.is_autocast_enabled(device):
-            # Autocast would cast the gathered input anyway; casting the shard first is exact
-            # and halves what is gathered and saved.
-            x = x.to(torch.get_autocast_dtype(device))
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         return F.linear(all_gather(x, 0, group), weight, bias)

@@ -113,10 +113,6 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         device_type = x.device.type
         ctx.function, ctx.args, ctx.input_requires_grad = function, args, x.requires_grad
         ctx.rng = _rng_states(device_type)
-        ctx.autocast = (
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-        )
         with torch.no_grad():
             out = function(x, *args)
         ctx.handle = offloader.offload(x, chain[-1] if chain else None)
@@ -131,8 +127,7 @@ class _OffloadedCheckpoint(torch.autograd.Function):
         current = _rng_states(device_type)
         _set_rng_states(ctx.rng, device_type)
         try:
-            enabled, dtype = ctx.autocast
-            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            with torch.enable_grad():
                 inp = _CapturedGradient.apply(x, captured) if ctx.input_requires_grad else x
                 out = _ReleasedGradient.apply(ctx.function(inp, *ctx.args))
                 del inp

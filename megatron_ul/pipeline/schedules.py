@@ -40,30 +40,19 @@ def micro_batch_loss_sum(model, batch: dict) -> torch.Tensor:
     return (losses * batch["loss_mask"]).sum()
 
 
-def _autocast(device_type: str, autocast_dtype):
-    return (
-        torch.autocast(device_type, dtype=autocast_dtype)
-        if autocast_dtype
-        else contextlib.nullcontext()
-    )
-
-
 def forward_backward_no_pipelining(
     model,
     micro_batches: list[dict],
     num_tokens: torch.Tensor,
-    autocast_dtype=None,
     forward_only: bool = False,
     timers: Timers = NO_TIMERS,
 ) -> torch.Tensor:
     """Run every micro-batch forward and backward on this rank; return the detached sum of
     masked token losses (not yet divided by num_tokens)."""
-    device_type = num_tokens.device.type
     total = torch.zeros((), dtype=torch.float32, device=num_tokens.device)
     for batch in micro_batches:
         with (
             timers("forward"),
-            _autocast(device_type, autocast_dtype),
             torch.no_grad() if forward_only else contextlib.nullcontext(),
         ):
             loss_sum = micro_batch_loss_sum(model, batch)
@@ -159,7 +148,6 @@ def run_pipeline_steps(
     micro_batches: list[dict],
     num_tokens: torch.Tensor,
     steps: list[tuple],
-    autocast_dtype=None,
     forward_only: bool = False,
     timers: Timers = NO_TIMERS,
 ) -> torch.Tensor:
@@ -185,7 +173,6 @@ def run_pipeline_steps(
                     inp.requires_grad_(not forward_only)
                 with (
                     timers("forward"),
-                    _autocast(device.type, autocast_dtype),
                     torch.no_grad() if forward_only else contextlib.nullcontext(),
                 ):
                     out = chunk(
@@ -232,7 +219,6 @@ def forward_backward_pipelining_without_interleaving(
     model,
     micro_batches,
     num_tokens,
-    autocast_dtype=None,
     forward_only=False,
     timers: Timers = NO_TIMERS,
 ):
@@ -240,16 +226,13 @@ def forward_backward_pipelining_without_interleaving(
     steps = [
         (op,) for op in one_f_one_b_order(dims.pp, dims.pp_rank, len(micro_batches), forward_only)
     ]
-    return run_pipeline_steps(
-        model, micro_batches, num_tokens, steps, autocast_dtype, forward_only, timers
-    )
+    return run_pipeline_steps(model, micro_batches, num_tokens, steps, forward_only, timers)
 
 
 def forward_backward_pipelining_with_interleaving(
     model,
     micro_batches,
     num_tokens,
-    autocast_dtype=None,
     forward_only=False,
     timers: Timers = NO_TIMERS,
 ):
@@ -257,9 +240,7 @@ def forward_backward_pipelining_with_interleaving(
     steps = interleaved_steps(
         dims.pp, dims.pp_rank, len(micro_batches), len(model_chunks(model)), forward_only
     )
-    return run_pipeline_steps(
-        model, micro_batches, num_tokens, steps, autocast_dtype, forward_only, timers
-    )
+    return run_pipeline_steps(model, micro_batches, num_tokens, steps, forward_only, timers)
 
 
 def get_forward_backward_func(pipeline_size: int, chunks: int = 1) -> Callable:

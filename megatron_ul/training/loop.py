@@ -15,13 +15,6 @@ from .step import evaluate_loss, train_step
 log = logging.getLogger("megatron_ul")
 
 
-def autocast_dtype(cfg: ResolvedConfig):
-    """None: --bf16/--fp16 build a half-precision model (model/gpt.py use_half_precision) with
-    fp32 main parameters in the optimizer; nothing runs under autocast."""
-    del cfg
-    return None
-
-
 def train(
     cfg: ResolvedConfig,
     model,
@@ -48,7 +41,6 @@ def train(
     )
     losses = []
     model.train()
-    dtype = autocast_dtype(cfg)
     if grad_scaler is None:
         grad_scaler = build_grad_scaler(cfg.train)  # fp16 only
     try:
@@ -59,7 +51,6 @@ def train(
                 optimizer,
                 next(train_batches),
                 clip_grad=cfg.train.clip_grad,
-                autocast_dtype=dtype,
                 iteration=iteration,
                 grad_scaler=grad_scaler,
                 timers=timers,
@@ -73,7 +64,7 @@ def train(
                 and cfg.train.eval_interval
                 and iteration % cfg.train.eval_interval == 0
             ):
-                run_evaluation(cfg, model, valid_batches, iteration, dtype)
+                run_evaluation(cfg, model, valid_batches, iteration)
             if after_iteration is not None and after_iteration(iteration):
                 break
     finally:
@@ -90,8 +81,8 @@ def finish_param_sync(optimizer) -> None:
         finish()
 
 
-def run_evaluation(cfg: ResolvedConfig, model, valid_batches, iteration: int, dtype) -> float:
-    losses = [evaluate_loss(model, next(valid_batches), dtype) for _ in range(cfg.train.eval_iters)]
+def run_evaluation(cfg: ResolvedConfig, model, valid_batches, iteration: int) -> float:
+    losses = [evaluate_loss(model, next(valid_batches)) for _ in range(cfg.train.eval_iters)]
     value = sum(losses) / len(losses)
     if is_reporting_rank(model_dims(model)):
         log.info("validation at iteration %d | lm loss %.6E", iteration, value)

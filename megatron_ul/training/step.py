@@ -52,7 +52,6 @@ def train_step(
     micro_batches: list[dict],
     *,
     clip_grad: float,
-    autocast_dtype=None,
     iteration: int = 0,
     grad_scaler=None,
     timers: Timers = NO_TIMERS,
@@ -69,7 +68,7 @@ def train_step(
     grad_sync = getattr(optimizer, "grad_sync", None)
     if grad_sync is not None:
         grad_sync.start(len(micro_batches))
-    loss_sum = schedule_for(model)(model, micro_batches, divisor, autocast_dtype, timers=timers)
+    loss_sum = schedule_for(model)(model, micro_batches, divisor, timers=timers)
     loss = global_mean_loss(loss_sum, num_tokens, dims)
     if not math.isfinite(loss):
         # Megatron's --check-for-nan-in-loss-and-grad: stop rather than train on garbage.
@@ -110,15 +109,13 @@ def train_step(
 
 
 @torch.no_grad()
-def evaluate_loss(model, micro_batches: list[dict], autocast_dtype=None) -> float:
+def evaluate_loss(model, micro_batches: list[dict]) -> float:
     device = next(model.parameters()).device
     dims = model_dims(model)
     num_tokens = count_tokens(micro_batches, device, dims).float()
     model.eval()
     try:
-        loss_sum = schedule_for(model)(
-            model, micro_batches, num_tokens, autocast_dtype, forward_only=True
-        )
+        loss_sum = schedule_for(model)(model, micro_batches, num_tokens, forward_only=True)
     finally:
         model.train()
     return global_mean_loss(loss_sum, num_tokens, dims)

@@ -269,7 +269,8 @@ LONG_CONTEXT = [
 ]
 # fp32; bf16: --bf16 as Megatron means it (a bf16 model, fp32 main parameters and gradients,
 # optim/mixed_precision.py); autocast-bf16: the earlier meaning of --bf16, an fp32 model run
-# under torch.autocast (train_step's autocast_dtype), kept here as the baseline.
+# under torch.autocast, kept here as the baseline. The whole step runs under autocast so that
+# the offloaded layers' recompute (inside backward) casts as their forward did.
 PRECISIONS = ("fp32", "bf16", "autocast-bf16")
 
 
@@ -303,16 +304,15 @@ def peak_worker(rank, world, argv, precision: str):
     _phase_wrap(step_module, "clip_gradients", tracker, "clip")
     _phase_wrap(optimizer, "step", tracker, "optimizer")
     _mark_backward_stages(model, tracker)
-    autocast = torch.bfloat16 if precision == "autocast-bf16" else None
+    autocast = precision == "autocast-bf16"
     # bf16 GEMMs are ~60x slower than fp32 ones on this project's AVX2 CPUs; the fp32 stand-in
     # runs below the tracker, which sees the same ops and tensors either way.
     wide = precision != "fp32" and native_half_matmul_is_slow()
     with Fp32HalfKernels() if wide else contextlib.nullcontext(), tracker:
         for i, batch in enumerate(batches):
             tracker.phase = f"iteration {i + 1} forward"
-            step_module.train_step(
-                model, optimizer, batch, clip_grad=cfg.train.clip_grad, autocast_dtype=autocast
-            )
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                step_module.train_step(model, optimizer, batch, clip_grad=cfg.train.clip_grad)
     inner = getattr(optimizer, "optimizer", optimizer)
     state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
     classes = {"parameters": params + main, "optimizer state": state}
