@@ -1,9 +1,9 @@
 """Megatron's dense [b, 1, N, N] attention masks: O(N²) references for tests at small N. The
-package never builds one (documents travel as offsets, model/document_attention.py)."""
+package never builds one (documents travel as offsets, model/attention/documents.py)."""
 
 import torch
 
-from megatron_ul.model.document_attention import DocumentMask
+from megatron_ul.model.attention.documents import DocumentMask
 
 
 def dense_document_mask(documents: DocumentMask) -> torch.Tensor:

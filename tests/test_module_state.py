@@ -22,10 +22,10 @@ PINNED = {
     ): "byte counter, None unless a benchmark opens `with count_communication()`; restored "
     "when the block ends",
     (
-        "model/ring_attention.py",
+        "model/attention/ring.py",
         "_times",
     ): "ring time split, None unless a benchmark opens `with measure_ring_time()`",
-    ("model/attention.py", "_announced"): "log lines said once per process",
+    ("model/attention/local.py", "_announced"): "log lines said once per process",
     ("model/norms.py", "_announced"): "log lines said once per process",
     (
         "exit_signals.py",
@@ -52,11 +52,13 @@ PINNED = {
     "sharding); restored when the block ends",
     ("timers.py", "NO_TIMERS"): "the shared do-nothing Timers (log level 0 records nothing)",
     **{
-        ("model/lse_kernels.py", name): "a frozen descriptor of one unit kernel (immutable)"
+        ("model/attention/lse_kernels.py", name): (
+            "a frozen descriptor of one unit kernel (immutable)"
+        )
         for name in ("CPU_FLASH", "FLASH_ATTN", "SDPA_EFFICIENT", "REFERENCE")
     },
     **{
-        ("model/attention_dispatch.py", name): "a frozen descriptor of one modelled GPU "
+        ("model/attention/dispatch.py", name): "a frozen descriptor of one modelled GPU "
         "(immutable), what --dry-run plans for"
         for name in ("H100", "A100")
     },

@@ -24,13 +24,13 @@ from typing import Any, Optional
 import torch
 
 from megatron_ul.data.sequence_layout import rank_positions
-from megatron_ul.model import lse_kernels
-from megatron_ul.model import tiled_document_attention as tiles_module
-from megatron_ul.model.attention_dispatch import AttentionCall, attention_kernel
-from megatron_ul.model.document_attention import DocumentMask
-from megatron_ul.model.ring_attention import Ring
-from megatron_ul.model.tiled_document_attention import tiled_document_attention
-from megatron_ul.model.ulysses import DistributedAttention
+from megatron_ul.model.attention import lse_kernels
+from megatron_ul.model.attention import document_tiles as tiles_module
+from megatron_ul.model.attention.dispatch import AttentionCall, attention_kernel
+from megatron_ul.model.attention.documents import DocumentMask
+from megatron_ul.model.attention.ring import Ring
+from megatron_ul.model.attention.document_tiles import tiled_document_attention
+from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from tools.gpu_check_sdpa import DIRECT_OPS
 

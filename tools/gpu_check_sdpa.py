@@ -5,8 +5,8 @@
 own arguments (the backend SDPA's dispatcher picks for exactly those tensors, under the
 `sdpa_kernel` restrictions and priority order in force at the call), and every direct call of
 a fused attention op (`aten::_scaled_dot_product_efficient_attention`, as the ring units and
-the document tiles make through model/lse_kernels.py) is counted by its op name. Nothing is
-read from our own dispatch rules: those are what the check verifies.
+the document tiles make through model/attention/lse_kernels.py) is counted by its op name.
+Nothing is read from our own dispatch rules: those are what the check verifies.
 
 The op's schema (torch 2.11, aten/src/ATen/native/native_functions.yaml):
   _fused_sdp_choice(Tensor query, Tensor key, Tensor value, Tensor? attn_mask=None,
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from megatron_ul.model.attention_dispatch import sdpa_backend_name
+from megatron_ul.model.attention.dispatch import sdpa_backend_name
 
 TORCH_2_11_SDP_VALUES = range(-1, 5)  # at::SDPBackend's values in torch 2.11 (SDPBackend.h)
 

@@ -96,7 +96,7 @@ def _position_ids(tokens, eod_token, reset_position_ids):
 def _document_offsets(tokens, eod_token):
     """cu_seqlens int32 [documents + 1]: where each document starts in the flattened [b·N]
     batch, then b·N. Megatron's rule: an EOD ends its own document, the next token starts one;
-    every sample starts one. O(N): no [N, N] mask (model/document_attention.py attends by it)."""
+    every sample starts one. O(N): no [N, N] mask (model/attention/documents.py attends by it)."""
     batch, length = tokens.shape
     starts = torch.zeros(tokens.shape, dtype=torch.bool, device=tokens.device)
     starts[:, 0] = True

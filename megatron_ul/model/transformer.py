@@ -20,14 +20,14 @@ from ..mpu.param_spec import FUSED_QKV
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.random import get_rng_tracker
 from ..timers import NO_TIMERS, Timers
-from .attention import select_backend
+from .attention.local import select_backend
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
 from .qkv import split_qkv
-from .ring_attention import Ring
+from .attention.ring import Ring
 from .rotary import apply_rotary
-from .tiled_attention import tiled_attention_block
-from .ulysses import DistributedAttention
+from .attention.block_tiles import tiled_attention_block
+from .attention.ulysses import DistributedAttention
 
 if TYPE_CHECKING:  # the spec names this module's classes
     from .layer_spec import LayerSpec

@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..model.document_attention import document_mask_of
+from ..model.attention.documents import document_mask_of
 from ..model.chunks import activation_dtype, model_chunks, model_dims
 from .p2p import StageCommunicator
 from ..timers import NO_TIMERS, Timers

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ResolvedConfig, ConfigError
-from ..model.attention_dispatch import kernel_refusal
+from ..model.attention.dispatch import kernel_refusal
 from .dry_run import attention_call
 
 __all__ = ["attention_call", "refuse_unrunnable_attention"]

@@ -9,7 +9,7 @@ import sys
 import torch
 
 from ..config import ResolvedConfig
-from ..model.attention_dispatch import AttentionCall, planned_kernel
+from ..model.attention.dispatch import AttentionCall, planned_kernel
 from .memory_estimator import (
     GiB,
     estimate_config,

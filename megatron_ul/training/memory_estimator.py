@@ -140,7 +140,7 @@ class Kernels:
     unit of C = N/(2·CP) tokens) or "fused" (a fused unit kernel returning the log-sum-exp: one
     unit's output and log-sum-exp, O(C·d)). documents: --reset-attention-mask; document_kernel
     "in-place" (gradients added into the full-size accumulators tile by tile: the CPU loop in
-    every precision without a window, dropout or GQA, model/document_attention.py; flash-attn's
+    every precision without a window, dropout or GQA, model/attention/documents.py; flash-attn's
     varlen backward on GPUs) or "accumulate" (each document's dq, dk, dv next to the
     accumulators: the CPU loop's per-document path). optimizer_offload:
     --optimizer-offload-fraction (0 = off). host_is_device: offloaded bytes live in the same

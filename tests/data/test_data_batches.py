@@ -8,7 +8,7 @@ import torch
 
 from megatron_ul.data.batches import PretrainingSampler, build_micro_batch, micro_batch_iterator
 from megatron_ul.data.mock import MockGPTDataset
-from megatron_ul.model.document_attention import DocumentMask
+from megatron_ul.model.attention.documents import DocumentMask
 from tests.dense_masks import dense_document_mask
 
 EOD = 0

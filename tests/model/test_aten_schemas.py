@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_ul.model import lse_kernels
+from megatron_ul.model.attention import lse_kernels
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FIXTURE = json.load(open(os.path.join(ROOT, "tests", "fixtures", "aten_schemas_torch_2_11.json")))
@@ -77,9 +77,12 @@ USES = _outermost(_uses())
 
 def test_the_scan_finds_the_known_call_sites():
     names = {(rel, name) for rel, _, name, _ in USES}
-    assert ("megatron_ul/model/lse_kernels.py", "_scaled_dot_product_efficient_attention") in names
     assert (
-        "megatron_ul/model/lse_kernels.py",
+        "megatron_ul/model/attention/lse_kernels.py",
+        "_scaled_dot_product_efficient_attention",
+    ) in names
+    assert (
+        "megatron_ul/model/attention/lse_kernels.py",
         "_scaled_dot_product_flash_attention_for_cpu_backward",
     ) in names
 

@@ -1,4 +1,4 @@
-"""One decision for the attention kernel (model/attention_dispatch.py): torch SDPA's CUDA
+"""One decision for the attention kernel (model/attention/dispatch.py): torch SDPA's CUDA
 backend choice modelled from torch 2.11's sdp_utils.cpp, checked case by case against the rules
 read there; for every shape and dtype the model produces, a CUDA run never reaches SDPA's math
 kernel (O(N²) memory), judged by an independent transcription of those rules; --dry-run
@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_ul.model.attention_dispatch import (
+from megatron_ul.model.attention.dispatch import (
     A100,
     H100,
     AttentionCall,
@@ -309,10 +309,10 @@ def test_the_log_names_each_path_once_with_the_decided_kernel(monkeypatch, caplo
     first time it runs; calling again logs nothing new."""
     import logging
 
-    from megatron_ul.model import attention
-    from megatron_ul.model.attention import local_attention
-    from megatron_ul.model.document_attention import DocumentMask, document_attention
-    from megatron_ul.model.ring_attention import Ring, ring_attention
+    from megatron_ul.model.attention import local as attention
+    from megatron_ul.model.attention.local import local_attention
+    from megatron_ul.model.attention.documents import DocumentMask, document_attention
+    from megatron_ul.model.attention.ring import Ring, ring_attention
     from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
     monkeypatch.setattr(attention, "_announced", set())
@@ -361,7 +361,8 @@ def test_local_attention_runs_sdpa_pinned_to_the_decided_backend(
     """Whatever decide names for a CUDA call, local_attention calls SDPA with exactly that
     backend switched on, and k/v repeated to the query heads for the efficient kernel only
     (decide answers as on a GPU; SDPA then runs on the CPU with every backend on again)."""
-    from megatron_ul.model import attention, attention_dispatch
+    from megatron_ul.model.attention import local as attention
+    from megatron_ul.model.attention import dispatch as attention_dispatch
     from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
     get_rng_tracker().reset("cpu")
@@ -406,7 +407,7 @@ def test_the_runtime_facts_are_read_from_torch_and_the_environment(monkeypatch):
     torch.backends.cuda switches as sdpa_kernel leaves them."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from megatron_ul.model.attention_dispatch import cuda_sdpa_facts
+    from megatron_ul.model.attention.dispatch import cuda_sdpa_facts
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
@@ -432,8 +433,8 @@ def test_the_runtime_facts_are_read_from_torch_and_the_environment(monkeypatch):
 def test_the_log_names_the_gpu_and_the_dropout_on_cuda(monkeypatch, caplog):
     import logging
 
-    from megatron_ul.model import attention
-    from megatron_ul.model.attention_dispatch import decide
+    from megatron_ul.model.attention import local as attention
+    from megatron_ul.model.attention.dispatch import decide
 
     monkeypatch.setattr(attention, "_announced", set())
     with caplog.at_level(logging.INFO, logger=attention.__name__):

@@ -17,18 +17,21 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_ul.model import attention, attention_dispatch, document_attention, ring_attention
-from megatron_ul.model.attention import select_backend
-from megatron_ul.model.attention_dispatch import (
+from megatron_ul.model.attention import local as attention
+from megatron_ul.model.attention import dispatch as attention_dispatch
+from megatron_ul.model.attention import documents as document_attention
+from megatron_ul.model.attention import ring as ring_attention
+from megatron_ul.model.attention.local import select_backend
+from megatron_ul.model.attention.dispatch import (
     MODELLED_GPUS,
     attention_kernel,
     planned_kernel,
     planned_kernels,
 )
-from megatron_ul.model.document_attention import DocumentMask
-from megatron_ul.model.ring_attention import Ring
+from megatron_ul.model.attention.documents import DocumentMask
+from megatron_ul.model.attention.ring import Ring
 from megatron_ul.model.transformer import SelfAttention
-from megatron_ul.model.ulysses import DistributedAttention
+from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from megatron_ul.training.dry_run import attention_call, describe, precision_of
 from megatron_ul.training.pretrain import configure

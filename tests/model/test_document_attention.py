@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from megatron_ul.model import document_attention as da
+from megatron_ul.model.attention import documents as da
 from tests.dense_masks import dense_document_mask
-from megatron_ul.model.document_attention import DocumentMask, document_attention
+from megatron_ul.model.attention.documents import DocumentMask, document_attention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from megatron_ul.training.memory import saved_activation_bytes
 

@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from megatron_ul.model.document_attention import DocumentMask
+from megatron_ul.model.attention.documents import DocumentMask
 from tests.dense_masks import dense_document_mask
 from tests.distributed import run_distributed
 from tests.model.long_context_harness import LLAMA, MODEL, compare_runs, slow_except

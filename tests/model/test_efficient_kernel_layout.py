@@ -14,7 +14,7 @@ import math
 import pytest
 import torch
 
-from megatron_ul.model import lse_kernels
+from megatron_ul.model.attention import lse_kernels
 from tests.stand_ins.sdpa_efficient_cuda import EfficientOps, keep_scale
 
 B, H, S, D = 2, 4, 40, 8

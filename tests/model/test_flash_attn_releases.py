@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-from megatron_ul.model import attention, lse_kernels
+from megatron_ul.model.attention import local as attention
+from megatron_ul.model.attention import lse_kernels
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "flash_attn_schemas.json")
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megatron_ul.model import attention
+from megatron_ul.model.attention import local as attention
 from megatron_ul.model.rotary import apply_rotary, rotary_cos_sin
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 

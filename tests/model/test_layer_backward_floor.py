@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ul.model import document_attention as da
+from megatron_ul.model.attention import documents as da
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from tools.bench.live_tensors import LiveTensorTracker
 

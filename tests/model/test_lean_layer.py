@@ -233,7 +233,7 @@ def _one_document(n, heads, dtype, seed=0):
 def test_document_backward_in_tiles_equals_one_call_per_document(monkeypatch, rng_tracker):
     """Tiled in-place gradients equal the per-document backward of SDPA (fp64), with uneven
     tiles over documents of several lengths, one of them a single token."""
-    from megatron_ul.model import document_attention as da
+    from megatron_ul.model.attention import documents as da
 
     offsets = torch.tensor([0, 1, 23, 60, 64], dtype=torch.int32)
     q, k, v = _one_document(64, 4, torch.float64)
@@ -256,7 +256,7 @@ def test_document_backward_in_tiles_equals_one_call_per_document(monkeypatch, rn
 def test_document_backward_holds_no_whole_document_gradients(rng_tracker):
     """A single 4096-token document's backward: dq, dk, dv accumulators, the recomputed output
     and tile-sized pieces; the per-document path also held the document's own dq, dk, dv."""
-    from megatron_ul.model import document_attention as da
+    from megatron_ul.model.attention import documents as da
 
     n = 4096
     q, k, v = _one_document(n, 4, torch.float32)

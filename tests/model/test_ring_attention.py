@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from megatron_ul.model.document_attention import DocumentMask
+from megatron_ul.model.attention.documents import DocumentMask
 from tests.dense_masks import dense_document_mask
-from megatron_ul.model.ring_attention import Ring, measure_ring_time, ring_attention
-from megatron_ul.model.ulysses import DistributedAttention
+from megatron_ul.model.attention.ring import Ring, measure_ring_time, ring_attention
+from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu import comm_stats
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed

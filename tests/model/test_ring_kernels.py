@@ -1,4 +1,4 @@
-"""The ring's unit kernels (model/lse_kernels.py) and its host-side plan, in one process.
+"""The ring's unit kernels (model/attention/lse_kernels.py) and its host-side plan, in one process.
 
 Each kernel, alone: out, lse and gradients (given the final lse) equal the softmax written out
 in fp64, with causal units, GQA and an additive mask with rows that see nothing. Then the ring's
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from megatron_ul.data.sequence_layout import ring_local_positions
-from megatron_ul.model import lse_kernels
-from megatron_ul.model.attention_dispatch import ring_unit_kernels
-from megatron_ul.model.document_attention import DocumentMask
+from megatron_ul.model.attention import lse_kernels
+from megatron_ul.model.attention.dispatch import ring_unit_kernels
+from megatron_ul.model.attention.documents import DocumentMask
 from tests.dense_masks import dense_document_mask
-from megatron_ul.model.ring_attention import (
+from megatron_ul.model.attention.ring import (
     Ring,
     backward_step,
     chunked,
@@ -274,7 +274,7 @@ def test_kernel_choice_per_device_and_dtype(flash_attn_stand_in):
 def test_ring_refuses_a_dense_mask_and_an_odd_local_sequence():
     ring = Ring(None, 0, 2, 1, 1)
     q = torch.randn(6, 1, 2, D)
-    from megatron_ul.model.ring_attention import ring_attention
+    from megatron_ul.model.attention.ring import ring_attention
 
     with pytest.raises(TypeError, match="DocumentMask"):
         ring_attention(q, q, q, ring, attention_mask=torch.zeros(1, 1, 12, 12, dtype=torch.bool))

@@ -5,7 +5,7 @@ and R = 4, forward and backward, and still equals plain causal attention on the 
 import pytest
 
 from megatron_ul.data.sequence_layout import ring_local_positions
-from megatron_ul.model.ring_attention import Ring, ring_attention
+from megatron_ul.model.attention.ring import Ring, ring_attention
 from tests.dense_masks import dense_document_mask
 from tests.model.test_ring_attention import _compare, documents, window_mask
 from tests.stand_ins.nccl_p2p import Group, run_ranks

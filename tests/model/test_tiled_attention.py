@@ -8,7 +8,7 @@ import torch
 
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.layer_spec import layer_spec
-from megatron_ul.model.tiled_attention import merge_tiles, tile_rows
+from megatron_ul.model.attention.block_tiles import merge_tiles, tile_rows
 from megatron_ul.model.transformer import TransformerLayer
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed

@@ -1,5 +1,5 @@
 """Documents and windows on fused kernels without a loop per document
-(model/tiled_document_attention.py): exact against the dense reference mask in fp64 on torch's
+(model/attention/document_tiles.py): exact against the dense reference mask in fp64 on torch's
 CPU flash kernel, forward and backward, for documents that start anywhere in a tile (several
 in one tile), windows that cut tiles, GQA; within bf16 rounding on the stand-in of torch's CUDA
 efficient kernel (the kernel a CUDA run without flash-attn uses); kernel calls per tile do not
@@ -11,9 +11,9 @@ same ones again."""
 import pytest
 import torch
 
-from megatron_ul.model import lse_kernels
-from megatron_ul.model import tiled_document_attention as tiled
-from megatron_ul.model.document_attention import DocumentMask
+from megatron_ul.model.attention import lse_kernels
+from megatron_ul.model.attention import document_tiles as tiled
+from megatron_ul.model.attention.documents import DocumentMask
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from megatron_ul.mpu.recompute import checkpoint
 from tests.dense_masks import dense_document_mask
@@ -220,8 +220,8 @@ def test_tiles_dropout_masks_replayed_by_activation_recomputation(monkeypatch):
 def test_dispatch_and_runtime_agree_on_tiles_with_dropout(dtype, dropout):
     """attention_dispatch reports document tiles on CUDA with dropout (fp64: the loop, its
     kernel takes no dropout), and document_attention finds the tiles' kernel for the same."""
-    from megatron_ul.model.attention_dispatch import AttentionCall, attention_kernel
-    from megatron_ul.model.document_attention import tiled_kernel
+    from megatron_ul.model.attention.dispatch import AttentionCall, attention_kernel
+    from megatron_ul.model.attention.documents import tiled_kernel
 
     cuda = torch.device("cuda")
     for documents, window in ((True, None), (False, 64), (True, 64)):

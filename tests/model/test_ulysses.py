@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from megatron_ul.model.ulysses import DistributedAttention, kv_replication_factor
+from megatron_ul.model.attention.ulysses import DistributedAttention, kv_replication_factor
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.mappings import ulysses_all_to_all
 from megatron_ul.mpu.random import model_parallel_seed
@@ -107,7 +107,7 @@ def test_tiled_kv_replication_would_be_caught():
 def test_each_rank_receives_only_the_distinct_kv_heads_it_attends():
     """12 q / 6 kv heads at SP 4: replicated 2-fold, rank j attends heads (3j + t) // 2 —
     two distinct ones, so two are sent instead of three; unpack rebuilds the three."""
-    from megatron_ul.model.ulysses import kv_heads_to_send
+    from megatron_ul.model.attention.ulysses import kv_heads_to_send
 
     r = kv_replication_factor(6, 4)
     for rank in range(4):

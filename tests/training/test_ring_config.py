@@ -196,8 +196,8 @@ def test_documents_with_a_window_always_reach_a_kernel_that_does_both():
     the per-document blocks and the ring's masked units take both."""
     import itertools
 
-    from megatron_ul.model.attention_dispatch import AttentionCall, attention_kernel
-    from megatron_ul.model.lse_kernels import kernel_named
+    from megatron_ul.model.attention.dispatch import AttentionCall, attention_kernel
+    from megatron_ul.model.attention.lse_kernels import kernel_named
 
     both = {"flash-attn varlen", "document tiles", "document blocks"}
     for device, dtype, ring, flash, dropout in itertools.product(

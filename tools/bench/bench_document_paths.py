@@ -3,8 +3,8 @@
 
 Attention forward + backward over packed documents, fp32, 2 heads of 64, micro-batch 1, one
 thread, thread CPU seconds (robust to other load on a shared machine): the per-document SDPA
-loop (model/document_attention.py, what the CPU runs) against the tiled path
-(model/tiled_document_attention.py, what CUDA without flash-attn runs, on torch's efficient
+loop (model/attention/documents.py, what the CPU runs) against the tiled path
+(model/attention/document_tiles.py, what CUDA without flash-attn runs, on torch's efficient
 kernel there and on its CPU flash kernel here).
 
     python -m tools.bench.bench_document_paths [--write-docs]
@@ -17,8 +17,8 @@ import torch
 
 from tools.bench.common import markdown_table, report
 
-from megatron_ul.model.document_attention import DocumentMask, document_blocks, BlockwiseAttention
-from megatron_ul.model.tiled_document_attention import tiled_document_attention
+from megatron_ul.model.attention.documents import DocumentMask, document_blocks, BlockwiseAttention
+from megatron_ul.model.attention.document_tiles import tiled_document_attention
 
 
 def _seconds(fn, n, heads, head_dim) -> float:

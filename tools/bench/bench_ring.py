@@ -28,9 +28,9 @@ from tools.bench.bench_comm_volume import layer_bytes
 from tools.bench.common import markdown_table, report, run_ranks
 
 from megatron_ul.data.sequence_layout import ring_chunks
-from megatron_ul.model import ring_attention
-from megatron_ul.model.ring_attention import Ring, measure_ring_time
-from megatron_ul.model.ulysses import DistributedAttention
+from megatron_ul.model.attention import ring as ring_attention
+from megatron_ul.model.attention.ring import Ring, measure_ring_time
+from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
 from megatron_ul.timers import Timers
@@ -367,7 +367,7 @@ def main(argv=None):
             f"Attention compute each ring rank does in one forward + backward (N = {s}, "
             f"{heads} heads of {h // heads}, fp32, one thread), against a contiguous split "
             f"of the sequence. Each rank's work is run alone and the ranks one after "
-            f"another, in one process, through `model/ring_attention.py`'s own plan and "
+            f"another, in one process, through `model/attention/ring.py`'s own plan and "
             f"step functions (unit kernels, merges, gradient accumulation; no "
             f"communication), so that ranks do not compete for the cores as concurrent "
             f"gloo ranks do. {args.repeats} rounds, the ranks taking turns in each; per "

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Our Ulysses layer (model/ulysses.py) side by side with DeepSpeed's DistributedAttention and
-ALST's UlyssesSPAttentionHF (Arctic Long Sequence Training, in DeepSpeed 0.19.8).
+"""Our Ulysses layer (model/attention/ulysses.py) side by side with DeepSpeed's
+DistributedAttention and ALST's UlyssesSPAttentionHF (Arctic Long Sequence Training, in
+DeepSpeed 0.19.8).
 
 All three wrap the same local attention around their all-to-alls, on the same gloo ranks, the
 same inputs [N/SP, b, heads, d] and upstream gradient: outputs and input gradients are compared
@@ -32,8 +33,8 @@ from torch.utils._pytree import tree_leaves
 
 from tools.bench.common import markdown_table, report, run_ranks
 
-from megatron_ul.model.attention import local_attention
-from megatron_ul.model.ulysses import DistributedAttention
+from megatron_ul.model.attention.local import local_attention
+from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
 
@@ -153,7 +154,7 @@ def _alst_layer(dims, seq: int, heads: int, kv_heads: int, head_dim: int, attend
 
 
 def _local_attention_fn(kind: str):
-    """The local attention all three layers wrap: 'sdpa' (model/attention.py's call) or
+    """The local attention all three layers wrap: 'sdpa' (model/attention/local.py's call) or
     'sum' (q plus k and v broadcast to q's heads: nearly free, so the layers' own work, the
     all-to-alls and layout copies, is what is timed)."""
     if kind == "sdpa":
@@ -348,7 +349,7 @@ def main(argv=None):
         f"One attention layer (all-to-alls + the same local attention), forward + backward, "
         f"micro-batch 1, head dim 64, {args.dtype}, one thread per rank; all three layers get "
         f"the same inputs and upstream gradient, and their outputs and input gradients are "
-        f"compared with ours bit for bit. Local attention 'sdpa': model/attention.py's SDPA "
+        f"compared with ours bit for bit. Local attention 'sdpa': model/attention/local.py's SDPA "
         f"call (the real layer); 'sum': q plus k and v broadcast to q's heads, nearly free, so "
         f"the time is the layers' own all-to-alls and layout copies. Time: the fastest of "
         f"{max(args.rounds, 1)} rounds that alternate the layers, after one untimed run, max "

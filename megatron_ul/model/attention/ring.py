@@ -57,13 +57,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..mpu.comm_stats import record
-from ..mpu.parallel_state import ParallelDims
-from ..data.sequence_layout import ring_chunks
+from ...mpu.comm_stats import record
+from ...mpu.parallel_state import ParallelDims
+from ...data.sequence_layout import ring_chunks
 from . import lse_kernels
-from .attention import require_one_dtype
-from .attention_dispatch import AttentionCall, decide, ring_unit_kernels
-from .document_attention import DocumentMask
+from .local import require_one_dtype
+from .dispatch import AttentionCall, decide, ring_unit_kernels
+from .documents import DocumentMask
 from .lse_kernels import UnitKernel
 
 KV_TAG, DKV_TAG = 11, 12  # labels only: NCCL ignores tags, the posting order pairs messages

@@ -51,7 +51,7 @@ from typing import ContextManager, Optional
 
 import torch
 
-from .attention import FLASH_DTYPES, announce_once, input_refusal, flash_attn_refusal
+from .local import FLASH_DTYPES, announce_once, input_refusal, flash_attn_refusal
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_FLAGS = "--kv-channels (or --hidden-size / --num-attention-heads)"

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..mpu.random import get_rng_tracker
+from ...mpu.random import get_rng_tracker
 
 log = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ def expand_kv_for_sdpa(q, k, v, has_mask: bool, heads_dim: int = 2):
     """k, v repeated to q's heads where CUDA SDPA would otherwise run its math kernel (O(N²)
     memory) because of GQA alone: fp32 (no flash kernel) needs the efficient kernel, which
     takes equal head counts only (attention_dispatch.sdpa_cuda_backend)."""
-    from .attention_dispatch import sdpa_expands_kv
+    from .dispatch import sdpa_expands_kv
 
     hq, hk = q.shape[heads_dim], k.shape[heads_dim]
     if not sdpa_expands_kv(q.device, q.dtype, q.shape[-1], hq, hk, has_mask):
@@ -197,7 +197,7 @@ def local_attention(
     to document_attention instead).
     Returns [N, b, hq, d] in the dtype of q (the activation dtype: never upcast here).
     """
-    from .attention_dispatch import AttentionCall, decide, kv_for_kernel, sdpa_backend_pinned
+    from .dispatch import AttentionCall, decide, kv_for_kernel, sdpa_backend_pinned
 
     require_one_dtype(q, k, v)
     kernel = decide(

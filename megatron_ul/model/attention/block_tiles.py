@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..mpu.recompute import checkpoint
+from ...mpu.recompute import checkpoint
 
 
 def tile_rows(t: torch.Tensor, tiles: int, k: int, ranks: int) -> torch.Tensor:

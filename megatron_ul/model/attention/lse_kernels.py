@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from .attention import flash_attn_api
+from .local import flash_attn_api
 
 # Tests replace this with a CPU stand-in of the CUDA kernels' operator contracts.
 cuda_ops = torch.ops.aten

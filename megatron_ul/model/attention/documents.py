@@ -30,10 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from .lse_kernels import CPU_FLASH
-from .tiled_document_attention import tiled_document_attention
-from ..mpu.random import device_rng_get, device_rng_set, get_rng_tracker
-from .attention import flash_attn_module, expand_kv_for_sdpa, require_one_dtype
-from .attention_dispatch import AttentionCall, decide
+from .document_tiles import tiled_document_attention
+from ...mpu.random import device_rng_get, device_rng_set, get_rng_tracker
+from .local import flash_attn_module, expand_kv_for_sdpa, require_one_dtype
+from .dispatch import AttentionCall, decide
 
 # queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
 WINDOW_QUERY_BLOCK = 512

@@ -25,12 +25,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..mpu.mappings import ulysses_all_to_all
-from ..mpu.recompute import checkpoint
-from ..timers import NO_TIMERS, Timers
-from .attention import local_attention, require_one_dtype
-from .document_attention import DocumentMask, document_attention
-from .ring_attention import Ring, ring_attention
+from ...mpu.mappings import ulysses_all_to_all
+from ...mpu.recompute import checkpoint
+from ...timers import NO_TIMERS, Timers
+from .local import local_attention, require_one_dtype
+from .documents import DocumentMask, document_attention
+from .ring import Ring, ring_attention
 
 
 def kv_replication_factor(kv_heads: int, sp: int) -> int:
