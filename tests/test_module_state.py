@@ -36,7 +36,7 @@ PINNED = {
         "_held_locks",
     ): "this process's flock on each save directory (the lock belongs to the process)",
     (
-        "checkpoint/load.py",
+        "checkpoint/training/load.py",
         "last_load_report",
     ): "what this process's last torch_dist load read (a measurement tests and benchmarks "
     "read after a run; nothing in the package reads it)",
@@ -66,9 +66,9 @@ PINNED = {
         key: "a table of the settings a converter maps or refuses, built once at import from "
         "the config classes and never written after"
         for key in (
-            ("checkpoint/hf.py", "HF_KEYS"),
-            ("checkpoint/interop_settings.py", "CORE_FIELDS"),
-            ("checkpoint/interop_settings.py", "_FLAGS"),
+            ("checkpoint/interop/hf.py", "HF_KEYS"),
+            ("checkpoint/interop/settings.py", "CORE_FIELDS"),
+            ("checkpoint/interop/settings.py", "_FLAGS"),
         )
     },
     (

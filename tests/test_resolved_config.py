@@ -7,7 +7,7 @@ import typing
 import pytest
 
 from megatron_ul.arguments import parse_args
-from megatron_ul.checkpoint.save import special_token_ids
+from megatron_ul.checkpoint.training.save import special_token_ids
 from megatron_ul.config import Config, ResolvedConfig, resolve
 from megatron_ul.training.data import build_tokenizer_for, eod_token_for
 from tests.data.fixtures import byte_level_gpt2_files, hf_tokenizer_folder

@@ -1,7 +1,7 @@
 """Checkpoint paths, the tracker file, and durable file writes.
 
 Layout (Megatron-LM's directory and file naming; the contents are our own — see
-checkpoint/megatron_lm.py for Megatron-LM's legacy format):
+checkpoint/interop/megatron_lm.py for Megatron-LM's legacy format):
     DIR/latest_checkpointed_iteration.txt
     DIR/iter_0000100/metadata.json
     DIR/iter_0000100/mp_rank_00[_000]/model_optim_rng.pt     one per (tp, pp), written by dp0/sp0

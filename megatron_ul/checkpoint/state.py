@@ -25,7 +25,7 @@ def named_parameters(model) -> dict[str, torch.nn.Parameter]:
     with an fp32 main copy (a half-precision model, or optimizer offload: optim/
     mixed_precision.py) is represented by that copy: checkpoints hold the fp32 main weights,
     and the optimizer's state is keyed by it. (ZeRO-1 hangs its main pieces on the parameter
-    as `main_shards` instead: checkpoint/zero.py and dist_io.py read those.)"""
+    as `main_shards` instead: checkpoint/layout/zero.py and dist_io.py read those.)"""
     return {name: getattr(p, "main_param", p) for name, p in global_named_parameters(model)}
 
 

@@ -1,7 +1,7 @@
 """Greedy and top-k / top-p (nucleus) sampling on one process.
 
 The model is loaded from a checkpoint of any layout, merged to TP1/PP1 in memory (see
-checkpoint/reshard.py). No KV cache: each new token re-runs the (cropped) context, which is
+checkpoint/layout/reshard.py). No KV cache: each new token re-runs the (cropped) context, which is
 plenty for a quick look at what a model learned.
 """
 
@@ -12,9 +12,10 @@ from typing import Optional
 
 import torch
 
-from ..checkpoint import files, reshard
+from ..checkpoint import files
+from ..checkpoint.layout import reshard
 from ..checkpoint.files import CheckpointError
-from ..checkpoint.load import load_model_state
+from ..checkpoint.training.load import load_model_state
 from ..checkpoint.state import named_parameters
 from ..model.gpt import GPTModel
 from ..mpu.parallel_state import single_rank_dims

@@ -35,7 +35,7 @@ InitMethod = Init
 def tp_slice(full: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> torch.Tensor:
     """TP rank `rank`'s slice of `full` along `dim`. With stride s, the dimension is s blocks
     laid end to end (e.g. SwiGLU's [gate; up]) and each rank takes its chunk of every block.
-    checkpoint/reshard.py uses the same rule to re-split saved weights."""
+    checkpoint/layout/reshard.py uses the same rule to re-split saved weights."""
     blocks = full.chunk(stride, dim=dim)
     return torch.cat([b.chunk(tp, dim=dim)[rank] for b in blocks], dim=dim)
 

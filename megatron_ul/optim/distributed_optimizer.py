@@ -37,7 +37,7 @@ Per-rank state format (state_dict(); load on the same layout and bucket size):
      "optimizer": torch AdamW state_dict over those pieces (exp_avg, exp_avg_sq, step)}
 The main weights are saved with the model: checkpoints read each parameter's `main_shards`
 (its pieces of the fp32 main copy) where it has them, else the parameter itself.
-Training checkpoints do not use this per-rank format: checkpoint/zero.py gathers the moments
+Training checkpoints do not use this per-rank format: checkpoint/layout/zero.py gathers the moments
 into the per-parameter form plain AdamW checkpoints use, so they load on any layout.
 """
 

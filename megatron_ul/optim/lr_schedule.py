@@ -50,7 +50,7 @@ class LRSchedule:
         self.num_steps += 1
         self._apply()
 
-    # Everything that decides the schedule (checkpoint/load.py checks them on resume).
+    # Everything that decides the schedule (checkpoint/training/load.py checks them on resume).
     HYPER_PARAMETERS = ("max_lr", "min_lr", "warmup_steps", "decay_steps", "decay_style")
 
     def state_dict(self) -> dict:

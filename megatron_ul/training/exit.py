@@ -11,8 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.record import Resume
-from ..checkpoint.save import save_checkpoint
+from ..checkpoint.training.record import Resume
+from ..checkpoint.training.save import save_checkpoint
 from ..config import ResolvedConfig
 from ..exit_signals import catch_exit_signals, forget_signal, signal_received
 

@@ -11,9 +11,9 @@ from typing import Iterator, Optional
 import torch
 
 from ..checkpoint.files import CheckpointError
-from ..checkpoint.load import load_checkpoint
-from ..checkpoint.record import Resume
-from ..checkpoint.save import claim_save_dir
+from ..checkpoint.training.load import load_checkpoint
+from ..checkpoint.training.record import Resume
+from ..checkpoint.training.save import claim_save_dir
 from ..config import ResolvedConfig, ConfigError
 from ..data.gpt_dataset import DataError
 from ..initialize import initialize_distributed, shutdown

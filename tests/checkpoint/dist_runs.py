@@ -10,8 +10,9 @@ import time
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from megatron_ul.checkpoint import files, pieces
-from megatron_ul.checkpoint.load import last_load_report
+from megatron_ul.checkpoint import files
+from megatron_ul.checkpoint.storage import pieces
+from megatron_ul.checkpoint.training.load import last_load_report
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import _on_rank0, convert_cli, train
 
@@ -85,6 +86,7 @@ def async_against_sync(
     write of iteration 2 was in flight, whether both saves load the same tensors, and the
     losses of a run resumed from the asynchronous save of iteration 2."""
     from torch.distributed.checkpoint import FileSystemWriter
+
     from megatron_ul.training import exit as run_control
 
     sync_dir, async_dir = os.path.join(tmp, "sync"), os.path.join(tmp, "async")
@@ -144,7 +146,7 @@ def _same(a: list, b: list) -> bool:
 
 def load_tensors(rank: int, world: int, argv: list[str], load: str) -> list:
     """The parameters and optimizer state a run loads from `load` (on this rank)."""
-    from megatron_ul.checkpoint.dist_io import held_tensors
+    from megatron_ul.checkpoint.storage.torch_dist import held_tensors
 
     trainer = setup(configure(argv + DIST + ["--train-iters", "4", "--load", load], world))
     held = [(h.key, h.data.clone()) for h in held_tensors(trainer.model, trainer.optimizer, True)]

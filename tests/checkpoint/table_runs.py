@@ -7,8 +7,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_ul.checkpoint import files, reshard
-from megatron_ul.checkpoint.save import save_checkpoint
+from megatron_ul.checkpoint import files
+from megatron_ul.checkpoint.layout import reshard
+from megatron_ul.checkpoint.training.save import save_checkpoint
 from megatron_ul.pipeline.param_table import parameter_table
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import _on_rank0

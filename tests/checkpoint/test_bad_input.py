@@ -10,10 +10,11 @@ import shutil
 import pytest
 
 from megatron_ul.checkpoint import files
-from megatron_ul.checkpoint.reshard import convert
+from megatron_ul.checkpoint.layout.reshard import convert
 from megatron_ul.config import ConfigError
 from megatron_ul.training.pretrain import configure, setup
-from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV, listing
+from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV
+from tests.checkpoint.runs import listing
 
 
 def _load_error(argv) -> str:
@@ -102,7 +103,7 @@ def test_conversion_never_overwrites(saved, tmp_path):
 def test_saving_an_existing_iteration_replaces_it_whole(saved, single_rank):
     trainer = setup(configure(ARGV + ["--save", saved, "--overwrite-checkpoints"], 1))
     old = listing(saved)
-    from megatron_ul.checkpoint.save import save_checkpoint
+    from megatron_ul.checkpoint.training.save import save_checkpoint
 
     save_checkpoint(trainer.cfg, trainer.model, trainer.optimizer, trainer.scheduler, 2)
     left = sorted(n for n in os.listdir(saved) if n != files.LOCK)

@@ -5,7 +5,7 @@ within 1e-5 (fp32, dropout off)."""
 import pytest
 import torch
 
-from megatron_ul.checkpoint.reshard import merge_tp, split_tp
+from megatron_ul.checkpoint.layout.reshard import merge_tp, split_tp
 from tests.checkpoint.runs import NO_DROPOUT, TINY, assert_continues_the_curve, convert_chain
 from tests.distributed import run_distributed
 
@@ -44,7 +44,7 @@ def test_pipeline_targets_round_trip(tmp_path, single_rank):
     """The name-based stage split, and TP2·PP2 and back to TP1·PP1 reproduces every parameter
     and optimizer moment exactly (training on converted pipelines: test_pipeline.py)."""
     from megatron_ul.checkpoint import files
-    from megatron_ul.checkpoint.reshard import convert, read_full
+    from megatron_ul.checkpoint.layout.reshard import convert, read_full
     from megatron_ul.training.pretrain import configure, setup
 
     src, pp2, back = (str(tmp_path / n) for n in ("src", "pp2", "back"))

@@ -1,5 +1,5 @@
-"""--ckpt-format torch_dist (checkpoint/dist_io.py): every rank writes and reads only its own
-pieces through torch.distributed.checkpoint. A layout-changing load reads only the stored
+"""--ckpt-format torch_dist (checkpoint/storage/torch_dist.py): every rank writes and reads only
+its own pieces through torch.distributed.checkpoint. A layout-changing load reads only the stored
 pieces that overlap what a rank holds and continues the loss curve; resume on the same layout
 is bit-exact; --async-save writes the same checkpoint as a synchronous save while training
 goes on; a flipped byte is named and not loaded."""
@@ -135,7 +135,8 @@ def test_flipped_byte_is_named_and_not_loaded(tmp_path, single_rank):
 @pytest.mark.slow
 def test_resume_is_bitwise_identical_on_every_layout(tmp_path):
     from tests.checkpoint.test_resume import LAYOUTS as PLAIN
-    from tests.checkpoint.test_zero import LAYOUTS as ZERO, PIPELINES, ZERO3_PIPELINES
+    from tests.checkpoint.test_zero import LAYOUTS as ZERO
+    from tests.checkpoint.test_zero import PIPELINES, ZERO3_PIPELINES
 
     layouts = {**PLAIN, **ZERO, **PIPELINES, **ZERO3_PIPELINES}
     results = run_distributed(resume_on_layouts, 4, TINY + DIST, layouts, str(tmp_path))

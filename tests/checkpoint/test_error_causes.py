@@ -10,10 +10,11 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
 from megatron_ul.checkpoint import files
-from megatron_ul.checkpoint.save import save_checkpoint
+from megatron_ul.checkpoint.training.save import save_checkpoint
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.conftest import copy_of
-from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV, load_error, train
+from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV
+from tests.checkpoint.runs import load_error, train
 from tests.distributed import run_distributed
 
 

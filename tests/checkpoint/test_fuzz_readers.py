@@ -8,8 +8,8 @@ mutation of every file."""
 
 from __future__ import annotations
 
-import io
 import importlib.util
+import io
 import os
 import shutil
 import zipfile
@@ -19,8 +19,8 @@ import torch
 
 from megatron_ul.checkpoint import files
 from megatron_ul.training.pretrain import configure, setup
-from tests.file_mutations import COMMON
 from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV
+from tests.file_mutations import COMMON
 from tools.checkpoint import hf as hf_tool
 from tools.checkpoint import megatron_core as core_tool
 from tools.checkpoint import megatron_lm as lm_tool

@@ -11,9 +11,9 @@ transformers = pytest.importorskip(
 )
 pytest.importorskip("safetensors", reason="safetensors is needed for Hugging Face files")
 
-from megatron_ul.checkpoint.hf import export_checkpoint, import_checkpoint  # noqa: E402
-from megatron_ul.checkpoint.load import load_checkpoint  # noqa: E402
-from megatron_ul.checkpoint.save import save_checkpoint  # noqa: E402
+from megatron_ul.checkpoint.interop.hf import export_checkpoint, import_checkpoint  # noqa: E402
+from megatron_ul.checkpoint.training.load import load_checkpoint  # noqa: E402
+from megatron_ul.checkpoint.training.save import save_checkpoint  # noqa: E402
 from megatron_ul.config import CheckpointConfig, Config, ModelConfig, resolve  # noqa: E402
 from megatron_ul.model.gpt import GPTModel  # noqa: E402
 from megatron_ul.mpu.parallel_state import single_rank_dims  # noqa: E402

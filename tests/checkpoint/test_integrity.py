@@ -12,9 +12,10 @@ import sys
 import pytest
 
 from megatron_ul.checkpoint import files
-from megatron_ul.checkpoint.save import save_checkpoint
+from megatron_ul.checkpoint.training.save import save_checkpoint
 from megatron_ul.training.pretrain import configure, setup
-from tests.checkpoint.runs import TINY, TINY_TWO_ITERS as ARGV, listing
+from tests.checkpoint.runs import TINY, listing
+from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV
 
 
 def _load_error(argv) -> str:

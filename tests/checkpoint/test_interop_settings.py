@@ -1,4 +1,4 @@
-"""Every model setting is mapped or refused by every converter (checkpoint/interop_settings.py,
+"""Every model setting is mapped or refused by every converter (checkpoint/interop/settings.py,
 hf.py), against megatron-core's and transformers' own modules.
 
 References: megatron-core's GPTModel built from a checkpoint's args as Megatron-LM builds it
@@ -18,10 +18,11 @@ import sys
 import pytest
 import torch
 
-from megatron_ul.checkpoint import files, interop_settings, megatron_core, megatron_lm
-from megatron_ul.checkpoint import megatron_pickle
+from megatron_ul.checkpoint import files
 from megatron_ul.checkpoint.files import CheckpointError
-from megatron_ul.checkpoint.megatron_core import export_core, import_core
+from megatron_ul.checkpoint.interop import megatron_core, megatron_lm, megatron_pickle
+from megatron_ul.checkpoint.interop import settings as interop_settings
+from megatron_ul.checkpoint.interop.megatron_core import export_core, import_core
 from megatron_ul.config import ModelConfig
 from tests.checkpoint.runs import NO_DROPOUT, TINY
 from tests.checkpoint.test_megatron_core import (
@@ -150,7 +151,7 @@ def test_every_model_setting_is_carried_or_refused(converter):
 
 def test_every_hugging_face_config_key_is_mapped_refused_or_without_effect():
     transformers = pytest.importorskip("transformers")
-    from megatron_ul.checkpoint import hf
+    from megatron_ul.checkpoint.interop import hf
 
     for kind, cls in [
         ("gpt2", transformers.GPT2Config),
@@ -163,7 +164,7 @@ def test_every_hugging_face_config_key_is_mapped_refused_or_without_effect():
 
 
 def test_unknown_hugging_face_setting_is_refused_naming_it():
-    from megatron_ul.checkpoint import hf
+    from megatron_ul.checkpoint.interop import hf
 
     config = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 50}
     config.update(n_positions=32, scale_attn_by_inverse_layer_idx=True)
@@ -516,7 +517,7 @@ def test_uneven_pipeline_split_torch_format_imports(first, last, tmp_path, core_
 
 def test_gpt2_export_with_another_head_dim_is_refused(tmp_path, single_rank):
     pytest.importorskip("safetensors")
-    from megatron_ul.checkpoint.hf import export_checkpoint
+    from megatron_ul.checkpoint.interop.hf import export_checkpoint
 
     src = str(tmp_path / "src")
     _train(src, ["--kv-channels", "16"])
@@ -527,7 +528,7 @@ def test_gpt2_export_with_another_head_dim_is_refused(tmp_path, single_rank):
 
 def test_window_exports_to_mistral_that_transformers_applies(tmp_path, single_rank):
     transformers = pytest.importorskip("transformers")
-    from megatron_ul.checkpoint.hf import export_checkpoint, import_checkpoint
+    from megatron_ul.checkpoint.interop.hf import export_checkpoint, import_checkpoint
 
     src, out, back = (str(tmp_path / n) for n in ("src", "hf", "back"))
     _train(src, LLAMA + ["--window-size", "4", "0"])
@@ -548,7 +549,7 @@ def test_window_exports_to_mistral_that_transformers_applies(tmp_path, single_ra
 
 def test_gpt2_export_with_window_is_refused(tmp_path, single_rank):
     pytest.importorskip("safetensors")
-    from megatron_ul.checkpoint.hf import export_checkpoint
+    from megatron_ul.checkpoint.interop.hf import export_checkpoint
 
     src = str(tmp_path / "src")
     _train(src, ["--window-size", "4", "0"])

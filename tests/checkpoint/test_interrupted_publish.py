@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from megatron_ul.checkpoint import files
-from megatron_ul.checkpoint.save import PendingSave, save_checkpoint
+from megatron_ul.checkpoint.training.save import PendingSave, save_checkpoint
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import TINY as _TINY
 

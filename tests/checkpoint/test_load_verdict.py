@@ -7,7 +7,8 @@ import os
 import pytest
 import torch.distributed as dist
 
-from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV, load_error, train
+from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV
+from tests.checkpoint.runs import load_error, train
 from tests.distributed import run_distributed
 
 

@@ -1,4 +1,5 @@
-"""megatron-core GPTModel interop (checkpoint/megatron_core.py), against megatron-core itself.
+"""megatron-core GPTModel interop (checkpoint/interop/megatron_core.py), against megatron-core
+itself.
 
 Reference: megatron-core's own GPTModel (local layer spec, CPU, fp32), loaded by its own code
 (load_state_dict strict for --ckpt-format torch, dist_checkpointing.load for torch_dist), and
@@ -15,9 +16,11 @@ import os
 import pytest
 import torch
 
-from megatron_ul.checkpoint import files, megatron_core, megatron_lm, reshard
+from megatron_ul.checkpoint import files
 from megatron_ul.checkpoint.files import CheckpointError
-from megatron_ul.checkpoint.megatron_core import export_core, import_core
+from megatron_ul.checkpoint.interop import megatron_core, megatron_lm
+from megatron_ul.checkpoint.interop.megatron_core import export_core, import_core
+from megatron_ul.checkpoint.layout import reshard
 from megatron_ul.inference.generate import load_for_generation
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import NO_DROPOUT, TINY

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from megatron_ul.checkpoint.megatron_core import import_core
+from megatron_ul.checkpoint.interop.megatron_core import import_core
 from tests.checkpoint.test_megatron_core import _model_of
 
 MEGATRON_LM_DIR = os.environ.get("MEGATRON_LM_DIR")

@@ -1,4 +1,4 @@
-"""Legacy Megatron-LM interop (checkpoint/megatron_lm.py): a model of ours exported to the
+"""Legacy Megatron-LM interop (checkpoint/interop/megatron_lm.py): a model of ours exported to the
 legacy format (TP2·PP2 shards, language_model.* names, word_embeddings_for_head) and imported
 back has bitwise equal parameters and logits (GPT-2 and Llama variants); a checkpoint laid
 out as Megatron-LM's own code views its tensors (per-group q, k, v rows; [gate_r; up_r] per TP
@@ -12,8 +12,9 @@ import re
 import pytest
 import torch
 
-from megatron_ul.checkpoint import files, reshard
-from megatron_ul.checkpoint.megatron_lm import export_megatron, import_megatron
+from megatron_ul.checkpoint import files
+from megatron_ul.checkpoint.interop.megatron_lm import export_megatron, import_megatron
+from megatron_ul.checkpoint.layout import reshard
 from megatron_ul.inference.generate import load_for_generation
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import NO_DROPOUT, TINY
@@ -275,7 +276,7 @@ def _megatron_like_file(path, extra=None):
 
 
 def test_restricted_loader_reads_megatron_enums_and_numpy_rng_state(tmp_path):
-    from megatron_ul.checkpoint import megatron_pickle
+    from megatron_ul.checkpoint.interop import megatron_pickle
 
     path = str(tmp_path / "model_optim_rng.pt")
     _megatron_like_file(path)
@@ -291,8 +292,8 @@ def test_restricted_loader_reads_megatron_enums_and_numpy_rng_state(tmp_path):
 def test_restricted_loader_refuses_any_other_object_naming_the_file(tmp_path):
     import datetime
 
-    from megatron_ul.checkpoint import megatron_pickle
     from megatron_ul.checkpoint.files import CheckpointError
+    from megatron_ul.checkpoint.interop import megatron_pickle
 
     path = str(tmp_path / "model_optim_rng.pt")
     _megatron_like_file(path, extra=datetime.date(2024, 1, 1))

@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from megatron_ul.checkpoint import reshard
-from megatron_ul.checkpoint.megatron_lm import export_megatron, import_megatron
+from megatron_ul.checkpoint.interop.megatron_lm import export_megatron, import_megatron
+from megatron_ul.checkpoint.layout import reshard
 from megatron_ul.inference.generate import load_for_generation
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import NO_DROPOUT, TINY

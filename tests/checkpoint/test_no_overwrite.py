@@ -9,10 +9,11 @@ import shutil
 import pytest
 
 from megatron_ul.checkpoint import files
-from megatron_ul.checkpoint.save import save_checkpoint
+from megatron_ul.checkpoint.training.save import save_checkpoint
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.conftest import copy_of
-from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV, listing
+from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV
+from tests.checkpoint.runs import listing
 
 FORMATS = ["torch", "torch_dist"]
 

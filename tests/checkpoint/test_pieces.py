@@ -1,10 +1,11 @@
-"""checkpoint/pieces.py: a rank's flat range of its TP-local tensor becomes rectangular pieces
-of the global tensor that cover exactly that range, at the right places, as contiguous views."""
+"""checkpoint/storage/pieces.py: a rank's flat range of its TP-local tensor becomes rectangular
+pieces of the global tensor that cover exactly that range, at the right places, as contiguous
+views."""
 
 import pytest
 import torch
 
-from megatron_ul.checkpoint.pieces import clip_rows, pieces_of
+from megatron_ul.checkpoint.storage.pieces import clip_rows, pieces_of
 from megatron_ul.mpu.layers import tp_slice
 from megatron_ul.mpu.param_spec import ParamSpec
 

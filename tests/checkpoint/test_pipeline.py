@@ -53,7 +53,7 @@ def test_interleaved_stage_names_follow_the_runtime_assignment():
 
 def test_bad_virtual_pipeline_target_is_refused_before_writing(tmp_path, single_rank):
     from megatron_ul.checkpoint.files import CheckpointError
-    from megatron_ul.checkpoint.reshard import convert
+    from megatron_ul.checkpoint.layout.reshard import convert
     from megatron_ul.training.pretrain import configure, setup
 
     src = str(tmp_path / "src")
@@ -85,7 +85,7 @@ def test_pp2_checkpoint_exports_to_hugging_face_and_generates(tmp_path, single_r
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     from megatron_ul.checkpoint.files import METADATA, read_json
-    from megatron_ul.checkpoint.hf import export_checkpoint
+    from megatron_ul.checkpoint.interop.hf import export_checkpoint
     from megatron_ul.config import ModelConfig
     from megatron_ul.inference.generate import load_for_generation
     from megatron_ul.model.gpt import GPTModel

@@ -13,10 +13,12 @@ import sys
 import pytest
 import torch
 
-from megatron_ul.checkpoint import dist_io, files
+from megatron_ul.checkpoint import files
 from megatron_ul.checkpoint.safe_pickle import UnsafePickleError, restricted_load
+from megatron_ul.checkpoint.storage import torch_dist as dist_io
 from megatron_ul.training.pretrain import configure, setup
-from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV, convert_cli
+from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV
+from tests.checkpoint.runs import convert_cli
 from tests.distributed import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

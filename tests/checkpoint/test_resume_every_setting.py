@@ -11,7 +11,7 @@ import typing
 import numpy as np
 import pytest
 
-from megatron_ul.checkpoint import load, resume_rules
+from megatron_ul.checkpoint.training import load, resume_rules
 from megatron_ul.config import ResolvedConfig, ResolvedModelConfig
 from megatron_ul.data.indexed_dataset import IndexedDatasetBuilder
 from megatron_ul.training.pretrain import configure, setup

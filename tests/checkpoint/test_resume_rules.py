@@ -7,8 +7,9 @@ import logging
 
 import pytest
 
-from megatron_ul.checkpoint import files, resume_rules
-from megatron_ul.checkpoint.dist_io import torch_optimizer
+from megatron_ul.checkpoint import files
+from megatron_ul.checkpoint.storage.torch_dist import torch_optimizer
+from megatron_ul.checkpoint.training import resume_rules
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.conftest import copy_of
 from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV

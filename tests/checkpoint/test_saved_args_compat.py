@@ -9,7 +9,7 @@ import os
 import torch
 
 from megatron_ul.checkpoint import files
-from megatron_ul.checkpoint import save as checkpoint_save
+from megatron_ul.checkpoint.training import save as checkpoint_save
 from tests.checkpoint.runs import NO_DROPOUT, TINY, train
 
 

@@ -1,7 +1,7 @@
 """Checkpoints with ZeRO-1 (--use-distributed-optimizer), ZeRO-3 (--zero-stage 3, FSDP2) and
 the fp16 loss scaler: exact resume on the same layout, and ZeRO optimizer state that loads on
 another DP×SP / TP size and with another optimizer (ZeRO state is saved gathered, name-keyed,
-like plain AdamW's: checkpoint/zero.py)."""
+like plain AdamW's: checkpoint/layout/zero.py)."""
 
 import pytest
 

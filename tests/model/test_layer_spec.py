@@ -8,7 +8,7 @@ from typing import get_args, get_type_hints
 import pytest
 import torch
 
-from megatron_ul.checkpoint import hf, megatron_core, megatron_lm
+from megatron_ul.checkpoint.interop import hf, megatron_core, megatron_lm
 from megatron_ul.checkpoint.files import CheckpointError
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.gpt import GPTModel

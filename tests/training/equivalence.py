@@ -9,7 +9,7 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor
 
-from megatron_ul.checkpoint.reshard import merge_tp
+from megatron_ul.checkpoint.layout.reshard import merge_tp
 from megatron_ul.model.chunks import model_dims
 from megatron_ul.mpu.param_spec import param_spec
 from megatron_ul.pipeline.model import global_named_parameters

@@ -73,7 +73,7 @@ def _held_mb(trainer) -> float:
 
 
 def save_phase(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
-    from megatron_ul.checkpoint.save import save_checkpoint
+    from megatron_ul.checkpoint.training.save import save_checkpoint
     from megatron_ul.training.pretrain import configure, setup
 
     trainer = setup(configure(argv, world))
@@ -92,7 +92,7 @@ def save_phase(rank: int, world: int, argv: list[str], save_dir: str) -> dict:
 
 
 def load_phase(rank: int, world: int, argv: list[str], load_dir: str) -> dict:
-    from megatron_ul.checkpoint.load import load_checkpoint
+    from megatron_ul.checkpoint.training.load import load_checkpoint
     from megatron_ul.training.pretrain import configure, setup
 
     trainer = setup(configure(argv, world))
@@ -122,7 +122,7 @@ def main() -> int:
     p.add_argument("--section", default="checkpoint-memory")
     p.add_argument("--write-docs", action="store_true")
     a = p.parse_args()
-    from megatron_ul.checkpoint import pieces
+    from megatron_ul.checkpoint.storage import pieces
 
     base = [
         "--mock-data",

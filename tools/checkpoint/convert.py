@@ -24,7 +24,7 @@ except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without th
     sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
 
 from megatron_ul.checkpoint.files import CheckpointError
-from megatron_ul.checkpoint.reshard import convert
+from megatron_ul.checkpoint.layout.reshard import convert
 
 
 def main(argv=None) -> int:

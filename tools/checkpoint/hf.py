@@ -21,7 +21,7 @@ except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without th
     sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
 
 from megatron_ul.checkpoint.files import CheckpointError
-from megatron_ul.checkpoint.hf import export_checkpoint, import_checkpoint, model_flags  # noqa
+from megatron_ul.checkpoint.interop.hf import export_checkpoint, import_checkpoint, model_flags  # noqa
 
 
 def main(argv=None) -> int:

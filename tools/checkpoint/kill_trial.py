@@ -58,7 +58,7 @@ def child(
     fill > 0: save iterations 1, 2, ... (each once) until `fill` saves completed or one failed
     ("failed N <message>"), then return."""
     from megatron_ul.checkpoint import files
-    from megatron_ul.checkpoint.save import save_checkpoint
+    from megatron_ul.checkpoint.training.save import save_checkpoint
     from megatron_ul.training.pretrain import configure, setup
 
     if fill:
@@ -102,7 +102,7 @@ def child(
 
 def fill_directory(directory: str, fmt: list[str], background: bool, saves: int) -> None:
     from megatron_ul.checkpoint.files import CheckpointError
-    from megatron_ul.checkpoint.save import save_checkpoint
+    from megatron_ul.checkpoint.training.save import save_checkpoint
     from megatron_ul.training.pretrain import configure, setup
 
     trainer = setup(configure(MODEL + fmt + ["--save", directory]))

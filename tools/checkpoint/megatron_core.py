@@ -21,16 +21,16 @@ try:
 except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
     sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
 
-from megatron_ul.checkpoint.conversion_cli import conversion_parser, run_conversion
 from megatron_ul.checkpoint.files import CheckpointError
-from megatron_ul.checkpoint.megatron_core import (
+from megatron_ul.checkpoint.interop.cli import conversion_parser, run_conversion
+from megatron_ul.checkpoint.interop.megatron_core import (
     FORMATS,
     SPECS,
     WEIGHTS_ONLY,
     dist_layout,
     export_core,
-    null_tokenizer_note,
     import_core,
+    null_tokenizer_note,
 )
 
 

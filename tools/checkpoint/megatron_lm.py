@@ -21,8 +21,8 @@ try:
 except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
     sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
 
-from megatron_ul.checkpoint.conversion_cli import conversion_parser, run_conversion
-from megatron_ul.checkpoint.megatron_lm import export_megatron, import_megatron
+from megatron_ul.checkpoint.interop.cli import conversion_parser, run_conversion
+from megatron_ul.checkpoint.interop.megatron_lm import export_megatron, import_megatron
 
 
 def _export(a) -> str:

@@ -5,7 +5,7 @@ Save protocol (every step survives a kill -9 of any process at any moment):
  1. rank 0 takes the save directory's lock (files.claim_save_dir), draws a save id and
     broadcasts it; every rank writes (and fsyncs) its files into DIR/iter_N.tmp-<id>: the model
     and optimizer from the dp0/sp0 rank of each (tp, pp) (ZeRO state is first gathered over
-    dp_cp_sp into the same name-keyed form: checkpoint/zero.py), and every rank's RNG states;
+    dp_cp_sp into the same name-keyed form: checkpoint/layout/zero.py), and every rank's RNG states;
     with --ckpt-format torch_dist every rank writes its own pieces instead (dist_io.py), in
     the background with --async-save (a PendingSave, completed once every writer finished);
  2. every rank reports its files' sizes and SHA-256 (or its error: then all ranks fail the
@@ -27,14 +27,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..config import ResolvedConfig
-from ..model.chunks import model_dims
-from ..pipeline.param_table import local_parameter_table
-from . import dist_io, files
-from .files import FORMAT, CheckpointError
+from ...config import ResolvedConfig
+from ...model.chunks import model_dims
+from ...pipeline.param_table import local_parameter_table
+from .. import files
+from ..files import FORMAT, CheckpointError
+from ..layout.zero import checkpoint_model_state, checkpoint_optimizer_state
+from ..state import rng_state
+from ..storage import torch_dist as dist_io
 from .record import Resume, run_layout
-from .state import rng_state
-from .zero import checkpoint_model_state, checkpoint_optimizer_state
 
 log = logging.getLogger("megatron_ul")
 
@@ -68,7 +69,7 @@ def special_token_ids(cfg: ResolvedConfig) -> dict:
 def _special_token_ids(
     kind, vocab_file, merge_file, tokenizer_model, given_vocab_size: int, vocab_size: int
 ) -> dict:
-    from ..data.tokenizers import build_tokenizer
+    from ...data.tokenizers import build_tokenizer
 
     eod = vocab_size - 1
     bos = None

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
-from .files import CheckpointError
-from .interop_settings import check_carried
+from ...config import ModelConfig
+from ..files import CheckpointError
+from .settings import check_carried
 
 
 def _hf_error(what: str) -> CheckpointError:
@@ -432,7 +432,8 @@ def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> t
     Returns (iteration directory, our ModelConfig fields)."""
     from dataclasses import asdict
 
-    from . import files, reshard
+    from .. import files
+    from ..layout import reshard
 
     config = read_hf_config(hf_dir)
     kind = detect(config)
@@ -504,7 +505,8 @@ def export_checkpoint(
 
     from safetensors.torch import save_file
 
-    from . import files, reshard
+    from .. import files
+    from ..layout import reshard
 
     iteration = files.read_tracker(load_dir)
     if iteration is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ResolvedConfig
+from ...config import ResolvedConfig
 
 
 @dataclass

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import MISSING, fields
 from typing import Any
 
-from ..config import ModelConfig
-from .files import CheckpointError
+from ...config import ModelConfig
+from ..files import CheckpointError
 
 # ---- megatron-core's TransformerConfig ---------------------------------------------------------
 MAPPED = "mapped"  # read into our ModelConfig (or the layer placement) by the importers

@@ -5,7 +5,7 @@ pieces.
 Each parameter `name` is the global tensor `model/<name>`, its moments `optim/<name>/exp_avg`
 and `.../exp_avg_sq`, shaped as the TP-merged parameter (the tied embedding copy of the last
 pipeline stage is not written; a load fills it from the table it copies). Every rank
-contributes the pieces it holds (checkpoint/pieces.py: TP slices, strided [gate; up] blocks,
+contributes the pieces it holds (checkpoint/storage/pieces.py: TP slices, strided [gate; up] blocks,
 ZeRO-1 flat ranges, ZeRO-3 row chunks) through a DCP planner; DCP removes duplicates (DP and
 SP replicas) so that each piece is written once, spread over the ranks, checks that the pieces
 cover every tensor without overlap, and on load into any other layout reads only the stored
@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -53,13 +53,13 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from ..model.chunks import model_dims
-from ..mpu.param_spec import ParamSpec, full_shape, param_spec
-from ..pipeline.model import REPLICA_PREFIX, replicated_name
+from ...model.chunks import model_dims
+from ...mpu.param_spec import ParamSpec, full_shape, param_spec
+from ...pipeline.model import REPLICA_PREFIX, replicated_name
+from ..files import METADATA, CheckpointError
+from ..safe_pickle import restricted_load
+from ..state import named_parameters
 from . import pieces as geometry
-from .files import METADATA, CheckpointError
-from .safe_pickle import restricted_load
-from .state import named_parameters
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 DCP_METADATA = ".metadata"
@@ -133,11 +133,11 @@ def torch_optimizer(optimizer):
 
 
 def _zero1_pieces(optimizer):
-    from ..optim.distributed_optimizer import DistributedOptimizer
+    from ...optim.distributed_optimizer import DistributedOptimizer
 
     if not isinstance(optimizer, DistributedOptimizer):
         return None
-    from .zero import inner_params
+    from ..layout.zero import inner_params
 
     return list(zip(optimizer.pieces, inner_params(optimizer)))
 
@@ -227,7 +227,7 @@ def optimizer_common(optimizer) -> dict | None:
 def restore_optimizer_common(optimizer, saved: dict, source: str) -> None:
     inner = torch_optimizer(optimizer)
     if len(saved["param_groups"]) != len(inner.param_groups):
-        from .state import optim_error
+        from ..state import optim_error
 
         raise optim_error(source, "the number of parameter groups differs")
     for group, hyper in zip(inner.param_groups, saved["param_groups"]):

@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..model.chunks import model_dims
-from .state import load_optimizer_state, named_parameters, optimizer_state
+from ...model.chunks import model_dims
+from ..state import load_optimizer_state, named_parameters, optimizer_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _zero1(optimizer) -> bool:
-    from ..optim.distributed_optimizer import DistributedOptimizer
+    from ...optim.distributed_optimizer import DistributedOptimizer
 
     return isinstance(optimizer, DistributedOptimizer)
 
@@ -220,7 +220,7 @@ def _load_zero1(model, optimizer, saved: dict, source: str) -> None:
 
 
 def _check_zero1(model, optimizer, saved: dict, source: str) -> None:
-    from .state import optim_error
+    from ..state import optim_error
 
     ours = _zero1_groups(model, optimizer)
     if len(ours) != len(saved["param_groups"]):

@@ -51,11 +51,13 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
-from ..pipeline.model import chunk_layer_numbers
-from . import files, megatron_pickle, reshard
-from .files import CheckpointError
-from .interop_settings import check_carried, refuse_megatron_settings
+from ...config import ModelConfig
+from ...pipeline.model import chunk_layer_numbers
+from .. import files
+from ..files import CheckpointError
+from ..layout import reshard
+from . import megatron_pickle
+from .settings import check_carried, refuse_megatron_settings
 
 log = logging.getLogger("megatron_ul")
 

@@ -25,7 +25,7 @@ fused names):
     output_layer              output_layer (untied; with tied embeddings and PP > 1 the last
                               stage's output_layer.weight is its copy of the word embeddings)
 
-Tensor layouts are the legacy model's and ours (checkpoint/megatron_lm.py): linear_qkv rows
+Tensor layouts are the legacy model's and ours (checkpoint/interop/megatron_lm.py): linear_qkv rows
 per TP rank are [local query groups, q_per_group + 2, head_dim], SwiGLU's linear_fc1 is
 [gate_r; up_r] per TP rank; torch_dist's global tensors are the TP-merged ones (linear_fc1 as
 [gate; up] of the whole width), which is our TP1 layout. The vocabulary rule is the legacy one
@@ -55,12 +55,15 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from ..config import ModelConfig
-from . import dist_io, files, megatron_lm, megatron_pickle, reshard
-from .dist_io import DCP_METADATA, DCP_METADATA_GLOBALS
-from .files import CheckpointError
-from .interop_settings import check_carried
-from .safe_pickle import restricted_load
+from ...config import ModelConfig
+from .. import files
+from ..files import CheckpointError
+from ..layout import reshard
+from ..safe_pickle import restricted_load
+from ..storage import torch_dist as dist_io
+from ..storage.torch_dist import DCP_METADATA, DCP_METADATA_GLOBALS
+from . import megatron_lm, megatron_pickle
+from .settings import check_carried
 
 SPECS = ("transformer_engine", "local")
 FORMATS = ("torch", "torch_dist")

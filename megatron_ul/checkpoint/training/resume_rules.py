@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from .files import CheckpointError
+from ..files import CheckpointError
 
 log = logging.getLogger("megatron_ul")
 

@@ -1,5 +1,5 @@
 """Which rectangular pieces of which layout-independent global tensor this rank holds: the
-geometry of the torch_dist checkpoint format (checkpoint/dist_io.py).
+geometry of the torch_dist checkpoint format (checkpoint/storage/torch_dist.py).
 
 Every parameter and Adam moment is one global tensor, named by its layout-independent
 parameter name (pipeline.model.global_named_parameters) and shaped as the TP-merged parameter
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..mpu.param_spec import ParamSpec
+from ...mpu.param_spec import ParamSpec
 
 # Largest piece written as one storage item (and so the most a layout-changing load reads
 # beyond the bytes it needs per piece boundary, and the extra memory a save or load uses).

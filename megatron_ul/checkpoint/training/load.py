@@ -11,14 +11,17 @@ from dataclasses import asdict
 
 import torch.distributed as dist
 
-from ..config import ResolvedConfig
-from ..model.chunks import model_dims
-from . import dist_io, files, reshard, resume_rules
-from .files import CheckpointError
+from ...config import ResolvedConfig
+from ...model.chunks import model_dims
+from .. import files
+from ..files import CheckpointError
+from ..layout import reshard
+from ..layout.zero import load_checkpoint_model_state, load_checkpoint_optimizer_state
+from ..state import named_parameters, set_rng_state
+from ..storage import torch_dist as dist_io
+from . import resume_rules
 from .record import Resume, run_layout
 from .save import _on_rank0, recover_publishes
-from .state import named_parameters, set_rng_state
-from .zero import load_checkpoint_model_state, load_checkpoint_optimizer_state
 
 log = logging.getLogger("megatron_ul")
 

@@ -10,8 +10,8 @@ import os
 import sys
 from typing import Callable
 
-from . import files
-from .files import CheckpointError
+from .. import files
+from ..files import CheckpointError
 from .hf import model_flags
 
 

@@ -4,7 +4,7 @@ parameter's partition dim and stride, padded vocabulary rows, pipeline stage and
 source come from the modules that own those rules, never from its name.
 
 SP and DP replicate parameters and optimizer state in the checkpoint (ZeRO-1/3 state is saved
-gathered, name-keyed, like plain AdamW's: checkpoint/zero.py), so changing them only changes
+gathered, name-keyed, like plain AdamW's: checkpoint/layout/zero.py), so changing them only changes
 metadata. With tied embeddings and PP > 1 the last stage holds a copy of the word embeddings
 (`replica.word_embeddings.weight`); merging drops replicas (after checking they equal the
 table they copy); cutting for PP > 1 re-derives them, Adam moments included.
@@ -21,11 +21,11 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from ..config import ResolvedModelConfig
-from ..mpu.layers import tp_slice
-from ..pipeline.param_table import parameter_table, stage_parameter_names
-from . import files
-from .files import CheckpointError
+from ...config import ResolvedModelConfig
+from ...mpu.layers import tp_slice
+from ...pipeline.param_table import parameter_table, stage_parameter_names
+from .. import files
+from ..files import CheckpointError
 
 log = logging.getLogger("megatron_ul")
 
@@ -74,8 +74,8 @@ def check_target_layout(
 ) -> None:
     """Refuse a target layout the trainer would refuse, with the trainer's own validation
     (config_rules.validate), before anything is written."""
-    from ..config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, resolve
-    from ..config_rules import validate
+    from ...config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, resolve
+    from ...config_rules import validate
 
     cfg = Config(
         model=model_config(meta),
@@ -179,7 +179,7 @@ def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
 
 def _read_full_dist(meta: dict, iter_dir: str, with_optim: bool) -> FullCheckpoint:
     """A torch_dist checkpoint, read one whole tensor at a time (dist_io.read_tensor)."""
-    from . import dist_io
+    from ..storage import torch_dist as dist_io
 
     path = os.path.join(iter_dir, files.COMMON_FILE)
     common = files.load_torch(path, "common state", files.expected_record(meta, iter_dir, path))

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .files import CheckpointError
+from ..files import CheckpointError
 
 
 class MegatronEnum:

@@ -1,0 +1,1 @@
+"""Storage formats of a training checkpoint, one module per `--ckpt-format`."""
