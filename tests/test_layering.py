@@ -27,13 +27,36 @@ LEVELS = {
     "checkpoint": 4,
     "training": 5,
     "inference": 5,
-    "local_ranks": 5,
 }
 
 
 def area(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else ""
+
+
+def absolute(module: str, is_package: bool, level: int, name: str | None) -> str:
+    """The module `from {'.' * level}{name} import ...` names inside `module`. A relative
+    import counts from the package holding the module; a package's __init__.py holds itself."""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    base = package[: len(package) - level + 1]
+    return ".".join(base + ([name] if name else []))
+
+
+def test_relative_imports_resolve_like_python():
+    from importlib.util import resolve_name
+
+    cases = [  # (module, is a package's __init__, level, name)
+        ("megatron_ul.optim", True, 2, "pipeline.model"),
+        ("megatron_ul.optim", True, 1, "grads"),
+        ("megatron_ul.optim.grads", False, 2, "pipeline.model"),
+        ("megatron_ul.optim.grads", False, 1, None),
+        ("megatron_ul.checkpoint.interop", True, 3, "model.gpt"),
+    ]
+    for module, is_package, level, name in cases:
+        package = module if is_package else module.rsplit(".", 1)[0]
+        expected = resolve_name("." * level + (name or ""), package)
+        assert absolute(module, is_package, level, name) == expected.rstrip(".")
 
 
 def imports():
@@ -44,14 +67,12 @@ def imports():
                 continue
             path = os.path.join(folder, name)
             module = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-            package = module if name == "__init__.py" else module.rsplit(".", 1)[0]
             module = module.removesuffix(".__init__")
             with open(path) as f:
                 tree = ast.parse(f.read())
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and node.level:
-                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    yield module, ".".join(base + ([node.module] if node.module else []))
+                    yield module, absolute(module, name == "__init__.py", node.level, node.module)
                 elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
                     "megatron_ul"
                 ):

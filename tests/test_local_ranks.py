@@ -16,7 +16,7 @@ PROBE = "MEGATRON_UL_TEST_RANK_PROBE"
 
 
 def report_surroundings(rank, world):
-    import megatron_ul.local_ranks as local_ranks
+    import tools.local_ranks as local_ranks
 
     return {
         "probe": os.environ.get(PROBE),
@@ -38,7 +38,7 @@ def test_ranks_see_the_callers_environment_at_the_call(tmp_path, monkeypatch):
     monkeypatch.setenv(PROBE, "after")
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
-    import megatron_ul.local_ranks as local_ranks
+    import tools.local_ranks as local_ranks
 
     monkeypatch.setattr(local_ranks, "caller_marker", "parent only", raising=False)
     reports = run_distributed(report_surroundings, 2)
@@ -63,7 +63,7 @@ def write_pid_and_wait(rank, world, folder):
 
 CALLER = """
 import sys
-from megatron_ul.local_ranks import run_on_local_ranks
+from tools.local_ranks import run_on_local_ranks
 from tests.test_local_ranks import write_pid_and_wait
 run_on_local_ranks(write_pid_and_wait, 2, sys.argv[1], timeout=600)
 """

@@ -18,6 +18,18 @@ def model_chunks(model: nn.Module) -> list[nn.Module]:
     return list(chunks) if isinstance(chunks, nn.ModuleList) else [model]
 
 
+def tied_embedding_weights(model: nn.Module) -> list[nn.Parameter]:
+    """Word-embedding weights this rank holds that are tied across the first and last stage
+    (the optimizers defer their reduction until the stages have summed them)."""
+    return [
+        cast(nn.Parameter, cast(nn.Module, chunk.word_embeddings).weight)
+        for chunk in model_chunks(model)
+        if chunk.share_embeddings
+        and hasattr(chunk, "word_embeddings")
+        and (chunk.pre_process or chunk.post_process)
+    ]
+
+
 def model_dims(model: nn.Module):
     """The rank grid (ParallelDims) the model was built on: every chunk holds it."""
     return model_chunks(model)[0].dims

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from ..config import TrainConfig
+from ..model.chunks import tied_embedding_weights
 from ..mpu.parallel_state import ParallelDims
-from ..pipeline.model import tied_embedding_weights
 from .grad_buckets import bucket_elements
 from .grads import DataParallelGradSync
 from .mixed_precision import MainParamOptimizer

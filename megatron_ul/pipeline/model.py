@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import ResolvedConfig, ResolvedModelConfig
-from ..model.chunks import model_chunks
+from ..model.chunks import model_chunks, tied_embedding_weights
 from ..model.gpt import GPTModel
 from ..mpu import host_staging
 from ..mpu.comm_stats import record
@@ -172,19 +172,6 @@ def stage_layer_indices(
         for c in range(chunks)
         for n in chunk_layer_numbers(num_layers, pipeline_size, chunks, pp_rank, c)
     ]
-
-
-def tied_embedding_weights(model: nn.Module) -> list[torch.nn.Parameter]:
-    """Word-embedding weights this rank holds that are tied across the first and last stage."""
-    weights = []
-    for chunk in model_chunks(model):
-        if (
-            chunk.share_embeddings
-            and hasattr(chunk, "word_embeddings")
-            and (chunk.pre_process or chunk.post_process)
-        ):
-            weights.append(chunk.word_embeddings.weight)
-    return weights
 
 
 def allreduce_embedding_grads(model: nn.Module, dims: ParallelDims) -> None:

@@ -15,7 +15,7 @@ from megatron_ul.data.gpt_dataset import (
 )
 from megatron_ul.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from megatron_ul.data.mock import MockGPTDataset
-from megatron_ul.local_ranks import run_on_local_ranks
+from tools.local_ranks import run_on_local_ranks
 
 
 def write_dataset(prefix, documents, dtype=np.int32):

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from megatron_ul.local_ranks import run_on_local_ranks
+from tools.local_ranks import run_on_local_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(REPO_ROOT, "docs", "benchmarks.md")

@@ -1,8 +1,9 @@
 """Run a function on N gloo ranks on loopback, one thread each, with timeouts everywhere.
 
-Used by the multi-rank tests and the CPU benchmarks. A collective that never completes fails
-through gloo's timeout; a rank that hangs anyway is killed when the whole run exceeds
-`timeout`, and the caller gets a RankFailure with what each rank reported.
+The harness of the multi-rank tests and the CPU benchmarks (not part of the package). A
+collective that never completes fails through gloo's timeout; a rank that hangs anyway is
+killed when the whole run exceeds `timeout`, and the caller gets a RankFailure with what each
+rank reported.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .initialize import free_port as free_port  # tests import it from here
+from megatron_ul.initialize import free_port as free_port  # tests import it from here
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=90)
 
