@@ -21,7 +21,7 @@ from megatron_ul.mpu.parallel_state import single_rank_dims
 from megatron_ul.mpu.random import model_parallel_seed
 from megatron_ul.pipeline.param_table import parameter_table
 from megatron_ul.training import memory_estimator as me
-from megatron_ul.training.memory import saved_activation_bytes
+from tools.bench.saved_bytes import saved_activation_bytes
 
 
 class ScaleNorm(Norm):

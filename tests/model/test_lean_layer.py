@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from megatron_ul.model.norms import LayerNorm, RMSNorm, rms_norm
 from megatron_ul.model.qkv import split_qkv
-from megatron_ul.training.memory import saved_activation_bytes
+from tools.bench.saved_bytes import saved_activation_bytes
 from tools.bench.live_tensors import LiveTensorTracker
 
 S, B, H = 64, 2, 256

@@ -12,7 +12,7 @@ from megatron_ul.model.attention.block_tiles import merge_tiles, tile_rows
 from megatron_ul.model.transformer import TransformerLayer
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
-from megatron_ul.training.memory import saved_activation_bytes
+from tools.bench.saved_bytes import saved_activation_bytes
 from tests.distributed import run_distributed
 from tests.model.long_context_harness import LLAMA, MODEL, compare_runs
 

@@ -10,7 +10,7 @@ import pytest
 from megatron_ul.training import memory_estimator as me
 from megatron_ul.training.pretrain import configure
 from tests.distributed import run_distributed
-from megatron_ul.training.memory_probe import measure_many
+from tools.bench.saved_bytes import measure_many
 
 BASE = [
     "--mock-data",

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """--fused-layers (torch.compile per transformer layer) against eager layers, GPT-2 and Llama
-styles, on CPU: bytes autograd keeps for backward per layer (training/memory_probe.py) and
+styles, on CPU: bytes autograd keeps for backward per layer (tools/bench/saved_bytes.py) and
 training step time (one process, after warm-up iterations that include the compilation).
 
     flock /tmp/heavy.lock python -m tools.bench.bench_fused [--iters 3] [--write-docs]
@@ -11,7 +11,7 @@ import time
 
 from tools.bench.common import markdown_table, report, run_ranks, timed_training
 
-from megatron_ul.training.memory_probe import measure
+from tools.bench.saved_bytes import measure
 
 MiB = 2**20
 SHAPE = [
@@ -99,7 +99,7 @@ def main() -> None:
         "Fused transformer layers (--fused-layers) vs eager",
         "2 layers, hidden 256, 4 heads, seq 512, micro-batch 1, dropout 0.1, fp32, one "
         f"process. Kept bytes: layer 0's saved tensors in one forward "
-        f"(training/memory_probe.py). Step time: mean of {args.iters} steps after "
+        f"(tools/bench/saved_bytes.py). Step time: mean of {args.iters} steps after "
         f"{args.warmup} warm-up steps (the compilation happens in the first).",
         table,
         conclusion(rows),

@@ -4,7 +4,7 @@ and GQA changes touch. Prints a Markdown table (no timing).
 
     python -m tools.bench.bench_saved_per_layer
 
-Uses the measurement of megatron_ul/training/memory_probe.py (saved_tensors_hooks, each storage
+Uses the measurement of tools/bench/saved_bytes.py (saved_tensors_hooks, each storage
 counted once, parameters excluded), the ground truth tests/training/test_memory_estimator.py
 checks the estimator against. To compare with an older commit, run this script from that
 commit's tree (`git archive <commit> | tar -x -C DIR`, copy this file, run it there).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tools.bench.common import command_line, machine_info, markdown_table, run_ranks
 
-from megatron_ul.training.memory_probe import measure_many
+from tools.bench.saved_bytes import measure_many
 
 MODEL = [
     "--mock-data",
