@@ -3,7 +3,7 @@ and the longest sequence that fits a memory cap with full recompute.
 
     python -m tools.bench.bench_memory            # prints the tables, writes docs/memory.md
 
-All numbers are bytes of tensors a rank really holds (megatron_ul/training/memory.py), on CPU
+All numbers are bytes of tensors a rank really holds (tools/bench/saved_bytes.py), on CPU
 gloo ranks spawned here; no timing is involved.
 """
 
@@ -69,7 +69,7 @@ COMMON = [
 # ---- 1. model state under ZeRO 0/1/3 ----------------------------------------------------------
 def model_state_worker(rank, world, argv):
     from megatron_ul.pipeline.schedules import forward_backward_no_pipelining
-    from megatron_ul.training.memory import model_state_bytes
+    from tools.bench.saved_bytes import model_state_bytes
     from megatron_ul.training.pretrain import configure, setup
     from megatron_ul.training.step import count_tokens, train_step
 
@@ -126,7 +126,7 @@ def _local_batch(model_cfg, seq_length: int, dims):
 
 
 def layer_activation_worker(rank, world, argv, seq_length):
-    from megatron_ul.training.memory import saved_activation_bytes
+    from tools.bench.saved_bytes import saved_activation_bytes
     from megatron_ul.training.pretrain import configure, setup
 
     cfg = configure(argv, world)
@@ -174,7 +174,7 @@ def longest_sequence_worker(rank, world, argv, cap_bytes, start):
     Per-rank bytes(N) = model state (measured after one small training step: params, grads,
     Adam state) + activations a full-recompute forward keeps at length N + the saved tensors of
     the one layer being recomputed during backward (its working set)."""
-    from megatron_ul.training.memory import model_state_bytes, saved_activation_bytes
+    from tools.bench.saved_bytes import model_state_bytes, saved_activation_bytes
     from megatron_ul.training.pretrain import configure, setup
 
     cfg = configure(argv + ["--seq-length", str(start)], world)
@@ -301,6 +301,14 @@ def peak_worker(rank, world, argv, precision: str):
         return {"gradients": main_grads + [p.grad for p in params + main if p.grad is not None]}
 
     tracker = LiveTensorTracker(model, preexisting=params + main + main_grads, classify=gradients)
+    inner = getattr(optimizer, "optimizer", optimizer)
+
+    def adam_state():
+        return [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
+
+    if offloaded:  # fp32 main parameters, main gradients and (once made) Adam's on the host
+        tracker.hold_on_host(main + main_grads)
+        _after(optimizer, "step", lambda: tracker.hold_on_host(adam_state()))
     _phase_wrap(step_module, "clip_gradients", tracker, "clip")
     _phase_wrap(optimizer, "step", tracker, "optimizer")
     _mark_backward_stages(model, tracker)
@@ -308,29 +316,24 @@ def peak_worker(rank, world, argv, precision: str):
     # bf16 GEMMs are ~60x slower than fp32 ones on this project's AVX2 CPUs; the fp32 stand-in
     # runs below the tracker, which sees the same ops and tensors either way.
     wide = precision != "fp32" and native_half_matmul_is_slow()
-    with Fp32HalfKernels() if wide else contextlib.nullcontext(), tracker:
+    offload_on_host = _offloaded_activations_on_host(tracker)
+    with Fp32HalfKernels() if wide else contextlib.nullcontext(), tracker, offload_on_host:
         for i, batch in enumerate(batches):
             tracker.phase = f"iteration {i + 1} forward"
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 step_module.train_step(model, optimizer, batch, clip_grad=cfg.train.clip_grad)
-    inner = getattr(optimizer, "optimizer", optimizer)
-    state = [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
-    classes = {"parameters": params + main, "optimizer state": state}
-    # What a GPU run keeps in host memory under --optimizer-cpu-offload (all parameters
-    # offloaded): fp32 main parameters, Adam's state and the host-held fp32 gradients. They
-    # stay the same size through forward and backward, so a phase's device peak is its peak
-    # less these bytes (the device's gradient staging is tracked like any tensor).
-    host_bytes = _storage_bytes(main + state + main_grads) if offloaded else 0
+    classes = {"parameters": params + main, "optimizer state": adam_state()}
     phases = {}
     for phase, peak in tracker.peaks.items():
         phases[phase] = {
-            "peak": peak.bytes,
+            # every storage, the host-held ones included (a CPU run's one memory)
+            "peak": tracker.total_peaks[phase],
+            # the device's alone, as a GPU run holds it: offloaded activations and, under
+            # --optimizer-cpu-offload, main parameters, main gradients and Adam's state apart
+            # (offloaded, the step and its temporaries run on the host)
+            "device_peak": None if offloaded and phase.endswith("optimizer") else peak.bytes,
             "where": peak.where,
-            "breakdown": tracker.peak_breakdown(phase, classes),
-            # offloaded, the step and its temporaries run on the host
-            "device_peak": None
-            if offloaded and phase.endswith("optimizer")
-            else peak.bytes - host_bytes,
+            "breakdown": tracker.peak_breakdown(phase, classes),  # at the device peak
         }
     return {
         "phases": phases,
@@ -362,6 +365,47 @@ def _storage_bytes(tensors) -> int:
     return sum(
         {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()
     )
+
+
+@contextlib.contextmanager
+def _offloaded_activations_on_host(tracker):
+    """The activation offload as on a GPU: the parked input is a copy in host memory (the
+    device tensor dies with its last device reference) and the prefetch makes a new device
+    tensor. A CPU run otherwise keeps the device tensor itself (mpu/offload.py)."""
+    from megatron_ul.mpu.offload import OffloadedTensor
+
+    init, prefetch = OffloadedTensor.__init__, OffloadedTensor.prefetch
+
+    def parked(self, offloader, x, previous):
+        init(self, offloader, x, previous)
+        if offloader.stream is None:
+            self.host = x.detach().clone()
+            tracker.hold_on_host([self.host])
+
+    def fetched_back(self):
+        if self.on_device is None and self.host is not None and self.offloader.stream is None:
+            self.host = self.host.clone()  # the device copy; the host one dies once fetched
+        prefetch(self)
+
+    OffloadedTensor.__init__ = parked  # type: ignore[method-assign]
+    OffloadedTensor.prefetch = fetched_back  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        OffloadedTensor.__init__ = init  # type: ignore[method-assign]
+        OffloadedTensor.prefetch = prefetch  # type: ignore[method-assign]
+
+
+def _after(owner, name: str, then) -> None:
+    """owner.name(...) followed by then()."""
+    inner = getattr(owner, name)
+
+    def wrapped(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        then()
+        return out
+
+    setattr(owner, name, wrapped)
 
 
 def _phase_wrap(owner, name: str, tracker, phase: str) -> None:
@@ -398,27 +442,37 @@ def _mark_backward_stages(model, tracker) -> None:
         head.register_forward_pre_hook(stage("loss backward"))
 
 
+def peak_argv(
+    hidden: int, seq_length: int, sp: int = 1, cp: int = 1, extra=(), documents: bool = True
+) -> list[str]:
+    """The bench model's flags for one configuration (without documents: one causal
+    sequence, --reset-attention-mask and --reset-position-ids left out)."""
+    context = LONG_CONTEXT
+    if not documents:
+        context = [
+            f for f in LONG_CONTEXT if f not in ("--reset-attention-mask", "--reset-position-ids")
+        ]
+    return (
+        PEAK_MODEL
+        + context
+        + list(extra)
+        + ["--hidden-size", str(hidden), "--seq-length", str(seq_length)]
+        + ["--global-batch-size", "1", "--ds-sequence-parallel-size", str(sp)]
+        + ["--context-parallel-size", str(cp)]
+    )
+
+
 def measure_peak(
-    hidden: int, seq_length: int, precision: str, sp: int = 1, cp: int = 1, extra: tuple = ()
+    hidden: int,
+    seq_length: int,
+    precision: str,
+    sp: int = 1,
+    cp: int = 1,
+    extra: tuple = (),
+    documents: bool = True,
 ) -> dict:
     """The fullest rank's result of `peak_worker` for one configuration."""
-    argv = (
-        PEAK_MODEL
-        + LONG_CONTEXT
-        + list(extra)
-        + [
-            "--hidden-size",
-            str(hidden),
-            "--seq-length",
-            str(seq_length),
-            "--global-batch-size",
-            "1",
-            "--ds-sequence-parallel-size",
-            str(sp),
-            "--context-parallel-size",
-            str(cp),
-        ]
-    )
+    argv = peak_argv(hidden, seq_length, sp, cp, extra, documents)
     # tracked op by op, two iterations at up to 64K tokens: hours on a loaded 2-core machine
     results = run_ranks(peak_worker, sp * cp, argv, precision, timeout=4 * 3600.0)
     return max(results, key=lambda r: r["peak"])

@@ -17,6 +17,10 @@ bounds it.
 
 Peaks are kept per phase (the caller names phases), so the peak of the layers' backward is
 not hidden behind a larger one in the optimizer step.
+
+Device only: what a GPU run keeps in host memory (offloaded activations, host-held optimizer
+state) is handed to `hold_on_host` and counted apart (`host_bytes`) from then on, so the peaks
+and their breakdowns are the device's; `total_peaks` keeps the peaks of both together.
 """
 
 from __future__ import annotations
@@ -48,13 +52,14 @@ class Peak:
         self.snapshot: list = []
         self.snapshot_bytes = 0
 
-    def update(self, live: int, where, storages: dict, classify) -> None:
+    def update(self, live: int, where, storages, classify) -> None:
+        """storages() -> {key: entry} of what is alive (called only to photograph)."""
         if live <= self.bytes:
             return
         self.bytes, self.where = live, where()
         if live > self.snapshot_bytes * (1 + SNAPSHOT_STEP):
             classes = _class_of_keys(classify())
-            self.snapshot = [(key, e[0], classes.get(key, e[2])) for key, e in storages.items()]
+            self.snapshot = [(key, e[0], classes.get(key, e[2])) for key, e in storages().items()]
             self.snapshot_bytes = live
 
 
@@ -87,9 +92,11 @@ class LiveTensorTracker(TorchDispatchMode):
         self.phase = "setup"
         self._names = {m: n for n, m in model.named_modules()} if model is not None else {}
         self._module_stack: list[str] = []
-        self._storages: dict = {}  # key -> [bytes, live tensor count, label]
-        self.live_bytes = 0
+        self._storages: dict = {}  # key -> [bytes, live tensor count, label, on host]
+        self.live_bytes = 0  # on the device
+        self.host_bytes = 0
         self.peaks: dict[str, Peak] = defaultdict(Peak)
+        self.total_peaks: dict[str, int] = defaultdict(int)  # device + host
         self._hooks: list = []
         for t in preexisting:
             self._register(t, "preexisting")
@@ -133,7 +140,7 @@ class LiveTensorTracker(TorchDispatchMode):
             return
         entry = self._storages.get(key)
         if entry is None:
-            entry = self._storages[key] = [nbytes, 0, label]
+            entry = self._storages[key] = [nbytes, 0, label, False]
             self.live_bytes += nbytes
         entry[1] += 1
         finalizer = weakref.finalize(t, self._release, key)
@@ -147,8 +154,22 @@ class LiveTensorTracker(TorchDispatchMode):
             return
         entry[1] -= 1
         if entry[1] == 0:
-            self.live_bytes -= entry[0]
+            if entry[3]:
+                self.host_bytes -= entry[0]
+            else:
+                self.live_bytes -= entry[0]
             del self._storages[key]
+
+    def hold_on_host(self, tensors) -> None:
+        """The storages of `tensors` are in host memory on a GPU run: counted apart from the
+        device's from now until they die."""
+        for t in tensors:
+            key, _ = _storage_key(t)
+            entry = self._storages.get(key) if key is not None else None
+            if entry is not None and not entry[3]:
+                entry[3] = True
+                self.live_bytes -= entry[0]
+                self.host_bytes += entry[0]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.set_.default and len(args) == 1:  # emptied
@@ -162,9 +183,15 @@ class LiveTensorTracker(TorchDispatchMode):
                 label = label or self._label(func)
                 self._register(t, label)
         self.peaks[self.phase].update(
-            self.live_bytes, lambda: self._label(func), self._storages, self._classify
+            self.live_bytes, lambda: self._label(func), self._device_storages, self._classify
         )
+        total = self.live_bytes + self.host_bytes
+        if total > self.total_peaks[self.phase]:
+            self.total_peaks[self.phase] = total
         return out
+
+    def _device_storages(self) -> dict:
+        return {key: e for key, e in self._storages.items() if not e[3]}
 
     # ---- results -----------------------------------------------------------------------------
     def peak(self, phase: str | None = None) -> tuple[str, Peak]:
