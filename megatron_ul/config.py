@@ -153,6 +153,50 @@ class ModelConfig:
         help="sliding-window attention LEFT RIGHT: token i sees tokens i-LEFT..i of its "
         "document (RIGHT must be 0; -1 = unlimited; Megatron-core's window_size)",
     )
+    # Block-sparse attention: DeepSpeed's sparsity configs and parameter names (0.18.9, its
+    # last release with them); model/block_sparse_layouts.py. Unset counts: the pattern's
+    # DeepSpeed default.
+    sparse_attention: Optional[Literal["fixed", "bigbird", "bslongformer", "variable"]] = flag(
+        None,
+        help="block-sparse attention pattern (DeepSpeed's Fixed, BigBird, BSLongformer, "
+        "Variable); causal on top of it; combines with documents and --window-size",
+    )
+    sparse_block_size: int = flag(16, help="block-sparse attention: tokens per block side")
+    sparse_attention_direction: Literal["unidirectional", "bidirectional"] = flag(
+        "unidirectional",
+        help="DeepSpeed's `attention`: which layout is built (bidirectional adds global "
+        "rows and draws random blocks from the whole row); tokens stay causal either way",
+    )
+    sparse_different_layout_per_head: bool = flag(
+        False, help="block-sparse attention: a layout per head (random draws, global patterns)"
+    )
+    sparse_num_local_blocks: Optional[int] = flag(
+        None, help="fixed: blocks per local window (default 4)"
+    )
+    sparse_num_global_blocks: Optional[int] = flag(
+        None, help="fixed: global blocks per local window; bigbird: leading global blocks (1)"
+    )
+    sparse_horizontal_global_attention: bool = flag(
+        False, help="fixed, variable: global blocks also attend to every block (bidirectional)"
+    )
+    sparse_num_different_global_patterns: Optional[int] = flag(
+        None, help="fixed: distinct global-block positions over the heads (default 1)"
+    )
+    sparse_num_random_blocks: Optional[int] = flag(
+        None, help="bigbird (default 1), variable (0): random blocks per block row"
+    )
+    sparse_num_sliding_window_blocks: Optional[int] = flag(
+        None, help="bigbird, bslongformer: blocks of the sliding window (default 3)"
+    )
+    sparse_local_window_blocks: Optional[list[int]] = flag(
+        None, help="variable: sizes of the first local windows, the last repeated (default 4)"
+    )
+    sparse_global_block_indices: Optional[list[int]] = flag(
+        None, help="bslongformer, variable: global blocks (default 0), or range starts"
+    )
+    sparse_global_block_end_indices: Optional[list[int]] = flag(
+        None, help="bslongformer, variable: exclusive ends of the global ranges"
+    )
 
     @property
     def head_dim(self) -> int:

@@ -34,6 +34,7 @@ from .config import (
     flag_names,
 )
 from .data.gpt_dataset import parse_data_path, parse_split
+from .sparsity_config import sparse_attention_problems
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,12 @@ RANGES: dict[str, Range] = {
     "model.tiled_loss_chunk_size": at_least(1),
     "model.tiled_mlp_chunk_size": at_least(1),
     "model.attention_block_tiles": at_least(1),
+    "model.sparse_block_size": at_least(1),
+    "model.sparse_num_local_blocks": at_least(1),
+    "model.sparse_num_global_blocks": at_least(1),
+    "model.sparse_num_different_global_patterns": at_least(1),
+    "model.sparse_num_random_blocks": at_least(0),
+    "model.sparse_num_sliding_window_blocks": at_least(1),
     # parallel
     "parallel.tensor_model_parallel_size": at_least(1),
     "parallel.ds_sequence_parallel_size": at_least(1),
@@ -137,6 +144,12 @@ RANGES: dict[str, Range] = {
 }
 # Numeric fields that a rule below judges instead of a range (_long_context_errors, _zero_errors).
 JUDGED_BY_RULES = {"model.window_size", "parallel.zero_stage"}
+# The block-sparse pattern's index lists (model/block_sparse_layouts.sparse_attention_problems).
+JUDGED_BY_RULES |= {
+    "model.sparse_local_window_blocks",
+    "model.sparse_global_block_indices",
+    "model.sparse_global_block_end_indices",
+}
 # The layout rules divide by these: while one is out of range, those rules would only add noise.
 DIVISORS = {
     "parallel.tensor_model_parallel_size",
@@ -186,6 +199,7 @@ def problems(cfg: Config, given: Optional[Config] = None) -> list[str]:
     found += _data_errors(cfg.data, m)
     found += _recompute_errors(m)
     found += _long_context_errors(cfg)
+    found += sparse_attention_problems(cfg)
     found += _zero_errors(p)
     found += _overlap_errors(p, t)
     found += _loss_scale_errors(t)

@@ -18,6 +18,7 @@ LEVELS = {
     "mpu": 1,
     "data": 1,
     "arguments": 1,  # parallel primitives; data; the command line
+    "sparsity_config": 1,  # the block-sparse patterns as configuration (reads config)
     "model": 2,
     "initialize": 2,
     "config_rules": 2,
