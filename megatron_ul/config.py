@@ -197,6 +197,41 @@ class ModelConfig:
     sparse_global_block_end_indices: Optional[list[int]] = flag(
         None, help="bslongformer, variable: exclusive ends of the global ranges"
     )
+    # Mixture of experts (Megatron-LM's flags and defaults; model/moe/, docs/moe.md).
+    num_experts: Optional[int] = flag(None, help="MoE: experts per MoE layer (None: dense MLPs)")
+    moe_ffn_hidden_size: Optional[int] = flag(
+        None, help="MoE: each expert's hidden size (default --ffn-hidden-size)"
+    )
+    moe_router_topk: int = flag(2, help="MoE: experts each token is routed to")
+    moe_layer_freq: int = flag(
+        1, help="MoE: every this many layers is an MoE layer, starting with the first"
+    )
+    moe_router_load_balancing_type: Literal["aux_loss", "seq_aux_loss", "none"] = flag(
+        "aux_loss", help="MoE: load-balancing loss (Switch per micro-batch, or per sequence)"
+    )
+    moe_aux_loss_coeff: float = flag(0.0, help="MoE: load-balancing loss coefficient")
+    moe_z_loss_coeff: Optional[float] = flag(None, help="MoE: router z-loss coefficient")
+    moe_router_pre_softmax: bool = flag(
+        False, help="MoE: softmax over all experts before top-k (default: over the k chosen)"
+    )
+    moe_expert_capacity_factor: Optional[float] = flag(
+        None, help="MoE: expert capacity as a multiple of an even share; drops the excess"
+    )
+    moe_token_drop_policy: Literal["probs", "position"] = flag(
+        "probs", help="MoE: over capacity, keep the highest-probability or the first tokens"
+    )
+    moe_pad_expert_input_to_capacity: bool = flag(
+        False, help="MoE: pad every expert's input to its capacity (static shapes)"
+    )
+    moe_shared_expert_intermediate_size: Optional[int] = flag(
+        None, help="MoE: hidden size of a shared expert every token goes through"
+    )
+    moe_grouped_gemm: bool = flag(
+        False, help="MoE: torch's grouped GEMM for the local experts (CUDA, bf16)"
+    )
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = flag(
+        "allgather", help="MoE: how tokens reach the experts over the EP group"
+    )
 
     @property
     def head_dim(self) -> int:
@@ -222,6 +257,14 @@ class ModelConfig:
             return int(4 * self.hidden_size * 2 / 3 / 64) * 64
         return 4 * self.hidden_size
 
+    @property
+    def moe_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Layer `layer_number` (1-based) is MoE: every --moe-layer-freq-th from the first."""
+        return self.num_experts is not None and (layer_number - 1) % self.moe_layer_freq == 0
+
     def padded_vocab_size(self, tensor_parallel_size: int) -> int:
         multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
         return int(math.ceil(self.vocab_size / multiple) * multiple)
@@ -239,6 +282,12 @@ class ParallelConfig:
         "sequence is split over SP × CP ranks",
     )
     pipeline_model_parallel_size: int = flag(1, help="pipeline stages PP")
+    expert_model_parallel_size: int = flag(
+        1, help="MoE: expert-parallel degree EP, carved from DP × CP × SP"
+    )
+    expert_tensor_parallel_size: Optional[int] = flag(
+        None, help="MoE: tensor-parallel degree of each expert (default and only value: TP)"
+    )
     num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
         None, help="layers per virtual stage: interleaved 1F1B with several chunks per rank"
     )
@@ -254,7 +303,11 @@ class ParallelConfig:
     use_distributed_optimizer: bool = flag(
         False, help="ZeRO-1: shard the optimizer state over DP×SP (same as --zero-stage 1)"
     )
-    zero_stage: int = flag(0, help="1: ZeRO-1 (distributed optimizer); 3: ZeRO-3 via FSDP2")
+    zero_stage: int = flag(
+        0,
+        help="1: ZeRO-1 (distributed optimizer); 2: ZeRO-2 (gradients sharded too); "
+        "3: ZeRO-3 via FSDP2",
+    )
     overlap_grad_reduce: bool = flag(
         False,
         help="reduce gradients over DP×SP in buckets while backward runs (plain data "
@@ -452,6 +505,15 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = flag(1, help="report every this many iterations")
     tensorboard_dir: Optional[str] = flag(None, help="write TensorBoard scalars here")
+    wandb_project: Optional[str] = flag(
+        None,
+        help="log the TensorBoard scalars to this Weights & Biases project as well (needs the "
+        "wandb package; WANDB_MODE=offline writes locally)",
+    )
+    wandb_exp_name: Optional[str] = flag(None, help="the W&B run's name (with --wandb-project)")
+    wandb_save_dir: Optional[str] = flag(
+        None, help="W&B's local run directory; default --save/wandb (with --wandb-project)"
+    )
     timing_log_level: Literal[0, 1, 2] = flag(
         0,
         help="0: iteration time; 1: + forward, backward, all-to-all, gradient reduction, "

@@ -34,6 +34,7 @@ from .config import (
     flag_names,
 )
 from .data.gpt_dataset import parse_data_path, parse_split
+from .moe_rules import moe_problems
 from .sparsity_config import sparse_attention_problems
 
 
@@ -95,6 +96,14 @@ RANGES: dict[str, Range] = {
     "model.tiled_loss_chunk_size": at_least(1),
     "model.tiled_mlp_chunk_size": at_least(1),
     "model.attention_block_tiles": at_least(1),
+    "model.num_experts": at_least(1),
+    "model.moe_ffn_hidden_size": at_least(1),
+    "model.moe_router_topk": at_least(1),
+    "model.moe_layer_freq": at_least(1),
+    "model.moe_aux_loss_coeff": at_least(0),
+    "model.moe_z_loss_coeff": at_least(0),
+    "model.moe_expert_capacity_factor": above(0),
+    "model.moe_shared_expert_intermediate_size": at_least(1),
     "model.sparse_block_size": at_least(1),
     "model.sparse_num_local_blocks": at_least(1),
     "model.sparse_num_global_blocks": at_least(1),
@@ -106,6 +115,8 @@ RANGES: dict[str, Range] = {
     "parallel.ds_sequence_parallel_size": at_least(1),
     "parallel.context_parallel_size": at_least(1),
     "parallel.pipeline_model_parallel_size": at_least(1),
+    "parallel.expert_model_parallel_size": at_least(1),
+    "parallel.expert_tensor_parallel_size": at_least(1),
     "parallel.num_layers_per_virtual_pipeline_stage": at_least(1),
     "parallel.distributed_timeout_minutes": above(0),
     "parallel.ddp_bucket_size": at_least(1),
@@ -166,6 +177,12 @@ DIVISORS = {
     "model.ffn_hidden_size",
     "model.seq_length",
     "model.attention_block_tiles",
+    "model.num_experts",
+    "model.moe_router_topk",
+    "model.moe_ffn_hidden_size",
+    "model.moe_shared_expert_intermediate_size",
+    "parallel.expert_model_parallel_size",
+    "parallel.expert_tensor_parallel_size",
     "train.micro_batch_size",
     "train.global_batch_size",
 }
@@ -207,6 +224,7 @@ def problems(cfg: Config, given: Optional[Config] = None) -> list[str]:
     found += _precision_errors(t, p)
     if not bad_fields & DIVISORS:
         found += _layout_errors(cfg)
+        found += moe_problems(cfg)
     return found
 
 
@@ -410,9 +428,10 @@ def _long_context_errors(cfg: Config) -> list[str]:
 def _overlap_errors(p: ParallelConfig, t: TrainConfig) -> list[str]:
     """Megatron's rules for --overlap-grad-reduce, --overlap-param-gather."""
     errors = []
-    if p.overlap_param_gather and not p.use_distributed_optimizer:
+    if p.overlap_param_gather and p.zero_stage not in (1, 2):
         errors.append(
-            "--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1); "
+            "--overlap-param-gather needs --use-distributed-optimizer (ZeRO-1) or "
+            "--zero-stage 2; "
             "ZeRO-3 (FSDP2) prefetches its all-gathers by itself"
         )
     if p.overlap_param_gather and not p.overlap_grad_reduce:
@@ -599,16 +618,16 @@ def _attention_tile_errors(
 
 
 def _zero_errors(p: ParallelConfig) -> list[str]:
-    """--use-distributed-optimizer is ZeRO-1; --zero-stage picks 1 or 3 (FSDP2)."""
+    """--use-distributed-optimizer is ZeRO-1; --zero-stage picks 1, 2 or 3 (FSDP2)."""
     errors = []
-    if p.zero_stage not in (0, 1, 3):
+    if p.zero_stage not in (0, 1, 2, 3):
         errors.append(
             f"--zero-stage {p.zero_stage} is not available: use 1 (same as "
-            f"--use-distributed-optimizer) or 3 (FSDP2); stage 2 is not provided"
+            f"--use-distributed-optimizer), 2 (gradients sharded too) or 3 (FSDP2)"
         )
-    if p.use_distributed_optimizer and p.zero_stage == 3:
+    if p.use_distributed_optimizer and p.zero_stage in (2, 3):
         errors.append(
-            "--use-distributed-optimizer (ZeRO-1) and --zero-stage 3 conflict; "
+            f"--use-distributed-optimizer (ZeRO-1) and --zero-stage {p.zero_stage} conflict; "
             "pass only one of them"
         )
     return errors

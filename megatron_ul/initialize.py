@@ -85,6 +85,7 @@ def initialize_distributed(cfg: Config) -> tuple[torch.device, ParallelDims]:
         p.pipeline_model_parallel_size,
         timeout=timeout,
         context_parallel_size=p.context_parallel_size,
+        expert_model_parallel_size=p.expert_model_parallel_size,
     )
     model_parallel_seed(cfg.train.seed, dims, device.type)
     if rank == 0:

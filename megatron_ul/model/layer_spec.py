@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from ..mpu.param_init import deferred
 from ..mpu.param_spec import param_spec
 from ..mpu.parallel_state import single_rank_dims
 from .mlp import MLP, SwiGLUMLP
+from .moe.layer import MoELayer
 from .norms import LayerNorm, Norm, RMSNorm
 from .transformer import SelfAttention, TransformerLayer
 
@@ -40,6 +41,14 @@ class LayerSpec:
     attention: type[SelfAttention]
     mlp: type[MLP]
     norm: type[Norm]  # both of the layer's norms and the final norm
+    moe: type[nn.Module] | None = None  # the MLP slot of MoE layers (ModelConfig.is_moe_layer)
+
+    def mlp_for(self, cfg: ModelConfig, layer_number: int) -> type[MLP]:
+        if self.moe is not None and cfg.is_moe_layer(layer_number):
+            # MoELayer answers the MLP's interface (forward, saved_bytes, gradient_bytes,
+            # saved_blocks, chunk_tokens) without its fc1/fc2.
+            return cast("type[MLP]", self.moe)
+        return self.mlp
 
     def build_norm(self, cfg: ModelConfig, sequence_parallel: bool, device, dtype) -> Norm:
         return self.norm(
@@ -60,7 +69,8 @@ def layer_spec(cfg: ModelConfig) -> LayerSpec:
         raise ValueError(
             f"--normalization {cfg.normalization!r} is not a norm (choose from {sorted(NORMS)})"
         )
-    return LayerSpec(SelfAttention, MLPS[mlp_choice(cfg)], NORMS[cfg.normalization])
+    moe = MoELayer if cfg.num_experts is not None else None
+    return LayerSpec(SelfAttention, MLPS[mlp_choice(cfg)], NORMS[cfg.normalization], moe)
 
 
 def described_layer(cfg: ModelConfig) -> TransformerLayer:

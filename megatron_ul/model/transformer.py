@@ -153,7 +153,7 @@ class TransformerLayer(nn.Module):
         self.input_norm = spec.build_norm(cfg, sequence_parallel, device, dtype)
         self.attention = spec.attention(cfg, key + ".attention", *args, timers=timers, dims=dims)
         self.post_attention_norm = spec.build_norm(cfg, sequence_parallel, device, dtype)
-        self.mlp = spec.mlp(cfg, key + ".mlp", *args, dims=dims)
+        self.mlp = spec.mlp_for(cfg, layer_number)(cfg, key + ".mlp", *args, dims=dims)
         self.hidden_dropout = cfg.hidden_dropout
         self.sequence_parallel = sequence_parallel
         self.attention_tiles = cfg.attention_block_tiles

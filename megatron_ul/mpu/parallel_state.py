@@ -43,6 +43,10 @@ class GridGroups:
     cp_sp_tp: Any  # one model replica's data-parallel-free slice (checks)
     pp_tp: Any  # model-parallel (one copy of the model): clipping norms, consistency checks
     embedding: Any  # first and last pipeline stage of this rank's (dp, cp, sp, tp) column
+    # Expert parallelism splits dp_cp_sp (index sp + SP·(cp + CP·dp)) as ep + EP·expert_dp,
+    # EP fastest (megatron-core carves EP from DP × CP the same way, after expert-TP = TP).
+    ep: Any = None  # the experts are sharded over these; tokens travel between them
+    expert_dp: Any = None  # replicas of one expert shard: expert gradients sum here
 
 
 # The axes each GridGroups field (but embedding, built on its own) spans.
@@ -72,6 +76,7 @@ class ParallelDims:
     group_ranks: GridGroups  # list of global ranks each
     embedding_ranks: list[int]  # first and last pipeline stage of this rank's column
     cp: int = 1  # ring-attention degree (--context-parallel-size)
+    ep: int = 1  # expert-parallel degree (--expert-model-parallel-size), within DP × CP × SP
 
     @property
     def world_size(self) -> int:
@@ -105,6 +110,28 @@ class ParallelDims:
     @property
     def dp_cp_sp_rank(self) -> int:
         return self.coords["sp"] + self.sp * (self.coords["cp"] + self.cp * self.coords["dp"])
+
+    @property
+    def ep_rank(self) -> int:
+        return self.dp_cp_sp_rank % self.ep
+
+    @property
+    def expert_dp_size(self) -> int:
+        return self.dp_cp_sp_size // self.ep
+
+    @property
+    def expert_dp_rank(self) -> int:
+        return self.dp_cp_sp_rank // self.ep
+
+    @property
+    def ep_group(self):
+        """The ranks the experts are sharded over (MoE token all-to-all)."""
+        return self.groups.ep
+
+    @property
+    def expert_dp_group(self):
+        """Ranks holding the same experts: expert gradients sum here (not over EP)."""
+        return self.groups.expert_dp
 
     @property
     def sequence_split(self) -> tuple[int, int]:
@@ -219,6 +246,7 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     timeout: datetime.timedelta | None = None,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
 ) -> ParallelDims:
     """Build every group and return the grid. Must be called on all ranks after
     init_process_group. Keeps nothing: the caller hands the result to what needs it."""
@@ -232,6 +260,9 @@ def initialize_model_parallel(
         )
     grid = _grid(world, tp, sp, pp, cp)
     dp = grid.shape[1]
+    ep = expert_model_parallel_size
+    if (dp * cp * sp) % ep != 0:
+        raise ValueError(f"DP×CP×SP = {dp}×{cp}×{sp} is not divisible by EP = {ep}")
     where = (grid == rank).nonzero()[0].tolist()
     coords = dict(zip(_AXES, where))
 
@@ -254,6 +285,11 @@ def initialize_model_parallel(
             groups["embedding"], embedding_ranks = group, ranks
     groups.setdefault("embedding", None)  # a middle stage holds no embedding
     group_ranks["embedding"] = embedding_ranks or []
+    for name, ranks_list in _expert_groups(grid, ep).items():
+        for ranks in ranks_list:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                groups[name], group_ranks[name] = group, ranks
     return ParallelDims(
         tp,
         sp,
@@ -264,7 +300,21 @@ def initialize_model_parallel(
         GridGroups(**group_ranks),
         embedding_ranks or [],
         cp=cp,
+        ep=ep,
     )
+
+
+def _expert_groups(grid: torch.Tensor, ep: int) -> dict[str, list[list[int]]]:
+    """EP and expert-DP rank lists: each (pp, tp) slice's dp_cp_sp ranks in dp_cp_sp order,
+    cut into consecutive runs of EP (the EP groups) and their strided complements."""
+    pp, dp, cp, sp, tp = grid.shape
+    per_slice = grid.permute(0, 4, 1, 2, 3).reshape(pp * tp, dp * cp * sp // ep, ep)
+    return {
+        "ep": [row.tolist() for row in per_slice.reshape(-1, ep)],
+        "expert_dp": [
+            row.tolist() for row in per_slice.transpose(1, 2).reshape(-1, dp * cp * sp // ep)
+        ],
+    }
 
 
 def single_rank_dims() -> ParallelDims:
