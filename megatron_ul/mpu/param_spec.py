@@ -27,6 +27,9 @@ class ParamSpec:
     # How training treats the parameter in this run, not how it is stored (so not in to_json):
     sequence_parallel: bool = False  # TP-replicated, sees a sequence chunk: grads sum over TP
     tied_replica: bool = False  # the last stage's copy of the tied word embeddings
+    # The ParallelDims group (named without `_group`) its gradient sums over: dp_cp_sp for
+    # dense parameters; an expert's names its expert-data-parallel group.
+    grad_group: str = "dp_cp_sp"
 
     @property
     def tensor_parallel(self) -> bool:
