@@ -96,16 +96,19 @@ def train_and_collect(rank: int, world: int, argv: list[str]) -> dict:
     dims = model_dims(trainer.model)
     losses = trainer.train()
     shards = {}
+    experts = set()  # sharded over EP, replicated over expert-DP only
     # Global names (layer numbers, not per-stage indices), so pipeline stages merge.
     for name, p in global_named_parameters(trainer.model):
         full = p.full_tensor() if isinstance(p, DTensor) else p
+        if param_spec(p).grad_group == "expert_dp":
+            experts.add(name)
         shards[name] = (
             full.detach().clone(),
             param_spec(p).partition_dim,
             param_spec(p).partition_stride,
         )
-    if dims.dp_cp_sp_rank != 0:  # keep DP, CP and SP coordinate 0
-        shards = {}
+    if dims.dp_cp_sp_rank != 0:  # keep DP, CP and SP coordinate 0, and every EP rank's experts
+        shards = {n: s for n, s in shards.items() if n in experts and dims.expert_dp_rank == 0}
     return {
         "losses": losses,
         "tp_rank": dims.tp_rank,

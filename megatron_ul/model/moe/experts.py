@@ -107,9 +107,10 @@ class Experts(nn.Module):
                 for e in range(self.first, self.first + per_rank)
             }
         )
-        for p in self.local_experts.parameters():
-            # Replicated over expert-DP only: gradients sum there (not over EP).
-            set_param_spec(p, grad_group="expert_dp")
+        if ep_size > 1:
+            for p in self.local_experts.parameters():
+                # Replicated over expert-DP only: gradients sum there (not over EP).
+                set_param_spec(p, grad_group="expert_dp")
 
     def experts(self) -> list[ExpertMLP]:
         return [cast(ExpertMLP, e) for e in self.local_experts.values()]
