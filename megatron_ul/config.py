@@ -154,8 +154,8 @@ class ModelConfig:
         "document (RIGHT must be 0; -1 = unlimited; Megatron-core's window_size)",
     )
     # Block-sparse attention: DeepSpeed's sparsity configs and parameter names (0.18.9, its
-    # last release with them); model/block_sparse_layouts.py. Unset counts: the pattern's
-    # DeepSpeed default.
+    # last release with them): sparsity_config.py, model/attention/block_sparse*.py. Unset
+    # counts: the pattern's DeepSpeed default.
     sparse_attention: Optional[Literal["fixed", "bigbird", "bslongformer", "variable"]] = flag(
         None,
         help="block-sparse attention pattern (DeepSpeed's Fixed, BigBird, BSLongformer, "

@@ -155,7 +155,7 @@ RANGES: dict[str, Range] = {
 }
 # Numeric fields that a rule below judges instead of a range (_long_context_errors, _zero_errors).
 JUDGED_BY_RULES = {"model.window_size", "parallel.zero_stage"}
-# The block-sparse pattern's index lists (model/block_sparse_layouts.sparse_attention_problems).
+# The block-sparse pattern's index lists (sparsity_config.sparse_attention_problems).
 JUDGED_BY_RULES |= {
     "model.sparse_local_window_blocks",
     "model.sparse_global_block_indices",

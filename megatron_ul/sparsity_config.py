@@ -2,7 +2,7 @@
 BigBird, BSLongformer, Variable), their parameters with DeepSpeed's names and per-pattern
 defaults (0.18.9's `ops/sparse_attention/sparsity_config.py`, its last release with them), the
 --sparse-* flags that set them, and their rules. Plain data: the layouts themselves are built
-by model/block_sparse_layouts.py.
+by model/attention/block_sparse_layouts.py and run by model/attention/block_sparse.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 from megatron_ul.arguments import parse_args
 from megatron_ul.config import resolve
 from megatron_ul.config_rules import problems
-from megatron_ul.model.block_sparse_layouts import (
+from megatron_ul.model.attention.block_sparse_layouts import (
     RANDOM_ROWS,
     block_layout,
     computed_blocks,

@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..sparsity_config import SparsityPattern
+from ...sparsity_config import SparsityPattern
 
 # Rows of random blocks drawn from one generator state: a band of rows draws the same blocks
 # as the whole layout does.

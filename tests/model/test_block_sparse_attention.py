@@ -1,0 +1,148 @@
+"""Block-sparse attention against the softmax written out in fp64 over the dense token mask
+(layout expanded to tokens, causal, documents, window: tests only), forward and backward; the
+rectangles cover each computed block exactly once; the CUDA path through the strict stand-in
+of torch's efficient kernel."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ul.model.attention import lse_kernels
+from megatron_ul.model.attention.block_sparse import (
+    LayerSparsity,
+    block_sparse_attention,
+    rectangles,
+)
+from megatron_ul.model.attention.block_sparse_layouts import block_layout
+from megatron_ul.model.attention.documents import DocumentMask
+from megatron_ul.sparsity_config import SparsityPattern
+from tests.stand_ins.sdpa_efficient_cuda import EfficientOps
+
+N, B, HQ, HK, D, BLOCK = 64, 2, 4, 2, 8, 8
+
+PATTERNS = {
+    "fixed": dict(num_local_blocks=2, different_layout_per_head=True,
+                  num_different_global_patterns=2),
+    "bigbird": dict(num_random_blocks=2, different_layout_per_head=True),
+    "bslongformer": dict(num_sliding_window_blocks=1, global_block_indices=[2, 5]),
+    "variable": dict(local_window_blocks=[1, 3], global_block_indices=[1], num_random_blocks=1,
+                     attention="bidirectional", horizontal_global_attention=True),
+}  # fmt: skip
+
+
+def _reference(q, k, v, mask, scale):
+    """q [N, b, hq, d]; mask [b, hq, N, N] True = visible; fp64 softmax written out."""
+    group = q.shape[2] // k.shape[2]
+    kx, vx = (t.repeat_interleave(group, 2) for t in (k, v))
+    s = torch.einsum("qbhd,kbhd->bhqk", q, kx) * scale
+    p = torch.softmax(s.masked_fill(~mask, float("-inf")), -1)
+    return torch.einsum("bhqk,kbhd->qbhd", p, vx)
+
+
+def _token_mask(pattern, heads, seed, layer, documents, window):
+    layout = block_layout(pattern, heads, N, seed=seed, layer=layer)
+    mask = layout.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)  # [h, N, N]
+    pos = torch.arange(N)
+    visible = pos.unsqueeze(0) <= pos.unsqueeze(1)
+    if window is not None:
+        visible = visible & (pos.unsqueeze(1) - pos.unsqueeze(0) <= window)
+    visible = mask.unsqueeze(0) & visible
+    if documents is not None:
+        ids = documents.token_documents()
+        visible = visible & (ids.unsqueeze(2) == ids.unsqueeze(1)).unsqueeze(1)
+    return visible.expand(B, heads, N, N)
+
+
+def _inputs(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(N, B, h, D, generator=g, dtype=dtype).requires_grad_() for h in (HQ, HK, HK)
+    ]
+
+
+DOCS = DocumentMask(torch.tensor([0, 13, 40, 64, 64 + 30, 128], dtype=torch.int32), B)
+
+
+@pytest.mark.parametrize("mode", list(PATTERNS))
+@pytest.mark.parametrize("documents,window", [(None, None), (DOCS, None), (DOCS, 19), (None, 11)])
+def test_matches_fp64_dense_masked_reference(mode, documents, window):
+    pattern = SparsityPattern.create(mode, block=BLOCK, **PATTERNS[mode])
+    sparsity = LayerSparsity(pattern, HQ, seed=5, layer=2)
+    q, k, v = _inputs()
+    out = block_sparse_attention(
+        q, k, v, sparsity.plan(N, range(HQ), HK), documents=documents, window=window
+    )
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    mask = _token_mask(pattern, HQ, 5, 2, documents, window)
+    want = _reference(q, k, v, mask, D**-0.5)
+    want_grads = torch.autograd.grad(want, (q, k, v), dout)
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+
+
+def test_a_ranks_global_heads_take_their_own_layout_rows():
+    """Ulysses: a rank holding global heads 2 and 3 (and kv head 1) computes what the whole
+    model computes for those heads."""
+    pattern = SparsityPattern.create("bigbird", block=BLOCK, **PATTERNS["bigbird"])
+    sparsity = LayerSparsity(pattern, HQ, seed=1, layer=0)
+    q, k, v = _inputs()
+    whole = block_sparse_attention(q, k, v, sparsity.plan(N, range(HQ), HK))
+    part = block_sparse_attention(
+        q[:, :, 2:].detach(), k[:, :, 1:].detach(), v[:, :, 1:].detach(),
+        sparsity.plan(N, [2, 3], 1),
+    )  # fmt: skip
+    assert torch.equal(part, whole[:, :, 2:].detach())
+    other = block_sparse_attention(
+        q[:, :, 2:].detach(), k[:, :, 1:].detach(), v[:, :, 1:].detach(),
+        sparsity.plan(N, [0, 1], 1),
+    )  # fmt: skip
+    assert not torch.equal(other, part)  # the rows of other heads would differ
+
+
+@pytest.mark.parametrize("mode", list(PATTERNS))
+def test_rectangles_cover_each_computed_block_once(mode):
+    pattern = SparsityPattern.create(mode, block=1, **PATTERNS[mode])
+    for head in range(HQ):
+        layout = block_layout(pattern, HQ, 40, seed=3, heads=[head])[0].numpy()
+        count = np.zeros((40, 40), dtype=int)
+        for r in rectangles(layout, 1):
+            if r.causal:
+                count[r.q0 : r.q1, r.k0 : r.k1] += np.tril(np.ones((r.q1 - r.q0,) * 2, int))
+            else:
+                count[r.q0 : r.q1, r.k0 : r.k1] += 1
+        assert (count == np.tril(layout)).all()
+
+
+def test_cuda_path_runs_the_efficient_kernel_through_the_strict_stand_in(monkeypatch):
+    """fp32 on the stand-in of torch's efficient CUDA kernel (its layout, alignment and lse
+    rules) against the fp64 reference."""
+    monkeypatch.setattr(lse_kernels, "cuda_ops", EfficientOps())
+    pattern = SparsityPattern.create("fixed", block=BLOCK, **PATTERNS["fixed"])
+    q, k, v = _inputs(torch.float32)
+    kernels = (lse_kernels.SDPA_EFFICIENT, lse_kernels.SDPA_EFFICIENT)
+    plan = LayerSparsity(pattern, HQ, seed=0, layer=0).plan(N, range(HQ), HK)
+    out = block_sparse_attention(q, k, v, plan, documents=DOCS, window=19, kernels=kernels)
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = _reference(*wide, _token_mask(pattern, HQ, 0, 0, DOCS, 19), D**-0.5)
+    want_grads = torch.autograd.grad(want, wide, dout.double())
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=2e-6)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=2e-5)
+
+
+def test_time_follows_the_blocks_calls_skip_what_documents_exclude():
+    pattern = SparsityPattern.create("bslongformer", block=BLOCK, num_sliding_window_blocks=1,
+                                     global_block_indices=[0])  # fmt: skip
+    plan = LayerSparsity(pattern, HQ, 0, 0).plan(N, range(HQ), HK)
+    from megatron_ul.model.attention.block_sparse import _Starts
+
+    one_document = plan.calls(None, None)
+    # a document start at every block: only the diagonal squares remain
+    docs = DocumentMask(torch.arange(0, 2 * N + 1, BLOCK, dtype=torch.int32), B)
+    split = plan.calls(None, _Starts.of(docs))
+    assert len(split) < len(one_document)
+    assert all(c.q0 == c.k0 and c.q1 == c.k1 for c in split)
