@@ -14,12 +14,14 @@ from typing import Optional
 import torch
 
 from ..config import ResolvedConfig, ModelConfig
+from ..model.attention.block_sparse_layouts import computed_blocks
+from ..sparsity_config import SparsityPattern
 from ..timers import NO_TIMERS, Timers
 
 log = logging.getLogger("megatron_ul")
 
 
-def flops_per_token(m: ModelConfig, padded_vocab: int) -> float:
+def flops_per_token(m: ModelConfig, padded_vocab: int, seed: int = 0) -> float:
     """Training FLOPs per token: 3 × forward (forward + backward = 2 × forward), where forward
     counts 2 FLOPs per multiply-add:
       QKV projection   2·h·(heads + 2·kv_groups)·d
@@ -28,14 +30,29 @@ def flops_per_token(m: ModelConfig, padded_vocab: int) -> float:
       output projection   2·heads·d·h
       MLP   2·h·ffn·(2 with SwiGLU: gate and up, else 1) + 2·ffn·h
       per layer; plus the logits 2·h·V once.
+    Block-sparse attention counts only the blocks its kernels run (`sparse_attention_flops`).
     """
     h, d, n = m.hidden_size, m.head_dim, m.seq_length
     qkv = 2 * h * (m.num_attention_heads + 2 * m.query_groups) * d
     attention = 2 * 2 * n * m.num_attention_heads * d
+    if m.sparse_attention is not None:
+        attention = sparse_attention_flops(m, seed)
     proj = 2 * m.num_attention_heads * d * h
     mlp = 2 * h * m.ffn_size * (2 if m.swiglu else 1) + 2 * m.ffn_size * h
     forward = m.num_layers * (qkv + attention + proj + mlp) + 2 * h * padded_vocab
     return 3.0 * forward
+
+
+def sparse_attention_flops(m: ModelConfig, seed: int = 0) -> float:
+    """Forward FLOPs per token of one layer's block-sparse scores and values, all heads:
+    2·2·d·B² per computed block (the layout's blocks at or below the diagonal, each run whole),
+    over N tokens. The blocks are counted on layer 0's layout: layers differ only by where
+    their random blocks fall (BigBird, Variable), at most --sparse-num-random-blocks per row."""
+    pattern = SparsityPattern.of(m)
+    assert pattern is not None
+    n, heads = m.seq_length, m.num_attention_heads
+    blocks = computed_blocks(pattern, heads, n, seed=seed, layers=(0,))
+    return 2 * 2 * m.head_dim * blocks * pattern.block**2 / n
 
 
 # Dense bf16 tensor-core peaks, TFLOP/s per GPU (vendor datasheets; sparsity excluded).
@@ -81,7 +98,8 @@ class MetricsLogger:
     ):
         self.cfg, self.reporting = cfg, is_reporting_rank
         self.tokens_per_iter = cfg.train.global_batch_size * cfg.model.seq_length
-        self.flops_per_iter = flops_per_token(cfg.model, padded_vocab) * self.tokens_per_iter
+        per_token = flops_per_token(cfg.model, padded_vocab, cfg.train.seed)
+        self.flops_per_iter = per_token * self.tokens_per_iter
         self.peak = peak_tflops(cfg)
         self.writer = None
         if is_reporting_rank and cfg.logging.tensorboard_dir:
