@@ -714,12 +714,17 @@ def estimate(
         "host-held gradient staging (largest layer parameter, fp32)": layer_staging,
         "RoPE tables": rope,
     }
-    # A layer's forward and the head's do not coexist.
+    # A layer's forward and the head's do not coexist. Offloaded, every layer's input is in
+    # host memory once its forward has run: the head and the loss run beside none of them.
+    offloaded = recompute == "full" and m.activation_checkpoint_cpu_offload
+    kept_at_head = 0.0 if offloaded and not kernels.host_is_device else kept
     layer_forward = layer_forward_working_bytes(m, layout, precision)
+    head_forward = head + loss_forward
+    own_forward = kept + layer_forward >= kept_at_head + head_forward
     forward_phase = {
-        "activations kept": kept,
-        "head and loss working set (or a layer's own forward)": max(
-            head + loss_forward, layer_forward
+        "activations kept": kept if own_forward else kept_at_head,
+        "head and loss working set (or a layer's own forward)": (
+            layer_forward if own_forward else head_forward
         ),
         "ring unit working set": ring / 2,
         "gradients (accumulating)": grads_in_forward,
@@ -729,7 +734,7 @@ def estimate(
         loss_backward_terms(m, layout, precision, staging) if layout.pp == 1 else (0.0, 0.0)
     )
     loss_phase = {
-        "activations kept": kept,
+        "activations kept": kept_at_head,
         "head": head,
         "loss working set (or the output layer's gradients)": loss_stage,
         "final hidden states' gradient": hidden_grad,
