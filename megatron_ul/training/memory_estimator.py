@@ -304,7 +304,9 @@ def layer_terms(
     z, act = _sizes(m, layout), precision.act
     layer, shape = described_layer(m), activation_shape(m, layout, precision)
     ring = layout.cp > 1
-    documents_view = kernels.documents and layout.sp == 1 and not ring
+    sparse = m.sparse_attention is not None
+    # The document and block-sparse kernels write the output the projection reads (no copy).
+    documents_view = (kernels.documents or sparse) and layout.sp == 1 and not ring
     # Tiled, the attention block keeps no norm output and re-lays out its output per tile.
     tiled = m.attention_block_tiles > 1
     terms = {
@@ -324,7 +326,9 @@ def layer_terms(
         terms["MLP intermediate"] = mlp
     if m.hidden_dropout > 0:
         terms["dropout masks"] = 2 * z.norm * precision.dropout_mask_bytes
-    if not precision.fused_attention and not ring and not kernels.documents:
+    if sparse and not ring:  # the blocked engine keeps its fp32 log-sum-exp for backward
+        terms["block-sparse log-sum-exp"] = z.attn / m.head_dim * 4
+    if not precision.fused_attention and not ring and not kernels.documents and not sparse:
         scores = (
             m.num_attention_heads
             / (layout.tp * layout.sp)
@@ -442,6 +446,11 @@ def layer_backward_terms(
     }
     if layout.cp > 1:  # the ring keeps its fp32 output and log-sum-exp for backward
         attention_stage["attention output (ring, fp32)"] = z.attn * 4
+    elif m.sparse_attention is not None:  # the blocked engine's output, lse, fp32 dq, dk, dv
+        attention_stage["block-sparse output and log-sum-exp"] = (
+            z.attn * act + z.attn / m.head_dim * 4
+        )
+        attention_stage["block-sparse gradient accumulators (fp32)"] = z.qkv * 4
     if sum(mlp_stage.values()) > sum(attention_stage.values()):
         return mlp_stage
     return attention_stage
