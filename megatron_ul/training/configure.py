@@ -11,13 +11,14 @@ from ..data.checks import data_problems
 from ..data.gpt_dataset import parse_data_path, parse_split
 from ..initialize import world_size_from_env
 from .data import build_tokenizer_for
+from .wandb_writer import wandb_problems
 
 
 def configure(argv=None, world_size: int | None = None) -> ResolvedConfig:
     """Parse, resolve and check; raises one ConfigError naming every bad flag and file."""
     cfg = parse_args(argv, world_size if world_size is not None else world_size_from_env())
     tokenizer_vocab_size, unbuildable = _tokenizer_vocab_size(cfg)
-    unreadable = path_problems(cfg) + unbuildable
+    unreadable = path_problems(cfg) + unbuildable + wandb_problems(cfg)
     resolved = resolve(cfg, tokenizer_vocab_size)
     found = unreadable + problems(resolved, given=cfg)
     if not unreadable:  # the files exist and the vocabulary is known: read them

@@ -64,7 +64,7 @@ def train(
                 and cfg.train.eval_interval
                 and iteration % cfg.train.eval_interval == 0
             ):
-                run_evaluation(cfg, model, valid_batches, iteration)
+                metrics.validation(iteration, run_evaluation(cfg, model, valid_batches, iteration))
             if after_iteration is not None and after_iteration(iteration):
                 break
     finally:

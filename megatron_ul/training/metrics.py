@@ -1,7 +1,8 @@
-"""Console and TensorBoard metrics: loss, learning rate, grad norm, tokens/s, TFLOP/s per
-rank, MFU, peak memory, the per-iteration time split and an ETA.
+"""Console, TensorBoard and Weights & Biases metrics: loss, learning rate, grad norm, tokens/s,
+TFLOP/s per rank, MFU, peak memory, the per-iteration time split and an ETA.
 
-TensorBoard tags follow Megatron-LM ('lm loss', 'learning-rate', 'grad-norm').
+TensorBoard and W&B tags follow Megatron-LM ('lm loss', 'learning-rate', 'grad-norm',
+'lm loss validation', and TensorBoard's '<tag> vs samples').
 """
 
 from __future__ import annotations
@@ -101,11 +102,18 @@ class MetricsLogger:
         per_token = flops_per_token(cfg.model, padded_vocab, cfg.train.seed)
         self.flops_per_iter = per_token * self.tokens_per_iter
         self.peak = peak_tflops(cfg)
-        self.writer = None
+        self.samples_per_iter = cfg.train.global_batch_size
+        self.writer = None  # TensorBoard
+        self.writers: list = []  # TensorBoard and W&B: the same tags at the same steps
         if is_reporting_rank and cfg.logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=cfg.logging.tensorboard_dir)
+            self.writers.append(self.writer)
+        if is_reporting_rank and cfg.logging.wandb_project:
+            from .wandb_writer import WandbWriter
+
+            self.writers.append(WandbWriter(cfg))
         self.timers = timers if timers.log_level >= 1 else None
         self._start = self._window_start = time.perf_counter()
         self._window_iters = self._iters_done = 0
@@ -175,13 +183,29 @@ class MetricsLogger:
                 "    time split (ms/iter): %s",
                 " | ".join(f"{name} {value:.1f}" for name, value in split.items()),
             )
-        if self.writer is not None:
+        for writer in self.writers:
             for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, it)
+                writer.add_scalar(tag, value, it)
             for name, value in split.items():
-                self.writer.add_scalar(f"time/{name}-ms", value, it)
+                writer.add_scalar(f"time/{name}-ms", value, it)
+            writer.flush()
+        self._by_samples("lm loss", scalars["lm loss"], it)
+
+    def validation(self, it: int, loss: float) -> None:
+        """The validation loss under Megatron-LM's tag ('lm loss validation')."""
+        if not self.reporting:
+            return
+        for writer in self.writers:
+            writer.add_scalar("lm loss validation", loss, it)
+            writer.flush()
+        self._by_samples("lm loss validation", loss, it)
+
+    def _by_samples(self, tag: str, value: float, it: int) -> None:
+        """Megatron-LM's '<tag> vs samples' (TensorBoard only: W&B's step is the iteration)."""
+        if self.writer is not None:
+            self.writer.add_scalar(f"{tag} vs samples", value, it * self.samples_per_iter)
             self.writer.flush()
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for writer in self.writers:
+            writer.close()
