@@ -15,6 +15,7 @@ LEVELS = {
     "config": 0,
     "timers": 0,  # plain data and tools every layer may use
     "exit_signals": 0,  # standard library only: installed first
+    "progress": 0,  # standard library only: long operations' progress lines
     "mpu": 1,
     "data": 1,
     "arguments": 1,  # parallel primitives; data; the command line

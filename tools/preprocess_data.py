@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import sys
-import time
 
 import numpy as np
 
@@ -25,6 +24,7 @@ try:
 except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
     sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
 
+from megatron_ul import progress
 from megatron_ul.data import corpus
 from megatron_ul.data.indexed_dataset import (
     IndexedDatasetBuilder,
@@ -504,51 +504,36 @@ class OutputSet:
 
 
 class Progress:
-    """Documents/s, MB/s, tokens/s, share of the input read and ETA, on stderr."""
+    """Documents/s, MB/s, tokens/s, share of the input read and ETA, on stderr (the shared
+    reporter of megatron_ul/progress.py), and the counts check_documents judges."""
 
     def __init__(self, log_interval, total_bytes):
-        self.log_interval = log_interval
-        self.total_bytes = max(int(total_bytes), 1)
-        self.start = time.time()
-        self.documents = self.skipped = self.empty = self.tokens = self.bytes = self.position = 0
-        self.next_log = log_interval
+        self.reporter = progress.Progress(
+            "documents", log_interval, rate_unit="docs", total_bytes=max(int(total_bytes), 1)
+        )
+        self.skipped = self.empty = 0
+
+    @property
+    def documents(self) -> int:
+        return self.reporter.count
+
+    @property
+    def tokens(self) -> int:
+        return self.reporter.extras.get("tokens", 0)
 
     def update(self, encoded: EncodedChunk):
-        self.documents += encoded.num_documents
         self.skipped += len(encoded.errors)
         self.empty += encoded.empty
-        self.tokens += encoded.num_tokens
-        self.bytes += encoded.chunk_bytes
-        self.position = max(self.position, encoded.position)
-        if self.documents >= self.next_log:
-            self.next_log = (self.documents // self.log_interval + 1) * self.log_interval
-            print(
-                f"processed {self.documents} documents: {self.rates()}, {self.eta()}",
-                file=sys.stderr,
-                flush=True,
-            )
-
-    def rates(self):
-        elapsed = max(time.time() - self.start, 1e-9)
-        return (
-            f"{self.documents / elapsed:.0f} docs/s, {self.bytes / elapsed / 1e6:.2f} MB/s, "
-            f"{self.tokens / elapsed / 1e6:.3f} M tokens/s"
+        self.reporter.update(
+            encoded.num_documents,
+            encoded.chunk_bytes,
+            position=encoded.position,
+            tokens=encoded.num_tokens,
         )
 
-    def eta(self):
-        done = min(self.position / self.total_bytes, 1.0)
-        if done <= 0:
-            return "ETA unknown"
-        remaining = (time.time() - self.start) * (1 - done) / done
-        return f"{100 * done:.1f}% of input, ETA {remaining:.0f} s"
-
     def summary(self, outputs):
-        elapsed = time.time() - self.start
-        print(
-            f"done in {elapsed:.2f} s: {self.documents} documents, {self.tokens} tokens "
-            f"({self.empty} empty documents, {self.skipped} bad lines skipped); {self.rates()}",
-            file=sys.stderr,
-            flush=True,
+        self.reporter.summary(
+            f"{self.tokens} tokens, {self.empty} empty documents, {self.skipped} bad lines skipped"
         )
         for final in outputs.final_prefixes.values():
             print(
