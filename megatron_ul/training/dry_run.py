@@ -11,11 +11,15 @@ import torch
 from ..config import ResolvedConfig
 from ..model.attention.dispatch import AttentionCall, planned_kernel
 from .memory_estimator import (
+    RESERVE_GIB,
     GiB,
     estimate_config,
     init_peak_bytes,
+    layout_flags,
     layout_from_config,
+    memory_budget_bytes,
     recompute_of,
+    smallest_fitting_layout,
 )
 
 
@@ -125,18 +129,27 @@ def long_context(cfg: ResolvedConfig) -> str:
 
 
 def fit_problem(cfg: ResolvedConfig) -> str | None:
-    """Why the plan does not fit --gpu-memory-gb (naming the largest term), or None."""
-    budget = cfg.train.gpu_memory_gb
-    if budget is None:
+    """Why the plan does not fit --gpu-memory-gb (naming the largest term and the fewest GPUs
+    that would fit), or None."""
+    gpu_gb = cfg.train.gpu_memory_gb
+    if gpu_gb is None:
         return None
     est = estimate_config(cfg)
-    if est.total_bytes <= budget * GiB:
+    budget = memory_budget_bytes(gpu_gb)
+    if est.total_bytes <= budget:
         return None
     name, value = est.largest_term()
+    found = smallest_fitting_layout(cfg, gpu_gb)
+    fewest = (
+        f"; {found[0].parallel.world_size} GPUs would fit ({layout_flags(found[0])})"
+        if found is not None
+        else ""
+    )
     return (
-        f"the plan does not fit --gpu-memory-gb {budget:g}: estimated "
+        f"the plan does not fit --gpu-memory-gb {gpu_gb:g} ({budget / GiB:g} GiB once "
+        f"{RESERVE_GIB:g} GiB are kept for the CUDA context): estimated "
         f"{est.total_bytes / GiB:.1f} GiB per GPU at its peak ({est.peak_phase}); the "
-        f"largest term is {name} ({value / GiB:.1f} GiB)"
+        f"largest term is {name} ({value / GiB:.1f} GiB){fewest}"
     )
 
 

@@ -27,7 +27,8 @@ for backward in model/transformer.py), in units of one [s, b, h] tensor:
   heads (SDPA's enable_gqa).
 With a fused attention kernel (flash / SDPA) nothing of size N² is kept (ring attention keeps
 only q, k, v, its fp32 output and log-sum-exp, the output counted twice); without one
-(--attention-kernel math) the scores and probabilities, a/(TP·SP) heads × N² per sample, are.
+(Precision.fused_attention False: SDPA's math kernel) the scores and probabilities,
+a/(TP·SP) heads × N² per sample, are.
 Long sequences (docs/long_context.md): --tiled-loss-chunk-size keeps no logits; its working set
 is one chunk's logits and, in backward, their gradient, c·TP_gathered·b·V/TP each in the
 activation dtype, beside one fp32 block of rows of the softmax (mpu/cross_entropy.py).
@@ -52,15 +53,22 @@ for a half-precision model (its fp32 main_grad buffers live from setup on) or se
 micro-batches.
 Checked against the live-tensor tracker (tools/bench/live_tensors.py) in
 tests/training/test_memory_estimator_measured.py, not against these formulas.
-Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU), kernels'
-internal workspaces (they show in peak RSS on CPU, not in live tensors).
+Not included: the CUDA context and allocator fragmentation (~1-3 GiB on a GPU: a fit keeps
+RESERVE_GIB free for them), kernels' internal workspaces (they show in peak RSS on CPU, not in
+live tensors).
+Every front door (`--dry-run`, `python -m tools.memory_estimator`, the benchmarks' target
+tables) asks through estimate_config and smallest_fitting_layout with a ResolvedConfig, so the
+flags mean what they mean in training; estimate() with explicit Precision and Kernels is for
+tests and measurements that model one kernel (a CPU run's float dropout masks, say).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+import copy
+from dataclasses import dataclass, field
 
 from ..config import ModelConfig, ResolvedConfig
+from ..config_rules import problems
 from ..model.activation_shape import ActivationShape
 from ..model.layer_spec import (
     described_layer,
@@ -136,9 +144,8 @@ class Precision:
 class Kernels:
     """What the kernels and options chosen keep beyond the tensors every path has.
 
-    ring: "scores" (today's ring unit: fp32 C×C scores, probabilities and their gradients per
-    unit of C = N/(2·CP) tokens) or "fused" (a fused unit kernel returning the log-sum-exp: one
-    unit's output and log-sum-exp, O(C·d)). documents: --reset-attention-mask; document_kernel
+    The ring's unit kernels return the log-sum-exp, so a ring unit keeps O(C·d) (its output
+    and log-sum-exp), never C×C scores. documents: --reset-attention-mask; document_kernel
     "in-place" (gradients added into the full-size accumulators tile by tile: the CPU loop in
     every precision without a window, dropout or GQA, model/attention/documents.py; flash-attn's
     varlen backward on GPUs) or "accumulate" (each document's dq, dk, dv next to the
@@ -146,7 +153,6 @@ class Kernels:
     --optimizer-offload-fraction (0 = off). host_is_device: offloaded bytes live in the same
     memory (a CPU run), so they count in the peak."""
 
-    ring: str = "scores"
     documents: bool = False
     document_kernel: str = "in-place"
     foreach_optimizer: bool = True
@@ -158,7 +164,6 @@ class Kernels:
 # backpropagates, the residual-stream gradients alive besides the saved tensors (the incoming
 # one and the residual branch's), in [s, b, h] units of the residual dtype.
 BACKWARD_RESIDUAL_UNITS = 2
-RING_SCORE_UNITS = 5  # s, p, dp, dp - delta, ds of one unit alive in its backward
 FOREACH_ADAM_BYTES = 4  # _foreach_sqrt(exp_avg_sq): one fp32 list the size of the step
 
 
@@ -357,16 +362,14 @@ def layer_activation_bytes(
     return sum(terms.values())
 
 
-def ring_working_bytes(m: ModelConfig, layout: Layout, kernels: Kernels) -> float:
-    """One ring unit's working set: C = N/(2·CP) queries × C keys for this rank's
-    heads/(TP·SP) heads."""
+def ring_working_bytes(m: ModelConfig, layout: Layout) -> float:
+    """One ring unit's working set, C = N/(2·CP) queries against C keys for this rank's
+    heads/(TP·SP) heads: the unit's fp32 output and log-sum-exp, and its dq, dk, dv."""
     if layout.cp == 1:
         return 0.0
     heads = m.num_attention_heads / (layout.tp * layout.sp) * layout.micro_batch_size
     chunk = m.seq_length / (2 * layout.cp)
-    if kernels.ring == "fused":  # unit output (fp32) + log-sum-exp, and dq/dk/dv
-        return 4 * heads * chunk * m.head_dim * 4
-    return RING_SCORE_UNITS * heads * chunk * chunk * 4
+    return 4 * heads * chunk * m.head_dim * 4
 
 
 def document_working_bytes(
@@ -441,7 +444,7 @@ def layer_backward_terms(
         "backward working set (residual grads, d out, dq, dk, dv)": backward_working_bytes(
             m, layout, precision, "full"
         ),
-        "ring unit working set": ring_working_bytes(m, layout, kernels),
+        "ring unit working set": ring_working_bytes(m, layout),
         "document attention backward": document_working_bytes(m, layout, precision, kernels),
     }
     if layout.cp > 1:  # the ring keeps its fp32 output and log-sum-exp for backward
@@ -667,8 +670,6 @@ def estimate(
         raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES} (got {recompute!r})")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3 (got {zero_stage})")
-    if kernels.ring not in ("scores", "fused"):
-        raise ValueError(f"ring kernel must be 'scores' or 'fused' (got {kernels.ring!r})")
     params = stage_parameters(m, layout.tp, layout.pp)
     param_bytes, grad_bytes, optimizer_bytes, host_optimizer = _model_state(
         params, layout, zero_stage, precision, kernels
@@ -684,7 +685,7 @@ def estimate(
     loss_forward = loss_working_bytes(m, layout, precision, backward=False) if last else 0.0
     rope = rope_table_bytes(m, layout)
     backward = backward_working_bytes(m, layout, precision, recompute)
-    ring = ring_working_bytes(m, layout, kernels)
+    ring = ring_working_bytes(m, layout)
     documents = document_working_bytes(m, layout, precision, kernels)
     # A half-precision model's fp32 main_grad buffers exist from setup on (ZeRO-0/1:
     # optim/mixed_precision.py, distributed_optimizer.py); an fp32 model's gradients appear in
@@ -807,8 +808,9 @@ def layout_from_config(cfg: ResolvedConfig) -> Layout:
 
 
 def estimate_config(cfg: ResolvedConfig) -> MemoryEstimate:
-    """The estimate for a validated ResolvedConfig (resolve() makes --use-distributed-optimizer
-    ZeRO stage 1)."""
+    """The estimate for a validated ResolvedConfig, the one front door: --bf16/--fp16 a
+    half-precision model, --zero-stage (resolve() makes --use-distributed-optimizer stage 1),
+    --recompute-granularity, --optimizer-cpu-offload, --reset-attention-mask."""
     return estimate(
         cfg.model,
         layout_from_config(cfg),
@@ -817,6 +819,65 @@ def estimate_config(cfg: ResolvedConfig) -> MemoryEstimate:
         precision=precision_of(cfg),
         kernels=kernels_of(cfg),
     )
+
+
+# Kept free on every GPU for the CUDA context and allocator fragmentation.
+RESERVE_GIB = 2.0
+
+
+def memory_budget_bytes(gpu_memory_gb: float) -> float:
+    """What an estimate may reach on a GPU of --gpu-memory-gb (GiB, as nvidia-smi's total:
+    80 for an H100 80GB), RESERVE_GIB kept free."""
+    return (gpu_memory_gb - RESERVE_GIB) * GiB
+
+
+def with_layout(cfg: ResolvedConfig, sp: int, dp: int) -> ResolvedConfig:
+    """cfg on SP × DP ranks (TP, CP, PP and each replica's micro-batches kept): a new
+    --ds-sequence-parallel-size, --world-size and --global-batch-size."""
+    planned = copy.deepcopy(cfg)
+    p = planned.parallel
+    p.ds_sequence_parallel_size = sp
+    p.world_size = p.tensor_model_parallel_size * sp * p.context_parallel_size
+    p.world_size *= p.pipeline_model_parallel_size * dp
+    planned.train.global_batch_size = cfg.train.micro_batch_size * cfg.num_micro_batches * dp
+    return planned
+
+
+def layout_flags(cfg: ResolvedConfig) -> str:
+    """The flags with_layout sets, as a command line takes them."""
+    p = cfg.parallel
+    return (
+        f"--world-size {p.world_size} --ds-sequence-parallel-size {p.ds_sequence_parallel_size} "
+        f"--global-batch-size {cfg.train.global_batch_size}"
+    )
+
+
+def smallest_fitting_layout(
+    cfg: ResolvedConfig, gpu_memory_gb: float, *, max_world: int = 65536
+) -> tuple[ResolvedConfig, MemoryEstimate] | None:
+    """The fewest GPUs whose estimate fits memory_budget_bytes(gpu_memory_gb): cfg with the
+    Ulysses degree raised over the values the config rules accept (it divides the heads per
+    TP rank and the sequence), and the data-parallel degree, which shrinks the state only
+    under ZeRO, in powers of two; TP, CP, PP and each replica's micro-batches kept. Returns
+    (the config, its estimate), or None."""
+    budget = memory_budget_bytes(gpu_memory_gb)
+    heads_per_tp = cfg.model.num_attention_heads // cfg.parallel.tensor_model_parallel_size
+    best: tuple[ResolvedConfig, MemoryEstimate] | None = None
+    for sp in range(1, heads_per_tp + 1):
+        dp = 1
+        while True:
+            planned = with_layout(cfg, sp, dp)
+            if planned.parallel.world_size > max_world or problems(planned):
+                break
+            est = estimate_config(planned)
+            if est.total_bytes <= budget:
+                if best is None or planned.parallel.world_size < best[0].parallel.world_size:
+                    best = (planned, est)
+                break
+            if cfg.parallel.zero_stage == 0:
+                break  # more data parallelism does not shrink anything without ZeRO
+            dp *= 2
+    return best
 
 
 def precision_of(cfg: ResolvedConfig) -> Precision:
@@ -828,47 +889,9 @@ def precision_of(cfg: ResolvedConfig) -> Precision:
 def kernels_of(cfg: ResolvedConfig) -> Kernels:
     t = cfg.train
     offload = t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0
-    return Kernels(
-        ring="fused", documents=bool(cfg.data.reset_attention_mask), optimizer_offload=offload
-    )
+    return Kernels(documents=bool(cfg.data.reset_attention_mask), optimizer_offload=offload)
 
 
 def recompute_of(cfg: ResolvedConfig) -> str:
     """--recompute-granularity, 'none' when not given."""
     return cfg.model.recompute_granularity or "none"
-
-
-def smallest_fitting_layout(
-    m: ModelConfig,
-    layout: Layout,
-    gpu_memory_gb: float,
-    *,
-    zero_stage: int = 0,
-    recompute: str = "none",
-    precision: Precision = Precision(),
-    max_world: int = 65536,
-    reserve_gb: float = 2.0,
-):
-    """The fewest GPUs (keeping TP, PP and the micro-batch size) whose per-GPU estimate fits
-    in gpu_memory_gb − reserve_gb: raise the Ulysses degree over the divisors of heads/TP that
-    divide N, and the data-parallel degree (which helps only under ZeRO), in powers of two.
-    Returns (layout, estimate) or None."""
-    budget = (gpu_memory_gb - reserve_gb) * GiB
-    heads_per_tp = m.num_attention_heads // layout.tp
-    sps = [s for s in range(1, heads_per_tp + 1) if heads_per_tp % s == 0 and m.seq_length % s == 0]
-    best = None
-    for sp in sps:
-        dp = 1
-        while layout.tp * sp * layout.pp * dp <= max_world:
-            candidate = replace(layout, sp=sp, dp=dp)
-            est = estimate(
-                m, candidate, zero_stage=zero_stage, recompute=recompute, precision=precision
-            )
-            if est.total_bytes <= budget:
-                if best is None or candidate.world < best[0].world:
-                    best = (candidate, est)
-                break
-            if zero_stage == 0:
-                break  # more data parallelism does not shrink anything without ZeRO
-            dp *= 2
-    return best

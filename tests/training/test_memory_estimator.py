@@ -124,17 +124,16 @@ def test_smallest_fitting_layout_grows_ulysses_until_it_fits():
         ],
         1,
     )
-    layout = me.layout_from_config(cfg)
-    single = me.estimate(cfg.model, layout, precision=me.Precision(bf16=True))
-    assert single.total_bytes > 80 * me.GiB  # a 1.2B model at 128K does not fit one GPU
-    found = me.smallest_fitting_layout(cfg.model, layout, 80, precision=me.Precision(bf16=True))
+    budget = me.memory_budget_bytes(80)
+    assert me.estimate_config(cfg).total_bytes > budget  # a 1.2B model at 128K: not one GPU
+    found = me.smallest_fitting_layout(cfg, 80)
     assert found is not None
     fitting, est = found
-    assert est.total_bytes <= 78 * me.GiB and fitting.sp > 1
-    smaller = [s for s in range(1, fitting.sp) if 16 % s == 0]
-    for sp in smaller:  # nothing with fewer GPUs fits
-        too_small = me.estimate(cfg.model, me.Layout(sp=sp), precision=me.Precision(bf16=True))
-        assert too_small.total_bytes > 78 * me.GiB
+    sp = fitting.parallel.ds_sequence_parallel_size
+    assert est.total_bytes <= budget and sp > 1
+    assert est.total_bytes == me.estimate_config(fitting).total_bytes
+    for smaller in (s for s in range(1, sp) if 16 % s == 0):  # nothing with fewer GPUs fits
+        assert me.estimate_config(me.with_layout(cfg, smaller, 1)).total_bytes > budget
 
 
 def test_zero_and_recompute_shrink_what_they_should():

@@ -44,9 +44,7 @@ def estimated(hidden, seq_length, precision, sp=1, cp=1, extra=()):
         me.layout_from_config(cfg),
         recompute="full",
         precision=PRECISIONS[precision],
-        kernels=me.Kernels(
-            ring="fused", documents=True, document_kernel="in-place", host_is_device=True
-        ),
+        kernels=me.Kernels(documents=True, document_kernel="in-place", host_is_device=True),
     )
 
 

@@ -43,7 +43,6 @@ def estimate_phases(cfg, precision: str, documents: bool) -> dict[str, float]:
 
     t = cfg.train
     kernels = me.Kernels(
-        ring="fused",
         documents=documents,
         document_kernel="in-place",
         optimizer_offload=t.optimizer_offload_fraction if t.optimizer_cpu_offload else 0.0,

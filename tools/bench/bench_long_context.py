@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import resource
-from typing import Any
 
 from tools.bench.common import markdown_table, report, run_ranks
 
@@ -119,57 +118,57 @@ def measure(seq: int, sp: int, flags: list[str]) -> dict:
 
 
 # ---- the estimator's plans for 1M-4M tokens (no measurement) ------------------------------
-def estimate_tables() -> str:
-    """Fewest 80 GB / 141 GB GPUs for a 1.2B GPT and Llama-3-8B at 1M-4M tokens, without and
-    with the long-context features, from training/memory_estimator.py."""
-    from dataclasses import replace
+PLAN_COMMON = [
+    "--mock-data",
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "1",
+    "--position-embedding-type",
+    "rope",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--bf16",
+    "--use-flash-attn",
+    "--zero-stage",
+    "3",
+    "--recompute-granularity",
+    "full",
+    "--recompute-method",
+    "uniform",
+]
+PLAN_FEATURES = {
+    "full recompute only": [],
+    "+ tiled loss 8K, tiled MLP 16K, offload": [
+        "--tiled-loss-chunk-size",
+        "8192",
+        "--tiled-mlp-chunk-size",
+        "16384",
+        "--activation-checkpoint-cpu-offload",
+    ],
+}
 
-    from megatron_ul.config import ModelConfig
+
+def estimate_tables() -> str:
+    """Fewest 80 GiB / 141 GiB GPUs for a 1.2B GPT and Llama-3-8B at 1M-4M tokens, without and
+    with the long-context features, planned from their flags as --dry-run plans them."""
     from megatron_ul.training import memory_estimator as me
+    from megatron_ul.training.configure import configure
+    from tools.bench.memory_targets import TARGET_GPT, TARGET_LLAMA
 
     models = {
-        "GPT 1.2B (24 × 2048, 32 heads, vocab 50257)": ModelConfig(
-            num_layers=24,
-            hidden_size=2048,
-            num_attention_heads=32,
-            vocab_size=50257,
-            position_embedding_type="rope",
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-        ),
-        "Llama-3-8B (32 × 4096, 32 q / 8 kv heads, ffn 14336, vocab 128256)": ModelConfig(
-            num_layers=32,
-            hidden_size=4096,
-            num_attention_heads=32,
-            num_query_groups=8,
-            ffn_hidden_size=14336,
-            vocab_size=128256,
-            swiglu=True,
-            normalization="RMSNorm",
-            add_bias_linear=False,
-            untie_embeddings_and_output_weights=True,
-            position_embedding_type="rope",
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-        ),
+        "GPT 1.2B (24 × 2048, 32 heads, vocab 50257)": TARGET_GPT,
+        "Llama-3-8B (32 × 4096, 32 q / 8 kv heads, ffn 14336, vocab 128256)": TARGET_LLAMA,
     }
-    features: dict[str, dict[str, Any]] = {
-        "full recompute only": {},
-        "+ tiled loss 8K, tiled MLP 16K, offload": dict(
-            tiled_loss_chunk_size=8192,
-            tiled_mlp_chunk_size=16384,
-            activation_checkpoint_cpu_offload=True,
-        ),
-    }
-    precision = me.Precision(half_model=True)  # --bf16 as Megatron means it
 
-    def fit(m, gpu_gb):
-        found = me.smallest_fitting_layout(
-            m, me.Layout(), gpu_gb, zero_stage=3, recompute="full", precision=precision
-        )
+    def fit(cfg, gpu_gb):
+        found = me.smallest_fitting_layout(cfg, gpu_gb)
         if found is None:
             return "does not fit (SP ≤ heads)"
-        layout, est = found
+        planned, est = found
+        layout = me.layout_from_config(planned)
         return (
             f"{layout.world} (SP {layout.sp} × DP {layout.dp}): {est.total_bytes / GIB:.0f} "
             f"GiB/GPU, host {est.host_bytes / GIB:.0f} GiB/GPU"
@@ -178,23 +177,22 @@ def estimate_tables() -> str:
     rows = []
     for model_name, model in models.items():
         for n in (2**20, 2**21, 2**22):
-            for feature_name, extra in features.items():
-                m = replace(model, seq_length=n, max_position_embeddings=n, **extra)
-                one = me.estimate(
-                    m, me.Layout(), zero_stage=3, recompute="full", precision=precision
-                )
+            for feature_name, extra in PLAN_FEATURES.items():
+                length = ["--seq-length", str(n), "--max-position-embeddings", str(n)]
+                cfg = configure(PLAN_COMMON + model + length + extra, 1)
+                one = me.estimate_config(cfg)
                 rows.append(
                     [
                         model_name,
                         f"{n // 2**20}M",
                         feature_name,
                         f"{one.total_bytes / GIB:.0f}",
-                        fit(m, 80),
-                        fit(m, 141),
+                        fit(cfg, 80),
+                        fit(cfg, 141),
                     ]
                 )
     return markdown_table(
-        ["model", "N", "features", "1 GPU GiB", "fewest 80 GB GPUs", "fewest 141 GB GPUs"], rows
+        ["model", "N", "features", "1 GPU GiB", "fewest 80 GiB GPUs", "fewest 141 GiB GPUs"], rows
     )
 
 

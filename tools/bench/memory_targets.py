@@ -1,6 +1,7 @@
 """The long-context memory targets carried to GPUs by the estimator
-(training/memory_estimator.py): a 1.2B GPT at 1M tokens on one 141 GB GPU, Llama-3-8B at 500K
-on one 80 GB GPU (with optimizer offload), at 4M on 8 and at 16M on 32. No measurement here;
+(training/memory_estimator.py): a 1.2B GPT at 1M tokens on one 141 GiB GPU, Llama-3-8B at 500K
+on one 80 GiB GPU (with and without optimizer offload), at 4M on 8 and at 16M on 32, each
+estimated from its flags as `--dry-run` estimates them. No measurement here;
 the estimator's own validation against the live-tensor tracker is
 tests/training/test_memory_estimator_measured.py. Printed by
 `python -m tools.bench.bench_memory --targets`."""
@@ -59,14 +60,25 @@ TARGET_COMMON = [
     "16384",
     "--activation-checkpoint-cpu-offload",
 ]
-TARGETS = [  # (name, model, N, SP, GPU GB, ZeRO stage, optimizer offload, half model)
-    ("GPT 1.2B", TARGET_GPT, 1 << 20, 1, 141, 0, 0.0, True),
-    ("GPT 1.2B", TARGET_GPT, 1 << 20, 1, 141, 0, 0.0, False),
-    ("Llama-3-8B", TARGET_LLAMA, 500 * 1024, 1, 80, 0, 1.0, True),
-    ("Llama-3-8B", TARGET_LLAMA, 500 * 1024, 1, 80, 0, 0.0, True),
-    ("Llama-3-8B", TARGET_LLAMA, 4 << 20, 8, 80, 3, 0.0, True),
-    ("Llama-3-8B", TARGET_LLAMA, 16 << 20, 32, 80, 3, 0.0, True),
+TARGETS = [  # (name, model, N, SP, GPU GiB, ZeRO stage, optimizer offload)
+    ("GPT 1.2B", TARGET_GPT, 1 << 20, 1, 141, 0, False),
+    ("Llama-3-8B", TARGET_LLAMA, 500 * 1024, 1, 80, 0, True),
+    ("Llama-3-8B", TARGET_LLAMA, 500 * 1024, 1, 80, 0, False),
+    ("Llama-3-8B", TARGET_LLAMA, 4 << 20, 8, 80, 3, False),
+    ("Llama-3-8B", TARGET_LLAMA, 16 << 20, 32, 80, 3, False),
 ]
+
+
+def target_argv(model: list[str], n: int, sp: int, zero: int, offload: bool) -> list[str]:
+    """pretrain_gpt.py's flags for one target (--dry-run --world-size SP plans it)."""
+    return (
+        TARGET_COMMON
+        + model
+        + ["--seq-length", str(n), "--max-position-embeddings", str(n)]
+        + ["--global-batch-size", "1", "--ds-sequence-parallel-size", str(sp)]
+        + ["--zero-stage", str(zero)]
+        + (["--optimizer-cpu-offload"] if offload else [])
+    )
 
 
 def table_targets() -> str:
@@ -74,46 +86,24 @@ def table_targets() -> str:
     from megatron_ul.training.pretrain import configure
 
     rows = [
-        "| model | N | GPUs | precision | estimate GiB/GPU | budget GiB | | peak phase and "
+        "| model | N | GPUs | options | estimate GiB/GPU | budget GiB | | peak phase and "
         "its terms (GiB) | host GiB/GPU |",
         "|---|---:|---|---|---:|---:|---|---|---:|",
     ]
-    for name, model, n, sp, gpu_gb, zero, offload, half in TARGETS:
-        argv = (
-            TARGET_COMMON
-            + model
-            + [
-                "--seq-length",
-                str(n),
-                "--max-position-embeddings",
-                str(n),
-                "--global-batch-size",
-                "1",
-                "--ds-sequence-parallel-size",
-                str(sp),
-            ]
-        )
-        cfg = configure(argv + (["--zero-stage", "3"] if zero == 3 else []), sp)
-        est = me.estimate(
-            cfg.model,
-            me.layout_from_config(cfg),
-            zero_stage=zero,
-            recompute="full",
-            precision=me.Precision(half_model=half, bf16=not half),
-            kernels=me.Kernels(optimizer_offload=offload),
-        )
-        budget = gpu_gb * 1e9 / me.GiB - 2
+    for name, model, n, sp, gpu_gb, zero, offload in TARGETS:
+        cfg = configure(target_argv(model, n, sp, zero, offload), sp)
+        est = me.estimate_config(cfg)
+        budget = me.memory_budget_bytes(gpu_gb)
         terms = "; ".join(
             f"{k} {v / me.GiB:.1f}"
             for k, v in sorted(est.terms.items(), key=lambda kv: -kv[1])
             if v > 0.5 * me.GiB
         )
-        fits = "fits" if est.total_bytes <= budget * me.GiB else "does not fit"
+        fits = "fits" if est.total_bytes <= budget else "does not fit"
         rows.append(
-            f"| {name} | {n // 1024}K | {sp} × {gpu_gb} GB | "
-            f"{'half model' if half else 'autocast'}"
+            f"| {name} | {n // 1024}K | {sp} × {gpu_gb} GiB | bf16"
             f"{', optimizer offload' if offload else ''}, ZeRO-{zero} | "
-            f"{est.total_bytes / me.GiB:.1f} | {budget:.0f} | {fits} | "
+            f"{est.total_bytes / me.GiB:.1f} | {budget / me.GiB:.0f} | {fits} | "
             f"{est.peak_phase}: params {est.parameter_bytes / me.GiB:.1f}, optimizer "
             f"{est.optimizer_bytes / me.GiB:.1f}; {terms} | "
             f"{est.host_bytes / me.GiB:.0f} |"
