@@ -20,13 +20,15 @@ from ..mpu.random import get_rng_tracker
 from ..pipeline.model import global_named_parameters
 
 
-def named_parameters(model) -> dict[str, torch.nn.Parameter]:
-    """{layout-independent name: parameter} for this rank's part of the model. A parameter
-    with an fp32 main copy (a half-precision model, or optimizer offload: optim/
-    mixed_precision.py) is represented by that copy: checkpoints hold the fp32 main weights,
-    and the optimizer's state is keyed by it. (ZeRO-1 hangs its main pieces on the parameter
-    as `main_shards` instead: checkpoint/layout/zero.py and dist_io.py read those.)"""
-    return {name: getattr(p, "main_param", p) for name, p in global_named_parameters(model)}
+def named_parameters(model, optimizer=None) -> dict[str, torch.Tensor]:
+    """{layout-independent name: parameter} for this rank's part of the model. With the
+    optimizer, a parameter with an fp32 main copy (a half-precision model, or optimizer
+    offload: optim/mixed_precision.py) is represented by that copy (`optimizer.main_param`):
+    checkpoints hold the fp32 main weights, and the optimizer's state is keyed by it. (ZeRO-1/2
+    keep their main pieces apart, `optimizer.main_shards`: layout/zero.py and the torch_dist
+    pieces read those.)"""
+    main = optimizer.main_param if optimizer is not None else (lambda p: p)
+    return {name: main(p) for name, p in global_named_parameters(model)}
 
 
 def model_state(model) -> dict[str, torch.Tensor]:
@@ -35,7 +37,7 @@ def model_state(model) -> dict[str, torch.Tensor]:
 
 def optimizer_state(model, optimizer) -> dict:
     """torch optimizer state re-keyed from positions to parameter names."""
-    names = {id(p): n for n, p in named_parameters(model).items()}
+    names = {id(p): n for n, p in named_parameters(model, optimizer).items()}
     torch_state = optimizer.state_dict()
     ordered = [p for group in optimizer.param_groups for p in group["params"]]
     per_name = {
@@ -53,7 +55,7 @@ def optimizer_state(model, optimizer) -> dict:
 
 def load_optimizer_state(model, optimizer, saved: dict, source: str) -> None:
     """Inverse of optimizer_state; `source` names the file in error messages."""
-    names = {id(p): n for n, p in named_parameters(model).items()}
+    names = {id(p): n for n, p in named_parameters(model, optimizer).items()}
     index_of, torch_groups = {}, []
     position = 0
     for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
@@ -68,7 +70,7 @@ def load_optimizer_state(model, optimizer, saved: dict, source: str) -> None:
             position += 1
     if len(optimizer.param_groups) != len(saved["param_groups"]):
         raise optim_error(source, "the number of parameter groups differs")
-    params = named_parameters(model)
+    params = named_parameters(model, optimizer)
     state = {}
     for name, s in saved["state"].items():
         if name not in index_of:

@@ -35,7 +35,7 @@ Per-rank state format (state_dict(); load on the same layout and bucket size):
      "pieces": [(param name, param offset in buffer, piece start, piece end)] in the inner
                optimizer's parameter order (start/end are flat-buffer indices),
      "optimizer": torch AdamW state_dict over those pieces (exp_avg, exp_avg_sq, step)}
-The main weights are saved with the model: checkpoints read each parameter's `main_shards`
+The main weights are saved with the model: checkpoints read each parameter's `main_shards(p)`
 (its pieces of the fp32 main copy) where it has them, else the parameter itself.
 Training checkpoints do not use this per-rank format: checkpoint/layout/zero.py gathers the moments
 into the per-parameter form plain AdamW checkpoints use, so they load on any layout.
@@ -52,18 +52,20 @@ import torch.distributed as dist
 
 from ..config import TrainConfig
 from ..model.gpt import GPTModel
-from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
+from ..mpu.parallel_state import ParallelDims
 from ..mpu.param_spec import param_spec
+from .contract import ParamStates, TrainingOptimizer
 from .grad_buckets import BucketLauncher, split_into_buckets
-from .grads import all_reduce_coalesced, counts_once, grad_norm, grad_of
+from .grads import all_reduce_coalesced, clip_coefficient, counts_once, grad_norm
 from .mixed_precision import HOST, attach_main_grad, host_buffer, offloaded_prefix
+from .replicated import adamw, weight_decay_groups
 
 FORMAT = "megatron_ul.zero1.v2"
 
 
-class DistributedOptimizer:
-    """Drop-in for the torch optimizer in train_step; owns gradient reduction and clipping."""
+class DistributedOptimizer(TrainingOptimizer):
+    """ZeRO-1: sharded Adam state and main copy, full gradients (see the module docstring)."""
 
     def __init__(
         self,
@@ -74,17 +76,23 @@ class DistributedOptimizer:
         max_bucket_elements: int,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
-        deferred_params=(),
+        tied=(),
         offload_fraction: float = 0.0,
     ):
-        self.dims = dims
+        self.dims, self.states, self.tied = dims, ParamStates(), list(tied)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if len({p.dtype for _, p in named}) != 1:
             raise ValueError("the distributed optimizer expects one parameter dtype")
+        other = sorted({param_spec(p).grad_group for _, p in named} - {"dp_cp_sp"})
+        if other:
+            raise ValueError(
+                f"--zero-stage 1/2 shard over dp_cp_sp only; parameters reducing over "
+                f"{other} (ParamSpec.grad_group) need plain data parallelism"
+            )
         self.half = named[0][1].dtype != torch.float32
         self.group = self.dims.dp_cp_sp_group
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        deferred_ids = {id(p) for p in deferred_params}
+        deferred_ids = {id(p) for p in self.tied}
         regular = [(n, p) for n, p in named if id(p) not in deferred_ids]
         tied = [(n, p) for n, p in named if id(p) in deferred_ids]
         names = {id(p): n for n, p in named}
@@ -105,30 +113,57 @@ class DistributedOptimizer:
             )
             offset += per_rank * self.size
         self.param_buffer = torch.zeros(offset, dtype=self.params[0].dtype, device=device)
-        self.grad_buffer = torch.zeros(offset, dtype=torch.float32, device=device)
+        self.buckets = buckets
+        self.deferred = frozenset([len(buckets) - 1]) if tied else frozenset()
+        self._make_grad_storage(device)
         self.pieces = self._bind_params(named, buckets)
-        self.main_shards = self._main_shards(
+        self.main_pieces = self._main_shards(
             offloaded_prefix([hi - lo for lo, hi in self.shard_ranges], offload_fraction)
         )
         self._bind_main_shards()
         self.optimizer = self._build_inner(train)
-        self.grad_sync = self
         self._grads_in_flight: dict[int, Any] = {}  # async work handles
-        self.launcher = BucketLauncher(
-            buckets,
-            self._launch_grad_reduce,
-            overlap=overlap_grad_reduce and self.size > 1,
-            deferred=frozenset([len(buckets) - 1]) if tied else frozenset(),
-        )
-        self.buckets = buckets
+        self._arm_reduction(overlap_grad_reduce and self.size > 1)
         self._params_in_flight: dict[int, Any] = {}
         self.overlap_param_gather = overlap_param_gather and self.size > 1
         if self.overlap_param_gather:
             self._register_param_wait_hooks(model)
 
+    # ---- where the gradients live (ZeRO-2 overrides) ---------------------------------------
+    def _make_grad_storage(self, device) -> None:
+        """One fp32 gradient buffer shaped like the parameter buffer."""
+        self.grad_buffer = torch.zeros(
+            self.param_buffer.numel(), dtype=torch.float32, device=device
+        )
+
+    def _bind_grad(self, p: torch.nn.Parameter, offset: int) -> None:
+        """p's gradient is a view of the buffer: autograd (fp32) or the main-gradient hook
+        (half precision) accumulates straight into it."""
+        grad = self.grad_buffer[offset : offset + p.numel()].view_as(p)
+        if self.half:
+            attach_main_grad(p, grad, self.states[p])
+        else:
+            p.grad = grad
+
+    def _owned_grad(self, lo: int, hi: int) -> torch.Tensor:
+        """The reduced gradient of the owned flat range [lo, hi)."""
+        return self.grad_buffer[lo:hi]
+
+    def _arm_reduction(self, overlap: bool) -> None:
+        self.launcher = BucketLauncher(
+            self.buckets, self._launch_grad_reduce, overlap=overlap, deferred=self.deferred
+        )
+
+    @property
+    def shards_flat_buffer(self) -> bool:
+        return True
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [self.grad_buffer]
+
     def _bind_params(self, named, buckets) -> list[tuple]:
-        """Make params/grads views of the buffers, bucket by bucket; return the pieces this
-        rank owns."""
+        """Make params views of the buffer and bind their gradients, bucket by bucket; return
+        the pieces this rank owns."""
         pieces, by_id = [], {id(p): n for n, p in named}
         for bucket, (offset, _), (lo_own, hi_own) in zip(
             buckets, self.bucket_ranges, self.shard_ranges
@@ -138,11 +173,7 @@ class DistributedOptimizer:
                 view = self.param_buffer[offset : offset + n].view_as(p)
                 view.copy_(p.detach())
                 p.data = view
-                grad = self.grad_buffer[offset : offset + n].view_as(p)
-                if self.half:
-                    attach_main_grad(p, grad)
-                else:
-                    p.grad = grad
+                self._bind_grad(p, offset)
                 lo, hi = max(offset, lo_own), min(offset + n, hi_own)
                 if lo < hi:
                     pieces.append((by_id[id(p)], p, offset, lo, hi))
@@ -155,7 +186,7 @@ class DistributedOptimizer:
         with a host gradient, for the first `offloaded_buckets`)."""
         shards = []
         for b, (lo, hi) in enumerate(self.shard_ranges):
-            own, grad = self.param_buffer[lo:hi], self.grad_buffer[lo:hi]
+            own, grad = self.param_buffer[lo:hi], self._owned_grad(lo, hi)
             if b < offloaded_buckets:
                 main, grad = host_buffer(own), host_buffer(own)
                 main.copy_(own)
@@ -170,58 +201,48 @@ class DistributedOptimizer:
     def separate_main(self) -> bool:
         return any(
             main.data_ptr() != self.param_buffer[lo:hi].data_ptr()
-            for (main, _), (lo, hi) in zip(self.main_shards, self.shard_ranges)
+            for (main, _), (lo, hi) in zip(self.main_pieces, self.shard_ranges)
         )
 
     def _main_piece(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(main copy, gradient) of the owned flat range [lo, hi)."""
-        for (main, grad), (own_lo, own_hi) in zip(self.main_shards, self.shard_ranges):
+        for (main, grad), (own_lo, own_hi) in zip(self.main_pieces, self.shard_ranges):
             if own_lo <= lo and hi <= own_hi:
                 return main[lo - own_lo : hi - own_lo], grad[lo - own_lo : hi - own_lo]
         raise AssertionError(f"[{lo}, {hi}) is not owned by this rank")
 
     def _bind_main_shards(self) -> None:
-        """Checkpoints read and write the main copy: hang each parameter's pieces of it on the
-        parameter as `main_shards` [(first element in the parameter, fp32 piece)]."""
+        """Checkpoints read and write the main copy: each parameter's pieces of it go into the
+        table as `main_shards` [(first element in the parameter, fp32 piece)]."""
         if not self.separate_main:
             return
         shards: dict[int, list] = {id(p): [] for p in self.params}
         for _, p, offset, lo, hi in self.pieces:
             shards[id(p)].append((lo - offset, self._main_piece(lo, hi)[0]))
         for p in self.params:
-            p.main_shards = shards[id(p)]  # type: ignore[attr-defined]
+            self.states[p].main_shards = shards[id(p)]
 
     def _build_inner(self, train: TrainConfig) -> torch.optim.AdamW:
-        decay: list[torch.Tensor] = []
-        no_decay: list[torch.Tensor] = []
+        pieces, one_d = [], set()
         for _, p, _, lo, hi in self.pieces:
             piece, grad = self._main_piece(lo, hi)
             piece.grad = grad
-            (no_decay if p.dim() == 1 else decay).append(piece)
-        groups = [
-            {"params": decay, "weight_decay": train.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        return torch.optim.AdamW(
-            groups,
-            lr=train.lr,
-            betas=(train.adam_beta1, train.adam_beta2),
-            eps=train.adam_eps,
-            foreach=True,
-        )
-
-    # ---- what train_step and the LR schedule use ------------------------------------------
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+            pieces.append(piece)
+            if p.dim() == 1:
+                one_d.add(id(piece))
+        groups = weight_decay_groups(pieces, train, is_1d=lambda t: id(t) in one_d)
+        return adamw(groups, train, foreach=True)
 
     # ---- gradient reduction (steps 1-2), possibly overlapped with backward ------------------
-    def start(self, num_micro_batches: int) -> None:
-        """Arm the gradient hooks for a step of `num_micro_batches` backward passes."""
+    def start_step(self, num_micro_batches: int) -> None:
         self.launcher.start(num_micro_batches)
 
     def _launch_grad_reduce(self, b: int) -> None:
-        sequence_parallel = [grad_of(p) for p in self.buckets[b] if param_spec(p).sequence_parallel]
+        sequence_parallel = [
+            g
+            for p in self.buckets[b]
+            if param_spec(p).sequence_parallel and (g := self.grad(p)) is not None
+        ]
         all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         if self.size == 1:
             return
@@ -241,23 +262,26 @@ class DistributedOptimizer:
             self._grads_in_flight[b].wait()
         self._grads_in_flight.clear()
 
-    def reduce_and_clip_gradients(self, max_norm: float) -> float:
+    def reduce_and_clip(self, max_norm: float) -> float:
         """Steps (1)-(4) of the module docstring; returns the norm before clipping."""
+        # Before the reduce-scatter, which leaves no full gradient to sum: the tied weights
+        # sit in a deferred bucket of their own (the same layout on both stages), reduced
+        # only in finish, so both copies still end bitwise equal.
+        self.sum_tied_grads()
         self.finish()
         norm = self._global_norm()
-        if max_norm > 0 and math.isfinite(norm):
-            coeff = max_norm / (norm + 1e-6)
-            if coeff < 1.0:
-                for lo, hi in self.shard_ranges:
-                    self.grad_buffer[lo:hi].mul_(coeff)
+        coeff = clip_coefficient(norm, max_norm)
+        if coeff < 1.0:
+            for lo, hi in self.shard_ranges:
+                self._owned_grad(lo, hi).mul_(coeff)
         return norm
 
     def _global_norm(self) -> float:
         owned = [
-            self.grad_buffer[lo:hi] for _, p, _, lo, hi in self.pieces if counts_once(p, self.dims)
+            self._owned_grad(lo, hi) for _, p, _, lo, hi in self.pieces if counts_once(p, self.dims)
         ]
         groups = (self.group, self.dims.pp_tp_group)
-        return grad_norm(owned, self.grad_buffer.device, groups)
+        return grad_norm(owned, self.param_buffer.device, groups)
 
     # ---- update and parameter all-gather (steps 5-6) ---------------------------------------
     @torch.no_grad()
@@ -269,20 +293,21 @@ class DistributedOptimizer:
 
     def _gradients_to_host(self) -> None:
         copied = False
-        for (main, grad), (lo, hi) in zip(self.main_shards, self.shard_ranges):
-            if main.device == HOST and self.grad_buffer.device != HOST:
-                grad.copy_(self.grad_buffer[lo:hi], non_blocking=True)
+        device = self.param_buffer.device
+        for (main, grad), (lo, hi) in zip(self.main_pieces, self.shard_ranges):
+            if main.device == HOST and device != HOST:
+                grad.copy_(self._owned_grad(lo, hi), non_blocking=True)
                 copied = True
             elif main.device == HOST:
-                grad.copy_(self.grad_buffer[lo:hi])
-        if copied and self.grad_buffer.device.type == "cuda":
+                grad.copy_(self._owned_grad(lo, hi))
+        if copied and device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # once per step: the host reads them
 
     @torch.no_grad()
     def copy_main_to_model(self) -> None:
         """Round the main copy into this rank's slices of the buffer and all-gather it (after
         a step or a checkpoint load)."""
-        for (main, _), (lo, hi) in zip(self.main_shards, self.shard_ranges):
+        for (main, _), (lo, hi) in zip(self.main_pieces, self.shard_ranges):
             own = self.param_buffer[lo:hi]
             if main.data_ptr() != own.data_ptr():
                 own.copy_(main, non_blocking=True)
@@ -301,7 +326,7 @@ class DistributedOptimizer:
         if not self.overlap_param_gather:
             self.finish_param_sync()
 
-    def finish_param_sync(self, buckets=None) -> None:
+    def finish_param_sync(self, buckets: list[int] | None = None) -> None:
         """Wait for the parameter all-gathers of `buckets` (default: all) still in flight.
         Anything that reads the parameters outside a forward pass calls this first."""
         for b in sorted(self._params_in_flight) if buckets is None else buckets:
@@ -327,9 +352,8 @@ class DistributedOptimizer:
                     wait = partial(self.finish_param_sync, [bucket_of[id(tied)]])
                     module.register_tied_weight_read_hook(wait)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
         """Zero in place: the parameters' .grad must stay views of the gradient buffer."""
-        del set_to_none
         self.grad_buffer.zero_()
 
     # ---- checkpoints ---------------------------------------------------------------------------

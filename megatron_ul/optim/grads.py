@@ -12,6 +12,7 @@ while backward still runs; both give the same bits.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,21 +21,25 @@ from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
 from ..mpu.param_spec import param_spec
 from ..mpu import host_staging
-from . import host_grads
-from .grad_buckets import BucketLauncher, bucket_elements, split_into_buckets
+from .grad_buckets import BucketLauncher, split_into_buckets
 
 _BUCKET_BYTES = 64 * 2**20
 
 
-def grad_of(p: torch.nn.Parameter):
-    """The gradient the optimizer reduces, clips and applies: a half-precision model's fp32
-    `main_grad` (optim/mixed_precision.py accumulates into it), else `p.grad`. A host-held
-    main_grad no micro-batch wrote this step is zeroed first (host_grads.settle)."""
-    main = getattr(p, "main_grad", None)
-    if main is None:
-        return p.grad
-    host_grads.settle(p)
-    return main
+GradOf = Callable[[torch.nn.Parameter], "torch.Tensor | None"]
+
+
+def reduce_group(p: torch.nn.Parameter, dims: ParallelDims):
+    """The group p's gradient sums over: its ParamSpec's `grad_group`, a ParallelDims group
+    named without `_group` (dp_cp_sp for dense parameters)."""
+    name = param_spec(p).grad_group
+    try:
+        return getattr(dims, f"{name}_group")
+    except AttributeError:
+        raise ValueError(
+            f"a parameter's ParamSpec names gradient group {name!r}, which ParallelDims "
+            f"does not have ({name}_group)"
+        ) from None
 
 
 def all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
@@ -54,37 +59,48 @@ def all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
 
 
 class DataParallelGradSync:
-    """Sums the gradients of `params` over dp_cp_sp in buckets (and Megatron-SP replicated
-    weights' over TP first), after backward or overlapped with it.
+    """Sums the gradients of `params` over their reduction groups (reduce_group: dp_cp_sp for
+    dense parameters) in buckets, and Megatron-SP replicated weights' over TP first, after
+    backward or overlapped with it. `grad_of(p)` is the gradient to reduce.
 
-    Buckets follow the reverse parameter order, roughly the order backward produces them;
-    `deferred_params` (weights tied across pipeline stages) get buckets of their own that are
-    reduced only in `finish`, after the caller has summed them over the embedding group."""
+    Buckets follow the reverse parameter order, roughly the order backward produces them, one
+    run of buckets per reduction group; `deferred_params` (weights tied across pipeline stages)
+    get buckets of their own that are reduced only in `finish`, after the caller has summed
+    them over the embedding group."""
 
     def __init__(
         self,
         params: list[torch.nn.Parameter],
         max_bucket_elements: int,
         dims: ParallelDims,
+        grad_of: GradOf,
         overlap: bool = False,
         deferred_params=(),
     ):
-        self.dims = dims
+        self.dims, self.grad_of = dims, grad_of
         # A bucket staged through the device (host-held gradients): one at a time.
         self.staged: tuple | None = None
         deferred_ids = {id(p) for p in deferred_params}
         ordered = list(reversed(params))
-        buckets = split_into_buckets(
-            [p for p in ordered if id(p) not in deferred_ids], max_bucket_elements
-        )
+        by_group: dict[str, list[torch.nn.Parameter]] = {}
+        for p in ordered:
+            if id(p) not in deferred_ids:
+                by_group.setdefault(param_spec(p).grad_group, []).append(p)
+        buckets, self.groups = [], []
+        for members in by_group.values():
+            group = reduce_group(members[0], dims)
+            for bucket in split_into_buckets(members, max_bucket_elements):
+                buckets.append(bucket)
+                self.groups.append(group)
         deferred = [p for p in ordered if id(p) in deferred_ids]
         self.buckets = buckets + ([deferred] if deferred else [])
-        self.group = self.dims.dp_cp_sp_group
+        if deferred:
+            self.groups.append(reduce_group(deferred[0], dims))
         self.in_flight: dict[int, tuple] = {}
         self.launcher = BucketLauncher(
             self.buckets,
             self._launch,
-            overlap=overlap and dist.get_world_size(self.group) > 1,
+            overlap=overlap and any(dist.get_world_size(g) > 1 for g in self.groups),
             deferred=frozenset(range(len(buckets), len(self.buckets))),
         )
 
@@ -92,18 +108,19 @@ class DataParallelGradSync:
         self.launcher.start(num_micro_batches)
 
     def _launch(self, i: int) -> None:
-        with_grad = [p for p in self.buckets[i] if grad_of(p) is not None]
-        sequence_parallel = [grad_of(p) for p in with_grad if param_spec(p).sequence_parallel]
+        group = self.groups[i]
+        with_grad = [(p, g) for p in self.buckets[i] if (g := self.grad_of(p)) is not None]
+        sequence_parallel = [g for p, g in with_grad if param_spec(p).sequence_parallel]
         all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
-        if dist.get_world_size(self.group) == 1 or not with_grad:
+        if dist.get_world_size(group) == 1 or not with_grad:
             return
-        grads = [grad_of(p) for p in with_grad]
+        grads = [g for _, g in with_grad]
         staged = any(map(host_staging.is_host_held, grads))
         if staged:
             self._retire_staged()  # its device buffer is freed before the next one is made
         flat = host_staging.staged_flat(grads)
-        record("all_reduce", flat, self.group)
-        launched = (grads, flat, dist.all_reduce(flat, group=self.group, async_op=True))
+        record("all_reduce", flat, group)
+        launched = (grads, flat, dist.all_reduce(flat, group=group, async_op=True))
         if staged:
             self.staged = launched
         else:
@@ -125,17 +142,6 @@ class DataParallelGradSync:
             handle.wait()
             host_staging.write_back(grads, flat)
         self.in_flight.clear()
-
-
-def reduce_gradients(
-    params: list[torch.nn.Parameter], dims: ParallelDims, max_bucket_elements: int | None = None
-) -> None:
-    """Finish the backward pass without overlap: Megatron-SP replicated weights over TP,
-    everything over dp_cp_sp (the groups of `dims`), in the buckets an
-    overlapped run would use."""
-    if max_bucket_elements is None:
-        max_bucket_elements = bucket_elements(None, dims.dp_cp_sp_size)
-    DataParallelGradSync(params, max_bucket_elements, dims).finish()
 
 
 def counts_once(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
@@ -165,14 +171,20 @@ def grad_norm(grads: list[torch.Tensor], device: torch.device, groups=()) -> flo
     partial sums kept). The partial norms are squared, summed and reduced in fp64: the sum
     cannot overflow unless one gradient's own norm is beyond fp32 (about 1.8e19, then inf);
     an inf or nan element gives an inf or nan norm. One host sync: the result."""
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for norms in _partial_norms(grads):
-        # a host-held gradient's part moves to the device
-        sq += norms.double().square().sum().to(device, non_blocking=True)
+    sq = square_sum(grads, device)
     for group in groups:
         if dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
     return math.sqrt(sq.item())
+
+
+def square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The fp64 sum of the gradients' squares on `device` (grad_norm's, no host sync)."""
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for norms in _partial_norms(grads):
+        # a host-held gradient's part moves to the device
+        sq += norms.double().square().sum().to(device, non_blocking=True)
+    return sq
 
 
 def _partial_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -208,22 +220,51 @@ def _row_norms(flat: torch.Tensor) -> list[torch.Tensor]:
     ]
 
 
-def global_grad_norm(params: list[torch.nn.Parameter], dims: ParallelDims) -> float:
-    """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group."""
-    grads = [grad_of(p) for p in params if grad_of(p) is not None and counts_once(p, dims)]
+def global_grad_norm(
+    params: list[torch.nn.Parameter], dims: ParallelDims, grad_of: GradOf
+) -> float:
+    """L2 norm of the whole model's gradient, over the model-parallel (TP×PP) group.
+
+    A parameter reduced over a smaller group than dp_cp_sp (an expert: replicated over its
+    expert-data-parallel group, different across the expert-parallel ranks) counts on its
+    group's first rank, and those squares are summed over dp_cp_sp."""
+    dense = [p for p in params if param_spec(p).grad_group == "dp_cp_sp"]
+    other = [p for p in params if param_spec(p).grad_group != "dp_cp_sp"]
     host_staging.wait_for_host_copies()  # the host reads host-held gradients from here on
     # the parameters' device even when this rank counts no gradient (the reduction needs it)
-    return grad_norm(grads, params[0].device, (dims.pp_tp_group,))
+    device = params[0].device
+    sq = square_sum(
+        [g for p in dense if (g := grad_of(p)) is not None and counts_once(p, dims)], device
+    )
+    if other:  # the same on every rank of dp_cp_sp (one model structure)
+        first = [p for p in other if dist.get_rank(reduce_group(p, dims)) == 0]
+        counted = [g for p in first if (g := grad_of(p)) is not None and counts_once(p, dims)]
+        extra = square_sum(counted, device)
+        if dist.get_world_size(dims.dp_cp_sp_group) > 1:
+            dist.all_reduce(extra, group=dims.dp_cp_sp_group)
+        sq += extra
+    if dist.get_world_size(dims.pp_tp_group) > 1:
+        dist.all_reduce(sq, group=dims.pp_tp_group)
+    return math.sqrt(sq.item())
 
 
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, dims: ParallelDims) -> float:
+def clip_gradients(
+    params: list[torch.nn.Parameter], max_norm: float, dims: ParallelDims, grad_of: GradOf
+) -> float:
     """Scale all gradients so that their global norm is at most max_norm; returns the norm
     before clipping (what Megatron logs as grad-norm)."""
-    norm = global_grad_norm(params, dims)
-    if max_norm > 0 and math.isfinite(norm):
-        coeff = max_norm / (norm + 1e-6)
-        if coeff < 1.0:
-            for p in params:
-                if grad_of(p) is not None:
-                    grad_of(p).mul_(coeff)
+    norm = global_grad_norm(params, dims, grad_of)
+    coeff = clip_coefficient(norm, max_norm)
+    if coeff < 1.0:
+        for p in params:
+            g = grad_of(p)
+            if g is not None:
+                g.mul_(coeff)
     return norm
+
+
+def clip_coefficient(norm: float, max_norm: float) -> float:
+    """Megatron's clip factor (1.0: no clipping; max_norm 0 never clips)."""
+    if max_norm > 0 and math.isfinite(norm):
+        return min(1.0, max_norm / (norm + 1e-6))
+    return 1.0

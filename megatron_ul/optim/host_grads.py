@@ -8,7 +8,8 @@ micro-batch of the step, an H2D copy of the host sum after that — adds the hal
 copies the result back. Every copy is non-blocking on the current stream, so the host never
 waits during backward, and the device keeps one parameter's fp32 staging at a time (the caching
 allocator reuses it in stream order). The buffers are never zeroed on the host while a copy may
-still write them: zero_grad only marks them empty, and the first micro-batch overwrites them.
+still write them: zero_grad only marks them empty (ParamState.host_grad_empty), and the first
+micro-batch overwrites them.
 
 The host reads them only after mpu/host_staging.py's `wait_for_host_copies`, the one stream
 synchronisation of a step (the grad norm calls it first). Collectives never see them: every
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..mpu.host_staging import copied_to_host, mark_host_held
+from .contract import ParamState
 
 HOST = torch.device("cpu")
 
@@ -45,29 +47,16 @@ def accumulate_on_host(host: torch.Tensor, grad: torch.Tensor, first: bool) -> N
     copied_to_host(staged)
 
 
-def _accumulate_hook(p: torch.Tensor) -> None:
-    assert p.grad is not None  # a post-accumulate-grad hook: autograd has just set it
-    accumulate_on_host(p.main_grad, p.grad, first=p.host_main_grad_empty)  # type: ignore[attr-defined]
-    p.host_main_grad_empty = False  # type: ignore[attr-defined]
-    p.grad = None
-
-
-def attach_host_main_grad(p: torch.nn.Parameter, host: torch.Tensor) -> None:
-    """Accumulate p's gradients into the host fp32 `main_grad` (see the module docstring)."""
+def attach_host_main_grad(p: torch.nn.Parameter, host: torch.Tensor, state: ParamState) -> None:
+    """Accumulate p's gradients into the host fp32 `state.main_grad` (see the module
+    docstring)."""
     mark_host_held(host, p.device)
-    p.main_grad = host  # type: ignore[attr-defined]
-    p.host_main_grad_empty = True  # type: ignore[attr-defined]
-    p.register_post_accumulate_grad_hook(_accumulate_hook)
+    state.main_grad, state.host_grad_empty = host, True
 
+    def accumulate(p: torch.Tensor) -> None:
+        assert p.grad is not None and state.main_grad is not None  # autograd has just set it
+        accumulate_on_host(state.main_grad, p.grad, first=state.host_grad_empty)
+        state.host_grad_empty = False
+        p.grad = None
 
-def mark_empty(p: torch.Tensor) -> None:
-    """zero_grad for a host main_grad: the next micro-batch overwrites it."""
-    p.host_main_grad_empty = True  # type: ignore[attr-defined]
-
-
-def settle(p: torch.Tensor) -> None:
-    """Zero a host main_grad no micro-batch wrote this step (an unused parameter) before it is
-    read: no copy targets it, so zeroing it on the host is safe."""
-    if getattr(p, "host_main_grad_empty", False):
-        p.main_grad.zero_()  # type: ignore[attr-defined]
-        p.host_main_grad_empty = False  # type: ignore[attr-defined]
+    p.register_post_accumulate_grad_hook(accumulate)

@@ -5,10 +5,11 @@ megatron-core's --optimizer-cpu-offload:
 - A --bf16/--fp16 model holds its parameters in half precision. Each one gets an fp32
   `main_grad`; a post-accumulate-grad hook adds every micro-batch's half-precision gradient into
   it and drops the half one, so gradients accumulate, are reduced over dp_cp_sp and clipped in
-  fp32 (optim/grads.py reduces `grad_of(p)`).
-- AdamW steps fp32 main copies (`p.main_param`); the updated main copy is then rounded into the
-  model's parameter. Checkpoints read and write the main copies (checkpoint/state.py), so the
-  saved weights and Adam state are fp32 whatever the model's dtype.
+  fp32 (the optimizer's ParamStates table holds it; `grad(p)` hands it out).
+- AdamW steps fp32 main copies (the optimizer's `main_param`); the updated main copy is
+  then rounded into the model's parameter. Checkpoints read and write the main copies
+  (checkpoint/state.py), so the saved weights and Adam state are fp32 whatever the model's
+  dtype.
 - --optimizer-cpu-offload puts the main copies of the first --optimizer-offload-fraction of the
   parameters (counted in elements, in model.parameters() order), and so their Adam state, in
   host memory (pinned when a GPU trains): AdamW steps on the host, the new weights go up, each
@@ -27,8 +28,9 @@ from torch import nn
 from ..config import TrainConfig
 from ..mpu import host_staging
 from . import host_grads
-from .grads import grad_of
+from .contract import ParamState
 from .host_grads import HOST
+from .replicated import ReplicatedOptimizer, adamw
 
 
 def half_dtype(train: TrainConfig):
@@ -36,16 +38,17 @@ def half_dtype(train: TrainConfig):
     return torch.bfloat16 if train.bf16 else torch.float16 if train.fp16 else None
 
 
-def _accumulate_into_main_grad(p: torch.Tensor) -> None:
-    p.main_grad.add_(p.grad)  # type: ignore[attr-defined]  # fp32 += half: accumulates in fp32
-    p.grad = None
-
-
-def attach_main_grad(p: nn.Parameter, main_grad: torch.Tensor) -> None:
-    """Accumulate p's gradients into the fp32 `main_grad` (registered before any other
+def attach_main_grad(p: nn.Parameter, main_grad: torch.Tensor, state: ParamState) -> None:
+    """Accumulate p's gradients into the fp32 `state.main_grad` (registered before any other
     gradient hook, so the reduction hooks of grad_buckets.py see the accumulated sum)."""
-    p.main_grad = main_grad  # type: ignore[attr-defined]
-    p.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+    state.main_grad = main_grad
+
+    def accumulate(p: torch.Tensor) -> None:
+        assert state.main_grad is not None and p.grad is not None
+        state.main_grad.add_(p.grad)  # fp32 += half: accumulates in fp32
+        p.grad = None
+
+    p.register_post_accumulate_grad_hook(accumulate)
 
 
 def offloaded_prefix(sizes: list[int], fraction: float) -> int:
@@ -75,61 +78,49 @@ def main_copy(p: nn.Parameter, device) -> nn.Parameter:
     data.copy_(p.detach())
     main = nn.Parameter(data)
     for key, value in vars(p).items():
-        if key not in ("main_grad", "main_param") and not key.startswith("_"):
+        if not key.startswith("_"):
             setattr(main, key, value)
     return main
 
 
-class MainParamOptimizer:
-    """AdamW over fp32 main copies of the model's parameters (plain data parallelism; ZeRO-1
-    keeps its own main shard in distributed_optimizer.py)."""
+class MainParamOptimizer(ReplicatedOptimizer):
+    """AdamW over fp32 main copies of the model's parameters (replicated data parallelism;
+    ZeRO keeps its own main shards in distributed_optimizer.py)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        train: TrainConfig,
-        groups: list[dict],
-        *,
-        offload_fraction: float,
-        fused: bool,
-    ):
+    def __init__(self, *args, offload_fraction: float, **kwargs):
+        self.offload_fraction = offload_fraction
+        super().__init__(*args, **kwargs)
+
+    def _build_inner(self, model, train: TrainConfig, groups: list[dict], fused: bool):
         params = [p for g in groups for p in g["params"]]
         half = params[0].dtype != torch.float32
         order = [p for p in model.parameters() if p.requires_grad]
-        host = {
-            id(p) for p in order[: offloaded_prefix([p.numel() for p in order], offload_fraction)]
-        }
+        taken = offloaded_prefix([p.numel() for p in order], self.offload_fraction)
+        host = {id(p) for p in order[:taken]}
         self.pairs = []
         for p in params:
             device = HOST if id(p) in host else p.device
             main = main_copy(p, device) if half or device == HOST else p
+            state = self.states[p]
             if main is not p:
-                p.main_param = main
+                state.main_param = main
             if half and device == HOST and host_grads.keeps_grads_apart(p.device):
-                host_grads.attach_host_main_grad(p, host_buffer(p))
+                host_grads.attach_host_main_grad(p, host_buffer(p), state)
             elif half:
-                attach_main_grad(p, torch.zeros_like(p, dtype=torch.float32))
+                attach_main_grad(p, torch.zeros_like(p, dtype=torch.float32), state)
             self.pairs.append((p, main))
         main_of = {id(p): m for p, m in self.pairs}
         main_groups = [{**g, "params": [main_of[id(p)] for p in g["params"]]} for g in groups]
-        # fused needs every tensor on the GPU; foreach groups them by device.
-        self.optimizer = torch.optim.AdamW(
-            main_groups,
-            lr=train.lr,
-            betas=(train.adam_beta1, train.adam_beta2),
-            eps=train.adam_eps,
-            **({"fused": True} if fused and not host else {"foreach": True}),
-        )
         self.offloaded_elements = sum(p.numel() for p in params if id(p) in host)
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+        # fused needs every tensor on the GPU; foreach groups them by device.
+        return adamw(
+            main_groups, train, **({"fused": True} if fused and not host else {"foreach": True})
+        )
 
     @torch.no_grad()
     def step(self) -> None:
         for p, main in self.pairs:
-            grad = grad_of(p)
+            grad = self.grad(p)
             if main is p or grad is None:
                 continue
             if main.device == grad.device:
@@ -150,17 +141,11 @@ class MainParamOptimizer:
             if main is not p:
                 p.copy_(main, non_blocking=True)
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
         for p, _ in self.pairs:
-            main_grad = getattr(p, "main_grad", None)
-            if main_grad is not None and host_staging.is_host_held(main_grad):
-                host_grads.mark_empty(p)  # overwritten next: no host memset racing a copy
-            elif main_grad is not None:
-                main_grad.zero_()  # persistent: the accumulation hooks add into it
-            p.grad = None if set_to_none else p.grad
-
-    def state_dict(self) -> dict:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+            state = self.states[p]
+            if state.main_grad is not None and host_staging.is_host_held(state.main_grad):
+                state.host_grad_empty = True  # overwritten next: no host memset racing a copy
+            elif state.main_grad is not None:
+                state.main_grad.zero_()  # persistent: the accumulation hooks add into it
+            p.grad = None

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
-from .grads import grad_of
 from ..mpu.host_staging import wait_for_host_copies
 
 log = logging.getLogger("megatron_ul")
@@ -63,16 +62,14 @@ class GradScaler:
             self.scale *= 2.0
 
     @torch.no_grad()
-    def unscale_and_check(self, params: list[torch.nn.Parameter], iteration: int = 0) -> bool:
-        """Multiply this rank's gradients by 1/scale; True if every rank's are finite.
-        Updates the scale and logs a skipped step."""
-        grads = [
-            g.to_local() if isinstance(g, DTensor) else g
-            for g in map(grad_of, params)
-            if g is not None
-        ]
-        # On the training device: NCCL has no CPU tensors, and one host sync is enough.
-        found = torch.zeros((), dtype=torch.float32, device=params[0].device)
+    def unscale_and_check(
+        self, grads: list[torch.Tensor], device: torch.device, iteration: int = 0
+    ) -> bool:
+        """Multiply this rank's gradients (the optimizer's local_grads) by 1/scale; True if
+        every rank's are finite. Updates the scale and logs a skipped step. `device`: the
+        training device (NCCL has no CPU tensors, and one host sync is enough)."""
+        grads = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        found = torch.zeros((), dtype=torch.float32, device=device)
         wait_for_host_copies()  # host-held gradients are read (and scaled) on the host
         for g in grads:
             g.mul_(1.0 / self.scale)

@@ -21,7 +21,6 @@ TP rank 0 only). The update is plain torch AdamW on the DTensor shards.
 
 from __future__ import annotations
 
-import math
 from typing import TypeVar, cast
 
 import torch
@@ -33,7 +32,9 @@ from ..config import TrainConfig
 from ..mpu.parallel_state import ParallelDims
 from ..model.chunks import model_chunks
 from ..mpu.param_spec import param_spec
-from .grads import all_reduce_coalesced, counts_once, grad_norm
+from .contract import ParamStates, TrainingOptimizer
+from .grads import all_reduce_coalesced, clip_coefficient, counts_once, grad_norm
+from .replicated import adamw, weight_decay_groups
 
 M = TypeVar("M", bound=nn.Module)  # sharded in place: the model handed in comes back
 
@@ -77,54 +78,43 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class Zero3Optimizer:
+class Zero3Optimizer(TrainingOptimizer):
     """torch AdamW over the FSDP2 shards, plus the reduction and clipping FSDP2 leaves to us."""
 
-    def __init__(self, model: torch.nn.Module, train: TrainConfig, dims: ParallelDims):
-        self.dims = dims
+    def __init__(self, model: torch.nn.Module, train: TrainConfig, dims: ParallelDims, *, tied=()):
+        self.dims, self.states, self.tied = dims, ParamStates(), list(tied)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for p in self.params if p.dim() != 1]
-        no_decay = [p for p in self.params if p.dim() == 1]
-        groups = [
-            {"params": decay, "weight_decay": train.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        self.optimizer = torch.optim.AdamW(
-            groups,
-            lr=train.lr,
-            eps=train.adam_eps,
-            betas=(train.adam_beta1, train.adam_beta2),
-            foreach=True,
-        )
+        other = sorted({param_spec(p).grad_group for p in self.params} - {"dp_cp_sp"})
+        if other:
+            raise ValueError(
+                f"--zero-stage 3 shards over dp_cp_sp only; parameters reducing over {other} "
+                f"(ParamSpec.grad_group) need plain data parallelism"
+            )
+        self.optimizer = adamw(weight_decay_groups(self.params, train), train, foreach=True)
 
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
+    def grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """The local shard of p's gradient (FSDP2 has reduce-scattered it already)."""
+        return None if p.grad is None else _local(p.grad)
 
     @torch.no_grad()
-    def reduce_and_clip_gradients(self, max_norm: float) -> float:
-        with_grad = [(p, _local(p.grad)) for p in self.params if p.grad is not None]
+    def reduce_and_clip(self, max_norm: float) -> float:
+        # Both tied copies are sharded alike over their dp_cp_sp groups: summing the local
+        # shards sums the tables.
+        self.sum_tied_grads()
+        with_grad = [(p, g) for p in self.params if (g := self.grad(p)) is not None]
         sequence_parallel = [g for p, g in with_grad if param_spec(p).sequence_parallel]
         all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         counted = [g for p, g in with_grad if counts_once(p, self.dims)]
         groups = (self.dims.dp_cp_sp_group, self.dims.pp_tp_group)
         norm = grad_norm(counted, self.params[0].device, groups)
-        if max_norm > 0 and math.isfinite(norm):
-            coeff = max_norm / (norm + 1e-6)
-            if coeff < 1.0:
-                for _, g in with_grad:
-                    g.mul_(coeff)
+        coeff = clip_coefficient(norm, max_norm)
+        if coeff < 1.0:
+            for _, g in with_grad:
+                g.mul_(coeff)
         return norm
 
     def step(self) -> None:
         self.optimizer.step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        """torch AdamW's state over the DTensor shards (each rank holds its shards)."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state)
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)

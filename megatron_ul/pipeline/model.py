@@ -10,16 +10,11 @@ from __future__ import annotations
 
 import re
 
-import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..config import ResolvedConfig, ResolvedModelConfig
-from ..model.chunks import model_chunks, tied_embedding_weights
+from ..model.chunks import model_chunks
 from ..model.gpt import GPTModel
-from ..mpu import host_staging
-from ..mpu.comm_stats import record
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.param_spec import param_spec, set_param_spec
 from ..timers import NO_TIMERS, Timers
@@ -172,25 +167,3 @@ def stage_layer_indices(
         for c in range(chunks)
         for n in chunk_layer_numbers(num_layers, pipeline_size, chunks, pp_rank, c)
     ]
-
-
-def allreduce_embedding_grads(model: nn.Module, dims: ParallelDims) -> None:
-    """Megatron's _allreduce_embedding_grads: sum the tied table's gradient over the first and
-    last stage so both copies take the same optimizer step. Under ZeRO-3 the gradients are
-    FSDP2 DTensor shards; both copies are sharded alike over their dp_cp_sp groups, so summing the
-    local shards is summing the tables."""
-    if dims.pp == 1 or dist.get_rank() not in dims.embedding_ranks:
-        return
-    group = dims.embedding_group
-    for weight in tied_embedding_weights(model):
-        # A half-precision model's gradient is its fp32 main_grad (optim/mixed_precision.py).
-        grad = getattr(weight, "main_grad", None)
-        if grad is not None and host_staging.is_host_held(grad):  # NCCL takes no CPU tensor
-            host_staging.all_reduce_flat([grad], group)
-            continue
-        if grad is None:
-            if weight.grad is None:
-                weight.grad = torch.zeros_like(weight)
-            grad = weight.grad.to_local() if isinstance(weight.grad, DTensor) else weight.grad
-        record("all_reduce", grad, group)
-        dist.all_reduce(grad, group=group)

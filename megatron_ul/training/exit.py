@@ -98,9 +98,8 @@ class RunControl:
         the save is completed (metadata, tracker) once every rank's writer has finished, at the
         latest before the next save or at the end of training."""
         self._complete_pending()
-        finish = getattr(self.optimizer, "finish_param_sync", None)
-        if finish is not None:  # --overlap-param-gather: the parameters must be complete
-            finish()
+        if self.optimizer is not None:  # --overlap-param-gather: the parameters must be complete
+            self.optimizer.finish_param_sync()
         saved = save_checkpoint(
             self.cfg,
             self.model,

@@ -68,17 +68,11 @@ def train(
             if after_iteration is not None and after_iteration(iteration):
                 break
     finally:
-        finish_param_sync(optimizer)
+        # --overlap-param-gather leaves the last all-gathers in flight until the next
+        # forward: wait for them before anything else reads the parameters.
+        optimizer.finish_param_sync()
         metrics.close()
     return losses
-
-
-def finish_param_sync(optimizer) -> None:
-    """--overlap-param-gather leaves the last all-gathers in flight until the next forward:
-    wait for them before anything else reads the parameters."""
-    finish = getattr(optimizer, "finish_param_sync", None)
-    if finish is not None:
-        finish()
 
 
 def run_evaluation(cfg: ResolvedConfig, model, valid_batches, iteration: int) -> float:

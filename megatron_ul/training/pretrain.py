@@ -20,7 +20,7 @@ from ..initialize import initialize_distributed, shutdown
 from ..model.gpt import GPTModel, use_half_precision
 from ..mpu.param_init import deferred, materialize
 from ..mpu.parallel_state import ParallelDims
-from ..optim import build_optimizer
+from ..optim import TrainingOptimizer, build_optimizer
 from ..optim.lr_schedule import LRSchedule
 from ..pipeline.model import PipelineStageModel, build_pipeline_model
 from ..optim.mixed_precision import half_dtype
@@ -80,7 +80,7 @@ def _build_unsharded(
 class Trainer:
     cfg: ResolvedConfig
     model: GPTModel | PipelineStageModel
-    optimizer: torch.optim.Optimizer
+    optimizer: TrainingOptimizer
     scheduler: LRSchedule
     train_batches: Iterator
     valid_batches: Optional[Iterator]

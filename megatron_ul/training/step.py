@@ -9,9 +9,8 @@ import torch
 import torch.distributed as dist
 
 from ..mpu.parallel_state import ParallelDims
-from ..optim.grads import clip_gradients, reduce_gradients
+from ..optim.contract import TrainingOptimizer
 from ..model.chunks import model_chunks, model_dims
-from ..pipeline.model import allreduce_embedding_grads
 from ..pipeline.schedules import get_forward_backward_func
 from ..timers import NO_TIMERS, Timers
 
@@ -48,7 +47,7 @@ def schedule_for(model):
 
 def train_step(
     model,
-    optimizer,
+    optimizer: TrainingOptimizer,
     micro_batches: list[dict],
     *,
     clip_grad: float,
@@ -56,18 +55,16 @@ def train_step(
     grad_scaler=None,
     timers: Timers = NO_TIMERS,
 ) -> tuple[float, float]:
-    params = [p for p in model.parameters() if p.requires_grad]
-    device = params[0].device
+    device = next(p for p in model.parameters() if p.requires_grad).device
     # The exact count, rounded once to the fp32 the losses are divided by (the same value on
     # every rank and layout).
     dims = model_dims(model)
     num_tokens = count_tokens(micro_batches, device, dims).float()
     # fp16: backpropagate loss · scale; dividing the token count by a power of two is exact.
     divisor = num_tokens / grad_scaler.scale if grad_scaler is not None else num_tokens
-    # Plain DP and ZeRO-1 reduce gradients in buckets, from backward's hooks when overlapping.
-    grad_sync = getattr(optimizer, "grad_sync", None)
-    if grad_sync is not None:
-        grad_sync.start(len(micro_batches))
+    # Gradients are reduced in buckets, from backward's hooks when overlapping (ZeRO-2: every
+    # micro-batch).
+    optimizer.start_step(len(micro_batches))
     loss_sum = schedule_for(model)(model, micro_batches, divisor, timers=timers)
     loss = global_mean_loss(loss_sum, num_tokens, dims)
     if not math.isfinite(loss):
@@ -76,35 +73,20 @@ def train_step(
             f"iteration {iteration}: loss is {loss}; stopping. Lower --lr, "
             f"raise --clip-grad's strictness or check the data"
         )
-    if grad_scaler is not None and not grad_scaler.unscale_and_check(params, iteration):
-        optimizer.zero_grad(set_to_none=True)  # fp16 overflow: skip the step (logged)
+    if grad_scaler is not None and not grad_scaler.unscale_and_check(
+        optimizer.local_grads(), device, iteration
+    ):
+        optimizer.reduce_and_clip(0.0)  # fp16 overflow: finish the reduction, skip the step
+        optimizer.zero_grad()
         return loss, float("nan")
-    # Tied embedding copies (first and last pipeline stage) sum their gradients.
-    reduce_and_clip = getattr(optimizer, "reduce_and_clip_gradients", None)
-    if reduce_and_clip is not None:  # ZeRO: the optimizer owns the (sharded) gradients
-        # Before: a reduce-scatter leaves no full gradient to sum. ZeRO-1 keeps the tied
-        # weights in a deferred bucket of their own (the same layout on both stages), reduced
-        # only inside reduce_and_clip, so both copies still end bitwise equal.
-        allreduce_embedding_grads(model, dims)
-        with timers("grad-reduce"):
-            grad_norm = reduce_and_clip(clip_grad)
-    else:
-        with timers("grad-reduce"):
-            if grad_sync is not None:
-                grad_sync.finish()
-            else:
-                reduce_gradients(params, dims)
-            # After the dp_cp_sp reduction, so both copies end bitwise equal (a + b == b + a):
-            # before it, each stage's copy would be reduced inside differently laid-out
-            # buckets, and with 3+ dp_cp_sp ranks the summation orders (and roundings) differ.
-            allreduce_embedding_grads(model, dims)
-        with timers("grad-clip", level=2):
-            grad_norm = clip_gradients(params, clip_grad, dims)
+    with timers("grad-reduce"):
+        # Tied embedding copies (first and last pipeline stage) sum their gradients inside.
+        grad_norm = optimizer.reduce_and_clip(clip_grad)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"iteration {iteration}: grad norm is {grad_norm}; stopping")
     with timers("optimizer"):
         optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer.zero_grad()
     return loss, grad_norm
 
 

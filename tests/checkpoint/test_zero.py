@@ -1,4 +1,4 @@
-"""Checkpoints with ZeRO-1 (--use-distributed-optimizer), ZeRO-3 (--zero-stage 3, FSDP2) and
+"""Checkpoints with ZeRO-1 (--use-distributed-optimizer), ZeRO-2, ZeRO-3 (--zero-stage 3, FSDP2) and
 the fp16 loss scaler: exact resume on the same layout, and ZeRO optimizer state that loads on
 another DP×SP / TP size and with another optimizer (ZeRO state is saved gathered, name-keyed,
 like plain AdamW's: checkpoint/layout/zero.py)."""
@@ -7,11 +7,20 @@ import pytest
 
 from megatron_ul.optim.precision import GradScaler
 from tests.checkpoint.runs import NO_DROPOUT, TINY, assert_bitwise_resume, resume_on_layouts
-from tests.checkpoint.zero_runs import SP2, TP2_SP2, ZERO1, ZERO3, fp16_resume, zero_across_layouts
+from tests.checkpoint.zero_runs import (
+    SP2,
+    TP2_SP2,
+    ZERO1,
+    ZERO2,
+    ZERO3,
+    fp16_resume,
+    zero_across_layouts,
+)
 from tests.distributed import run_distributed
 
 LAYOUTS = {
     "ZeRO1-SP2-DP2": ZERO1 + SP2,
+    "ZeRO2-SP2-DP2": ZERO2 + SP2,
     "ZeRO3-SP2-DP2": ZERO3 + SP2,
     "ZeRO3-TP2-SP2": ZERO3 + TP2_SP2,
 }
@@ -23,14 +32,14 @@ def test_zero_resume_is_bitwise_identical(tmp_path):
     assert_bitwise_resume(results, LAYOUTS)
 
 
-@pytest.mark.slow  # 4 layouts
+@pytest.mark.slow  # 6 layouts
 def test_zero_state_loads_on_other_layouts_and_optimizers(tmp_path):
     out = run_distributed(zero_across_layouts, 4, TINY + NO_DROPOUT, str(tmp_path))[0]
     original = out.pop("original")
     assert len(original) == 6
     diffs = {}
     for name, resumed in out.items():
-        expected = original[4:6] if name == "zero1_from_plain_tp2_sp2" else original[2:4]
+        expected = original[4:6] if "_from_plain_" in name else original[2:4]
         assert len(resumed) == 2, name
         diffs[name] = max(abs(a - b) for a, b in zip(resumed, expected))
         print(f"{name}: original {expected} resumed {resumed} max diff {diffs[name]:.2e}")

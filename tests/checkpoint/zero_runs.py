@@ -9,6 +9,7 @@ from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import _on_rank0, convert_cli, train, train_then_resume
 
 ZERO1 = ["--use-distributed-optimizer"]
+ZERO2 = ["--zero-stage", "2"]
 ZERO3 = ["--zero-stage", "3"]
 SP2 = ["--ds-sequence-parallel-size", "2"]
 TP2_SP2 = ["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2"]
@@ -19,8 +20,10 @@ def zero_across_layouts(rank: int, world: int, argv: list[str], tmp: str) -> dic
     4, then continue from its checkpoints on other layouts and optimizers:
       zero1_tp2_sp2_convert: convert.py to TP2, resume with ZeRO-1 on TP2·SP2 (dp_cp_sp 2);
       zero3_tp2_sp2_on_load: ZeRO-3 on TP2·SP2, resharded on load;
+      zero2_tp2_sp2_on_load: ZeRO-2 on TP2·SP2, resharded on load;
       plain_sp2_dp2: plain AdamW from iteration 2, saving at 4 — then
-      zero1_from_plain_tp2_sp2: ZeRO-1 on TP2·SP2 from that plain checkpoint's iteration 4.
+      zero1_from_plain_tp2_sp2: ZeRO-1 on TP2·SP2 from that plain checkpoint's iteration 4;
+      zero2_from_plain_sp2_dp2: ZeRO-2 on SP2·DP2 from the same.
     The LR schedule is fixed by --lr-decay-iters 6 so that runs stopping at 4 follow it too.
     Returns each run's losses."""
     src, tp2, plain = (os.path.join(tmp, n) for n in ("zero1", "zero1_tp2", "plain"))
@@ -44,8 +47,10 @@ def zero_across_layouts(rank: int, world: int, argv: list[str], tmp: str) -> dic
     _on_rank0(convert_to_tp2)
     out["zero1_tp2_sp2_convert"] = run(ZERO1 + TP2_SP2 + ["--load", tp2], 4)
     out["zero3_tp2_sp2_on_load"] = run(ZERO3 + TP2_SP2 + ["--load", src], 4)
+    out["zero2_tp2_sp2_on_load"] = run(ZERO2 + TP2_SP2 + ["--load", src], 4)
     out["plain_sp2_dp2"] = run(SP2 + ["--load", src, "--save", plain, "--save-interval", "2"], 4)
     out["zero1_from_plain_tp2_sp2"] = run(ZERO1 + TP2_SP2 + ["--load", plain], 6)
+    out["zero2_from_plain_sp2_dp2"] = run(ZERO2 + SP2 + ["--load", plain], 6)
     return out
 
 

@@ -15,7 +15,10 @@ from torch.utils._pytree import tree_leaves
 
 from megatron_ul.model.chunks import model_dims
 from megatron_ul.mpu.param_spec import param_spec
+from megatron_ul.optim import grads as grads_module
+from megatron_ul.optim.distributed_optimizer import DistributedOptimizer
 from megatron_ul.optim.grads import grad_norm
+from megatron_ul.optim.zero3 import Zero3Optimizer
 from megatron_ul.pipeline.model import global_named_parameters
 from megatron_ul.training import step as step_module
 from megatron_ul.training.pretrain import configure, setup
@@ -81,9 +84,8 @@ def _watch(owner, name: str, mode: _NewStorages) -> None:
     setattr(owner, name, watched)
 
 
-def _full_gradient(p: torch.nn.Parameter) -> torch.Tensor:
-    g = getattr(p, "main_grad", None)
-    g = p.grad if g is None else g
+def _full_gradient(optimizer, p: torch.nn.Parameter) -> torch.Tensor:
+    g = optimizer.states.grad(p)  # ZeRO-3: p.grad, a DTensor
     return g.full_tensor() if isinstance(g, DTensor) else g
 
 
@@ -105,24 +107,22 @@ def norm_and_gradients(rank: int, world: int, argv: list[str]) -> dict:
     model, optimizer = trainer.model, trainer.optimizer
     dims = model_dims(model)
     watch = _NewStorages()
-    if hasattr(optimizer, "_global_norm"):  # ZeRO-1: the norm alone (not the reduce-scatter)
+    if isinstance(optimizer, DistributedOptimizer):  # ZeRO-1: the norm, not the reduce-scatter
         _watch(optimizer, "_global_norm", watch)
-    elif hasattr(optimizer, "reduce_and_clip_gradients"):  # ZeRO-3
-        _watch(optimizer, "reduce_and_clip_gradients", watch)
-    else:
-        _watch(step_module, "clip_gradients", watch)
+    elif isinstance(optimizer, Zero3Optimizer):
+        _watch(optimizer, "reduce_and_clip", watch)
+    else:  # the replicated kinds: the norm and clipping after the all-reduce
+        _watch(grads_module, "global_grad_norm", watch)
     shards: dict = {}
     largest_gradient = [0]
 
     def collect():
-        if hasattr(optimizer, "grad_buffer"):
+        if isinstance(optimizer, DistributedOptimizer):
             _gather_zero1_gradients(optimizer)
         for name, p in global_named_parameters(model):
-            local = getattr(p, "main_grad", None)
-            local = p.grad if local is None else local
-            local = local.to_local() if isinstance(local, DTensor) else local
+            local = optimizer.grad(p)
             largest_gradient[0] = max(largest_gradient[0], local.numel() * local.element_size())
-            full = _full_gradient(p).detach().clone()  # a collective under ZeRO-3
+            full = _full_gradient(optimizer, p).detach().clone()  # a collective under ZeRO-3
             spec = param_spec(p)
             shards[name] = (full, spec.partition_dim, spec.partition_stride)
 

@@ -14,7 +14,7 @@ import torch
 
 from megatron_ul.mpu import host_staging
 from megatron_ul.optim import host_grads
-from megatron_ul.optim.grads import grad_of
+from megatron_ul.optim.contract import ParamStates
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import NO_DROPOUT, TINY
 from tests.distributed import run_distributed
@@ -52,12 +52,12 @@ def test_staged_accumulation_gives_the_plain_adds_bits(dtype, micro_batches):
 
 def test_an_unwritten_host_main_grad_reads_as_zero():
     """A parameter no micro-batch touched (zero_grad only marks its buffer empty)."""
-    p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
-    host_grads.attach_host_main_grad(p, torch.full((3,), 7.0))
-    assert torch.equal(grad_of(p), torch.zeros(3))
-    host_grads.mark_empty(p)
+    p, states = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16)), ParamStates()
+    host_grads.attach_host_main_grad(p, torch.full((3,), 7.0), states[p])
+    assert torch.equal(states.grad(p), torch.zeros(3))
+    states[p].host_grad_empty = True  # zero_grad
     (p.float() * 2).sum().backward()
-    assert torch.equal(grad_of(p), torch.full((3,), 2.0))
+    assert torch.equal(states.grad(p), torch.full((3,), 2.0))
 
 
 class CountingStream:
@@ -82,7 +82,7 @@ def host_held_forced():
     saved = host_grads.keeps_grads_apart, host_grads.attach_host_main_grad, host_staging._stream_of
     attach, stream = host_grads.attach_host_main_grad, CountingStream()
     host_grads.keeps_grads_apart = lambda device: True
-    host_grads.attach_host_main_grad = lambda p, host: attach(p, on_host(host))
+    host_grads.attach_host_main_grad = lambda p, host, state: attach(p, on_host(host), state)
     host_staging._stream_of = lambda tensor: stream
     try:
         yield
@@ -101,11 +101,9 @@ def train_host_held(rank: int, world: int, cases: dict) -> dict:
             trainer = setup(configure(argv, world))
             with refuse_host_tensors():
                 losses = trainer.train()
-        model = trainer.model
+        model, states = trainer.model, trainer.optimizer.states
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
-        held = sum(
-            isinstance(getattr(p, "main_grad", None), HostTensor) for p in model.parameters()
-        )
+        held = sum(isinstance(states[p].main_grad, HostTensor) for p in model.parameters())
         out[name] = (losses, params, held, CountingStream.syncs)
     return out
 
@@ -193,9 +191,10 @@ def layer_backward_peak(rank: int, world: int, argv: list, forced: bool) -> tupl
         first, second = next(trainer.train_batches), next(trainer.train_batches)
         train_step(model, optimizer, first, clip_grad=cfg.train.clip_grad)  # Adam's state
         params = list(model.parameters())
-        adam = [v for s in optimizer.optimizer.state.values() for v in s.values()]
-        state = [p.main_param for p in params] + [t for t in adam if t.dim() > 0]
-        grads = [p.main_grad for p in params]
+        adam = [v for s in optimizer.torch_optimizer.state.values() for v in s.values()]
+        held = [optimizer.states[p] for p in params]
+        state = [s.main_param for s in held] + [t for t in adam if t.dim() > 0]
+        grads = [s.main_grad for s in held]
         host = state + grads if forced else []
         tracker = device_tracker(model, params + ([] if forced else state + grads), host)
         _mark_backward_stages(model, tracker)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_ul.config import ConfigError
+from megatron_ul.optim.distributed_optimizer import DistributedOptimizer
 from megatron_ul.pipeline.model import global_named_parameters
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
@@ -21,12 +22,17 @@ OVERLAP = ["--overlap-grad-reduce"]
 def _train(rank, world, argv):
     trainer = setup(configure(argv, world))
     losses = trainer.train()
-    sync = getattr(trainer.optimizer, "grad_sync", None)
+    optimizer = trainer.optimizer
+    launcher = (
+        optimizer.launcher
+        if isinstance(optimizer, DistributedOptimizer)
+        else optimizer.grad_sync.launcher
+    )
     return {
         "losses": losses,
         "params": {n: p.detach().clone() for n, p in global_named_parameters(trainer.model)},
-        "buckets": len(sync.launcher.buckets),
-        "by_hooks": sync.launcher.launched_by_hooks,
+        "buckets": len(launcher.buckets),
+        "by_hooks": launcher.launched_by_hooks,
     }
 
 
@@ -74,6 +80,7 @@ def test_overlapped_reduction_is_bit_identical(layout):
     "flags,match",
     [
         (["--overlap-param-gather", "--overlap-grad-reduce"], "--use-distributed-optimizer"),
+        (["--zero-stage", "3", "--overlap-param-gather", "--overlap-grad-reduce"], "stage 2"),
         (["--use-distributed-optimizer", "--overlap-param-gather"], "--overlap-grad-reduce"),
         (["--overlap-grad-reduce", "--fp16"], "--fp16"),
         (["--ddp-bucket-size", "0"], "--ddp-bucket-size"),

@@ -37,10 +37,10 @@ def test_unscale_is_exact_and_detects_overflow():
     p, q = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
     p.grad, q.grad = torch.tensor([3.0, -1.5, 1e-3]) * 2**20, torch.tensor([2.0, 1.0]) * 2**20
     s = GradScaler(2.0**20, hysteresis=1)
-    assert s.unscale_and_check([p, q])
+    assert s.unscale_and_check([p.grad, q.grad], p.device)
     assert p.grad.equal(torch.tensor([3.0, -1.5, 1e-3])) and q.grad.equal(torch.tensor([2.0, 1.0]))
     q.grad[0] = float("inf")
-    assert not s.unscale_and_check([p, q]) and s.scale == 2.0**19
+    assert not s.unscale_and_check([p.grad, q.grad], p.device) and s.scale == 2.0**19
 
 
 def train_fp16_and_watch(rank, world, argv):

@@ -48,7 +48,7 @@ def _meta_params():
 
 def test_fp16_scaler_reduces_found_inf_on_the_parameters_device(handed):
     with pytest.raises(Handed):
-        GradScaler(1024.0).unscale_and_check(_meta_params())
+        GradScaler(1024.0).unscale_and_check([_meta_params()[0].grad], META)
     assert handed == [(META, torch.float32)]
 
 
@@ -66,7 +66,7 @@ def test_grad_norm_is_reduced_on_the_parameters_device_even_without_gradients(ha
     dims = SimpleNamespace(pp_tp_group=None, tp_rank=0)  # the model-parallel group
     p = torch.nn.Parameter(torch.zeros(4, device=META))  # no .grad on this rank
     with pytest.raises(Handed):
-        grads_module.global_grad_norm([p], dims)
+        grads_module.global_grad_norm([p], dims, lambda p: p.grad)
     assert handed == [(META, torch.float64)]
 
 

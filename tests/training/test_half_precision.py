@@ -42,7 +42,7 @@ def watch_one_step(rank: int, world: int, argv: list[str]) -> dict:
     step = optimizer.step
 
     def checked_step():
-        grads = [getattr(p, "main_grad", None) for p in model.parameters()]
+        grads = [optimizer.states[p].main_grad for p in model.parameters()]
         seen["main_grad"] = {g.dtype for g in grads if g is not None}
         seen["half_grad_left"] = any(
             p.grad is not None and p.grad.dtype != torch.float32 for p in model.parameters()
@@ -56,7 +56,7 @@ def watch_one_step(rank: int, world: int, argv: list[str]) -> dict:
 
     optimizer.step = checked_step
     trainer.train()
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = optimizer.torch_optimizer
     seen["param"] = {p.dtype for p in model.parameters()}
     seen["local_param"] = {
         (p.to_local() if isinstance(p, DTensor) else p).dtype for p in model.parameters()

@@ -66,7 +66,7 @@ COMMON = [
 ]
 
 
-# ---- 1. model state under ZeRO 0/1/3 ----------------------------------------------------------
+# ---- 1. model state under ZeRO 0/1/2/3 --------------------------------------------------------
 def model_state_worker(rank, world, argv):
     from megatron_ul.pipeline.schedules import forward_backward_no_pipelining
     from tools.bench.saved_bytes import model_state_bytes
@@ -78,6 +78,7 @@ def model_state_worker(rank, world, argv):
     train_step(model, optimizer, next(trainer.train_batches), clip_grad=1.0)  # Adam state exists
     batch = next(trainer.train_batches)  # gradients of one more step exist while we measure
     tokens = count_tokens(batch, torch.device("cpu"), model.dims).float()
+    optimizer.start_step(len(batch))  # ZeRO-2 reduce-scatters each bucket as it completes
     forward_backward_no_pipelining(model, batch, tokens)
     return model_state_bytes(model, optimizer)
 
@@ -88,6 +89,7 @@ def table_model_state() -> str:
     zero = {
         "ZeRO-0": [],
         "ZeRO-1": ["--use-distributed-optimizer"],
+        "ZeRO-2": ["--zero-stage", "2"],
         "ZeRO-3": ["--zero-stage", "3"],
     }
     rows = [
@@ -292,16 +294,15 @@ def peak_worker(rank, world, argv, precision: str):
     batches = [next(trainer.train_batches) for _ in range(cfg.train.train_iters)]
     params = list(model.parameters())
     # The half-precision model's fp32 main copies and main gradients exist before the tracker.
-    main = [getattr(p, "main_param", None) for p in params]
-    main_grads = [getattr(p, "main_grad", None) for p in params]
-    main = [t for t in main if t is not None]
-    main_grads = [t for t in main_grads if t is not None]
+    held = [optimizer.states.get(p) for p in params]
+    main = [s.main_param for s in held if s is not None and s.main_param is not None]
+    main_grads = [s.main_grad for s in held if s is not None and s.main_grad is not None]
 
     def gradients():
         return {"gradients": main_grads + [p.grad for p in params + main if p.grad is not None]}
 
     tracker = LiveTensorTracker(model, preexisting=params + main + main_grads, classify=gradients)
-    inner = getattr(optimizer, "optimizer", optimizer)
+    inner = optimizer.torch_optimizer
 
     def adam_state():
         return [v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)]
@@ -309,7 +310,7 @@ def peak_worker(rank, world, argv, precision: str):
     if offloaded:  # fp32 main parameters, main gradients and (once made) Adam's on the host
         tracker.hold_on_host(main + main_grads)
         _after(optimizer, "step", lambda: tracker.hold_on_host(adam_state()))
-    _phase_wrap(step_module, "clip_gradients", tracker, "clip")
+    _phase_wrap(optimizer, "reduce_and_clip", tracker, "clip")
     _phase_wrap(optimizer, "step", tracker, "optimizer")
     _mark_backward_stages(model, tracker)
     autocast = precision == "autocast-bf16"
@@ -631,6 +632,9 @@ def main() -> None:
         "--targets", action="store_true", help="print only the estimator's GPU targets table"
     )
     parser.add_argument(
+        "--model-state", action="store_true", help="print only the ZeRO model-state table"
+    )
+    parser.add_argument(
         "--compare-options",
         nargs=2,
         type=int,
@@ -654,6 +658,9 @@ def main() -> None:
     if args.targets:
         print(table_targets())
         return
+    if args.model_state:
+        print(table_model_state())
+        return
     if args.compare_options:
         hidden, seq_length = args.compare_options
         extra = ("--vocab-size", str(args.vocab_size)) if args.vocab_size else ()
@@ -665,8 +672,10 @@ def main() -> None:
             "Model state per rank (params + grads + Adam state) under ZeRO over dp_sp",
             f"Model: {' '.join(STATE_MODEL)}. dp_sp 2 = SP2, dp_sp 4 = SP2 × DP2; the fullest rank "
             f"is shown, measured after a step with gradients present. ZeRO-1 shards the Adam "
-            f"state (its fp32 master weights are the fp32 parameters themselves); ZeRO-3 (FSDP2) "
-            f"also shards parameters and gradients, so everything falls as 1/dp_sp.",
+            f"state (its fp32 master weights are the fp32 parameters themselves); ZeRO-2 also "
+            f"the gradients (each bucket reduce-scattered into the rank's shard as backward "
+            f"completes it); ZeRO-3 (FSDP2) also shards parameters, so everything falls as "
+            f"1/dp_sp.",
             table_model_state(),
         ),
         (

@@ -42,7 +42,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], exclude: set | None = 
 
 
 def _optimizer_state_tensors(optimizer) -> list[torch.Tensor]:
-    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wrappers keep torch's AdamW here
+    inner = optimizer.torch_optimizer
     return [
         v for state in inner.state.values() for v in state.values() if isinstance(v, torch.Tensor)
     ]
@@ -52,13 +52,11 @@ def model_state_bytes(model: torch.nn.Module, optimizer) -> dict[str, int]:
     """{'params', 'grads', 'optimizer', 'total'}: bytes this rank holds right now.
 
     Call it after a step's gradients exist (before zero_grad) to see the gradient share.
-    ZeRO-1's reduce-scattered gradient shard counts as gradients.
+    Every gradient the optimizer holds counts (ZeRO-1's buffer, ZeRO-2's shard, fp32 main
+    gradients).
     """
     params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
-    grad_shard = getattr(optimizer, "grad_shard", None)
-    if grad_shard is not None:
-        grads.append(grad_shard)
+    grads = [p.grad for p in params if p.grad is not None] + optimizer.local_grads()
     param_keys = {_storage_key(p) for p in params}
     out = {
         "params": storage_bytes(params),
@@ -147,7 +145,8 @@ def measure(rank: int, world: int, argv: list[str]) -> dict:
     optimizer.step()
     params = list(model.parameters())
     grads = [p.grad for p in params if p.grad is not None]
-    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    inner = optimizer.torch_optimizer
+    state = [t for s in inner.state.values() for t in s.values() if torch.is_tensor(t)]
     return {
         "saved": meter.bytes,
         "param_bytes": sum(p.numel() * p.element_size() for p in params),

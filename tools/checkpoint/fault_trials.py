@@ -103,7 +103,10 @@ def _loaded(directory: str):
         directory,
         lambda trainer: (
             trainer.start_iteration,
-            {n: p.detach().clone() for n, p in named_parameters(trainer.model).items()},
+            {
+                n: p.detach().clone()
+                for n, p in named_parameters(trainer.model, trainer.optimizer).items()
+            },
         ),
     )
 

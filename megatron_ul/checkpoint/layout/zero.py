@@ -23,9 +23,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _zero1(optimizer) -> bool:
-    from ...optim.distributed_optimizer import DistributedOptimizer
-
-    return isinstance(optimizer, DistributedOptimizer)
+    """ZeRO-1/2: the Adam state lives in pieces of a flat buffer."""
+    return optimizer.shards_flat_buffer
 
 
 def _is_dp_cp_sp_root(model) -> bool:
@@ -33,18 +32,21 @@ def _is_dp_cp_sp_root(model) -> bool:
 
 
 # ---- save ----------------------------------------------------------------------------------
-def checkpoint_model_state(model) -> dict[str, torch.Tensor] | None:
-    """{name: full CPU tensor} on the dp_cp_sp root, None elsewhere. Collective over dp_cp_sp when
-    parameters are DTensors (ZeRO-3): gathered one at a time."""
-    params, root = named_parameters(model), _is_dp_cp_sp_root(model)
+def checkpoint_model_state(model, optimizer=None) -> dict[str, torch.Tensor] | None:
+    """{name: full CPU tensor} on the dp_cp_sp root, None elsewhere (the optimizer's fp32 main
+    weights where it keeps them). Collective over dp_cp_sp when parameters are DTensors
+    (ZeRO-3) or the main weights are ZeRO-1/2 pieces: gathered one at a time."""
+    params, root = named_parameters(model, optimizer), _is_dp_cp_sp_root(model)
+    pieces = {name: _main_pieces(optimizer, p) for name, p in params.items()}
     if not root and not any(
-        isinstance(p, DTensor) or hasattr(p, "main_shards") for p in params.values()
+        isinstance(p, DTensor) or pieces[name] is not None for name, p in params.items()
     ):
         return None
     out = {}
     for name, p in params.items():
-        if hasattr(p, "main_shards"):
-            full = _gather_main(model, p)
+        shards = pieces[name]
+        if shards is not None:
+            full = _gather_main(model, p, shards)
         else:
             full = p.full_tensor() if isinstance(p, DTensor) else p
         if root:  # other ranks take part in the gather and keep nothing
@@ -52,11 +54,16 @@ def checkpoint_model_state(model) -> dict[str, torch.Tensor] | None:
     return out if root else None
 
 
-def _gather_main(model, p) -> torch.Tensor:
-    """p's fp32 main weights from the ZeRO-1 pieces every dp_cp_sp rank holds (`main_shards`):
-    a SUM of disjoint pieces over zeros onto the dp_cp_sp root, exact (collective)."""
+def _main_pieces(optimizer, p) -> list | None:
+    """ZeRO-1/2's pieces of p's fp32 main copy on this rank; None where p is its own."""
+    return None if optimizer is None else optimizer.main_shards(p)
+
+
+def _gather_main(model, p, shards: list) -> torch.Tensor:
+    """p's fp32 main weights from the ZeRO-1/2 pieces every dp_cp_sp rank holds: a SUM of
+    disjoint pieces over zeros onto the dp_cp_sp root, exact (collective)."""
     full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-    for start, piece in p.main_shards:
+    for start, piece in shards:
         full[start : start + piece.numel()] = piece
     group = model_dims(model).dp_cp_sp_group
     if dist.get_world_size(group) > 1:
@@ -141,17 +148,17 @@ def _zero1_groups(model, optimizer) -> list[dict]:
 
 
 # ---- load ----------------------------------------------------------------------------------
-def load_checkpoint_model_state(model, state: dict) -> None:
-    """Copy full tensors into the parameters; a DTensor keeps only its own chunk. Shapes and
-    names must already have been checked."""
+def load_checkpoint_model_state(model, state: dict, optimizer=None) -> None:
+    """Copy full tensors into the parameters (the optimizer's main copies where it keeps them);
+    a DTensor keeps only its own chunk. Shapes and names must already have been checked."""
     with torch.no_grad():
-        for name, p in named_parameters(model).items():
+        for name, p in named_parameters(model, optimizer).items():
             full = state[name]
             if isinstance(p, DTensor):
                 p.to_local().copy_(_my_chunk(full, p))
             else:
                 p.copy_(full)
-            for start, piece in getattr(p, "main_shards", ()):  # ZeRO-1's fp32 main copy
+            for start, piece in _main_pieces(optimizer, p) or ():  # ZeRO-1/2's fp32 main
                 piece.copy_(full.reshape(-1)[start : start + piece.numel()])
 
 
@@ -167,7 +174,7 @@ def load_checkpoint_optimizer_state(model, optimizer, saved: dict, source: str) 
     if _zero1(optimizer):
         _load_zero1(model, optimizer, saved, source)
         return
-    params = named_parameters(model)
+    params = named_parameters(model, optimizer)
     if any(isinstance(p, DTensor) for p in params.values()):
         state = {
             n: (

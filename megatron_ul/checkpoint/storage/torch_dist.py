@@ -128,14 +128,12 @@ def _local_part(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def torch_optimizer(optimizer):
-    """The torch AdamW doing the steps (ZeRO-1 and ZeRO-3 wrap one)."""
-    return getattr(optimizer, "optimizer", optimizer)
+    """The torch AdamW doing the steps."""
+    return optimizer.torch_optimizer
 
 
 def _zero1_pieces(optimizer):
-    from ...optim.distributed_optimizer import DistributedOptimizer
-
-    if not isinstance(optimizer, DistributedOptimizer):
+    if not optimizer.shards_flat_buffer:  # ZeRO-1/2: pieces of a flat buffer
         return None
     from ..layout.zero import inner_params
 
@@ -155,13 +153,15 @@ def held_tensors(model, optimizer, with_optim: bool, create_state: bool = False)
     """Everything this rank holds, model first. create_state (for loading) gives parameters
     without Adam state zero moments to load into."""
     tp = model_dims(model).tp
-    params = named_parameters(model)
+    params = named_parameters(model, optimizer)
     out = []
     for name, p in params.items():
-        # ZeRO-1 with a separate fp32 main copy: its pieces are the weights saved and loaded.
-        if hasattr(p, "main_shards"):
-            parts = p.main_shards
-        else:  # none: another rank's
+        # ZeRO-1/2 with a separate fp32 main copy: its pieces are the weights saved and loaded
+        # (none: another rank's).
+        shards = None if optimizer is None else optimizer.main_shards(p)
+        if shards is not None:
+            parts = shards
+        else:
             data, lo = _local_part(p)
             parts = [(lo, data)]
         for lo, data in parts:

@@ -72,8 +72,8 @@ def check_model_matches(meta: dict, cfg: ResolvedConfig, path: str) -> None:
         )
 
 
-def load_model_state(model, state: dict, source: str) -> None:
-    params = named_parameters(model)
+def load_model_state(model, state: dict, source: str, optimizer=None) -> None:
+    params = named_parameters(model, optimizer)
     missing, unexpected = set(params) - set(state), set(state) - set(params)
     if missing or unexpected:
         raise CheckpointError(
@@ -86,7 +86,7 @@ def load_model_state(model, state: dict, source: str) -> None:
                 f"{source}: {name} has shape {tuple(state[name].shape)} in the "
                 f"checkpoint but {tuple(p.shape)} in this model"
             )
-    load_checkpoint_model_state(model, state)  # ZeRO-3: each rank keeps its chunk
+    load_checkpoint_model_state(model, state, optimizer)  # ZeRO-3: each rank its chunk
 
 
 def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
@@ -327,9 +327,8 @@ def load_checkpoint(cfg: ResolvedConfig, model, optimizer, scheduler, grad_scale
     )
     # The fp32 main weights were loaded: round them into a half-precision model (ZeRO-1:
     # and all-gather them, the one collective of a load, so outside the checked steps).
-    copy_main_to_model = getattr(optimizer, "copy_main_to_model", None)
-    if copy_main_to_model is not None:
-        copy_main_to_model()
+    if optimizer is not None:
+        optimizer.copy_main_to_model()
     # Said only now: every rank's load succeeded (_on_every_rank's collective verdict).
     if dist.get_rank() == 0:
         if c.finetune:
@@ -360,7 +359,7 @@ def _apply(
         payload, source, model_sd, optim_sd = _read_model_and_optim(
             cfg, meta, iter_dir, model, load_optim
         )
-        load_model_state(model, model_sd, source)
+        load_model_state(model, model_sd, source, optimizer)
     if c.finetune:
         return Resume()
     if load_optim and common is None:

@@ -229,7 +229,7 @@ def _write_rank_files(
     dims = model_dims(model)
     save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
     # Collective over dp_cp_sp under ZeRO (gathers one parameter at a time); None off the writer.
-    model_sd = checkpoint_model_state(model)
+    model_sd = checkpoint_model_state(model, optimizer)
     optim_sd = checkpoint_optimizer_state(model, optimizer) if save_optim else None
     records: dict = {}
     try:
