@@ -23,6 +23,7 @@ LEVELS = {
     "model": 2,
     "initialize": 2,
     "config_rules": 2,
+    "moe_rules": 2,  # the MoE flags' rules (config_rules reads them)
     "config_files": 2,  # the checks of a config (they parse data flags)
     "pipeline": 3,
     "optim": 3,
