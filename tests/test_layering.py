@@ -19,11 +19,11 @@ LEVELS = {
     "mpu": 1,
     "data": 1,
     "arguments": 1,  # parallel primitives; data; the command line
+    "moe_rules": 1,  # the MoE flags' rules (config_rules reads them)
     "sparsity_config": 1,  # the block-sparse patterns as configuration (reads config)
     "model": 2,
     "initialize": 2,
     "config_rules": 2,
-    "moe_rules": 2,  # the MoE flags' rules (config_rules reads them)
     "config_files": 2,  # the checks of a config (they parse data flags)
     "pipeline": 3,
     "optim": 3,
