@@ -20,9 +20,24 @@ MOE = [
     "0.05",
 ]
 ALLTOALL = ["--moe-token-dispatcher-type", "alltoall"]
+# Capacity 0.5: about half the (token, expert) pairs dropped. Each rank applies the capacity
+# rule to its own tokens, as megatron-core does; with EP from DP a rank's tokens are one
+# process's micro-batch, so the same tokens are dropped.
+DROPPING = ["--moe-expert-capacity-factor", "0.5"]
 MODELS = {  # name -> (flags, query heads, kv groups)
     "llama-moe": (LLAMA_GQA + MOE, 8, 2),
     "llama-moe-alltoall": (LLAMA_GQA + MOE + ALLTOALL, 8, 2),
+}
+DROPPING_MODELS = {
+    "probs": (LLAMA_GQA + MOE + ALLTOALL + DROPPING, 8, 2),
+    "position-padded": (
+        LLAMA_GQA
+        + MOE
+        + DROPPING
+        + ["--moe-token-drop-policy", "position", "--moe-pad-expert-input-to-capacity"],
+        8,
+        2,
+    ),
 }
 
 
@@ -68,3 +83,10 @@ MATRIX = [
 def test_moe_layout_matches_single_process(model, layout):
     flags, world = LAYOUTS[layout]
     assert_matches_one_process(f"{model} {layout}", MODELS[model], flags, world)
+
+
+@pytest.mark.parametrize(
+    "policy", ["probs", pytest.param("position-padded", marks=pytest.mark.slow)]
+)
+def test_dropping_matches_single_process(policy):
+    assert_matches_one_process(f"dropping {policy} DP2-EP2", DROPPING_MODELS[policy], ep(2), 2)
