@@ -36,6 +36,7 @@ PANELS = {
     "max allocated (bytes)": ("mem-max-allocated-bytes",),
 }
 VALIDATION = ("lm loss validation", "eval/loss")
+DIFFERENCE = "difference"  # the panel of |loss − reference|, drawn with --reference
 LOSS = PANELS["loss"]
 
 
@@ -114,13 +115,20 @@ def plot(runs: list[Run], args) -> list[str]:
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    panels = [name for name, tags in PANELS.items() if any(r.first(tags) for r in runs)]
+    wanted = args.panels or list(PANELS)
+    panels = [n for n in wanted if n in PANELS and any(r.first(PANELS[n]) for r in runs)]
     if "loss" not in panels:
         raise PlotError(f"no run has a loss scalar (one of {LOSS + VALIDATION})")
-    columns = min(len(panels), 3)
+    if args.reference:
+        reference = differences(runs, args.reference)  # checks the label
+        panels.insert(panels.index("loss") + 1, DIFFERENCE)
+    columns = 2 if len(panels) == 4 else min(len(panels), 3)
     rows = -(-len(panels) // columns)
     figure, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 3.8 * rows), squeeze=False)
     for axis, name in zip(axes.flat, panels):
+        if name == DIFFERENCE:
+            _plot_differences(axis, runs, reference, args)
+            continue
         for index, run in enumerate(runs):
             color = f"C{index % 10}"
             found = run.first(PANELS[name])
@@ -155,6 +163,24 @@ def plot(runs: list[Run], args) -> list[str]:
     return panels
 
 
+def _plot_differences(axis, runs: list[Run], rows: list[dict], args) -> None:
+    """|training loss − the reference's| at each shared step, one line per run."""
+    for index, run in enumerate(runs):
+        row = next((r for r in rows if r["run"] == run.label), None)
+        if row is None or row["train"] is None:
+            continue
+        steps, diff = row["train"]["shared"], row["train"]["abs"]
+        axis.plot(
+            x_values(run, LOSS[0], steps, args) if args.x == "tokens" else steps, diff,
+            color=f"C{index % 10}", lw=1, label=run.label,
+        )  # fmt: skip
+    axis.set_title(f"|loss − {args.reference}|")
+    axis.set_xlabel(args.x)
+    axis.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+
+
 def differences(runs: list[Run], reference: str) -> list[dict]:
     """Per run: steps shared with the reference and the largest |Δ| of training and validation
     loss there."""
@@ -175,6 +201,8 @@ def differences(runs: list[Run], reference: str) -> list[dict]:
             shared, i, j = np.intersect1d(mine[1], theirs[1], return_indices=True)
             diff = np.abs(mine[2][i] - theirs[2][j])
             row[kind] = {
+                "shared": shared,
+                "abs": diff,
                 "steps": len(shared),
                 "max_abs": float(diff.max()) if len(diff) else float("nan"),
                 "at_step": int(shared[diff.argmax()]) if len(diff) else None,
@@ -218,10 +246,17 @@ def parse_args(argv=None):
         default=None,
         help="--x tokens for runs without '<tag> vs samples' scalars",
     )
+    parser.add_argument(
+        "--panels", nargs="+", choices=list(PANELS), default=None, help="default: all present"
+    )
     parser.add_argument("--title", default=None)
     parser.add_argument("--log-loss", action="store_true", help="loss on a log axis")
     parser.add_argument("--dpi", type=int, default=120)
-    parser.add_argument("--reference", default=None, help="label of the run --table compares to")
+    parser.add_argument(
+        "--reference",
+        default=None,
+        help="label of the run the others are compared with: a |Δ loss| panel, and --table",
+    )
     parser.add_argument("--table", default=None, help="write the loss differences (Markdown)")
     args = parser.parse_args(argv)
     extension = os.path.splitext(args.output)[1].lower()
