@@ -44,10 +44,10 @@ def flash_attn_stand_in(request, monkeypatch):
     """The strict CPU stand-in of `flash_attn` (tests/stand_ins/flash_attn) importable as
     `flash_attn`, presenting each release's API in turn (a test picks some with
     parametrize(..., indirect=True)), plus megatron_ul's documented test hook that lets the flash
-    path run on CPU (megatron_ul.model.attention.local.FLASH_ON_CPU_ENV). Ranks started by
+    path run on CPU (megatron_ul.model.attention.flash_attn.FLASH_ON_CPU_ENV). Ranks started by
     run_on_local_ranks inherit both (it passes sys.path and the environment). Yields the
     stand-in module."""
-    from megatron_ul.model.attention.local import FLASH_ON_CPU_ENV
+    from megatron_ul.model.attention.flash_attn import FLASH_ON_CPU_ENV
 
     monkeypatch.syspath_prepend(STAND_INS)
     monkeypatch.setenv(FLASH_ON_CPU_ENV, "1")

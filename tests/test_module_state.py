@@ -25,7 +25,7 @@ PINNED = {
         "model/attention/ring.py",
         "_times",
     ): "ring time split, None unless a benchmark opens `with measure_ring_time()`",
-    ("model/attention/local.py", "_announced"): "log lines said once per process",
+    ("model/attention/backends.py", "_announced"): "log lines said once per process",
     ("model/norms.py", "_announced"): "log lines said once per process",
     (
         "exit_signals.py",

@@ -77,7 +77,7 @@ from dataclasses import replace  # noqa: E402
 
 import torch  # noqa: E402
 
-from megatron_ul.model.attention import local as attention  # noqa: E402
+from megatron_ul.model.attention import flash_attn as attention  # noqa: E402
 from tools import gpu_check_attention as attn  # noqa: E402
 from tools.bench.common import command_line  # noqa: E402
 from tools.gpu_check_results import RESULTS_DIR, ResultFiles, environment  # noqa: E402

@@ -26,10 +26,12 @@ import torch
 from megatron_ul.data.sequence_layout import rank_positions
 from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention import document_tiles as tiles_module
-from megatron_ul.model.attention.dispatch import AttentionCall, attention_kernel
+from megatron_ul.model.attention.backends import attention_kernel
+from megatron_ul.model.attention.dispatch import AttentionCall
 from megatron_ul.model.attention.documents import DocumentMask
 from megatron_ul.model.attention.ring import Ring
 from megatron_ul.model.attention.document_tiles import tiled_document_attention
+from megatron_ul.model.attention.layer import LayerAttention
 from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from tools.gpu_check_sdpa import DIRECT_OPS
@@ -143,7 +145,7 @@ def forward_backward(
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     with fused_kernels_only(device) if fused_only else nullcontext():
-        out = core(*leaves, dropout_p=0.0, attention_mask=documents)
+        out = core(*leaves, dropout_p=0.0, documents=documents)
         out.backward(dout)
     _sync(device)
     seconds = time.perf_counter() - start
@@ -165,7 +167,7 @@ def one_device(
 ) -> Measured:
     """The attention core on one device (no Ulysses, no ring); the last of `repeats` runs is
     returned, the first is recorded by `recorder` (an SdpaRecorder) if given."""
-    core = DistributedAttention(1, "sdpa", None, window=case.window)
+    core = DistributedAttention(1, LayerAttention(window=case.window), None)
     for i in range(repeats):
         with recorder if (recorder is not None and i == 0) else nullcontext():
             run = forward_backward(core, q, k, v, dout, documents, device, fused_only)
@@ -287,7 +289,7 @@ def virtual_ring(
                 prev_rank=(r - 1) % size,
                 links=links,
             )
-            core = DistributedAttention(1, "sdpa", None, window=case.window, ring=ring)
+            core = DistributedAttention(1, LayerAttention(window=case.window, ring=ring), None)
             p = positions[r]
             per_rank.append(forward_backward(core, q[p], k[p], v[p], dout[p], documents, device))
             links.finished.add(r)
@@ -428,7 +430,9 @@ def efficient_tiles(case: Case, device: str):
     _sync(device)
     start = time.perf_counter()
     ql, kl, vl = leaves
-    out = tiled_document_attention(ql, kl, vl, documents, case.window, None, "sdpa-efficient")
+    out = tiled_document_attention(
+        ql, kl, vl, documents, case.window, None, lse_kernels.SDPA_EFFICIENT
+    )
     out.backward(dout)
     _sync(device)
     seconds = time.perf_counter() - start
@@ -481,14 +485,14 @@ def dropout_run(
         ql, kl, vl = leaves
         with tile_size(max(case.seq // 4, 8)):
             out = tiled_document_attention(
-                ql, kl, vl, documents, case.window, None, "sdpa-efficient", dropout_p=p
+                ql, kl, vl, documents, case.window, None, lse_kernels.SDPA_EFFICIENT, dropout_p=p
             )
     else:
         tracker = get_rng_tracker()
         tracker.reset(device)
         tracker.add(MODEL_PARALLEL_RNG, seed)
-        core = DistributedAttention(1, "sdpa", None, window=case.window)
-        out = core(*leaves, dropout_p=p, attention_mask=documents)
+        core = DistributedAttention(1, LayerAttention(window=case.window), None)
+        out = core(*leaves, dropout_p=p, documents=documents)
     out.backward(dout)
     return DropoutRun(out.detach(), tuple(t.grad for t in leaves))
 

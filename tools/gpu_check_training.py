@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_ul.data.batches import build_micro_batch
-from megatron_ul.model.attention import local as attention
+from megatron_ul.model.attention import flash_attn as attention
 from megatron_ul.optim.precision import GradScaler
 from megatron_ul.training.memory_estimator import GiB, estimate_config
 from megatron_ul.training.metrics import flops_per_token, peak_tflops

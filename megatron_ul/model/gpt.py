@@ -22,6 +22,7 @@ from ..mpu.mappings import copy_to_tensor_model_parallel_region, scatter_to_sequ
 from ..mpu.offload import HostOffloader
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.recompute import layers_to_checkpoint, run_layers
+from .attention.documents import DocumentMask
 from .chunks import model_chunks
 from .fusion import fuse_layers
 from ..timers import NO_TIMERS, Timers
@@ -168,7 +169,7 @@ class GPTModel(nn.Module):
         self,
         tokens: Optional[torch.Tensor],
         position_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
+        documents: Optional[DocumentMask] = None,
         labels: Optional[torch.Tensor] = None,
         hidden_states: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
@@ -194,7 +195,7 @@ class GPTModel(nn.Module):
             x,
             plan if self.training else [],
             rotary,
-            attention_mask,
+            documents,
             offloader=self._offloader(x.device),
         )
         if not self.post_process:

@@ -20,7 +20,8 @@ from ..mpu.param_spec import FUSED_QKV
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.random import get_rng_tracker
 from ..timers import NO_TIMERS, Timers
-from .attention.local import select_backend
+from .attention.layer import LayerAttention, model_call
+from .attention.documents import DocumentMask
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
 from .qkv import split_qkv
@@ -90,22 +91,27 @@ class SelfAttention(nn.Module):
             dtype=dtype,
             tp_group=dims.tp_group,
         )
-        backend = select_backend(
-            cfg.use_flash_attn, torch.device(device) if device else torch.device("cpu")
+        # The attention call's description, built once for the layer from the model's
+        # configuration (the micro-batch adds its length and whether it has documents).
+        call = model_call(
+            cfg,
+            torch.device(device) if device else torch.device("cpu"),
+            dtype or torch.get_default_dtype(),
+            tp=tp,
+            sp=dims.sp,
+            cp=dims.cp,
+            documents=False,
         )
-        self.core = DistributedAttention(
-            dims.sp,
-            backend,
-            dims.sp_group,
-            recompute=cfg.recompute_granularity == "selective",
-            timers=timers,
-            window=cfg.attention_window,
+        layer_attention = LayerAttention(
+            call,
             ring=Ring.from_dims(dims),
+            recompute=cfg.recompute_granularity == "selective",
         )
+        self.core = DistributedAttention(dims.sp, layer_attention, dims.sp_group, timers=timers)
         self.attention_dropout = cfg.attention_dropout
 
-    def forward(self, x, rotary=None, attention_mask=None):
-        return self.output(self.attend(self.project(x, rotary), attention_mask))
+    def forward(self, x, rotary=None, documents: Optional[DocumentMask] = None):
+        return self.output(self.attend(self.project(x, rotary), documents))
 
     def project(self, x, rotary=None) -> list[torch.Tensor]:
         """[q, k, v] of x's tokens (RoPE applied), each in a buffer of its own."""
@@ -119,12 +125,14 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         return [q, k, v]
 
-    def attend(self, qkv_list: list[torch.Tensor], attention_mask=None) -> torch.Tensor:
+    def attend(
+        self, qkv_list: list[torch.Tensor], documents: Optional[DocumentMask] = None
+    ) -> torch.Tensor:
         """The attention output [s, b, heads/TP, d]; empties qkv_list (see DistributedAttention)."""
         return self.core(
             qkv_list,
             dropout_p=self.attention_dropout if self.training else 0.0,
-            attention_mask=attention_mask,
+            documents=documents,
         )
 
     def output(self, out: torch.Tensor) -> torch.Tensor:
@@ -160,25 +168,25 @@ class TransformerLayer(nn.Module):
         self.tile_ranks = dims.tp if sequence_parallel else 1  # Megatron-SP shards per tile
 
     def forward(
-        self, x: torch.Tensor, rotary=None, attention_mask: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, rotary=None, documents: Optional[DocumentMask] = None
     ) -> torch.Tensor:
         def drop(t: torch.Tensor) -> torch.Tensor:
             return dropout(t, self.hidden_dropout, self.training, self.sequence_parallel)
 
-        x = x + drop(self._attention_block(x, rotary, attention_mask))
+        x = x + drop(self._attention_block(x, rotary, documents))
         return x + drop(self.mlp(norm_in_weight_dtype(self.post_attention_norm, x)))
 
-    def _attention_block(self, x, rotary, attention_mask) -> torch.Tensor:
+    def _attention_block(self, x, rotary, documents) -> torch.Tensor:
         """The attention sublayer before dropout and the residual add: the input norm and the
         attention (tiled along the sequence under --attention-block-tiles)."""
         attention = self.attention
         if self.attention_tiles == 1:
-            return attention(norm_in_weight_dtype(self.input_norm, x), rotary, attention_mask)
+            return attention(norm_in_weight_dtype(self.input_norm, x), rotary, documents)
         return tiled_attention_block(
             lambda x_tile, rotary_tile: attention.project(
                 norm_in_weight_dtype(self.input_norm, x_tile), rotary_tile
             ),
-            lambda qkv_list: attention.attend(qkv_list, attention_mask),
+            lambda qkv_list: attention.attend(qkv_list, documents),
             attention.output,
             x,
             rotary,

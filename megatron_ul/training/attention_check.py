@@ -1,12 +1,12 @@
 """Attention the run cannot compute, refused before anything is built: the configuration's
-attention call on this run's device, judged by attention_dispatch (the one decision)."""
+attention call on this run's device, judged by the attention backends' one selection."""
 
 from __future__ import annotations
 
 import torch
 
 from ..config import ResolvedConfig, ConfigError
-from ..model.attention.dispatch import kernel_refusal
+from ..model.attention.backends import kernel_refusal
 from .dry_run import attention_call
 
 __all__ = ["attention_call", "refuse_unrunnable_attention"]

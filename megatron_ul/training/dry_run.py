@@ -9,7 +9,11 @@ import sys
 import torch
 
 from ..config import ResolvedConfig
-from ..model.attention.dispatch import AttentionCall, planned_kernel
+from ..model.attention.block_sparse_layouts import computed_blocks
+from ..sparsity_config import SparsityPattern
+from ..model.attention.backends import planned_kernel
+from ..model.attention.layer import model_call
+from ..model.attention.dispatch import AttentionCall
 from .memory_estimator import (
     RESERVE_GIB,
     GiB,
@@ -48,24 +52,17 @@ def precision_of(cfg: ResolvedConfig) -> tuple[str, torch.dtype]:
 
 
 def attention_call(cfg: ResolvedConfig, device: torch.device) -> AttentionCall:
-    """The attention call every layer of this run makes in training on `device`: per-rank
-    head counts after the Ulysses exchange, the full sequence, the run's attention dropout."""
-    m, p = cfg.model, cfg.parallel
-    heads = p.tensor_model_parallel_size * p.ds_sequence_parallel_size
-    q_heads = m.num_attention_heads // heads
-    kv_heads = max(q_heads * m.query_groups // m.num_attention_heads, 1)
-    return AttentionCall(
+    """The attention call every layer of this run makes in training on `device` (the one
+    description the layers build: layer.model_call)."""
+    p = cfg.parallel
+    return model_call(
+        cfg.model,
         device,
         precision_of(cfg)[1],
-        m.head_dim,
-        q_heads,
-        kv_heads,
-        cfg.data.reset_attention_mask,
-        m.attention_window,
-        p.context_parallel_size > 1,
-        m.use_flash_attn,
-        dropout=m.attention_dropout,
-        seq_length=m.seq_length,
+        tp=p.tensor_model_parallel_size,
+        sp=p.ds_sequence_parallel_size,
+        cp=p.context_parallel_size,
+        documents=cfg.data.reset_attention_mask,
     )
 
 
@@ -125,7 +122,24 @@ def long_context(cfg: ResolvedConfig) -> str:
         parts.append("document masking (O(N) cu_seqlens)")
     if m.attention_window is not None:
         parts.append(f"sliding window {m.attention_window}")
+    if m.sparse_attention is not None:
+        parts.append(sparse_attention_plan(cfg))
     return "; ".join(parts)
+
+
+def sparse_attention_plan(cfg: ResolvedConfig) -> str:
+    """The block-sparse pattern, the share of the causal blocks it computes (layer 0's
+    layout, the run's seed) and the kernel its rectangles run on."""
+    m = cfg.model
+    pattern = SparsityPattern.of(m)
+    assert pattern is not None
+    blocks = m.seq_length // pattern.block
+    computed = computed_blocks(pattern, m.num_attention_heads, m.seq_length, seed=cfg.train.seed)
+    share = computed / (m.num_attention_heads * blocks * (blocks + 1) / 2)
+    return (
+        f"block-sparse {pattern.mode} attention, block {pattern.block}: {share:.1%} of the "
+        f"causal blocks computed (rectangles on torch's efficient kernel on a GPU)"
+    )
 
 
 def fit_problem(cfg: ResolvedConfig) -> str | None:

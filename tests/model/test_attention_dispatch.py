@@ -1,4 +1,5 @@
-"""One decision for the attention kernel (model/attention/dispatch.py): torch SDPA's CUDA
+"""One decision for the attention kernel (model/attention/backends.py's select over the
+model/attention/dispatch.py's description and SDPA model): torch SDPA's CUDA
 backend choice modelled from torch 2.11's sdp_utils.cpp, checked case by case against the rules
 read there; for every shape and dtype the model produces, a CUDA run never reaches SDPA's math
 kernel (O(N²) memory), judged by an independent transcription of those rules; --dry-run
@@ -10,15 +11,19 @@ from dataclasses import replace
 import pytest
 import torch
 
+from megatron_ul.model.attention.backends import (
+    TorchSdpa,
+    attention_kernel,
+    planned_kernel,
+    planned_kernels,
+    select,
+)
 from megatron_ul.model.attention.dispatch import (
     A100,
     H100,
     AttentionCall,
     CudaSdpa,
     SdpaInputs,
-    attention_kernel,
-    planned_kernel,
-    planned_kernels,
     sdpa_backend_name,
     sdpa_backend_pinned,
     sdpa_choice,
@@ -230,11 +235,11 @@ def test_no_model_shape_reaches_the_math_kernel_on_cuda(dtype, gpu):
         HEADS, HEAD_DIMS, (False, True), (None, 64), (False, True), (0.0, 0.1, 0.125)
     ):
         call = AttentionCall(CUDA, dtype, d, hq, hk, docs, window, ring, dropout=dropout, gpu=gpu)
-        kernel = attention_kernel(call)
-        assert "math" not in kernel and "none" not in kernel, (call, kernel)
-        if not kernel.startswith("sdpa "):
+        kernel = select(call)
+        if not isinstance(kernel, TorchSdpa):
             continue
-        backend = kernel.removeprefix("sdpa ")
+        backend = kernel.backend
+        assert backend not in ("math", "none"), (call, kernel)
         kv = hq if sdpa_expands_kv(CUDA, dtype, d, hq, hk, dropout=dropout, gpu=gpu) else hk
         assert backend != "efficient" or kv == hq, call  # the kernel takes equal heads only
         assert _torch_2_11_takes(backend, dtype, d, hq, kv, dropout, gpu), (call, kernel)
@@ -270,10 +275,10 @@ def test_the_pin_enables_exactly_the_decided_backend():
         "math": switches.math_sdp_enabled,
     }
     for backend in read:
-        with sdpa_backend_pinned(f"sdpa {backend}"):
+        with sdpa_backend_pinned(backend):
             assert [b for b, on in read.items() if on()] == [backend]
     assert all(on() for on in read.values())
-    with sdpa_backend_pinned("sdpa cpu-flash"):
+    with sdpa_backend_pinned(None):
         assert all(on() for on in read.values())
 
 
@@ -309,10 +314,11 @@ def test_the_log_names_each_path_once_with_the_decided_kernel(monkeypatch, caplo
     first time it runs; calling again logs nothing new."""
     import logging
 
-    from megatron_ul.model.attention import local as attention
-    from megatron_ul.model.attention.local import local_attention
-    from megatron_ul.model.attention.documents import DocumentMask, document_attention
-    from megatron_ul.model.attention.ring import Ring, ring_attention
+    from megatron_ul.model.attention import backends as attention
+    from megatron_ul.model.attention.layer import document_attention, local_attention
+    from megatron_ul.model.attention.layer import ring_attention
+    from megatron_ul.model.attention.documents import DocumentMask
+    from megatron_ul.model.attention.ring import Ring
     from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
     monkeypatch.setattr(attention, "_announced", set())
@@ -336,7 +342,7 @@ def test_the_log_names_each_path_once_with_the_decided_kernel(monkeypatch, caplo
             "documents + window 4",
         ),
         (
-            lambda: ring_attention(q, k, v, alone, attention_mask=documents),
+            lambda: ring_attention(q, k, v, alone, documents=documents),
             AttentionCall(cpu, torch.float32, 8, 4, 4, True, ring=True),
             "ring unit kernel",
         ),
@@ -361,13 +367,13 @@ def test_local_attention_runs_sdpa_pinned_to_the_decided_backend(
     """Whatever decide names for a CUDA call, local_attention calls SDPA with exactly that
     backend switched on, and k/v repeated to the query heads for the efficient kernel only
     (decide answers as on a GPU; SDPA then runs on the CPU with every backend on again)."""
-    from megatron_ul.model.attention import local as attention
-    from megatron_ul.model.attention import dispatch as attention_dispatch
+    from megatron_ul.model.attention import backends, layer, local
     from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
     get_rng_tracker().reset("cpu")
     get_rng_tracker().add(MODEL_PARALLEL_RNG, 0)
-    monkeypatch.setattr(attention_dispatch, "decide", lambda call: kernel)
+    chosen = TorchSdpa(kernel.removeprefix("sdpa "), kernel == "sdpa efficient", kernel)
+    monkeypatch.setattr(backends, "decide", lambda call: chosen)
     switches = torch.backends.cuda
     seen = []
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -384,13 +390,13 @@ def test_local_attention_runs_sdpa_pinned_to_the_decided_backend(
             if flag
         ]
         seen.append((on, k.shape[1], kw["enable_gqa"]))
-        with sdpa_backend_pinned("sdpa math"):
+        with sdpa_backend_pinned("math"):
             return real_sdpa(q, k, v, **kw)
 
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(local.F, "scaled_dot_product_attention", spy)
     q = torch.randn(16, 1, 8, 8)
     k, v = torch.randn(16, 1, 2, 8), torch.randn(16, 1, 2, 8)
-    out = attention.local_attention(q, k, v, backend="sdpa", dropout_p=0.0)
+    out = layer.local_attention(q, k, v, backend="sdpa", dropout_p=0.0)
     reference = real_sdpa(
         q.permute(1, 2, 0, 3),
         k.repeat_interleave(4, 2).permute(1, 2, 0, 3),
@@ -433,8 +439,8 @@ def test_the_runtime_facts_are_read_from_torch_and_the_environment(monkeypatch):
 def test_the_log_names_the_gpu_and_the_dropout_on_cuda(monkeypatch, caplog):
     import logging
 
-    from megatron_ul.model.attention import local as attention
-    from megatron_ul.model.attention.dispatch import decide
+    from megatron_ul.model.attention import backends as attention
+    from megatron_ul.model.attention.backends import decide
 
     monkeypatch.setattr(attention, "_announced", set())
     with caplog.at_level(logging.INFO, logger=attention.__name__):

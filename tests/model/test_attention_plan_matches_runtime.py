@@ -2,12 +2,12 @@
 
 For every combination of device (the CPU, and CUDA as modelled on sm90 and sm80), dtype,
 documents, window, ring, attention dropout, --use-flash-attn and flash-attn present or absent,
-the attention core runs through its real call sites (DistributedAttention, SelfAttention.attend,
-local_attention / document_attention / ring_attention) on the CPU, in training and in
-evaluation, while `decide` is intercepted: the AttentionCall each call site builds is what the
-runtime decides from. On CUDA-as-modelled that call is judged on the modelled GPU; what --dry-run
-plans comes from the configuration alone (training.dry_run.attention_call). The two must name
-the same kernel, and the dry-run line must name it.
+the attention core runs through its real call site (DistributedAttention, SelfAttention.attend,
+the layer's LayerAttention) on the CPU, in training and in evaluation, while `decide` is
+intercepted: the AttentionCall the layer builds is what the runtime decides from. On
+CUDA-as-modelled that call is judged on the modelled GPU; what --dry-run plans comes from the
+configuration alone (training.dry_run.attention_call). The two must name the same kernel, and
+the dry-run line must name it.
 """
 
 import itertools
@@ -17,23 +17,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_ul.model.attention import local as attention
-from megatron_ul.model.attention import dispatch as attention_dispatch
-from megatron_ul.model.attention import documents as document_attention
-from megatron_ul.model.attention import ring as ring_attention
-from megatron_ul.model.attention.local import select_backend
-from megatron_ul.model.attention.dispatch import (
-    MODELLED_GPUS,
-    attention_kernel,
-    planned_kernel,
-    planned_kernels,
-)
+from megatron_ul.model.attention import backends
+from megatron_ul.model.attention import flash_attn as attention
+from megatron_ul.model.attention.backends import attention_kernel, planned_kernel, planned_kernels
+from megatron_ul.model.attention.layer import LayerAttention, model_call
+from megatron_ul.model.attention.dispatch import MODELLED_GPUS
 from megatron_ul.model.attention.documents import DocumentMask
 from megatron_ul.model.attention.ring import Ring
 from megatron_ul.model.transformer import SelfAttention
 from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
-from megatron_ul.training.dry_run import attention_call, describe, precision_of
+from megatron_ul.training.dry_run import attention_call, describe, run_precision
 from megatron_ul.training.pretrain import configure
 from tests.conftest import FLASH_ATTN_RELEASES
 
@@ -73,22 +67,22 @@ def _runtime_calls(cfg, training: bool, monkeypatch) -> list:
     backward in training, but for the ring) of the attention core, wired as SelfAttention
     wires it."""
     seen = []
-    real = attention_dispatch.decide
+    real = backends.decide
 
     def spy(call):
         seen.append((call, real(call)))
         return seen[-1][1]
 
-    for module in (attention_dispatch, document_attention, ring_attention):
-        monkeypatch.setattr(module, "decide", spy)
+    monkeypatch.setattr(backends, "decide", spy)
     m = cfg.model
-    core = DistributedAttention(1, select_backend(m.use_flash_attn, CPU), None)
-    core.window = m.attention_window
-    if cfg.parallel.context_parallel_size > 1:
-        core.ring = Ring(None, 0, 1, 0, 0)  # the ring's call site, as one ring rank runs it
+    dtype = run_precision(cfg)[1]
+    cp = cfg.parallel.context_parallel_size
+    attend = LayerAttention(model_call(m, CPU, dtype, tp=1, sp=1, cp=cp, documents=False))
+    if cp > 1:
+        attend.ring = Ring(None, 0, 1, 0, 0)  # the ring's call site, as one ring rank runs it
+    core = DistributedAttention(1, attend, None)
     layer = types.SimpleNamespace(core=core, attention_dropout=m.attention_dropout)
     layer.training = training
-    dtype = precision_of(cfg)[1]
     q = torch.randn(N, 1, 4, m.head_dim, dtype=dtype, requires_grad=training)
     k, v = (torch.randn(N, 1, 2, m.head_dim, dtype=dtype, requires_grad=training) for _ in "kv")
     documents = (
@@ -98,7 +92,7 @@ def _runtime_calls(cfg, training: bool, monkeypatch) -> list:
     )
     with torch.set_grad_enabled(training):
         out = SelfAttention.attend(layer, [q, k, v], documents)  # type: ignore[arg-type]
-        if training and core.ring is None:  # one ring rank cannot run the ring's backward
+        if training and attend.ring is None:  # one ring rank cannot run the ring's backward
             out.float().sum().backward()
     return seen
 
@@ -140,8 +134,9 @@ def _check_every_combination(dtype, flash_present: bool, monkeypatch) -> None:
         for training in (True, False):
             with monkeypatch.context() as patch:
                 seen = _runtime_calls(cfg, training, patch)
-            assert len({k for _, k in seen}) == 1, seen  # one kernel per layer call
-            call, cpu_kernel = seen[0]
+            assert len(seen) == 1, seen  # one decision per layer call
+            call, cpu_backend = seen[0]
+            cpu_kernel = cpu_backend.name
             what = (dtype, documents, window, ring, dropout, use_flash, flash_present, training)
             if not ring:  # the call site hands over the run's own dropout
                 assert call.dropout == (dropout if training else 0.0), what

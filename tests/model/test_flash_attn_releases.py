@@ -9,11 +9,14 @@ import json
 import logging
 import math
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 
-from megatron_ul.model.attention import local as attention
+from megatron_ul.model.attention import backends
+from megatron_ul.model.attention import flash_attn as attention
+from megatron_ul.model.attention.dispatch import H100, AttentionCall
 from megatron_ul.model.attention import lse_kernels
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "flash_attn_schemas.json")
@@ -218,7 +221,7 @@ def test_backward_needs_the_forwards_rng_state_under_dropout(flash_attn_stand_in
 def test_unsupported_release_is_refused_once_naming_it(
     flash_attn_stand_in, monkeypatch, caplog, version
 ):
-    monkeypatch.setattr(attention, "_announced", set())
+    monkeypatch.setattr(backends, "_announced", set())
     if version is None:
         monkeypatch.delattr(flash_attn_stand_in, "__version__")
     else:
@@ -226,11 +229,15 @@ def test_unsupported_release_is_refused_once_naming_it(
     why = attention.flash_attn_refusal(torch.device("cuda"), torch.bfloat16)
     assert why is not None and "megatron_ul runs flash-attn 2.5 to 2.8" in why
     assert (version or "of unknown version") in why
-    with caplog.at_level(logging.INFO, logger=attention.__name__):
+    call = AttentionCall(torch.device("cuda"), torch.bfloat16, 64, 8, 8, use_flash_attn=True)
+    with caplog.at_level(logging.INFO, logger=backends.__name__):
         for _ in range(3):
-            assert attention.select_backend(True, torch.device("cuda")) == "sdpa"
+            assert backends.decide(replace(call, gpu=H100)).name == "sdpa cudnn"
     logged = [r.getMessage() for r in caplog.records]
-    assert logged == [f"attention: torch SDPA (--use-flash-attn given, but {why})"]
+    assert logged == [
+        f"attention: causal = sdpa cudnn (cuda sm90, cuDNN 91900; --use-flash-attn given, "
+        f"but {why})"
+    ]
 
 
 def test_supported_releases_are_accepted(flash_attn_stand_in):

@@ -4,11 +4,14 @@ attention sends a call to it only where the real kernel could run, logging which
 
 import logging
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
-from megatron_ul.model.attention import local as attention
+from megatron_ul.model.attention import backends, layer
+from megatron_ul.model.attention import flash_attn as attention
+from megatron_ul.model.attention.dispatch import H100, AttentionCall
 from megatron_ul.model.rotary import apply_rotary, rotary_cos_sin
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 
@@ -157,26 +160,18 @@ def _path_logged(caplog):
 
 
 @pytest.mark.parametrize(
-    "dtype,mask,expect_flash",
-    [
-        (torch.bfloat16, False, True),
-        (torch.float16, False, True),
-        (torch.float32, False, False),
-        (torch.bfloat16, True, False),
-    ],
+    "dtype,expect_flash",
+    [(torch.bfloat16, True), (torch.float16, True), (torch.float32, False)],
 )
 def test_local_attention_uses_flash_only_where_it_can_run(
-    flash_attn_stand_in, caplog, monkeypatch, dtype, mask, expect_flash
+    flash_attn_stand_in, caplog, monkeypatch, dtype, expect_flash
 ):
-    monkeypatch.setattr(attention, "_announced", set())
+    monkeypatch.setattr(backends, "_announced", set())
     get_rng_tracker().reset("cpu")
     get_rng_tracker().add(MODEL_PARALLEL_RNG, 0)
     q, k, v = (t.transpose(0, 1) for t in _qkv(dtype=dtype))  # [N, b, h, d]
-    causal_mask = ~torch.ones(8, 8, dtype=torch.bool).tril().expand(2, 1, 8, 8) if mask else None
-    with caplog.at_level(logging.INFO, logger=attention.__name__):
-        out = attention.local_attention(
-            q, k, v, backend="flash", dropout_p=0.0, attention_mask=causal_mask
-        )
+    with caplog.at_level(logging.INFO, logger=backends.__name__):
+        out = layer.local_attention(q, k, v, backend="flash", dropout_p=0.0)
     assert out.dtype == dtype and out.shape == q.shape
     assert (flash_attn_stand_in.calls["flash_attn_func"] == 1) == expect_flash
     logged = _path_logged(caplog)
@@ -190,17 +185,20 @@ def test_local_attention_uses_flash_only_where_it_can_run(
 
 
 def test_without_flash_attn_installed_sdpa_is_selected_and_says_why(monkeypatch, caplog):
-    monkeypatch.setattr(attention, "_announced", set())
+    monkeypatch.setattr(backends, "_announced", set())
     monkeypatch.setattr(attention, "flash_attn_module", lambda: None)
-    with caplog.at_level(logging.INFO, logger=attention.__name__):
-        assert attention.select_backend(True, torch.device("cuda")) == "sdpa"
-        assert attention.select_backend(False, torch.device("cpu")) == "sdpa"
+    asked = AttentionCall(torch.device("cuda"), torch.bfloat16, 64, 8, 8, gpu=H100)
+    with caplog.at_level(logging.INFO, logger=backends.__name__):
+        assert not backends.decide(replace(asked, use_flash_attn=True)).uses_flash_attn
+        assert not backends.decide(replace(asked, use_flash_attn=False)).uses_flash_attn
     assert _path_logged(caplog) == [
-        "attention: torch SDPA (--use-flash-attn given, but flash-attn is not installed)"
+        "attention: causal = sdpa cudnn (cuda sm90, cuDNN 91900; --use-flash-attn given, but "
+        "flash-attn is not installed)",
+        "attention: causal = sdpa cudnn (cuda sm90, cuDNN 91900)",
     ]
 
 
 def test_mixed_qkv_dtypes_are_refused_before_any_kernel():
     q, k, v = (t.transpose(0, 1) for t in _qkv())
     with pytest.raises(TypeError, match="share the activation dtype"):
-        attention.local_attention(q.float(), k, v, backend="sdpa", dropout_p=0.0)
+        layer.local_attention(q.float(), k, v, backend="sdpa", dropout_p=0.0)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from megatron_ul.model.attention import documents as da
+from megatron_ul.model.attention.layer import document_attention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from tools.bench.live_tensors import LiveTensorTracker
 
@@ -24,7 +25,7 @@ def _qkvw(n, heads, seed=0):
 
 def _grads(q, k, v, w, offsets, dtype):
     q, k, v = (t.to(dtype).requires_grad_() for t in (q, k, v))
-    out = da.document_attention(
+    out = document_attention(
         q, k, v, backend="sdpa", dropout_p=0.0, documents=da.DocumentMask(offsets, 1)
     )
     return torch.autograd.grad(out, (q, k, v), w.to(dtype))
@@ -56,7 +57,7 @@ def test_bf16_backward_holds_no_whole_document_gradients():
     n = 4096
     q, k, v = (t.to(torch.bfloat16).requires_grad_() for t in _qkvw(n, 4)[:3])
     offsets = torch.tensor([0, n], dtype=torch.int32)
-    out = da.document_attention(
+    out = document_attention(
         q, k, v, backend="sdpa", dropout_p=0.0, documents=da.DocumentMask(offsets, 1)
     )
     grad = torch.ones_like(out)

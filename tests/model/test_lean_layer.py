@@ -234,13 +234,14 @@ def test_document_backward_in_tiles_equals_one_call_per_document(monkeypatch, rn
     """Tiled in-place gradients equal the per-document backward of SDPA (fp64), with uneven
     tiles over documents of several lengths, one of them a single token."""
     from megatron_ul.model.attention import documents as da
+    from megatron_ul.model.attention.layer import document_attention
 
     offsets = torch.tensor([0, 1, 23, 60, 64], dtype=torch.int32)
     q, k, v = _one_document(64, 4, torch.float64)
     w = torch.randn(64, 1, 4, 16, dtype=torch.float64)
 
     def grads():
-        out = da.document_attention(
+        out = document_attention(
             q, k, v, backend="sdpa", dropout_p=0.0, documents=da.DocumentMask(offsets, 1)
         )
         return torch.autograd.grad((out * w).sum(), (q, k, v))
@@ -257,12 +258,13 @@ def test_document_backward_holds_no_whole_document_gradients(rng_tracker):
     """A single 4096-token document's backward: dq, dk, dv accumulators, the recomputed output
     and tile-sized pieces; the per-document path also held the document's own dq, dk, dv."""
     from megatron_ul.model.attention import documents as da
+    from megatron_ul.model.attention.layer import document_attention
 
     n = 4096
     q, k, v = _one_document(n, 4, torch.float32)
     unit = q.numel() * 4
     offsets = torch.tensor([0, n], dtype=torch.int32)
-    out = da.document_attention(
+    out = document_attention(
         q, k, v, backend="sdpa", dropout_p=0.0, documents=da.DocumentMask(offsets, 1)
     )
     grad = torch.ones_like(out)

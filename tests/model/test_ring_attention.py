@@ -9,7 +9,8 @@ import torch
 
 from megatron_ul.model.attention.documents import DocumentMask
 from tests.dense_masks import dense_document_mask
-from megatron_ul.model.attention.ring import Ring, measure_ring_time, ring_attention
+from megatron_ul.model.attention.layer import LayerAttention, ring_attention
+from megatron_ul.model.attention.ring import Ring, measure_ring_time
 from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu import comm_stats
 from megatron_ul.mpu import parallel_state as ps
@@ -104,7 +105,7 @@ def _check_ring(rank, world):
                 with measure_ring_time() as times:
                     _compare(
                         lambda q, k, v, d=docs, w=window: ring_attention(
-                            q, k, v, ring, attention_mask=d, window=w
+                            q, k, v, ring, documents=d, window=w
                         ),
                         positions,
                         hq,
@@ -150,7 +151,7 @@ def _count_skipped_blocks(ring):
     positions = ring_local_positions(ring.rank, ring.size, N)
     with measure_ring_time() as times:
         _compare(
-            lambda q, k, v: ring_attention(q, k, v, ring, attention_mask=docs),
+            lambda q, k, v: ring_attention(q, k, v, ring, documents=docs),
             positions,
             4,
             2,
@@ -209,7 +210,9 @@ def _check_hybrid(rank, world):
     ring = Ring.from_dims(dims)
     positions = rank_positions(N, dims.sp_rank, ulysses, ring.rank, ring.size)
     for window in (None, 5):
-        attention = DistributedAttention(ulysses, "sdpa", dims.sp_group, window=window, ring=ring)
+        attention = DistributedAttention(
+            ulysses, LayerAttention(window=window, ring=ring), dims.sp_group
+        )
         for hq, hk in CASES:  # kv heads 1 < U: replicated before the all-to-all
             _compare(
                 lambda q, k, v, a=attention: a(q, k, v, dropout_p=0.0),
@@ -236,7 +239,7 @@ def _check_flash_ring(rank, world):
     ]
     mine = [t.detach()[positions].bfloat16().requires_grad_() for t in full]
     docs = documents()
-    out = ring_attention(*mine, ring, attention_mask=docs, backend="flash")
+    out = ring_attention(*mine, ring, documents=docs, backend="flash")
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     (out.float() * weights).sum().backward()
     ref = reference_attention(*full, mask=dense_document_mask(docs))

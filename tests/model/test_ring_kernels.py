@@ -16,7 +16,9 @@ import torch
 
 from megatron_ul.data.sequence_layout import ring_local_positions
 from megatron_ul.model.attention import lse_kernels
-from megatron_ul.model.attention.dispatch import ring_unit_kernels
+from megatron_ul.model.attention.backends import RingUnits, select
+from megatron_ul.model.attention.layer import ring_attention
+from megatron_ul.model.attention.dispatch import AttentionCall
 from megatron_ul.model.attention.documents import DocumentMask
 from tests.dense_masks import dense_document_mask
 from megatron_ul.model.attention.ring import (
@@ -138,9 +140,6 @@ def _virtual_ring(q, k, v, world, documents, window, kernels=None):
         ring_plan(
             Ring(None, r, world, 0, 0),
             length,
-            q.device,
-            q.dtype,
-            D,
             window=window,
             documents=documents,
         )
@@ -248,11 +247,17 @@ def test_plan_skips_units_from_document_offsets_without_device_syncs():
     docs.cu_seqlens = None  # any later read of the device tensor would fail
     units = []
     for r in range(2):
-        plan = ring_plan(
-            Ring(None, r, 2, 0, 0), 16, torch.device("cpu"), torch.float32, D, documents=docs
-        )
+        plan = ring_plan(Ring(None, r, 2, 0, 0), 16, documents=docs)
         units.append(sum(len(plan.step(src)) for src in range(2)))
     assert units == [2, 3]
+
+
+def ring_unit_kernels(device, dtype, head_dim, use_flash_attn) -> tuple[str, str]:
+    """The ring's (dense, masked) unit kernels as the one selection chooses them."""
+    call = AttentionCall(device, dtype, head_dim, 4, 4, ring=True, use_flash_attn=use_flash_attn)
+    units = select(call)
+    assert isinstance(units, RingUnits)
+    return units.dense.name, units.masked.name
 
 
 def test_kernel_choice_per_device_and_dtype(flash_attn_stand_in):
@@ -274,10 +279,8 @@ def test_kernel_choice_per_device_and_dtype(flash_attn_stand_in):
 def test_ring_refuses_a_dense_mask_and_an_odd_local_sequence():
     ring = Ring(None, 0, 2, 1, 1)
     q = torch.randn(6, 1, 2, D)
-    from megatron_ul.model.attention.ring import ring_attention
-
     with pytest.raises(TypeError, match="DocumentMask"):
-        ring_attention(q, q, q, ring, attention_mask=torch.zeros(1, 1, 12, 12, dtype=torch.bool))
+        ring_attention(q, q, q, ring, documents=torch.zeros(1, 1, 12, 12, dtype=torch.bool))
     with pytest.raises(ValueError, match="even local sequence"):
         ring_attention(q[:5], q[:5], q[:5], ring)
     with measure_ring_time() as times:

@@ -5,7 +5,8 @@ and R = 4, forward and backward, and still equals plain causal attention on the 
 import pytest
 
 from megatron_ul.data.sequence_layout import ring_local_positions
-from megatron_ul.model.attention.ring import Ring, ring_attention
+from megatron_ul.model.attention.layer import ring_attention
+from megatron_ul.model.attention.ring import Ring
 from tests.dense_masks import dense_document_mask
 from tests.model.test_ring_attention import _compare, documents, window_mask
 from tests.stand_ins.nccl_p2p import Group, run_ranks
@@ -18,7 +19,7 @@ def _ring_rank(size: int, group: Group):
         for docs, window, (hq, hk) in [(None, None, (4, 4)), (documents((5, 19), (0,)), 5, (4, 2))]:
             _compare(
                 lambda q, k, v, d=docs, w=window: ring_attention(
-                    q, k, v, ring, attention_mask=d, window=w
+                    q, k, v, ring, documents=d, window=w
                 ),
                 positions,
                 hq,

@@ -68,7 +68,13 @@ def _check(starts, window, tile, dtype, kernel, tol, monkeypatch):
 @pytest.mark.parametrize("tile", [16, 32])
 def test_tiles_match_the_dense_reference_fp64(starts, window, tile, monkeypatch):
     _check(
-        starts, window, tile, torch.float64, "cpu-flash", dict(atol=1e-12, rtol=1e-12), monkeypatch
+        starts,
+        window,
+        tile,
+        torch.float64,
+        lse_kernels.CPU_FLASH,
+        dict(atol=1e-12, rtol=1e-12),
+        monkeypatch,
     )
 
 
@@ -81,7 +87,7 @@ def test_tiles_on_the_efficient_kernel_stand_in_bf16(starts, window, monkeypatch
         window,
         16,
         torch.bfloat16,
-        "sdpa-efficient",
+        lse_kernels.SDPA_EFFICIENT,
         dict(atol=3e-2, rtol=3e-2),
         monkeypatch,
     )
@@ -141,7 +147,7 @@ def test_tiles_with_dropout_equal_dense_attention_with_the_same_masks(
     full, mine = _inputs(dtype)
     torch.manual_seed(3)
     out = tiled.tiled_document_attention(
-        *mine, documents, window, None, "sdpa-efficient", dropout_p=P_DROP
+        *mine, documents, window, None, lse_kernels.SDPA_EFFICIENT, dropout_p=P_DROP
     )
     calls = tiled.plan(tiled.document_starts(documents.offsets, N, B), N, window)
     keep = _dense_keep(ops, calls, 4)
@@ -170,12 +176,14 @@ def test_tiles_dropout_follows_the_seed(monkeypatch):
         torch.manual_seed(seed)
         outs.append(
             tiled.tiled_document_attention(
-                *mine, documents, 7, None, "sdpa-efficient", dropout_p=P_DROP
+                *mine, documents, 7, None, lse_kernels.SDPA_EFFICIENT, dropout_p=P_DROP
             )
         )
     assert torch.equal(outs[0], outs[1]) and not torch.allclose(outs[0], outs[2])
     with pytest.raises(ValueError, match="--attention-dropout 0.2: .* not on cpu-flash"):
-        tiled.tiled_document_attention(*mine, documents, 7, None, "cpu-flash", dropout_p=P_DROP)
+        tiled.tiled_document_attention(
+            *mine, documents, 7, None, lse_kernels.CPU_FLASH, dropout_p=P_DROP
+        )
 
 
 def test_tiles_dropout_masks_replayed_by_activation_recomputation(monkeypatch):
@@ -193,7 +201,7 @@ def test_tiles_dropout_masks_replayed_by_activation_recomputation(monkeypatch):
     def attention(q, k, v):
         with tracker.fork():
             return tiled.tiled_document_attention(
-                q, k, v, documents, 7, None, "sdpa-efficient", dropout_p=P_DROP
+                q, k, v, documents, 7, None, lse_kernels.SDPA_EFFICIENT, dropout_p=P_DROP
             )
 
     weights = torch.randn(N, B, 4, 8, generator=torch.Generator().manual_seed(2))
@@ -218,19 +226,21 @@ def test_tiles_dropout_masks_replayed_by_activation_recomputation(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_dispatch_and_runtime_agree_on_tiles_with_dropout(dtype, dropout):
-    """attention_dispatch reports document tiles on CUDA with dropout (fp64: the loop, its
-    kernel takes no dropout), and document_attention finds the tiles' kernel for the same."""
-    from megatron_ul.model.attention.dispatch import AttentionCall, attention_kernel
-    from megatron_ul.model.attention.documents import tiled_kernel
+    """The selection names document tiles on CUDA with dropout (fp64: the loop, its kernel takes
+    no dropout), and the tiles it builds run torch's efficient kernel (the reference for fp64
+    without dropout)."""
+    from megatron_ul.model.attention.backends import DocumentTiles, select
+    from megatron_ul.model.attention.dispatch import AttentionCall
 
     cuda = torch.device("cuda")
     for documents, window in ((True, None), (False, 64), (True, 64)):
         call = AttentionCall(
             cuda, dtype, 64, 8, 8, documents, window, dropout=dropout, flash_attn_installed=False
         )
-        kernel = attention_kernel(call)
-        tiles = tiled_kernel(cuda, dtype, dropout)
-        assert (kernel == "document tiles") == (tiles is not None), (call, kernel)
-        assert kernel == (
+        backend = select(call)
+        assert backend.name == (
             "document blocks" if dropout and dtype == torch.float64 else "document tiles"
         )
+        if isinstance(backend, DocumentTiles):
+            fp64 = dtype == torch.float64
+            assert backend.kernel is (lse_kernels.REFERENCE if fp64 else lse_kernels.SDPA_EFFICIENT)

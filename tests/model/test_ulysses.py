@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from megatron_ul.model.attention.layer import LayerAttention
 from megatron_ul.model.attention.ulysses import DistributedAttention, kv_replication_factor
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.mappings import ulysses_all_to_all
@@ -35,7 +36,7 @@ def _check(rank, world):
     dims = ps.initialize_model_parallel(1, world, 1)
     model_parallel_seed(0, dims)
     sp_rank = dims.sp_rank
-    attention = DistributedAttention(world, "sdpa", dims.sp_group)
+    attention = DistributedAttention(world, LayerAttention(), dims.sp_group)
     for hq, hk in CASES:
         full = [t.requires_grad_() for t in _inputs(hq, hk)]
         mine = [t.detach().chunk(world, 0)[sp_rank].clone().requires_grad_() for t in full]
@@ -124,7 +125,7 @@ def _exchange_peak(rank, world):
 
     dims = ps.initialize_model_parallel(1, world, 1)
     model_parallel_seed(0, dims)
-    attention = DistributedAttention(world, "sdpa", dims.sp_group)
+    attention = DistributedAttention(world, LayerAttention(), dims.sp_group)
     seq, heads = 256, 4
     leaves = [torch.randn(seq // world, 1, heads, 16, requires_grad=True) for _ in range(3)]
     dout = torch.randn(seq // world, 1, heads, 16)

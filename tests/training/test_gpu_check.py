@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ul.model.attention import lse_kernels
-from megatron_ul.model.attention.local import FLASH_ON_CPU_ENV
+from megatron_ul.model.attention.flash_attn import FLASH_ON_CPU_ENV
 from tests.conftest import ROOT, STAND_INS
 from tools import gpu_check, gpu_check_runner
 from tools.gpu_check_results import ResultFiles, environment

@@ -196,8 +196,8 @@ def test_documents_with_a_window_always_reach_a_kernel_that_does_both():
     the per-document blocks and the ring's masked units take both."""
     import itertools
 
-    from megatron_ul.model.attention.dispatch import AttentionCall, attention_kernel
-    from megatron_ul.model.attention.lse_kernels import kernel_named
+    from megatron_ul.model.attention.backends import RingUnits, select
+    from megatron_ul.model.attention.dispatch import AttentionCall
 
     both = {"flash-attn varlen", "document tiles", "document blocks"}
     for device, dtype, ring, flash, dropout in itertools.product(
@@ -210,9 +210,9 @@ def test_documents_with_a_window_always_reach_a_kernel_that_does_both():
         call = AttentionCall(
             torch.device(device), dtype, 64, 8, 2, True, 64, ring, flash, dropout=dropout
         )
-        kernel = attention_kernel(call)
+        kernel = select(call)
         if ring:  # the units the window or documents cut run a kernel that takes a bias
-            masked = kernel.removeprefix("ring: ").split(" / ")[1]
-            assert kernel_named(masked).takes_bias, (call, kernel)
+            assert isinstance(kernel, RingUnits) and kernel.cut, (call, kernel)
+            assert kernel.masked.takes_bias, (call, kernel)
         else:
-            assert kernel in both, (call, kernel)
+            assert kernel.name in both, (call, kernel)

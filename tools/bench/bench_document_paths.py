@@ -17,6 +17,7 @@ import torch
 
 from tools.bench.common import markdown_table, report
 
+from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention.documents import DocumentMask, document_blocks, BlockwiseAttention
 from megatron_ul.model.attention.document_tiles import tiled_document_attention
 
@@ -42,7 +43,7 @@ def table(cases, heads, head_dim) -> str:
         )
         tiles = _seconds(
             lambda q, k, v, d=documents: tiled_document_attention(
-                q, k, v, d, None, None, "cpu-flash"
+                q, k, v, d, None, None, lse_kernels.CPU_FLASH
             ),
             n,
             heads,

@@ -30,6 +30,7 @@ from tools.bench.common import markdown_table, report, run_ranks
 from megatron_ul.data.sequence_layout import ring_chunks
 from megatron_ul.model.attention import ring as ring_attention
 from megatron_ul.model.attention.ring import Ring, measure_ring_time
+from megatron_ul.model.attention.layer import LayerAttention
 from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
@@ -103,7 +104,9 @@ def attention_time(rank, world, seq, heads, head_dim, u, r, warmup, iters):
     dims = ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
     model_parallel_seed(1, dims, "cpu")
     timers = Timers(1)  # times the Ulysses all-to-alls
-    core = DistributedAttention(u, "sdpa", dims.sp_group, timers=timers, ring=Ring.from_dims(dims))
+    core = DistributedAttention(
+        u, LayerAttention(ring=Ring.from_dims(dims)), dims.sp_group, timers=timers
+    )
     g = torch.Generator().manual_seed(rank)
     q, k, v = (
         torch.randn(seq // world, 1, heads, head_dim, generator=g).requires_grad_()
@@ -194,7 +197,7 @@ def attention_peaks(rank, world, locals_, heads, head_dim, u, r) -> list[int]:
     local sequence length in `locals_` (one process group for all: spawning is slow)."""
     dims = ps.initialize_model_parallel(1, u, 1, context_parallel_size=r)
     model_parallel_seed(1, dims, "cpu")
-    core = DistributedAttention(u, "sdpa", dims.sp_group, ring=Ring.from_dims(dims))
+    core = DistributedAttention(u, LayerAttention(ring=Ring.from_dims(dims)), dims.sp_group)
     peaks = []
     for local in locals_:
         peaks.append(_call_peak(core, rank, local, heads, head_dim))

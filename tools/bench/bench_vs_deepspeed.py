@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from tools.bench.common import markdown_table, report, run_ranks
 
-from megatron_ul.model.attention.local import local_attention
+from megatron_ul.model.attention.layer import LayerAttention, local_attention
 from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
@@ -154,7 +154,7 @@ def _alst_layer(dims, seq: int, heads: int, kv_heads: int, head_dim: int, attend
 
 
 def _local_attention_fn(kind: str):
-    """The local attention all three layers wrap: 'sdpa' (model/attention/local.py's call) or
+    """The local attention all three layers wrap: 'sdpa' (model/attention/layer.py's call) or
     'sum' (q plus k and v broadcast to q's heads: nearly free, so the layers' own work, the
     all-to-alls and layout copies, is what is timed)."""
     if kind == "sdpa":
@@ -172,14 +172,14 @@ def compare(dims, rank, world, seq, heads, kv_heads, head_dim, dtype_name, atten
     bit-equal input gradients, fastest forward + backward: wall s and this rank's thread CPU
     s, MB this rank sends, MB its ops write)."""
     attend = _local_attention_fn(attention)
-    ulysses = DistributedAttention(world, "sdpa", dims.sp_group)
+    ulysses = DistributedAttention(world, LayerAttention(), dims.sp_group)
     layers = {
         "ours": lambda q, k, v: ulysses(q, k, v, dropout_p=0.0),
         "DeepSpeed": _deepspeed_layer(dims, kv_heads, attend),
         "ALST": _alst_layer(dims, seq, heads, kv_heads, head_dim, attend),
     }
     if attention != "sdpa":  # our layer calls local_attention itself: swap it for this case
-        ulysses._attend = lambda q, k, v, dropout_p, attention_mask: attend(q, k, v)
+        ulysses.attention = lambda q, k, v, dropout_p, documents: attend(q, k, v)  # type: ignore
     dtype = DTYPES[dtype_name]
     g = torch.Generator().manual_seed(rank)
     shapes = [heads, kv_heads, kv_heads]
@@ -349,9 +349,9 @@ def main(argv=None):
         f"One attention layer (all-to-alls + the same local attention), forward + backward, "
         f"micro-batch 1, head dim 64, {args.dtype}, one thread per rank; all three layers get "
         f"the same inputs and upstream gradient, and their outputs and input gradients are "
-        f"compared with ours bit for bit. Local attention 'sdpa': model/attention/local.py's SDPA "
-        f"call (the real layer); 'sum': q plus k and v broadcast to q's heads, nearly free, so "
-        f"the time is the layers' own all-to-alls and layout copies. Time: the fastest of "
+        f"compared with ours bit for bit. Local attention 'sdpa': model/attention/layer.py's "
+        f"SDPA call (the real layer); 'sum': q plus k and v broadcast to q's heads, nearly free, "
+        f"so the time is the layers' own all-to-alls and layout copies. Time: the fastest of "
         f"{max(args.rounds, 1)} rounds that alternate the layers, after one untimed run, max "
         f"over ranks, as wall time and as the rank's thread CPU time (what the rank computes, "
         f"not what it waits for: robust to other load on a shared machine). MB sent: what each "

@@ -1,34 +1,6 @@
-"""Which attention kernel runs: one decision, made per call, reported by the log and --dry-run.
-
-The mask travels from the data to the kernel in one form: the documents' offsets
-(DocumentMask, cu_seqlens) and the window (--window-size LEFT,0). `attention_kernel` maps a
-call (device, dtype, head dim, heads, documents, window, ring, dropout, --use-flash-attn) to one
-of
-
-  flash-attn            flash_attn_func (causal, window_size)
-  flash-attn varlen     flash_attn_varlen_func (documents, window_size)
-  sdpa cudnn            torch SDPA, its cuDNN kernel (CUDA fp16/bf16; first on sm90 and sm100)
-  sdpa flash            torch SDPA, its flash kernel (CUDA fp16/bf16; GQA inside the kernel)
-  sdpa efficient        torch SDPA, its memory-efficient kernel (CUDA fp32; GQA by expanding
-                        k/v first, since the kernel takes equal head counts only)
-  sdpa math             torch SDPA's math kernel (the N×N scores; refused for a run)
-  sdpa cpu-flash        torch SDPA on CPU (its fused flash kernel, any float dtype; its math
-                        kernel with attention dropout, where the log says "sdpa math")
-  document tiles        documents / window on CUDA without flash-attn: query tiles of 512 on
-                        torch's efficient kernel, a few calls per tile whatever the number
-                        of documents (tiled_document_attention.py)
-  document blocks       documents / window on the CPU (and fp64 with attention dropout): SDPA
-                        once per document or query block (document_attention.py)
-  ring: <dense>/<masked> the ring's unit kernels (lse_kernels.py) for unmasked units and for
-                        units the window or documents cut through
-
-Every call site (local_attention, document_attention, ring_attention) runs what `decide`
-returns, and `decide` logs it once per attention path and kernel, so the log names what ran:
-
-  attention: causal = sdpa cpu-flash (cpu)
-  attention: causal = sdpa flash (cuda sm90, cuDNN 91900; dropout 0.1)
-  attention: documents + window 64 = document blocks (cpu)
-  attention: ring unit kernel = cpu-flash / cpu-flash (cpu; --use-flash-attn given, but ...)
+"""What decides an attention kernel: the call's description (`AttentionCall`) and torch
+SDPA's CUDA backend choice as modelled from torch 2.11's source. The selection itself, the
+ordered table of backends, is backends.py; nothing here runs a kernel.
 
 On CUDA, torch picks SDPA's backend itself. `sdpa_cuda_backend` models that choice from torch
 2.11's source (below), and local_attention runs SDPA pinned to the modelled backend
@@ -51,7 +23,6 @@ from typing import ContextManager, Optional
 
 import torch
 
-from .local import FLASH_DTYPES, announce_once, input_refusal, flash_attn_refusal
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 HEAD_DIM_FLAGS = "--kv-channels (or --hidden-size / --num-attention-heads)"
@@ -392,71 +363,14 @@ _TORCH_SDPA_BACKENDS = {
 }
 
 
-def sdpa_backend_pinned(kernel: str) -> ContextManager:
-    """For a CUDA SDPA kernel ('sdpa cudnn', 'sdpa flash', 'sdpa efficient', 'sdpa math'):
-    torch.nn.attention.sdpa_kernel with that one backend, so that torch runs it or refuses;
-    for any other kernel, nothing."""
-    backend = _TORCH_SDPA_BACKENDS.get(kernel.removeprefix("sdpa "))
-    if not kernel.startswith("sdpa ") or backend is None:
+def sdpa_backend_pinned(backend: Optional[str]) -> ContextManager:
+    """torch.nn.attention.sdpa_kernel with that one CUDA SDPA backend ('cudnn', 'flash',
+    'efficient', 'math'), so that torch runs it or refuses; None: nothing (the CPU)."""
+    if backend is None:
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([getattr(SDPBackend, backend)])
-
-
-def kv_for_kernel(kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads_dim=2):
-    """k, v repeated to q's heads where the decided kernel takes equal head counts only (SDPA's
-    efficient kernel); else unchanged (the other kernels take GQA through enable_gqa)."""
-    hq, hk = q.shape[heads_dim], k.shape[heads_dim]
-    if kernel != "sdpa efficient" or hq == hk:
-        return k, v
-    return (
-        k.repeat_interleave(hq // hk, dim=heads_dim),
-        v.repeat_interleave(hq // hk, dim=heads_dim),
-    )
-
-
-def _flash_attn_runs(
-    device: torch.device, dtype: torch.dtype, installed: Optional[bool], has_mask: bool = False
-) -> bool:
-    """flash-attn's kernels run here on this dtype: looked up (installed None) or as if it
-    were installed or not (--dry-run plans both)."""
-    if installed is None:
-        return flash_attn_refusal(device, dtype, has_mask) is None
-    return installed and device.type == "cuda" and input_refusal(dtype, has_mask) is None
-
-
-def _flash_attn_unit_ok(device, dtype, head_dim, installed: Optional[bool] = None) -> bool:
-    """flash-attn's private forward/backward (no padding of the head dim, unlike its public
-    functions) run here on this dtype and head dim."""
-    return _flash_attn_runs(device, dtype, installed) and head_dim % 8 == 0 and head_dim <= 256
-
-
-def ring_unit_kernels(
-    device: torch.device,
-    dtype: torch.dtype,
-    head_dim: int,
-    use_flash_attn: bool,
-    flash_attn_installed: Optional[bool] = None,
-) -> tuple[str, str]:
-    """(kernel for unmasked units, kernel for units with a bias) of the ring, by name in
-    lse_kernels.KERNELS. Raises ValueError where no fused kernel takes the head dim.
-    flash_attn_installed: None to look flash-attn up, else as if it were (not) installed."""
-    flash = use_flash_attn and _flash_attn_unit_ok(device, dtype, head_dim, flash_attn_installed)
-    if device.type == "cpu":
-        return ("flash-attn" if flash else "cpu-flash"), "cpu-flash"
-    if device.type != "cuda" or dtype == torch.float64:
-        return "reference", "reference"
-    alignment = 8 if dtype in HALF_DTYPES else 4
-    if dtype not in (torch.float32, *HALF_DTYPES) or head_dim % alignment:
-        raise ValueError(
-            f"ring attention on CUDA needs fp32/fp16/bf16 activations and a head "
-            f"dim divisible by {alignment} (got {head_dim} in "
-            f"{str(dtype).replace('torch.', '')}): change {HEAD_DIM_FLAGS}"
-        )
-    if flash:
-        return "flash-attn", "sdpa-efficient"
-    return "sdpa-efficient", "sdpa-efficient"
+    return sdpa_kernel([getattr(SDPBackend, _TORCH_SDPA_BACKENDS[backend])])
 
 
 @dataclass(frozen=True)
@@ -473,152 +387,31 @@ class AttentionCall:
     ring: bool = False
     use_flash_attn: bool = False
     dropout: float = 0.0  # attention dropout probability of this call (0 in evaluation)
-    dense_mask: bool = False  # a dense [b, 1, N, N] mask (tests only): SDPA with a mask
     seq_length: Optional[int] = None  # tokens attended (query = key length); None: unknown
     requires_grad: bool = True  # a backward will follow (grad mode on, inputs need grad)
     gpu: Optional[CudaSdpa] = None  # None: this process's GPU, else the modelled H100
     flash_attn_installed: Optional[bool] = None  # None: look flash-attn up
 
 
-def attention_kernel(call: AttentionCall) -> str:
-    """The kernel that runs `call` (the names in this module's docstring)."""
-    if call.ring:
-        dense, masked = ring_unit_kernels(
-            call.device, call.dtype, call.head_dim, call.use_flash_attn, call.flash_attn_installed
-        )
-        return f"ring: {dense}" + (
-            f" / {masked}" if call.documents or call.window is not None else ""
-        )
-    flash = (
-        call.use_flash_attn
-        and not call.dense_mask
-        and _flash_attn_runs(call.device, call.dtype, call.flash_attn_installed)
-    )
-    if call.documents or call.window is not None:
-        if flash:
-            return "flash-attn varlen" if call.documents else "flash-attn"
-        tiles = call.device.type == "cuda" and not (call.dropout and call.dtype == torch.float64)
-        return "document tiles" if tiles else "document blocks"
-    if flash:
-        return "flash-attn"
-    if call.device.type == "cpu":
-        # sdp_utils_cpp.cpp `use_flash_attention_cpp` runs `check_for_dropout`: with attention
-        # dropout torch's CPU SDPA takes its math kernel.
-        return "sdpa math" if call.dropout > 0 else "sdpa cpu-flash"
-    if call.device.type != "cuda":
-        return "sdpa"
-    return "sdpa " + _cuda_sdpa_backend(call)
-
-
-def _cuda_sdpa_backend(call: AttentionCall) -> str:
-    """The SDPA backend local_attention pins for a CUDA call: torch's own choice among the
-    backends we allow (`_our_gpu`), on k/v expanded to the query heads where only that keeps
-    the call off the math kernel (fp32 GQA: the efficient kernel takes equal heads only)."""
+def sdpa_backend_of(call: AttentionCall) -> tuple[str, bool]:
+    """(the SDPA backend a CUDA call is pinned to, whether k/v are repeated to the query heads
+    first): torch's own choice among the backends we allow (`_our_gpu`), on k/v expanded where
+    only that keeps the call off the math kernel (fp32 GQA: the efficient kernel takes equal
+    heads only)."""
     our = _our_gpu(_gpu_of(call.device, call.gpu), call.dropout, call.head_dim)
     x = _causal_inputs(
         call.dtype,
         call.head_dim,
         call.q_heads,
         call.kv_heads,
-        call.dense_mask,
+        False,
         call.dropout,
         call.seq_length,
         call.requires_grad,
     )
-    return _choice_expanding_kv(x, our)[0]
+    return _choice_expanding_kv(x, our)
 
 
-def kernel_refusal(call: AttentionCall) -> Optional[str]:
-    """Why `call` has no fused kernel (a message naming the flags to change), or None: on
-    CUDA a head dim that SDPA's fused kernels all refuse would run its math kernel (the N×N
-    scores), and the ring's unit kernels refuse it outright."""
-    try:
-        kernel = attention_kernel(call)
-    except ValueError as refused:
-        return str(refused)
-    if call.device.type != "cuda" or kernel not in ("sdpa math", "sdpa none"):
-        return None
-    wanted = "at most 256 or a multiple of 8" if call.dtype in HALF_DTYPES else "a multiple of 4"
-    return (
-        f"no fused attention kernel on CUDA takes head dim {call.head_dim} in "
-        f"{str(call.dtype).replace('torch.', '')}: torch SDPA would run its math kernel "
-        f"(N×N scores); change {HEAD_DIM_FLAGS} so that the head dim is {wanted}"
-    )
-
-
-def attention_path(call: AttentionCall) -> str:
-    """The path a call belongs to, for the log: causal, documents, window W, ring unit kernel."""
-    if call.ring:
-        return "ring unit kernel"
-    parts = (["documents"] if call.documents else []) + (
-        [f"window {call.window}"] if call.window is not None else []
-    )
-    return " + ".join(parts) or "causal"
-
-
-def decide(call: AttentionCall) -> str:
-    """attention_kernel(call), logged once per path and kernel with the device (on CUDA its
-    capability and cuDNN, and the dropout) and, where --use-flash-attn was given and
-    flash-attn does not run, why."""
-    kernel = attention_kernel(call)
-    where = call.device.type
-    if call.device.type == "cuda":
-        gpu = _gpu_of(call.device, call.gpu)
-        where += f" {gpu.name}, cuDNN {gpu.cudnn_version}"
-        if call.dropout > 0:
-            where += f"; dropout {call.dropout:g}"
-    if call.use_flash_attn and "flash-attn" not in kernel:
-        why = (
-            flash_attn_refusal(call.device, call.dtype, call.dense_mask)
-            or "flash-attn refuses this head dim"
-        )
-        where += f"; --use-flash-attn given, but {why}"
-    announce_once(f"{attention_path(call)} = {kernel.removeprefix('ring: ')} ({where})")
-    return kernel
-
-
-def planned_kernels(call: AttentionCall) -> dict[tuple[str, bool], str]:
-    """{(GPU, flash-attn installed): kernel} of `call` on each modelled GPU (MODELLED_GPUS,
-    torch 2.11's bundled cuDNN) with and without flash-attn: attention_kernel's answers."""
-    cuda = torch.device("cuda")
-    return {
-        (name, installed): attention_kernel(
-            replace(call, device=cuda, gpu=gpu, flash_attn_installed=installed)
-        )
-        for name, gpu in MODELLED_GPUS.items()
-        for installed in (False, True)
-    }
-
-
-def _per_gpu(kernels: dict[tuple[str, bool], str], installed: bool) -> str:
-    """One kernel, or 'K1 on GPU1, K2 on GPU2' where the GPUs differ."""
-    by_gpu = {name: k for (name, inst), k in kernels.items() if inst == installed}
-    if len(set(by_gpu.values())) == 1:
-        return next(iter(by_gpu.values()))
-    return ", ".join(f"{k} on {name}" for name, k in by_gpu.items())
-
-
-def _planned_text(call: AttentionCall) -> str:
-    kernels = planned_kernels(call)
-    without = _per_gpu(kernels, False)
-    if not call.use_flash_attn:
-        return without
-    if call.dtype not in FLASH_DTYPES:
-        return f"{without} (--use-flash-attn given, but {input_refusal(call.dtype, False)})"
-    with_flash = _per_gpu(kernels, True)
-    if with_flash == without:
-        return without
-    return f"{with_flash} where flash-attn is installed, else {without}"
-
-
-def planned_kernel(call: AttentionCall) -> str:
-    """What --dry-run reports for the run's attention call (its own dropout; the device is
-    ignored): the kernel on each modelled GPU, with and without flash-attn, and the kernel of
-    evaluation (no dropout, no backward) where it differs."""
-    training = _planned_text(call)
-    if call.dropout == 0:
-        return training
-    evaluation = _planned_text(replace(call, dropout=0.0, requires_grad=False))
-    if evaluation == training:
-        return training
-    return f"{training}; in evaluation (no dropout): {evaluation}"
+def gpu_of(call: AttentionCall) -> CudaSdpa:
+    """The GPU a CUDA call is judged on: its own, else this process's, else the H100."""
+    return _gpu_of(call.device, call.gpu)

@@ -199,16 +199,16 @@ def tiled_document_attention(
     documents,
     window: Optional[int],
     softmax_scale: Optional[float],
-    kernel_name: str,
+    kernel: lse_kernels.UnitKernel,
     *,
     dropout_p: float = 0.0,
 ):
     """Causal attention within `documents` (a DocumentMask or None) and the window, with
     attention dropout `dropout_p` (torch's efficient kernel only)."""
-    if dropout_p > 0 and kernel_name != lse_kernels.SDPA_EFFICIENT.name:
+    if dropout_p > 0 and kernel is not lse_kernels.SDPA_EFFICIENT:
         raise ValueError(
             f"--attention-dropout {dropout_p}: the document tiles take attention dropout on "
-            f"torch's efficient kernel only, not on {kernel_name}"
+            f"torch's efficient kernel only, not on {kernel.name}"
         )
     n, b = q.shape[:2]
     offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
@@ -222,6 +222,6 @@ def tiled_document_attention(
         ids,
         window,
         scale,
-        lse_kernels.kernel_named(kernel_name),
+        kernel,
         dropout_p,
     )

@@ -11,11 +11,11 @@ all-to-all on the full sequence.
 --window-size LEFT,0 (Megatron-core's window_size): token i sees keys i-LEFT .. i of its own
 document.
 
-Backends:
-  flash (when attention.flash_attn_refusal allows the call: CUDA, fp16/bf16, flash-attn
+Kernels (backends.py selects among them and the tiles, document_tiles.py):
+  flash-attn (where flash_attn.flash_attn_refusal allows the call: CUDA, fp16/bf16, flash-attn
     importable): flash_attn_varlen_func with cu_seqlens (documents) or flash_attn_func (window
     only), window_size=(LEFT, 0), q/k/v packed [b·N, h, d].
-  sdpa (CPU, fp32, and every other fallback): an autograd Function that runs SDPA per
+  document blocks (CPU, and every other fallback): an autograd Function that runs SDPA per
     document (is_causal, the fused kernel keeps O(L) per document) or, with a window, per
     block of queries against the keys the window can reach; backward recomputes block by
     block and adds into dq/dk/dv. Memory is O(N·h·d) plus one block's scores, never O(N²).
@@ -29,11 +29,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ...mpu.random import device_rng_get, device_rng_set
+from .flash_attn import flash_attn_module
+from .local import expand_kv_for_sdpa
 from .lse_kernels import CPU_FLASH
-from .document_tiles import tiled_document_attention
-from ...mpu.random import device_rng_get, device_rng_set, get_rng_tracker
-from .local import flash_attn_module, expand_kv_for_sdpa, require_one_dtype
-from .dispatch import AttentionCall, decide
 
 # queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
 WINDOW_QUERY_BLOCK = 512
@@ -242,17 +241,9 @@ def _document_backward_in_place(dq, dk, dv, q, k, v, grad_out, block, scale) -> 
             del grads, grad  # not alive while the next pair's are made
 
 
-def tiled_kernel(device: torch.device, dtype: torch.dtype, dropout_p: float) -> Optional[str]:
-    """The fused kernel of the tiled path (no loop per document), or None for the per-document
-    loop: CUDA runs torch's efficient kernel, attention dropout included (fp64: the softmax
-    written out, which takes no dropout); the CPU keeps the loop."""
-    if device.type != "cuda" or (dropout_p > 0 and dtype == torch.float64):
-        return None
-    return "reference" if dtype == torch.float64 else "sdpa-efficient"
-
-
 # ---- flash-attn ----------------------------------------------------------------------------
-def _flash(q, k, v, documents, window, dropout_p, scale):
+def flash_documents(q, k, v, documents, window, dropout_p, scale):
+    """flash_attn_varlen_func over the documents (flash_attn_func with only a window)."""
     n, b = q.shape[:2]
     flash_attn = flash_attn_module()
     window_size = (window, 0) if window is not None else (-1, -1)
@@ -282,54 +273,3 @@ def _flash(q, k, v, documents, window, dropout_p, scale):
         window_size=window_size,
     )
     return out.reshape(b, n, *out.shape[1:]).transpose(0, 1)
-
-
-def document_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    backend: str,
-    dropout_p: float,
-    documents: Optional[DocumentMask] = None,
-    window: Optional[int] = None,
-    softmax_scale: Optional[float] = None,
-) -> torch.Tensor:
-    """Causal attention restricted to documents and/or a window of `window` earlier keys.
-
-    q [N, b, hq, d]; k, v [N, b, hk, d] (GQA: hq a multiple of hk), N the full sequence.
-    Returns [N, b, hq, d].
-    """
-    n, b = q.shape[:2]
-    if documents is not None and documents.seq_length != n:
-        raise ValueError(
-            f"document offsets are for sequences of {documents.seq_length} tokens, "
-            f"attention got {n}"
-        )
-    require_one_dtype(q, k, v)
-    kernel = decide(
-        AttentionCall(
-            q.device,
-            q.dtype,
-            q.shape[-1],
-            q.shape[2],
-            k.shape[2],
-            documents is not None,
-            window,
-            use_flash_attn=backend == "flash",
-            dropout=dropout_p,
-        )
-    )
-    with get_rng_tracker().fork():  # attention dropout: a per-(TP, SP)-rank stream
-        if kernel.startswith("flash-attn"):
-            return _flash(q, k, v, documents, window, dropout_p, softmax_scale)
-        if kernel == "document tiles":
-            tiled = tiled_kernel(q.device, q.dtype, dropout_p)
-            assert tiled is not None
-            return tiled_document_attention(
-                q, k, v, documents, window, softmax_scale, tiled, dropout_p=dropout_p
-            )
-        offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
-        return BlockwiseAttention.apply(
-            q, k, v, document_blocks(offsets, n, window), window, dropout_p, softmax_scale
-        )

@@ -13,7 +13,7 @@ FlashAttention's backward does: the probabilities of this block are exp(S - lse)
 block's share of the gradient needs nothing else. `causal` is top-left aligned (Sq == Sk in
 the ring's diagonal units).
 
-Kernels (chosen by `attention_dispatch.ring_unit_kernel`):
+Kernels (chosen by `backends.unit_kernel`, in the order of `backends.UNIT_KERNELS`):
   cpu-flash       torch's fused CPU flash kernel (any float dtype, GQA, bias)
   flash-attn      flash_attn's _flash_attn_forward/_backward (2.5-2.8; CUDA, fp16/bf16, no bias)
   sdpa-efficient  torch's memory-efficient kernel (CUDA, fp32/fp16/bf16, bias; GQA by
@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from .local import flash_attn_api
+from .flash_attn import flash_attn_api
 
 # Tests replace this with a CPU stand-in of the CUDA kernels' operator contracts.
 cuda_ops = torch.ops.aten
@@ -95,7 +95,7 @@ CPU_FLASH = UnitKernel("cpu-flash", True, _cpu_flash_forward, _cpu_flash_backwar
 #        window_size_left, window_size_right where 2.6 takes window_size:
 #        forward -> (out, lse, S_dmask, rng), backward -> softmax_d
 # Every release writes the gradients into the dq, dk, dv it is given, so the backward reads
-# them there. The convention comes from the installed release's version (attention.py refuses
+# them there. The convention comes from the installed release's version (flash_attn.py refuses
 # releases outside 2.5-2.8 before any call).
 def _flash_interface():
     return importlib.import_module("flash_attn.flash_attn_interface")

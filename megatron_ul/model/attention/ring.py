@@ -36,7 +36,7 @@ probabilities are exp(S - lse) and D = rowsum(dout·out), so dq accumulates loca
 k/v block travels around the ring again with its dk/dv accumulator, which takes one last hop
 home. Nothing goes through autograd across p2p.
 
-The unit kernels (lse_kernels.py, chosen by attention_dispatch.ring_unit_kernels) are fused
+The unit kernels (lse_kernels.py, chosen once per call by backends.RingUnits) are fused
 kernels that return the log-sum-exp, in the activation dtype: flash-attn's forward/backward
 for whole units where it is installed, torch's memory-efficient kernel on CUDA otherwise (and
 for masked units), torch's CPU flash kernel on CPU (fp64 too: the exactness tests use it).
@@ -48,7 +48,6 @@ or from a blocked layout.
 from __future__ import annotations
 
 import bisect
-import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -61,8 +60,6 @@ from ...mpu.comm_stats import record
 from ...mpu.parallel_state import ParallelDims
 from ...data.sequence_layout import ring_chunks
 from . import lse_kernels
-from .local import require_one_dtype
-from .dispatch import AttentionCall, decide, ring_unit_kernels
 from .documents import DocumentMask
 from .lse_kernels import UnitKernel
 
@@ -407,76 +404,43 @@ class _RingAttention(torch.autograd.Function):
 def ring_plan(
     ring: Ring,
     length: int,
-    device: torch.device,
-    dtype: torch.dtype,
-    head_dim: int,
     *,
-    backend: str = "sdpa",
+    dense: UnitKernel = lse_kernels.CPU_FLASH,
+    masked: UnitKernel = lse_kernels.CPU_FLASH,
     window: Optional[int] = None,
     documents: Optional[DocumentMask] = None,
 ) -> RingPlan:
-    """This rank's plan: its units and the unit kernels `ring_unit_kernels` chooses."""
+    """This rank's plan: its units, run on the unit kernels the selection chose."""
     if length % 2:
         raise ValueError(f"ring attention needs an even local sequence (two chunks), got {length}")
-    dense, masked = ring_unit_kernels(device, dtype, head_dim, backend == "flash")
     return RingPlan(
         ring.rank,
         tuple(ring_chunks(r, ring.size) for r in range(ring.size)),
         length // 2,
         window,
         None if documents is None else _Documents.of(documents),
-        lse_kernels.kernel_named(dense),
-        lse_kernels.kernel_named(masked),
+        dense,
+        masked,
     )
 
 
-def ring_attention(
+def run_ring(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     ring: Ring,
+    dense: UnitKernel,
+    masked: UnitKernel,
     *,
-    attention_mask: Optional[DocumentMask] = None,
-    window: Optional[int] = None,
-    softmax_scale: Optional[float] = None,
-    backend: str = "sdpa",
+    window: Optional[int],
+    documents: Optional[DocumentMask],
+    scale: float,
 ) -> torch.Tensor:
     """Causal attention of this ring rank's local sequence (chunks r and 2R-1-r) against the
-    whole sequence. q [L, b, hq, d]; k, v [L, b, hk, d] (hq a multiple of hk); returns
-    [L, b, hq, d] in q's dtype. attention_mask: None or the full sequence's DocumentMask.
-    window: query i sees keys i-window..i (None: unlimited). backend 'flash': flash-attn's
-    kernels for the unmasked units where they can run (attention_dispatch)."""
-    if attention_mask is not None and not isinstance(attention_mask, DocumentMask):
-        raise TypeError(
-            "ring attention takes the documents as a DocumentMask (offsets), not a "
-            f"dense mask (got {type(attention_mask).__name__})"
-        )
-    require_one_dtype(q, k, v)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    whole sequence, on the given unit kernels. q [L, b, hq, d]; k, v [L, b, hk, d] (hq a
+    multiple of hk); returns [L, b, hq, d] in q's dtype. documents: the full sequence's
+    DocumentMask. window: query i sees keys i-window..i (None: unlimited)."""
     plan = ring_plan(
-        ring,
-        q.shape[0],
-        q.device,
-        q.dtype,
-        q.shape[-1],
-        backend=backend,
-        window=window,
-        documents=attention_mask,
+        ring, q.shape[0], dense=dense, masked=masked, window=window, documents=documents
     )
-    decide(
-        AttentionCall(
-            q.device,
-            q.dtype,
-            q.shape[-1],
-            q.shape[2],
-            k.shape[2],
-            attention_mask is not None,
-            window,
-            ring=True,
-            use_flash_attn=backend == "flash",
-        )
-    )
-    # The kernels run in the activation dtype with fp32 accumulation whatever autocast says:
-    # autocast would recast the forward's inputs and not the backward's.
-    with torch.autocast(q.device.type, enabled=False):
-        return _RingAttention.apply(q, k, v, ring, scale, plan)
+    return _RingAttention.apply(q, k, v, ring, scale, plan)

@@ -13,8 +13,11 @@ the distinct ones among them (kv_heads_to_send; 12 q / 6 kv heads at SP 4: 2 ins
 rebuilds the replicated layout locally after the all-to-all.
 
 Hybrid Ulysses × ring (--context-parallel-size R): the all-to-all gathers this ring rank's
-local sequence (N/R tokens) instead of the whole one, and ring attention (ring_attention.py)
-runs across the R ring ranks in place of local attention.
+local sequence (N/R tokens) instead of the whole one, and ring attention (ring.py) runs across
+the R ring ranks in place of local attention.
+
+This module is communication only: which kernel attends the gathered heads is the layer's
+LayerAttention's (backends.py) decision.
 """
 
 from __future__ import annotations
@@ -26,11 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ...mpu.mappings import ulysses_all_to_all
-from ...mpu.recompute import checkpoint
 from ...timers import NO_TIMERS, Timers
-from .local import local_attention, require_one_dtype
-from .documents import DocumentMask, document_attention
-from .ring import Ring, ring_attention
+from .layer import LayerAttention
+from .documents import DocumentMask
+from .local import require_one_dtype
 
 
 def kv_replication_factor(kv_heads: int, sp: int) -> int:
@@ -62,54 +64,10 @@ def kv_heads_to_send(kv_heads: int, sp: int, r: int, rank: int, device=None):
 class DistributedAttention:
     """Callable: (q [N/SP, b, hq, d], k, v [N/SP, b, hk, d]) -> [N/SP, b, hq, d]."""
 
-    def __init__(
-        self,
-        sp_size: int,
-        backend: str,
-        group,
-        recompute: bool = False,
-        timers: Timers = NO_TIMERS,
-        window: Optional[int] = None,
-        ring: Optional[Ring] = None,
-    ):
-        self.sp, self.backend, self.group = sp_size, backend, group
-        self.recompute = recompute  # selective recompute: keep only q, k, v of the core
+    def __init__(self, sp_size: int, attention: LayerAttention, group, timers: Timers = NO_TIMERS):
+        self.sp, self.attention, self.group = sp_size, attention, group
         self.timers = timers  # times the all-to-alls (--timing-log-level)
-        self.window = window  # sliding window: keys a query sees before itself
-        self.ring = ring if ring is not None and ring.size > 1 else None
         self._kv_index_cache: dict = {}
-
-    def _attend(self, q, k, v, dropout_p, attention_mask):
-        if self.ring is not None:
-            # Saves only q, k, v, out and the log-sum-exp already: nothing to recompute.
-            # config_rules.validate refuses attention dropout with a ring; documents (a
-            # DocumentMask) and the sliding window mask and skip blocks inside the ring.
-            return ring_attention(
-                q,
-                k,
-                v,
-                self.ring,
-                attention_mask=attention_mask,
-                window=self.window,
-                backend=self.backend,
-            )
-        if isinstance(attention_mask, DocumentMask) or self.window is not None:
-            if attention_mask is not None and not isinstance(attention_mask, DocumentMask):
-                raise ValueError("a sliding window does not combine with a dense attention mask")
-            run = lambda q_, k_, v_: document_attention(  # noqa: E731
-                q_,
-                k_,
-                v_,
-                backend=self.backend,
-                dropout_p=dropout_p,
-                documents=attention_mask,
-                window=self.window,
-            )
-        else:
-            run = lambda q_, k_, v_: local_attention(  # noqa: E731
-                q_, k_, v_, backend=self.backend, dropout_p=dropout_p, attention_mask=attention_mask
-            )
-        return checkpoint(run, q, k, v) if self.recompute else run(q, k, v)
 
     def _kv_indices(self, kv_heads: int, r: int, device):
         """kv_heads_to_send's index tensors, made on the device once (not per call: a host
@@ -150,7 +108,7 @@ class DistributedAttention:
         v: Optional[torch.Tensor] = None,
         *,
         dropout_p: float,
-        attention_mask: Optional[torch.Tensor] = None,
+        documents: Optional[DocumentMask] = None,
     ) -> torch.Tensor:
         """(q, k, v), or one list [q, k, v] that is emptied: a caller handing over its only
         references lets each of q, k and v die once copied into its send buffer."""
@@ -162,7 +120,7 @@ class DistributedAttention:
         sp = self.sp
         require_one_dtype(q, k, v)
         if sp == 1:
-            return self._attend(q, k, v, dropout_p, attention_mask)
+            return self.attention(q, k, v, dropout_p=dropout_p, documents=documents)
         r = kv_replication_factor(k.shape[2], sp)
         send_kv, unpack_kv = self._kv_indices(k.shape[2], r, k.device)
         if send_kv is None and r > 1:
@@ -177,7 +135,7 @@ class DistributedAttention:
         q_full = self._to_heads(pending.pop(0))
         k_full = self._to_heads(pending.pop(0), send_kv, unpack_kv)
         v_full = self._to_heads(pending.pop(0), send_kv, unpack_kv)
-        out = self._attend(q_full, k_full, v_full, dropout_p, attention_mask)
+        out = self.attention(q_full, k_full, v_full, dropout_p=dropout_p, documents=documents)
         del q_full, k_full, v_full
         # all-to-all #2: scatter sequence (dim 0), gather heads (dim 2) -> [N/SP, b, hq, d]
         return ulysses_all_to_all(

@@ -11,8 +11,8 @@ _kernel.py (the kernels' checks and arithmetic). As the real package, this one e
 public functions and keeps the private ones in `flash_attn.flash_attn_interface`.
 
 CUDA tensors only, as the kernel: the one exception is megatron_ul's test hook
-(megatron_ul.model.attention.local.FLASH_ON_CPU_ENV set to 1), under which CPU tensors are accepted
-so that the flash path runs in CPU tests.
+(megatron_ul.model.attention.flash_attn.FLASH_ON_CPU_ENV set to 1), under which CPU tensors are
+accepted so that the flash path runs in CPU tests.
 """
 
 from ._release import API, RELEASES, VERSION

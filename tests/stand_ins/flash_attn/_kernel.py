@@ -26,8 +26,8 @@ import os
 
 import torch
 
-# The name of megatron_ul's documented test hook (megatron_ul/model/attention/local.py); duplicated
-# here rather than imported so that this package stays a drop-in for the real one.
+# The name of megatron_ul's documented test hook (megatron_ul/model/attention/flash_attn.py);
+# duplicated here rather than imported so that this package stays a drop-in for the real one.
 FLASH_ON_CPU_ENV = "MEGATRON_UL_TEST_FLASH_ATTN_ON_CPU"
 HALF = (torch.float16, torch.bfloat16)
 
