@@ -33,7 +33,7 @@ def _number(x: float) -> str:
     return f"2^{int(exponent)}" if exponent == int(exponent) and x >= 1024 else f"{x:g}"
 
 
-def precision_of(cfg: ResolvedConfig) -> tuple[str, torch.dtype]:
+def run_precision(cfg: ResolvedConfig) -> tuple[str, torch.dtype]:
     """(description, activation dtype) of the precision a run with these flags uses."""
     t = cfg.train
     if t.bf16:
@@ -58,7 +58,7 @@ def attention_call(cfg: ResolvedConfig, device: torch.device) -> AttentionCall:
     return model_call(
         cfg.model,
         device,
-        precision_of(cfg)[1],
+        run_precision(cfg)[1],
         tp=p.tensor_model_parallel_size,
         sp=p.ds_sequence_parallel_size,
         cp=p.context_parallel_size,
@@ -77,7 +77,7 @@ def describe(cfg: ResolvedConfig) -> str:
     cp = p.context_parallel_size
     est = estimate_config(cfg)
     zero = p.zero_stage
-    precision, activation_dtype = precision_of(cfg)
+    precision, activation_dtype = run_precision(cfg)
     activation_bytes = torch.empty((), dtype=activation_dtype).element_size()
     lines = [
         f"world {p.world_size} = TP {tp} × SP {sp}{f' × CP {cp}' if cp > 1 else ''} × PP {pp} "
