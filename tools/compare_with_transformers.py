@@ -72,7 +72,7 @@ def hf_model_from_ours(model, cfg, shape: str, eod: int):
     import torch
     import transformers
 
-    from megatron_ul.checkpoint.hf import to_hf
+    from megatron_ul.checkpoint.interop.hf import to_hf
     from megatron_ul.pipeline.model import global_named_parameters
 
     vocab = cfg.model.vocab_size
