@@ -15,3 +15,20 @@ def test_fixed_pattern_flops_count_the_computed_blocks():
     per_layer_sparse = 2 * 2 * d * 64 * heads * b * b / n
     difference = flops_per_token(dense, 128) - flops_per_token(sparse, 128)
     assert difference == 3.0 * 3 * (per_layer_dense - per_layer_sparse)
+
+
+def test_dry_run_reports_the_pattern_and_its_share_of_blocks():
+    from megatron_ul.arguments import parse_args
+    from megatron_ul.config import resolve
+    from megatron_ul.training.dry_run import sparse_attention_plan
+
+    cfg = resolve(
+        parse_args(
+            ["--mock-data", "--vocab-size", "100", "--attention-dropout", "0",
+             "--seq-length", "128", "--sparse-attention", "fixed", "--sparse-block-size", "8"]
+        )
+    )  # fmt: skip
+    # 64 of the 16·17/2 = 136 causal blocks (the count above)
+    assert "block-sparse fixed attention, block 8: 47.1% of the causal blocks" in (
+        sparse_attention_plan(cfg)
+    )
