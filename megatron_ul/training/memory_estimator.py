@@ -5,9 +5,6 @@ Parameters, gradients and Adam state follow what megatron_ul allocates: fp32 par
 fp32 gradients and two fp32 Adam moments (16 bytes per parameter). --bf16 and --fp16 build a
 half-precision model (Precision.half_model, Megatron's meaning): 2-byte parameters and
 activations, fp32 main parameters and gradients next to Adam (18 bytes per parameter).
-Precision.bf16 is autocast over an fp32 model (the flags' earlier meaning, the benchmarks'
-baseline), which also keeps a 2-byte copy of every matmul weight alive from forward to
-backward.
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
 parameters, over the data × sequence parallel group (Ulysses ranks hold replicated weights, as
 in DeepSpeed).
@@ -110,14 +107,10 @@ class Layout:
 class Precision:
     """Bytes per element of each kind of tensor.
 
-    bf16: autocast over an fp32 model (the flags' earlier meaning): 2-byte matmul inputs and
-    outputs, fp32 parameters, gradients and residual stream, plus a 2-byte copy of every matmul
-    weight alive from forward to backward.
     half_model: Megatron-LM's --bf16/--fp16: the model (parameters, activations, residual
     stream) in half precision, fp32 main parameters and fp32 main gradients (accumulated in
     fp32) next to Adam's two fp32 moments. fp32_residual: --fp32-residual-connection."""
 
-    bf16: bool = False
     dropout_mask_bytes: int = 1  # CUDA keeps a bool mask; the CPU kernel keeps a float mask
     fused_attention: bool = True  # flash / SDPA: no N×N tensors kept for backward
     half_model: bool = False
@@ -126,7 +119,7 @@ class Precision:
     @property
     def act(self) -> int:
         """Bytes of a matmul input/output."""
-        return 2 if self.bf16 or self.half_model else 4
+        return 2 if self.half_model else 4
 
     @property
     def residual(self) -> int:
@@ -135,9 +128,8 @@ class Precision:
 
     @property
     def param(self) -> int:
-        """Bytes per parameter on the device besides the optimizer: the model's own weights
-        (+ autocast's 2-byte copies)."""
-        return 2 if self.half_model else 4 + (2 if self.bf16 else 0)
+        """Bytes per parameter on the device besides the optimizer: the model's own weights."""
+        return 2 if self.half_model else 4
 
 
 @dataclass(frozen=True)
@@ -688,9 +680,16 @@ def estimate(
     ring = ring_working_bytes(m, layout)
     documents = document_working_bytes(m, layout, precision, kernels)
     # A half-precision model's fp32 main_grad buffers exist from setup on (ZeRO-0/1:
-    # optim/mixed_precision.py, distributed_optimizer.py); an fp32 model's gradients appear in
-    # the first backward (the embedding's last) and stay alive only across micro-batches.
-    persistent_grads = precision.half_model and zero_stage < 3
+    # optim/mixed_precision.py, distributed_optimizer.py), and so does ZeRO-2's fp32 gradient
+    # shard (optim/zero2.py); an fp32 model's gradients appear in the first backward (the
+    # embedding's last) and stay alive only across micro-batches.
+    persistent_grads = (precision.half_model and zero_stage < 3) or zero_stage == 2
+    # ZeRO-2 reduce-scatters a bucket as soon as backward completes it: its gradients in the
+    # model's dtype and their fp32 flat copy live until the collective is done (one bucket;
+    # --overlap-grad-reduce keeps up to zero2.IN_FLIGHT more in flight).
+    group = layout.dp * layout.sp * layout.cp
+    bucket = min(bucket_elements(None, group), params)
+    zero2_bucket = (precision.param + 4) * bucket if zero_stage == 2 else 0.0
     grads_in_forward = grad_bytes if layout.num_micro_batches > 1 or persistent_grads else 0.0
     embedding_grad = (
         4
@@ -722,6 +721,7 @@ def estimate(
         ),
         "gradients (all but the embedding's)" if not persistent_grads else "gradients": layer_grads,
         "host-held gradient staging (largest layer parameter, fp32)": layer_staging,
+        "ZeRO-2 bucket being reduce-scattered": zero2_bucket,
         "RoPE tables": rope,
     }
     # A layer's forward and the head's do not coexist. Offloaded, every layer's input is in

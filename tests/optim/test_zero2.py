@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_ul.pipeline.model import global_named_parameters
+from megatron_ul.training.memory_estimator import estimate_config
 from megatron_ul.training.pretrain import configure, setup
 from tests.distributed import run_distributed
 from tests.training.equivalence import BASE, GPT2_STYLE
@@ -55,6 +56,10 @@ def test_zero2_keeps_gradient_shards_only_and_overlap_changes_no_bit():
     # when a micro-batch starts (ZeRO-1's parameters hold views of a full-size buffer).
     assert zero2["shard"] == zero2["padded"] // 2
     assert len(zero2["held_at_forward"]) == 6 and max(zero2["held_at_forward"]) == 0
+    # The estimator's ZeRO-2 gradient term is that shard (fp32; the buffer pads each bucket
+    # to a multiple of the group size).
+    estimate = estimate_config(configure(ARGV + ZERO2, 2))
+    assert abs(4 * zero2["shard"] / estimate.gradient_bytes - 1) < 1e-3
     # The same reduce-scatters in the same order, waited for later: the same bits.
     assert overlapped["losses"] == zero2["losses"]
     for name, p in zero2["params"].items():

@@ -56,7 +56,7 @@ CASES = {  # name -> (flags, world)
     ),
 }
 # The CPU dropout kernel keeps a float mask (CUDA keeps a bool one).
-CPU_FP32 = me.Precision(bf16=False, dropout_mask_bytes=4)
+CPU_FP32 = me.Precision(dropout_mask_bytes=4)
 
 
 @functools.lru_cache(maxsize=None)

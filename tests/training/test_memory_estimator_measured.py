@@ -14,7 +14,6 @@ TOLERANCE = 0.10
 PHASES = ("forward", "loss backward", "layer backward", "optimizer")  # the tracker's, iteration 2
 PRECISIONS = {  # the bench's precision -> the estimator's (the CPU keeps float dropout masks)
     "fp32": me.Precision(dropout_mask_bytes=4),
-    "autocast-bf16": me.Precision(bf16=True, dropout_mask_bytes=4),
     "bf16": me.Precision(half_model=True, dropout_mask_bytes=4),
 }
 
