@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from ..config import ResolvedConfig
 from ..model.chunks import model_dims
+from ..model.moe.layer import aux_loss_report
 from ..mpu.parallel_state import ParallelDims
 from ..optim.precision import build_grad_scaler
 from ..timers import NO_TIMERS, Timers
@@ -39,6 +41,10 @@ def train(
         is_reporting_rank=is_reporting_rank(model_dims(model)),
         timers=timers,
     )
+    if cfg.model.num_experts is not None:
+        dims = model_dims(model)
+        device = next(model.parameters()).device
+        metrics.extra_scalars = functools.partial(aux_loss_report, model, cfg.model, dims, device)
     losses = []
     model.train()
     if grad_scaler is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -115,6 +115,8 @@ class MetricsLogger:
 
             self.writers.append(WandbWriter(cfg))
         self.timers = timers if timers.log_level >= 1 else None
+        # More scalars per report (the MoE aux losses); called on every rank (collective).
+        self.extra_scalars: Callable[[], dict[str, float]] = dict
         self._start = self._window_start = time.perf_counter()
         self._window_iters = self._iters_done = 0
 
@@ -126,6 +128,7 @@ class MetricsLogger:
         now = time.perf_counter()
         per_iter = (now - self._window_start) / self._window_iters
         scalars = self._scalars(loss, lr, grad_norm, per_iter)
+        scalars.update(self.extra_scalars())
         split = self._time_split(self._window_iters)
         eta = (now - self._start) / self._iters_done * (self.cfg.train.train_iters - it)
         if self.reporting:
@@ -178,6 +181,9 @@ class MetricsLogger:
             memory_kind,
             format_eta(eta),
         )
+        moe = {k[4:]: v for k, v in scalars.items() if k.startswith("moe/") and "_layer_" not in k}
+        if moe:
+            log.info("    moe: %s", " | ".join(f"{k} {v:.4E}" for k, v in moe.items()))
         if split:
             log.info(
                 "    time split (ms/iter): %s",

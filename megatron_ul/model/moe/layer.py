@@ -32,7 +32,7 @@ from ..activation_shape import ActivationShape
 from ..init import normal_init
 from .dispatcher import AllGatherDispatcher, AllToAllDispatcher
 from .experts import Experts, SharedExpert
-from .router import TopKRouter
+from .router import TopKRouter, aux_loss_names, take_aux_losses
 
 
 class MoELayer(nn.Module):
@@ -160,3 +160,13 @@ def set_aux_loss_scale(model: nn.Module, scale: float) -> None:
     """The gradient each aux loss gets (router.py's module docstring)."""
     for router in moe_routers(model).values():
         router.aux_loss_scale = scale
+
+
+def aux_loss_report(model: nn.Module, cfg: ModelConfig, dims: ParallelDims, device) -> dict:
+    """The aux losses since the last report, per MoE layer and averaged over the layers
+    (router.take_aux_losses); every rank calls it (collective)."""
+    layers = [n for n in range(1, cfg.num_layers + 1) if cfg.is_moe_layer(n)]
+    names = aux_loss_names(
+        cfg.moe_router_load_balancing_type, cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
+    )
+    return take_aux_losses(moe_routers(model), layers, names, dims, device)

@@ -175,7 +175,8 @@ class TopKRouter(nn.Module):
             coeff = self.z_loss_coeff / group_size(self.token_group)
             loss = z_loss(logits, coeff)
             logits = AuxLossScaler.apply(logits, loss, self.aux_loss_scale)
-            self._log("z_loss", loss.detach() / coeff)
+            # logged as this rank's share of the micro-batch's mean (the shares add up)
+            self._log("z_loss", loss.detach() / self.z_loss_coeff)
         probs, routing_map = topk_routing(logits, self.topk, self.pre_softmax)
         if self.capacity_factor is not None:
             probs, routing_map = drop_over_capacity(
@@ -232,31 +233,52 @@ class TopKRouter(nn.Module):
         self.logged[name] = value if held is None else held + value
 
 
-def take_aux_losses(routers: dict[int, TopKRouter], dims) -> dict[str, float]:
-    """{"<loss> layer <n>": value} averaged over the micro-batches since the last call and over
-    DP, each the whole micro-batch's loss (parts summed over the ranks that split it); resets.
-    Collective over dp_cp_sp and TP; one host sync. Empty when nothing was logged."""
-    names = sorted({(n, name) for n, r in routers.items() for name in r.logged})
-    if not names:
+def aux_loss_names(load_balancing: str, aux_loss_coeff: float, z_loss_coeff) -> list[str]:
+    """The losses a router with these settings logs (Megatron's tracker names)."""
+    names = []
+    if load_balancing != "none" and aux_loss_coeff > 0:
+        names.append(
+            "seq_load_balancing_loss" if load_balancing == "seq_aux_loss" else "load_balancing_loss"
+        )
+    if z_loss_coeff:
+        names.append("z_loss")
+    return names
+
+
+def take_aux_losses(
+    routers: dict[int, TopKRouter], layers: list[int], names: list[str], dims, device
+) -> dict[str, float]:
+    """{"moe/<loss>_layer_<n>": value, "moe/<loss>": mean over layers} for every MoE layer of
+    the model (`layers`, global numbers, whichever stage holds them), each averaged over the
+    micro-batches since the last call and over DP, and each the whole micro-batch's loss (its
+    parts summed over the ranks that split the micro-batch); resets the routers' records.
+    Collective over dp_cp_sp, TP and PP (every rank calls it); one host sync."""
+    if not layers or not names:
         return {}
-    device = next(iter(routers.values())).weight.device
-    values = torch.stack(
-        [
-            routers[n].logged.get(name, torch.zeros((), device=device)).float().to(device)
-            / max(routers[n].logged_micro_batches, 1)
-            for n, name in names
-        ]
-    )
-    for router in routers.values():
+    values = torch.zeros(len(layers), len(names), dtype=torch.float32, device=device)
+    for i, n in enumerate(layers):
+        router = routers.get(n)
+        if router is None:  # on another pipeline stage
+            continue
+        for j, name in enumerate(names):
+            if name in router.logged:
+                values[i, j] = router.logged[name].float() / max(router.logged_micro_batches, 1)
         router.logged, router.logged_micro_batches = {}, 0
     # The parts of one micro-batch are on dp_cp_sp's CP × SP ranks (and TP's under
     # Megatron-SP, whose tokens differ; without it TP ranks hold copies): sum, then mean
-    # over DP.
-    token_group = next(iter(routers.values())).token_group
-    tp_parts = group_size(token_group) // (dims.sp * dims.cp)
+    # over DP. Each layer lives on one pipeline stage: summing over PP collects them.
+    token_group = next(iter(routers.values())).token_group if routers else None
+    tp_parts = group_size(token_group) // (dims.sp * dims.cp) if routers else 1
     if dims.dp_cp_sp_size > 1:
         dist.all_reduce(values, group=dims.dp_cp_sp_group)
     if tp_parts > 1:
         dist.all_reduce(values, group=dims.tp_group)
-    values = values / dims.dp
-    return {f"{name} layer {n}": v for (n, name), v in zip(names, values.tolist())}
+    if dims.pp > 1:
+        dist.all_reduce(values, group=dims.pp_group)
+    values = (values / dims.dp).tolist()
+    report = {}
+    for j, name in enumerate(names):
+        for i, n in enumerate(layers):
+            report[f"moe/{name}_layer_{n}"] = values[i][j]
+        report[f"moe/{name}"] = sum(row[j] for row in values) / len(layers)
+    return report
