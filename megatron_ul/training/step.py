@@ -11,6 +11,7 @@ import torch.distributed as dist
 from ..mpu.parallel_state import ParallelDims
 from ..optim.contract import TrainingOptimizer
 from ..model.chunks import model_chunks, model_dims
+from ..model.moe.layer import set_aux_loss_scale
 from ..pipeline.schedules import get_forward_backward_func
 from ..timers import NO_TIMERS, Timers
 
@@ -65,6 +66,9 @@ def train_step(
     # Gradients are reduced in buckets, from backward's hooks when overlapping (ZeRO-2: every
     # micro-batch).
     optimizer.start_step(len(micro_batches))
+    # MoE aux losses count as their mean over the global batch's micro-batches (Megatron's).
+    scale = grad_scaler.scale if grad_scaler is not None else 1.0
+    set_aux_loss_scale(model, scale / (len(micro_batches) * dims.dp))
     loss_sum = schedule_for(model)(model, micro_batches, divisor, timers=timers)
     loss = global_mean_loss(loss_sum, num_tokens, dims)
     if not math.isfinite(loss):
