@@ -15,7 +15,7 @@ import torch
 from ..checkpoint import files
 from ..checkpoint.layout import reshard
 from ..checkpoint.files import CheckpointError
-from ..checkpoint.training.load import load_model_state
+from ..checkpoint.layout.zero import load_model_state
 from ..checkpoint.state import named_parameters
 from ..model.gpt import GPTModel
 from ..mpu.parallel_state import single_rank_dims

@@ -45,7 +45,7 @@ def bytes_read_on_layout_change(
     block_bytes: int,
 ) -> dict:
     """Save on `source` with stored pieces of at most `block_bytes`, load on `target`, and
-    report what this rank read (checkpoint/dist_io.LoadReport), the stored tensor bytes, and
+    report what this rank read (checkpoint/dcp_pieces.LoadReport), the stored tensor bytes, and
     the losses of the original run, of the run resumed on the target layout and of a run
     resumed (DP) from the checkpoint converted offline to TP1 in the torch format."""
     pieces.BLOCK_BYTES = block_bytes
@@ -146,7 +146,7 @@ def _same(a: list, b: list) -> bool:
 
 def load_tensors(rank: int, world: int, argv: list[str], load: str) -> list:
     """The parameters and optimizer state a run loads from `load` (on this rank)."""
-    from megatron_ul.checkpoint.storage.torch_dist import held_tensors
+    from megatron_ul.checkpoint.storage.dcp_pieces import held_tensors
 
     trainer = setup(configure(argv + DIST + ["--train-iters", "4", "--load", load], world))
     held = [(h.key, h.data.clone()) for h in held_tensors(trainer.model, trainer.optimizer, True)]

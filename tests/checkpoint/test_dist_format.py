@@ -1,4 +1,4 @@
-"""--ckpt-format torch_dist (checkpoint/storage/torch_dist.py): every rank writes and reads only
+"""--ckpt-format torch_dist (checkpoint/storage/dcp_pieces.py): every rank writes and reads only
 its own pieces through torch.distributed.checkpoint. A layout-changing load reads only the stored
 pieces that overlap what a rank holds and continues the loss curve; resume on the same layout
 is bit-exact; --async-save writes the same checkpoint as a synchronous save while training

@@ -11,6 +11,7 @@ transformers = pytest.importorskip(
 )
 pytest.importorskip("safetensors", reason="safetensors is needed for Hugging Face files")
 
+from megatron_ul.checkpoint import files  # noqa: E402
 from megatron_ul.checkpoint.interop.hf import export_checkpoint, import_checkpoint  # noqa: E402
 from megatron_ul.checkpoint.training.load import load_checkpoint  # noqa: E402
 from megatron_ul.checkpoint.training.save import save_checkpoint  # noqa: E402
@@ -86,7 +87,8 @@ def test_import_then_export_matches_hugging_face(kind, tmp_path, single_rank):
     torch.manual_seed(0)
     theirs = _perturb(_hf_models()[kind]()).eval()
     theirs.save_pretrained(tmp_path / "hf", safe_serialization=True)
-    _, fields = import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    iter_dir = import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "ours"))
+    fields = files.read_metadata(iter_dir)["model"]
     ours = _ours(fields)
     cfg = resolve(
         Config(

@@ -20,7 +20,12 @@ import torch
 
 from megatron_ul.checkpoint import files
 from megatron_ul.checkpoint.files import CheckpointError
-from megatron_ul.checkpoint.interop import megatron_core, megatron_lm, megatron_pickle
+from megatron_ul.checkpoint.interop import (
+    megatron_common,
+    megatron_core,
+    megatron_lm,
+    megatron_pickle,
+)
 from megatron_ul.checkpoint.interop import settings as interop_settings
 from megatron_ul.checkpoint.interop.megatron_core import export_core, import_core
 from megatron_ul.config import ModelConfig
@@ -178,7 +183,7 @@ def test_unknown_hugging_face_setting_is_refused_naming_it():
 
 # ---- megatron-core: refused settings, windows, GELU ---------------------------------------------
 def _core_args(m: dict, fmt: str = "torch", **changes):
-    args = megatron_lm.megatron_args(m, 1, 1, 3, {}, core=(fmt, "local"))
+    args = megatron_common.megatron_args(m, 1, 1, 3, {}, core=(fmt, "local"))
     for k, v in changes.items():
         setattr(args, k, v)
     return args
@@ -282,7 +287,7 @@ def test_window_survives_megatron_core_export_and_import(fmt, tmp_path, single_r
     parallel_state.initialize_model_parallel(1, 1)
     try:
         with _cpu_shims():
-            args = megatron_lm.megatron_args(m, 1, 1, 1, {}, core=(fmt, "local"))
+            args = megatron_common.megatron_args(m, 1, 1, 1, {}, core=(fmt, "local"))
             assert args.window_size == (4, 0)
             model = megatron_core.core_model_from_args(args)
             if fmt == "torch":
@@ -294,7 +299,7 @@ def test_window_survives_megatron_core_export_and_import(fmt, tmp_path, single_r
                 model.load_state_dict(loaded["model"], strict=True)
             theirs = _core_logits(model)
             full = megatron_core.core_model_from_args(
-                megatron_lm.megatron_args(
+                megatron_common.megatron_args(
                     {**m, "window_size": None}, 1, 1, 1, {}, core=(fmt, "local")
                 )
             )
@@ -640,12 +645,12 @@ def test_pp2_checkpoints_match_megatron_core_pipeline_stages(first, fmt, tmp_pat
     m = _train(src, LLAMA, layers=3 if first else 4)
     if first is None:
         iter_dir, _ = export_core(src, out, "torch", "local", tp=1, pp=2)
-        args = megatron_lm.megatron_args(m, 1, 2, 1, {}, core=("torch", "local"))
+        args = megatron_common.megatron_args(m, 1, 2, 1, {}, core=("torch", "local"))
         theirs = run_distributed(core_pp_logits, 2, args, iter_dir, False)[-1]
         diff = float((_our_logits(src) - theirs[..., :VOCAB]).abs().max())
         print(f"PP2 export: max |logit diff| ours vs megatron-core stages: {diff:.2e}")
         assert diff <= 1e-5
-    args = megatron_lm.megatron_args(m, 1, 2, 3, {}, core=(fmt, "local"))
+    args = megatron_common.megatron_args(m, 1, 2, 3, {}, core=(fmt, "local"))
     args.decoder_first_pipeline_num_layers = first
     saved_iter = os.path.join(saved, files.iteration_dir_name(3))
     theirs = run_distributed(core_pp_logits, 2, args, saved_iter, True, fmt)[-1]
@@ -660,7 +665,7 @@ def test_pp2_checkpoints_match_megatron_core_pipeline_stages(first, fmt, tmp_pat
 def _legacy_checkpoint(tmp_path, m: dict, **changes) -> str:
     """A legacy (use_legacy_models) stage file whose args carry `changes`; no tensors needed
     to reach the settings check."""
-    args = megatron_lm.megatron_args(m, 1, 1, 3, {})
+    args = megatron_common.megatron_args(m, 1, 1, 3, {})
     for k, v in changes.items():
         setattr(args, k, v)
     load = str(tmp_path / "legacy")
@@ -692,13 +697,13 @@ def test_legacy_window_is_read_as_the_full_attention_it_computed(caplog):
     m = dataclasses.asdict(
         ModelConfig(vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ)
     )
-    args = megatron_lm.megatron_args(m, 1, 1, 3, {})
+    args = megatron_common.megatron_args(m, 1, 1, 3, {})
     args.window_size = (4, 0)
-    assert megatron_lm.model_config_from_args(args)["window_size"] is None
+    assert megatron_common.model_config_from_args(args)["window_size"] is None
     assert "ignores" in caplog.text
-    core_args = megatron_lm.megatron_args(m, 1, 1, 3, {}, core=("torch", "local"))
+    core_args = megatron_common.megatron_args(m, 1, 1, 3, {}, core=("torch", "local"))
     core_args.window_size = (4, 0)
-    assert megatron_lm.model_config_from_args(core_args, core=True)["window_size"] == [4, 0]
+    assert megatron_common.model_config_from_args(core_args, core=True)["window_size"] == [4, 0]
     core_args.window_size = (4, 2)
     with pytest.raises(CheckpointError, match="causal windows only"):
-        megatron_lm.model_config_from_args(core_args, core=True)
+        megatron_common.model_config_from_args(core_args, core=True)

@@ -18,7 +18,7 @@ import torch
 
 from megatron_ul.checkpoint import files
 from megatron_ul.checkpoint.files import CheckpointError
-from megatron_ul.checkpoint.interop import megatron_core, megatron_lm
+from megatron_ul.checkpoint.interop import megatron_common, megatron_core
 from megatron_ul.checkpoint.interop.megatron_core import export_core, import_core
 from megatron_ul.checkpoint.layout import reshard
 from megatron_ul.inference.generate import load_for_generation
@@ -154,7 +154,7 @@ def _save_core(model, m: dict, fmt: str, save_dir: str, iteration: int = 3) -> N
     from megatron.core import dist_checkpointing
     from megatron.core.enums import ModelType
 
-    args = megatron_lm.megatron_args(m, 1, 1, iteration, {}, core=(fmt, "local"))
+    args = megatron_common.megatron_args(m, 1, 1, iteration, {}, core=(fmt, "local"))
     args.model_type = ModelType.encoder_or_decoder  # as Megatron-LM's pretrain() records it
     iter_dir = os.path.join(save_dir, files.iteration_dir_name(iteration))
     common = {"args": args, "checkpoint_version": 3.0, "iteration": iteration}
@@ -288,7 +288,7 @@ def core_tp_logits(rank: int, world: int, model: dict, iter_dir: str, save: bool
         path = files.model_file(iter_dir, rank, 0, 1)
         if save:
             core = _perturbed_core_model(model, tp=world)  # same noise: replicas agree
-            args = megatron_lm.megatron_args(model, world, 1, 3, {}, core=("torch", "local"))
+            args = megatron_common.megatron_args(model, world, 1, 3, {}, core=("torch", "local"))
             os.makedirs(os.path.dirname(path))
             torch.save(
                 {

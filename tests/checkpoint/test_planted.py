@@ -15,7 +15,7 @@ import torch
 
 from megatron_ul.checkpoint import files
 from megatron_ul.checkpoint.safe_pickle import UnsafePickleError, restricted_load
-from megatron_ul.checkpoint.storage import torch_dist as dist_io
+from megatron_ul.checkpoint.storage import dcp_pieces
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.runs import TINY_TWO_ITERS as ARGV
 from tests.checkpoint.runs import convert_cli
@@ -53,7 +53,7 @@ def _plant_in_distcp(iter_dir: str, marker: str) -> None:
     payload = io.BytesIO()
     torch.save({"x": Planted(marker)}, payload)
     data = open(os.path.join(iter_dir, rel), "rb").read()
-    with open(os.path.join(iter_dir, dist_io.DCP_METADATA), "rb") as f:
+    with open(os.path.join(iter_dir, dcp_pieces.DCP_METADATA), "rb") as f:
         index = pickle.load(f)  # our own, trusted: the test wrote it
     first = min(index.storage_data, key=lambda k: index.storage_data[k].offset)
     info = index.storage_data[first]
@@ -62,7 +62,7 @@ def _plant_in_distcp(iter_dir: str, marker: str) -> None:
     digests = dict(meta["piece_sha256"][rel])
     digests[str(info.offset)] = files.file_record(payload.getvalue())["sha256"]
     _reseal(iter_dir, rel, data + payload.getvalue(), digests)
-    _reseal(iter_dir, dist_io.DCP_METADATA, pickle.dumps(index))
+    _reseal(iter_dir, dcp_pieces.DCP_METADATA, pickle.dumps(index))
 
 
 def plant(save_dir: str, kind: str, marker: str) -> None:
@@ -72,7 +72,7 @@ def plant(save_dir: str, kind: str, marker: str) -> None:
         open(os.path.join(save_dir, files.TRACKER), "wb").write(planted)
     elif kind == files.METADATA:
         open(os.path.join(iter_dir, files.METADATA), "wb").write(planted)
-    elif kind == dist_io.DCP_METADATA:
+    elif kind == dcp_pieces.DCP_METADATA:
         _reseal(iter_dir, kind, planted)
     elif kind.endswith(".distcp"):
         _plant_in_distcp(iter_dir, marker)
@@ -112,7 +112,7 @@ def _convert(save_dir: str, fmt: str) -> int:
 KINDS = {
     "torch": ["mp_rank_00/model_optim_rng.pt", "rng/rank_00000.pt", files.METADATA, "tracker"],
     "torch_dist": [
-        dist_io.DCP_METADATA,
+        dcp_pieces.DCP_METADATA,
         "__0_0.distcp",
         files.COMMON_FILE,
         "rng/rank_00000.pt",
@@ -130,7 +130,7 @@ def _cases():
     for reader in sorted(READERS):
         for fmt, kinds in KINDS.items():
             for kind in kinds:
-                quick = reader == "load" or kind in (dist_io.DCP_METADATA, "__0_0.distcp")
+                quick = reader == "load" or kind in (dcp_pieces.DCP_METADATA, "__0_0.distcp")
                 yield pytest.param(
                     reader,
                     fmt,
@@ -156,8 +156,8 @@ def test_a_planted_object_never_runs(pristine, tmp_path, single_rank, fmt, kind,
 def test_the_refused_global_and_file_are_named(pristine, tmp_path, single_rank):
     save = str(tmp_path / "ckpt")
     shutil.copytree(pristine["torch_dist"], save)
-    plant(save, dist_io.DCP_METADATA, str(tmp_path / "ran"))
-    path = os.path.join(save, ITER, dist_io.DCP_METADATA)
+    plant(save, dcp_pieces.DCP_METADATA, str(tmp_path / "ran"))
+    path = os.path.join(save, ITER, dcp_pieces.DCP_METADATA)
     with pytest.raises(UnsafePickleError, match=f"{path}: refused to unpickle builtins.exec"):
         setup(configure(ARGV + ["--load", save], 1))
 
@@ -167,7 +167,7 @@ def test_pretrain_gpt_refuses_a_planted_dcp_index(pristine, tmp_path):
     save = str(tmp_path / "ckpt")
     shutil.copytree(pristine["torch_dist"], save)
     marker = str(tmp_path / "ran")
-    plant(save, dist_io.DCP_METADATA, marker)
+    plant(save, dcp_pieces.DCP_METADATA, marker)
     out = subprocess.run(
         [sys.executable, "pretrain_gpt.py", *ARGV, "--load", save, "--ckpt-format", "torch_dist"],
         cwd=ROOT,
@@ -183,9 +183,9 @@ def test_pretrain_gpt_refuses_a_planted_dcp_index(pristine, tmp_path):
 
 def test_the_dcp_index_admits_what_dcp_writes(pristine):
     """Every global a real .metadata names is admitted (else every load would fail)."""
-    path = os.path.join(pristine["torch_dist"], ITER, dist_io.DCP_METADATA)
+    path = os.path.join(pristine["torch_dist"], ITER, dcp_pieces.DCP_METADATA)
     with open(path, "rb") as f:
-        index = restricted_load(f, dist_io.DCP_METADATA_GLOBALS, path)
+        index = restricted_load(f, dcp_pieces.DCP_METADATA_GLOBALS, path)
     assert index.state_dict_metadata and index.storage_data
 
 

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from megatron_ul.checkpoint import files
-from megatron_ul.checkpoint.storage.torch_dist import torch_optimizer
+from megatron_ul.checkpoint.storage.dcp_pieces import torch_optimizer
 from megatron_ul.checkpoint.training import resume_rules
 from megatron_ul.training.pretrain import configure, setup
 from tests.checkpoint.conftest import copy_of

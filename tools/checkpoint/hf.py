@@ -20,8 +20,7 @@ try:
 except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
     sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
 
-from megatron_ul.checkpoint.files import CheckpointError
-from megatron_ul.checkpoint.interop.hf import export_checkpoint, import_checkpoint, model_flags  # noqa
+from megatron_ul.checkpoint.interop.cli import add_hf_write_flags, options, run
 
 
 def main(argv=None) -> int:
@@ -35,36 +34,14 @@ def main(argv=None) -> int:
     exp = sub.add_parser("export", help="megatron_ul checkpoint -> Hugging Face directory")
     exp.add_argument("--load-dir", required=True)
     exp.add_argument("--hf-dir", required=True)
-    exp.add_argument(
-        "--model-type",
-        choices=["gpt2", "llama"],
-        default=None,
-        help="default: llama for SwiGLU models (Mistral when the model has a --window-size), "
-        "else gpt2",
-    )
-    exp.add_argument(
-        "--bos-token-id",
-        type=int,
-        default=None,
-        help="default: as recorded in the checkpoint (its tokenizer or import)",
-    )
-    exp.add_argument("--eos-token-id", type=int, default=None)
+    add_hf_write_flags(exp)
     a = p.parse_args(argv)
-    try:
-        if a.command == "import":
-            out, fields = import_checkpoint(
-                a.hf_dir, a.save_dir, a.target_tensor_parallel_size, a.target_pipeline_parallel_size
-            )
-            print(f"wrote {out}\nmodel flags: {' '.join(model_flags(fields))}")
-        else:
-            if not os.path.isdir(a.load_dir):
-                raise CheckpointError(f"--load-dir {a.load_dir}: no such directory")
-            ids = {"bos_token_id": a.bos_token_id, "eos_token_id": a.eos_token_id}
-            print(f"wrote {export_checkpoint(a.load_dir, a.hf_dir, a.model_type, ids)}")
-    except (CheckpointError, ImportError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    if a.command == "import":
+        if not os.path.isdir(a.hf_dir):
+            print(f"error: --hf-dir {a.hf_dir}: no such directory", file=sys.stderr)
+            return 2
+        return run("hf", "megatron_ul", a.hf_dir, a.save_dir, options(a))
+    return run("megatron_ul", "hf", a.load_dir, a.hf_dir, options(a))
 
 
 if __name__ == "__main__":

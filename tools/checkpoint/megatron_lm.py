@@ -21,21 +21,12 @@ try:
 except ModuleNotFoundError:  # `python tools/NAME.py` from a checkout without the install
     sys.exit("megatron_ul is not installed: run `bash scripts/install.sh` (or pip install -e .)")
 
-from megatron_ul.checkpoint.interop.cli import conversion_parser, run_conversion
-from megatron_ul.checkpoint.interop.megatron_lm import export_megatron, import_megatron
-
-
-def _export(a) -> str:
-    out, flags = export_megatron(
-        a.load_dir, a.save_dir, a.target_tensor_parallel_size, a.target_pipeline_parallel_size
-    )
-    return f"wrote {out}\nMegatron-LM flags: {' '.join(flags)}"
+from megatron_ul.checkpoint.interop.cli import conversion_parser, run_subcommand
 
 
 def main(argv=None) -> int:
     p, _, _ = conversion_parser(__doc__.split("\n\n")[0], "legacy Megatron-LM checkpoint")
-    a = p.parse_args(argv)
-    return run_conversion(a, import_megatron, _export)
+    return run_subcommand(p.parse_args(argv), "megatron_lm")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """Hugging Face GPT-2 (GPT2LMHeadModel), Llama (LlamaForCausalLM) and Mistral
 (MistralForCausalLM: Llama with a sliding window) <-> megatron_ul weights.
 
-Pure tensor mappings on full (TP1) state dicts keyed by our canonical names; reading and writing
-safetensors lives in tools/checkpoint/hf.py. Layout facts the mapping relies on:
+Tensor mappings on full (TP1) state dicts keyed by our canonical names, and the converter
+(HuggingFace, at the end) that reads and writes the model directory. Layout facts the mapping
+relies on:
   - our fused QKV is [groups, q_per_group + 2, head_dim, hidden] (model/transformer.py);
     HF keeps q, k, v apart (Llama) or as [q; k; v] in one Conv1D (GPT-2);
   - GPT-2's Conv1D stores weights as [in, out]: transposed against nn.Linear;
@@ -11,17 +12,24 @@ safetensors lives in tools/checkpoint/hf.py. Layout facts the mapping relies on:
     zeros, export drops them;
   - GPT-2 uses gelu_new (tanh approximation): imported as gelu_approximate = "tanh";
   - every config.json key is read, known to change nothing, or refused (HF_KEYS), and every
-    setting of ours is carried or refused (interop_settings.OURS).
+    setting of ours is carried or refused (checkpoint/interop/settings.py).
 """
 
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from ...config import ModelConfig
 from ..files import CheckpointError
+from ..full import FullCheckpoint
+from ..layout.reshard import layout_table
+from .base import Check, Options, Source, Written, convert, weights_only
+from .ours import MegatronUl
 from .settings import check_carried
 
 
@@ -388,8 +396,6 @@ def to_hf(kind: str, params: dict, m: dict) -> tuple[dict, dict]:
 
 # ---- files ---------------------------------------------------------------------------------------
 def read_hf_config(hf_dir: str) -> dict:
-    import json
-    import os
 
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
@@ -407,7 +413,6 @@ def read_hf_config(hf_dir: str) -> dict:
 def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
     """(config.json, tensors) of a Hugging Face model directory saved as safetensors."""
     import glob
-    import os
 
     from safetensors.torch import load_file
 
@@ -427,55 +432,6 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
     return config, state
 
 
-def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> tuple[str, dict]:
-    """Write a Hugging Face model as iteration 0 of a megatron_ul checkpoint (weights only).
-    Returns (iteration directory, our ModelConfig fields)."""
-    from dataclasses import asdict
-
-    from .. import files
-    from ..layout import reshard
-
-    config = read_hf_config(hf_dir)
-    kind = detect(config)
-    fields = gpt2_model_config(config) if kind == "gpt2" else llama_model_config(config)
-    model = asdict(ModelConfig(**fields))
-    # the trainer's own validation, before any tensor is read or anything written
-    reshard.check_target_layout({"model": model}, tp, pp, 1, 1, None)
-    _, state = read_hf_dir(hf_dir)
-    _, params = to_ours(config, state)
-    meta: dict[str, Any] = {
-        "format": files.FORMAT,
-        "iteration": 0,
-        "model": model,
-        "layout": {
-            "tp": 1,
-            "pp": 1,
-            "sp": 1,
-            "dp": 1,
-            "world": 1,
-            "sequence_parallel": False,
-            "vp": None,
-        },
-        "params": reshard.layout_table({"model": model}, 1, 1, None),
-        "optimizer": None,
-        "rng": False,
-        "source": f"hugging face {config['model_type']}",
-        "special_tokens": {k: config.get(k) for k in ("bos_token_id", "eos_token_id")},
-    }
-    common = {
-        "iteration": 0,
-        "checkpoint_version": 3.0,
-        "opt_param_scheduler": {"num_steps": 0},
-        "consumed_samples": 0,
-        "consumed_valid_samples": 0,
-        "args": {},
-    }
-    _check_names(params, meta["params"], hf_dir)
-    full = reshard.FullCheckpoint(meta, common, params, None, None)
-    target = reshard.target_metadata(full, tp, pp, 1, 1, with_optim=False)
-    return reshard.write_layout(full, target, save_dir, 0, tp, pp, with_optim=False), model
-
-
 def _check_names(params: dict, table: dict, hf_dir: str) -> None:
     """The mapped tensors must be exactly the model's parameters, shaped as the table says
     (vocabulary rows are padded later)."""
@@ -491,44 +447,6 @@ def _check_names(params: dict, table: dict, hf_dir: str) -> None:
             f"{sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}, "
             f"wrong shape {sorted(bad)[:4]}"
         )
-
-
-def export_checkpoint(
-    load_dir: str, hf_dir: str, kind: str | None = None, special_tokens: dict | None = None
-) -> str:
-    """Write the latest iteration of `load_dir` (any layout) as a Hugging Face model directory
-    (config.json + model.safetensors). Refuses to overwrite an existing model there.
-    `special_tokens` ({bos_token_id, eos_token_id}) overrides the ids recorded in the
-    checkpoint (from its tokenizer, or from the Hugging Face model it was imported from)."""
-    import json
-    import os
-
-    from safetensors.torch import save_file
-
-    from .. import files
-    from ..layout import reshard
-
-    iteration = files.read_tracker(load_dir)
-    if iteration is None:
-        raise CheckpointError(
-            f"{os.path.join(load_dir, files.TRACKER)}: missing; no complete "
-            f"checkpoint in {load_dir}"
-        )
-    full = reshard.read_full(files.find_iteration_dir(load_dir, iteration), with_optim=False)
-    m = full.metadata["model"]
-    kind = kind or ("llama" if m["swiglu"] else "gpt2")
-    state, config = to_hf(kind, full.params, m)
-    config.update(_special_tokens(full.metadata, special_tokens or {}))
-    if config.get("tie_word_embeddings"):  # Hugging Face re-ties it on load
-        state.pop("lm_head.weight")
-    target = os.path.join(hf_dir, "model.safetensors")
-    if os.path.exists(target):
-        raise CheckpointError(f"{target} already exists; choose an empty --hf-dir")
-    os.makedirs(hf_dir, exist_ok=True)
-    save_file({k: v.clone() for k, v in state.items()}, target, metadata={"format": "pt"})
-    with open(os.path.join(hf_dir, "config.json"), "w") as f:
-        json.dump({**config, "torch_dtype": "float32"}, f, indent=1)
-    return hf_dir
 
 
 def _special_tokens(meta: dict, overrides: dict) -> dict:
@@ -555,40 +473,72 @@ def _special_tokens(meta: dict, overrides: dict) -> dict:
     return out
 
 
-def model_flags(m: dict) -> list[str]:
-    """The pretrain_gpt.py flags that build the model described by ModelConfig fields `m`."""
-    flags = [
-        "--num-layers",
-        m["num_layers"],
-        "--hidden-size",
-        m["hidden_size"],
-        "--num-attention-heads",
-        m["num_attention_heads"],
-        "--vocab-size",
-        m["vocab_size"],
-        "--max-position-embeddings",
-        m["max_position_embeddings"],
-        "--position-embedding-type",
-        m["position_embedding_type"],
-        "--normalization",
-        m["normalization"],
-        "--norm-epsilon",
-        m["norm_epsilon"],
-        "--make-vocab-size-divisible-by",
-        m["make_vocab_size_divisible_by"],
-    ]
-    optional = [("ffn_hidden_size", "--ffn-hidden-size"), ("kv_channels", "--kv-channels")]
-    flags += [x for field, flag in optional if m.get(field) for x in (flag, m[field])]
-    if m.get("num_query_groups"):
-        flags += ["--group-query-attention", "--num-query-groups", m["num_query_groups"]]
-    if m["position_embedding_type"] == "rope":
-        flags += ["--rotary-base", m["rotary_base"]]
-    switches = [
-        (m["swiglu"], "--swiglu"),
-        (not m["add_bias_linear"], "--disable-bias-linear"),
-        (m["untie_embeddings_and_output_weights"], "--untie-embeddings-and-output-weights"),
-    ]
-    flags += [flag for on, flag in switches if on]
-    if m.get("gelu_approximate", "none") != "none":
-        flags += ["--gelu-approximate", m["gelu_approximate"]]
-    return [str(x) for x in flags]
+class HuggingFace:
+    name = "hf"
+    help = (
+        "a Hugging Face GPT-2 / Llama / Mistral model directory (config.json and *.safetensors; "
+        "written as config.json and model.safetensors)"
+    )
+    notes: tuple[str, ...] = ()
+
+    def read(self, load_dir: str, opts: Options, check: Check) -> FullCheckpoint:
+        """Iteration 0, weights only."""
+        config = read_hf_config(load_dir)
+        kind = detect(config)
+        fields = gpt2_model_config(config) if kind == "gpt2" else llama_model_config(config)
+        model = asdict(ModelConfig(**fields))
+        check(Source(model, 0, None))
+        _, state = read_hf_dir(load_dir)
+        _, params = to_ours(config, state)
+        _check_names(params, layout_table({"model": model}, 1, 1, None), load_dir)
+        return weights_only(
+            params,
+            model,
+            0,
+            f"hugging face {config['model_type']}",
+            special_tokens={k: config.get(k) for k in ("bos_token_id", "eos_token_id")},
+        )
+
+    def check(self, source: Source, save_dir: str, opts: Options) -> None:
+        if opts.model_type is not None and opts.model_type not in ("gpt2", "llama"):
+            raise CheckpointError(f"--model-type {opts.model_type!r}: choose gpt2 or llama")
+        target = os.path.join(save_dir, "model.safetensors")
+        if os.path.exists(target):
+            raise CheckpointError(f"{target} already exists; choose an empty --hf-dir")
+
+    def write(self, full: FullCheckpoint, save_dir: str, opts: Options) -> Written:
+        """config.json and model.safetensors that transformers' from_pretrained loads;
+        opts.special_tokens ({bos_token_id, eos_token_id}) overrides the ids recorded in the
+        checkpoint (from its tokenizer, or from the Hugging Face model it was imported from)."""
+        from safetensors.torch import save_file
+
+        m = full.metadata["model"]
+        kind = opts.model_type or ("llama" if m["swiglu"] else "gpt2")
+        state, config = to_hf(kind, full.params, m)
+        config.update(_special_tokens(full.metadata, opts.special_tokens))
+        if config.get("tie_word_embeddings"):  # Hugging Face re-ties it on load
+            state.pop("lm_head.weight")
+        target = os.path.join(save_dir, "model.safetensors")
+        if os.path.exists(target):
+            raise CheckpointError(f"{target} already exists; choose an empty --hf-dir")
+        os.makedirs(save_dir, exist_ok=True)
+        save_file({k: v.clone() for k, v in state.items()}, target, metadata={"format": "pt"})
+        with open(os.path.join(save_dir, "config.json"), "w") as f:
+            json.dump({**config, "torch_dtype": "float32"}, f, indent=1)
+        return Written(save_dir)
+
+
+def import_checkpoint(hf_dir: str, save_dir: str, tp: int = 1, pp: int = 1) -> str:
+    """Write a Hugging Face model as iteration 0 of a megatron_ul checkpoint (weights only).
+    Returns the iteration directory."""
+    return convert(HuggingFace(), MegatronUl(), hf_dir, save_dir, Options(tp=tp, pp=pp)).path
+
+
+def export_checkpoint(
+    load_dir: str, hf_dir: str, kind: str | None = None, special_tokens: dict | None = None
+) -> tuple[str, list[str]]:
+    """Write the latest iteration of `load_dir` (any layout) as a Hugging Face model directory;
+    refuses to overwrite a model there. Returns (the directory, no flags)."""
+    opts = Options(model_type=kind, special_tokens=special_tokens or {})
+    out = convert(MegatronUl(), HuggingFace(), load_dir, hf_dir, opts)
+    return out.path, out.flags

@@ -58,11 +58,14 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from ...config import ModelConfig
 from .. import files
 from ..files import CheckpointError
+from ..full import FullCheckpoint
 from ..layout import reshard
 from ..safe_pickle import restricted_load
-from ..storage import torch_dist as dist_io
-from ..storage.torch_dist import DCP_METADATA, DCP_METADATA_GLOBALS
-from . import megatron_lm, megatron_pickle
+from ..storage import dcp_pieces
+from ..storage.dcp_pieces import DCP_METADATA, DCP_METADATA_GLOBALS
+from . import megatron_common, megatron_pickle
+from .base import Check, Options, Source, Written, convert
+from .ours import MegatronUl
 from .settings import check_carried
 
 SPECS = ("transformer_engine", "local")
@@ -136,7 +139,7 @@ def _our_top_name(key: str, tied_copy: bool, where: str) -> str:
 
 def _stage_tensors(state: dict, args, pp_rank: int, chunk: int, path: str) -> dict:
     """{our global name: tensor} of one model chunk of a torch-format stage file."""
-    numbers = megatron_lm.stage_layer_numbers(args, pp_rank, chunk)
+    numbers = megatron_common.stage_layer_numbers(args, pp_rank, chunk)
     tied = not getattr(args, "untie_embeddings_and_output_weights", False)
     out = {}
     for key, tensor in state.items():
@@ -154,7 +157,7 @@ def _stage_tensors(state: dict, args, pp_rank: int, chunk: int, path: str) -> di
 
 
 def _config(args, true_vocab_size: int | None) -> dict:
-    return megatron_lm.model_config_from_args(args, true_vocab_size, core=True)
+    return megatron_common.model_config_from_args(args, true_vocab_size, core=True)
 
 
 def read_core_torch(
@@ -162,15 +165,17 @@ def read_core_torch(
     iteration: int | None = None,
     true_vocab_size: int | None = None,
     trust_pickle: bool = False,
-) -> reshard.FullCheckpoint:
+    check: Check = lambda source: None,
+) -> FullCheckpoint:
     """A megatron-core --ckpt-format torch checkpoint merged to TP1/PP1 (weights only)."""
-    return megatron_lm.read_stage_files(
+    return megatron_common.read_stage_files(
         load_dir,
         iteration,
         trust_pickle,
         lambda args: _config(args, true_vocab_size),
         _stage_tensors,
         "megatron-core torch checkpoint",
+        check,
     )
 
 
@@ -264,10 +269,11 @@ def read_core_dist(
     iteration: int | None = None,
     true_vocab_size: int | None = None,
     trust_pickle: bool = False,
-) -> reshard.FullCheckpoint:
+    check: Check = lambda source: None,
+) -> FullCheckpoint:
     """A megatron-core --ckpt-format torch_dist checkpoint at TP1/PP1 (weights only), read
     with torch's DCP (no megatron package needed)."""
-    iter_dir, iteration = megatron_lm.megatron_iteration_dir(load_dir, iteration)
+    iter_dir, iteration = megatron_common.megatron_iteration_dir(load_dir, iteration)
     backend = files.read_json(
         os.path.join(iter_dir, "metadata.json"), "megatron-core checkpoint metadata"
     )
@@ -283,6 +289,7 @@ def read_core_dist(
             f"{iter_dir}: its common state holds no 'args'; cannot tell the model"
         )
     model_cfg = asdict(ModelConfig(**_config(args, true_vocab_size)))
+    check(Source(model_cfg, iteration, {"tp": 1, "pp": 1}))
     wanted = _dist_wanted(reader.read_metadata(), args, iter_dir)
     index = reader.read_metadata().state_dict_metadata
     loaded = {
@@ -294,7 +301,7 @@ def read_core_dist(
     # DCP's CheckpointException derives from BaseException; its text is every traceback.
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps the cause
         raise CheckpointError(
-            f"{iter_dir}: the stored tensors cannot be read ({dist_io.causes(e)}); the "
+            f"{iter_dir}: the stored tensors cannot be read ({dcp_pieces.causes(e)}); the "
             f"checkpoint's .distcp files are damaged or incomplete"
         ) from e
     shards: dict[str, list] = {}
@@ -305,15 +312,15 @@ def read_core_dist(
             for i in range(layers):
                 shards[f"layers.{i}.{ours}"] = [loaded[key][i]]
     table = reshard.layout_table({"model": model_cfg}, 1, 1, None)
-    params = megatron_lm.merge_shards(shards, table, model_cfg["vocab_size"], iter_dir)
-    return megatron_lm.full_checkpoint(
+    params = megatron_common.merge_shards(shards, table, model_cfg["vocab_size"], iter_dir)
+    return megatron_common.full_checkpoint(
         params, model_cfg, args, iteration, f"megatron-core torch_dist checkpoint {iter_dir}"
     )
 
 
 def checkpoint_format(load_dir: str, iteration: int | None = None) -> str:
     """'torch_dist' or 'torch': which one the iteration directory holds."""
-    iter_dir, _ = megatron_lm.megatron_iteration_dir(load_dir, iteration)
+    iter_dir, _ = megatron_common.megatron_iteration_dir(load_dir, iteration)
     if os.path.isfile(os.path.join(iter_dir, "metadata.json")):
         return "torch_dist"
     if os.path.isdir(iter_dir):
@@ -321,32 +328,18 @@ def checkpoint_format(load_dir: str, iteration: int | None = None) -> str:
     raise CheckpointError(f"{iter_dir}: missing; the tracker names an iteration that is not there")
 
 
-def import_core(
-    load_dir: str,
-    save_dir: str,
-    tp: int = 1,
-    pp: int = 1,
-    vp: int | None = None,
-    iteration: int | None = None,
-    true_vocab_size: int | None = None,
-    trust_pickle: bool = False,
-) -> str:
-    """Write a megatron-core GPTModel checkpoint (either format) as a megatron_ul checkpoint
-    in layout TP × PP, weights only."""
-    read = (
-        read_core_dist
-        if checkpoint_format(load_dir, iteration) == "torch_dist"
-        else read_core_torch
-    )
-    full = read(load_dir, iteration, true_vocab_size, trust_pickle)
-    return megatron_lm.write_imported(full, save_dir, tp, pp, vp)
+def import_core(load_dir: str, save_dir: str, **options) -> str:
+    """Write a megatron-core GPTModel checkpoint (either format) as a megatron_ul checkpoint,
+    weights only; `options` are Options fields (tp, pp, vp, iteration, true_vocab_size,
+    trust_pickle)."""
+    return convert(MegatronCore(), MegatronUl(), load_dir, save_dir, Options(**options)).path
 
 
 # ---- writing -------------------------------------------------------------------------------------
 def check_exportable(m: dict) -> None:
     """Refuse, before anything is written, a model megatron-core would compute otherwise."""
     check_carried(m, "megatron_core", "a megatron-core GPTModel checkpoint")
-    megatron_lm.check_norm_exportable(m)
+    megatron_common.check_norm_exportable(m)
     if not m["swiglu"] and m["gelu_approximate"] == "tanh" and not m["add_bias_linear"]:
         raise CheckpointError(
             "the model uses --gelu-approximate tanh without biases (--disable-bias-linear); "
@@ -363,7 +356,7 @@ def check_exportable(m: dict) -> None:
 def core_state(tensors: dict, m: dict, pp: int, pp_rank: int, spec: str) -> dict:
     """One stage's GPTModel.state_dict() (layer spec `spec`) from its {our name: TP shard}."""
     args = argparse.Namespace(num_layers=m["num_layers"], pipeline_model_parallel_size=pp)
-    local = {n - 1: i for i, n in enumerate(megatron_lm.stage_layer_numbers(args, pp_rank, 0))}
+    local = {n - 1: i for i, n in enumerate(megatron_common.stage_layer_numbers(args, pp_rank, 0))}
     names, state = layer_names(spec), {}
     for name, tensor in tensors.items():
         if name.startswith("layers."):
@@ -383,6 +376,68 @@ def core_state(tensors: dict, m: dict, pp: int, pp_rank: int, spec: str) -> dict
     return state
 
 
+class MegatronCore:
+    name = "megatron_core"
+    help = (
+        "a megatron-core GPTModel checkpoint (Megatron-LM's today): torch stage files or torch_dist"
+    )
+    notes: tuple[str, ...] = (WEIGHTS_ONLY,)
+
+    def read(self, load_dir: str, opts: Options, check: Check) -> FullCheckpoint:
+        """Either format (told apart by the iteration directory), merged to TP1/PP1."""
+        dist = checkpoint_format(load_dir, opts.iteration) == "torch_dist"
+        read = read_core_dist if dist else read_core_torch
+        return read(load_dir, opts.iteration, opts.true_vocab_size, opts.trust_pickle, check)
+
+    def check(self, source: Source, save_dir: str, opts: Options) -> None:
+        ckpt_format, spec = self._format(opts)
+        if ckpt_format == "torch_dist":
+            if opts.tp or opts.pp:
+                raise CheckpointError(
+                    "--ckpt-format torch_dist is layout-free (Megatron reshards it on load); "
+                    "--target-*-parallel-size applies to --ckpt-format torch"
+                )
+            core_modules()  # refuse before reading anything when megatron-core is missing
+        megatron_common.check_export_target(source, save_dir, *self._layout(source, opts))
+        check_exportable(source.model)
+
+    def write(self, full: FullCheckpoint, save_dir: str, opts: Options) -> Written:
+        """torch stage files for TP × PP (default: the source's layout) with the layer names
+        of --transformer-impl, or torch_dist (layout-free; needs megatron-core installed)."""
+        ckpt_format, spec = self._format(opts)
+        iteration, m = full.common["iteration"], full.metadata["model"]
+        source = Source(m, iteration, full.metadata["layout"])
+        tp, pp = self._layout(source, opts)
+        args = megatron_common.megatron_args(
+            m, tp, pp, iteration, full.common, core=(ckpt_format, spec)
+        )
+        final = megatron_common.export_dir(save_dir, iteration)
+        if ckpt_format == "torch":
+            megatron_common.write_stage_files(
+                full, args, final, lambda t, m_, pp_, s: core_state(t, m_, pp_, s, spec)
+            )
+        else:
+            _write_dist(full, args, final)
+        flags = [str(x) for x in megatron_common.megatron_flags(args)]
+        notes = [dist_layout()] if ckpt_format == "torch_dist" else []
+        return Written(final, flags, "Megatron-LM flags", notes + null_tokenizer_note(flags))
+
+    def _layout(self, source: Source, opts: Options) -> tuple[int, int]:
+        if self._format(opts)[0] == "torch_dist":
+            return 1, 1  # layout-free: TP1/PP1 on disk
+        return megatron_common.export_layout(source, opts)
+
+    @staticmethod
+    def _format(opts: Options) -> tuple[str, str]:
+        ckpt_format = opts.ckpt_format or "torch_dist"
+        spec = opts.transformer_impl or "transformer_engine"
+        if ckpt_format not in FORMATS or spec not in SPECS:
+            raise CheckpointError(
+                f"--ckpt-format must be one of {FORMATS} and --transformer-impl one of {SPECS}"
+            )
+        return ckpt_format, spec
+
+
 def export_core(
     load_dir: str,
     save_dir: str,
@@ -392,29 +447,13 @@ def export_core(
     pp: int | None = None,
 ) -> tuple[str, list[str]]:
     """Write the latest iteration of a megatron_ul checkpoint as a megatron-core GPTModel
-    checkpoint, weights only: torch format with TP × PP stage files (default: the source's
-    layout) and `spec`'s names, or torch_dist (layout-free; needs megatron-core installed).
+    checkpoint, weights only (see MegatronCore.write; torch_dist ignores `tp` and `pp`).
     Returns (the iteration directory, the Megatron-LM flags that load it)."""
-    if ckpt_format not in FORMATS or spec not in SPECS:
-        raise CheckpointError(
-            f"--ckpt-format must be one of {FORMATS} and --transformer-impl one of {SPECS}"
-        )
     if ckpt_format == "torch_dist":
-        tp = pp = 1
-        core_modules()  # refuse before reading anything when megatron-core is missing
-    full, tp, pp, final = megatron_lm.read_for_export(load_dir, save_dir, tp, pp)
-    m = full.metadata["model"]
-    check_exportable(m)
-    args = megatron_lm.megatron_args(
-        m, tp, pp, full.common["iteration"], full.common, core=(ckpt_format, spec)
-    )
-    if ckpt_format == "torch":
-        megatron_lm.write_stage_files(
-            full, args, final, lambda t, m_, pp_, s: core_state(t, m_, pp_, s, spec)
-        )
-    else:
-        _write_dist(full, args, final)
-    return final, megatron_lm.megatron_flags(args)
+        tp = pp = None
+    opts = Options(tp=tp, pp=pp, ckpt_format=ckpt_format, transformer_impl=spec)
+    out = convert(MegatronUl(), MegatronCore(), load_dir, save_dir, opts)
+    return out.path, out.flags
 
 
 # ---- megatron-core itself (torch_dist writing, and the tests' reference) ----------------------
@@ -445,7 +484,7 @@ def core_model(m: dict, tp: int = 1, pre_process: bool = True, post_process: boo
     """megatron-core's GPTModel (local spec, CPU, fp32, no dropout) for our model `m`, built
     from the args our exporter writes for it (core_model_from_args); needs model parallel
     initialised."""
-    args = megatron_lm.megatron_args(m, tp, 1, 0, {}, core=("torch_dist", "local"))
+    args = megatron_common.megatron_args(m, tp, 1, 0, {}, core=("torch_dist", "local"))
     return core_model_from_args(args, pre_process, post_process)
 
 
@@ -502,7 +541,7 @@ def core_model_from_args(args, pre_process: bool = True, post_process: bool = Tr
     )
 
 
-def _write_dist(full: reshard.FullCheckpoint, args: argparse.Namespace, final: str) -> None:
+def _write_dist(full: FullCheckpoint, args: argparse.Namespace, final: str) -> None:
     """torch_dist through megatron-core: our TP1 weights loaded (strictly) into its GPTModel,
     saved with its dist_checkpointing (in a one-process gloo group when none is running)."""
     core = core_modules()
@@ -519,7 +558,7 @@ def _write_dist(full: reshard.FullCheckpoint, args: argparse.Namespace, final: s
             "model": model.sharded_state_dict(),
         }
         tmp = f"{final}.tmp-export"
-        with megatron_lm.removed_on_failure(os.path.dirname(final)):
+        with megatron_common.removed_on_failure(os.path.dirname(final)):
             os.makedirs(tmp)
             try:
                 with _cpu_only_shims():

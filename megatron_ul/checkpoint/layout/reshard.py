@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import uuid
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
 
@@ -26,6 +26,8 @@ from ...mpu.layers import tp_slice
 from ...pipeline.param_table import parameter_table, stage_parameter_names
 from .. import files
 from ..files import CheckpointError
+from ..full import FullCheckpoint
+from ..group_progress import tensor_groups
 
 log = logging.getLogger("megatron_ul")
 
@@ -111,133 +113,20 @@ def saved_table(meta: dict) -> dict[str, dict]:
     return layout_table(meta, layout["tp"], layout["pp"], layout.get("vp"))
 
 
-@dataclass
-class FullCheckpoint:
-    """One iteration merged to TP1/PP1: unpadded full tensors keyed by canonical name."""
-
-    metadata: dict
-    common: dict  # iteration, scheduler, consumed samples, args
-    params: dict
-    optim_state: dict | None  # name -> {exp_avg, exp_avg_sq, step}
-    optim_groups: list | None  # hyper-parameters and param_names per group
-
-
 def merge_one(shards: list, info: dict, vocab: int) -> torch.Tensor:
     dim = info["partition_dim"]
     full = shards[0] if dim is None else merge_tp(shards, dim, info["partition_stride"])
     return set_vocab_rows(full, vocab) if info["vocab_padded"] else full
 
 
-def read_full(iter_dir: str, with_optim: bool = True) -> FullCheckpoint:
-    meta_path = os.path.join(iter_dir, files.METADATA)
+def read_full(iter_dir: str, with_optim: bool = True, progress: bool = False) -> FullCheckpoint:
+    """The iteration in `iter_dir` merged to TP1/PP1, read by the storage format that wrote it
+    (with `progress`, a line per tensor group on stderr)."""
+    from ..storage import format_of
+
     meta = files.read_metadata(iter_dir)
-    if meta.get("storage") == "torch_dist":
-        return _read_full_dist(meta, iter_dir, with_optim)
-    layout, vocab = meta["layout"], meta["model"]["vocab_size"]
-    tp, pp = layout["tp"], layout["pp"]
-    table = saved_table(meta)
-    by_stage = [
-        [_load_shard(meta, iter_dir, files.model_file(iter_dir, t, s, pp)) for t in range(tp)]
-        for s in range(pp)
-    ]
-    params: dict[str, torch.Tensor] = {}
-    optim_state: dict[str, dict] | None = {} if with_optim and meta.get("optimizer") else None
-    replicas: dict[str, torch.Tensor] = {}
-    for name, info in table.items():
-        shards = by_stage[info["stage"]]
-        if name not in shards[0]["model"]:
-            raise CheckpointError(
-                f"{meta_path} places {name} on pipeline stage "
-                f"{info['stage']} but its file in {iter_dir} does not hold "
-                f"it; the checkpoint is incomplete"
-            )
-        merged = merge_one([sh["model"][name] for sh in shards], info, vocab)
-        (replicas if info["replica_of"] else params)[name] = merged
-        if optim_state is not None and not info["replica_of"]:
-            per_rank = [sh["optimizer"]["state"].get(name) for sh in shards]
-            if per_rank[0] is not None:
-                optim_state[name] = {
-                    k: (
-                        merge_one([r[k] for r in per_rank], info, vocab)
-                        if k in ("exp_avg", "exp_avg_sq")
-                        else v
-                    )
-                    for k, v in per_rank[0].items()
-                }
-    _check_replicas(replicas, params, table, iter_dir)
-    groups = None
-    if optim_state is not None:  # union of the stages' groups, in order, without replicas
-        groups = copy.deepcopy(by_stage[0][0]["optimizer"]["param_groups"])
-        for s in range(1, pp):
-            for g, other in zip(groups, by_stage[s][0]["optimizer"]["param_groups"]):
-                g["param_names"] += other["param_names"]
-        for g in groups:
-            g["param_names"] = [n for n in g["param_names"] if not table[n]["replica_of"]]
-    common = {k: v for k, v in by_stage[0][0].items() if k not in ("model", "optimizer")}
-    return FullCheckpoint(meta, common, params, optim_state, groups)
-
-
-def _read_full_dist(meta: dict, iter_dir: str, with_optim: bool) -> FullCheckpoint:
-    """A torch_dist checkpoint, read one whole tensor at a time (dist_io.read_tensor)."""
-    from ..storage import torch_dist as dist_io
-
-    path = os.path.join(iter_dir, files.COMMON_FILE)
-    common = files.load_torch(path, "common state", files.expected_record(meta, iter_dir, path))
-    saved_optim = common.pop("optimizer", None)
-    vocab, digests = meta["model"]["vocab_size"], dist_io.digests_of(meta)
-    table = {n: info for n, info in saved_table(meta).items() if not info["replica_of"]}
-
-    def full(key: str, info: dict) -> torch.Tensor:
-        t = dist_io.read_tensor(iter_dir, key, digests, meta["files"].get(dist_io.DCP_METADATA))
-        return set_vocab_rows(t, vocab) if info["vocab_padded"] else t
-
-    params = {name: full(f"model/{name}", info) for name, info in table.items()}
-    if not (
-        with_optim and meta.get("optimizer") and saved_optim and saved_optim["step"] is not None
-    ):
-        return FullCheckpoint(meta, common, params, None, None)
-    state = {
-        name: {
-            "step": saved_optim["step"].clone(),
-            **{k: full(f"optim/{name}/{k}", info) for k in dist_io.MOMENTS},
-        }
-        for name, info in table.items()
-    }
-    # AdamW's two groups: weight decay for all but the 1-D parameters (optim/__init__.py)
-    groups = [
-        {
-            **hyper,
-            "param_names": [n for n, info in table.items() if (len(info["shape"]) == 1) == one_d],
-        }
-        for hyper, one_d in zip(saved_optim["param_groups"], (False, True))
-    ]
-    return FullCheckpoint(meta, common, params, state, groups)
-
-
-def _load_shard(meta: dict, iter_dir: str, path: str) -> dict:
-    return files.load_torch(path, "model shard", files.expected_record(meta, iter_dir, path))
-
-
-def _check_replicas(replicas: dict, params: dict, table: dict, iter_dir: str) -> None:
-    """Tied copies equal their table after every step; say so loudly if a checkpoint's don't
-    (the first stage's table is the one kept)."""
-    for name, copy_ in replicas.items():
-        source = table[name]["replica_of"]
-        table_value = params.get(source)
-        if table_value is None or not torch.equal(table_value, copy_):
-            diff = (
-                "missing"
-                if table_value is None
-                else f"max diff {float((table_value - copy_).abs().max()):.3e}"
-            )
-            log.warning(
-                "%s: the last stage's tied embedding copy %s differs from %s (%s); "
-                "keeping the first stage's table",
-                iter_dir,
-                name,
-                source,
-                diff,
-            )
+    fmt = format_of(meta, os.path.join(iter_dir, files.METADATA))
+    return fmt.read_full(meta, iter_dir, with_optim, progress)
 
 
 def shard_for(
@@ -299,7 +188,9 @@ def target_metadata(
     meta["params"] = layout_table(meta, tp, pp, vp)
     meta["optimizer"] = "replicated" if with_optim and full.optim_state is not None else None
     meta["rng"] = False  # per-rank RNG streams belong to the old layout
-    meta["storage"] = "torch"  # write_layout writes the torch format
+    from ..storage.torch_files import TorchFiles  # (it imports this module)
+
+    meta["storage"] = TorchFiles.name  # write_layout writes the torch files
     meta.pop("piece_sha256", None)
     return meta
 
@@ -331,7 +222,23 @@ def convert(
     old = files.read_metadata(iter_dir)
     sp, dp = sp or old["layout"]["sp"], dp or old["layout"]["dp"]
     check_target_layout(old, tp, pp, sp, dp, vp, old["layout"].get("sequence_parallel", False))
-    full = read_full(iter_dir, with_optim)
+    full = read_full(iter_dir, with_optim, progress=True)
+    return write_target(full, save_dir, iteration, tp, pp, sp, dp, with_optim, vp)
+
+
+def write_target(
+    full: FullCheckpoint,
+    save_dir: str,
+    iteration: int,
+    tp: int,
+    pp: int,
+    sp: int,
+    dp: int,
+    with_optim: bool,
+    vp: int | None = None,
+) -> str:
+    """Write `full` as iteration `iteration` of `save_dir` for the layout TP × PP (× VP), with
+    SP and DP recorded; returns the iteration directory."""
     meta = target_metadata(full, tp, pp, sp, dp, with_optim, vp)
     return write_layout(full, meta, save_dir, iteration, tp, pp, with_optim, vp)
 
@@ -357,15 +264,15 @@ def write_layout(
     os.makedirs(tmp)
     try:
         table, records = meta["params"], {}
-        for s in range(pp):
+        parts = [(s, t) for s in range(pp) for t in range(tp)]
+        for s, t in tensor_groups(parts, len(parts), f"writing {final}"):
             stage = stage_parameter_names(table, s)
-            for t in range(tp):
-                model, optim = shard_for(full, table, stage, t, tp)
-                path = files.model_file(tmp, t, s, pp)
-                records[os.path.relpath(path, tmp)] = files.save_torch(
-                    {**full.common, "model": model, "optimizer": optim if with_optim else None},
-                    path,
-                )
+            model, optim = shard_for(full, table, stage, t, tp)
+            path = files.model_file(tmp, t, s, pp)
+            records[os.path.relpath(path, tmp)] = files.save_torch(
+                {**full.common, "model": model, "optimizer": optim if with_optim else None},
+                path,
+            )
         files.write_metadata(tmp, {**meta, "files": records})
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)  # a failed conversion leaves nothing behind

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ...model.chunks import model_dims
+from ..files import CheckpointError
 from ..state import load_optimizer_state, named_parameters, optimizer_state
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -148,6 +149,25 @@ def _zero1_groups(model, optimizer) -> list[dict]:
 
 
 # ---- load ----------------------------------------------------------------------------------
+def load_model_state(model, state: dict, source: str, optimizer=None) -> None:
+    """A full name-keyed model state into the model (the optimizer's main copies where it
+    keeps them), its names and shapes checked first."""
+    params = named_parameters(model, optimizer)
+    missing, unexpected = set(params) - set(state), set(state) - set(params)
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source}: parameter names differ from the model: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    for name, p in params.items():
+        if tuple(state[name].shape) != tuple(p.shape):
+            raise CheckpointError(
+                f"{source}: {name} has shape {tuple(state[name].shape)} in the "
+                f"checkpoint but {tuple(p.shape)} in this model"
+            )
+    load_checkpoint_model_state(model, state, optimizer)  # ZeRO-3: each rank its chunk
+
+
 def load_checkpoint_model_state(model, state: dict, optimizer=None) -> None:
     """Copy full tensors into the parameters (the optimizer's main copies where it keeps them);
     a DTensor keeps only its own chunk. Shapes and names must already have been checked."""

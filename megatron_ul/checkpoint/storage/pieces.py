@@ -1,5 +1,5 @@
 """Which rectangular pieces of which layout-independent global tensor this rank holds: the
-geometry of the torch_dist checkpoint format (checkpoint/storage/torch_dist.py).
+geometry of the torch_dist checkpoint format (checkpoint/storage/dcp_pieces.py).
 
 Every parameter and Adam moment is one global tensor, named by its layout-independent
 parameter name (pipeline.model.global_named_parameters) and shaped as the TP-merged parameter

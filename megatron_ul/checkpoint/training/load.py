@@ -12,13 +12,11 @@ from dataclasses import asdict
 import torch.distributed as dist
 
 from ...config import ResolvedConfig
-from ...model.chunks import model_dims
-from .. import files
+from .. import files, storage
 from ..files import CheckpointError
-from ..layout import reshard
-from ..layout.zero import load_checkpoint_model_state, load_checkpoint_optimizer_state
-from ..state import named_parameters, set_rng_state
-from ..storage import torch_dist as dist_io
+from ..state import set_rng_state
+from ..storage import dcp_pieces
+from ..storage.base import LoadJob, Opened
 from . import resume_rules
 from .record import Resume, run_layout
 from .save import _on_rank0, recover_publishes
@@ -72,121 +70,7 @@ def check_model_matches(meta: dict, cfg: ResolvedConfig, path: str) -> None:
         )
 
 
-def load_model_state(model, state: dict, source: str, optimizer=None) -> None:
-    params = named_parameters(model, optimizer)
-    missing, unexpected = set(params) - set(state), set(state) - set(params)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{source}: parameter names differ from the model: missing "
-            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
-    for name, p in params.items():
-        if tuple(state[name].shape) != tuple(p.shape):
-            raise CheckpointError(
-                f"{source}: {name} has shape {tuple(state[name].shape)} in the "
-                f"checkpoint but {tuple(p.shape)} in this model"
-            )
-    load_checkpoint_model_state(model, state, optimizer)  # ZeRO-3: each rank its chunk
-
-
-def _read_model_and_optim(cfg, meta, iter_dir, model, load_optim):
-    """(payload with the common entries, model state, optimizer state) for this rank, resharding
-    in memory when the checkpoint's TP/PP layout differs from this run's."""
-    saved, ours = meta["layout"], run_layout(cfg)
-    dims = model_dims(model)
-    tp_rank, pp_rank = dims.tp_rank, dims.pp_rank
-    # A stage file holds the layers of every model chunk of its pp rank: the virtual pipeline
-    # size decides which layers those are, as much as TP and PP do.
-    if (saved["tp"], saved["pp"], saved.get("vp")) == (ours["tp"], ours["pp"], ours["vp"]):
-        path = files.model_file(iter_dir, tp_rank, pp_rank, ours["pp"])
-        payload = files.load_torch(
-            path, "model and optimizer of this rank", files.expected_record(meta, iter_dir, path)
-        )
-        return payload, path, payload["model"], payload["optimizer"]
-    if dist.get_rank() == 0:
-        vp_flag = (
-            f" --target-num-layers-per-virtual-pipeline-stage {ours['vp']}" if ours["vp"] else ""
-        )
-        log.info(
-            "resharding %s on load: TP%d PP%d VP%s -> TP%d PP%d VP%s (to do it once "
-            "offline: python -m tools.checkpoint.convert --load-dir %s --save-dir NEW "
-            "--target-tensor-parallel-size %d --target-pipeline-parallel-size %d%s)",
-            iter_dir,
-            saved["tp"],
-            saved["pp"],
-            saved.get("vp"),
-            ours["tp"],
-            ours["pp"],
-            ours["vp"],
-            cfg.checkpoint.load,
-            ours["tp"],
-            ours["pp"],
-            vp_flag,
-        )
-    full = reshard.read_full(iter_dir, with_optim=load_optim)
-    table = reshard.layout_table(meta, ours["tp"], ours["pp"], ours["vp"])
-    model_sd, optim_sd = reshard.shard_for(
-        full, table, list(named_parameters(model)), tp_rank, ours["tp"]
-    )
-    return full.common, iter_dir, model_sd, optim_sd
-
-
 last_load_report: list = [None]  # this process's last torch_dist load (tests, benchmarks)
-
-
-def _read_dist_common(meta: dict, iter_dir: str, load_optim: bool):
-    """torch_dist: (the common payload, its path)."""
-    path = os.path.join(iter_dir, files.COMMON_FILE)
-    payload = files.load_torch(path, "common state", files.expected_record(meta, iter_dir, path))
-    if load_optim:
-        _check_optimizer_kind(meta, path, "sharded")
-    return payload, path
-
-
-def _read_dist(
-    meta: dict, iter_dir: str, model, optimizer, load_optim: bool, payload: dict, path: str
-) -> None:
-    """torch_dist (collective): this rank's pieces of the model (and Adam moments), whatever
-    layout saved them, straight into its parameters and optimizer state."""
-    # An optimizer that had not stepped yet has no moments to read.
-    moments = load_optim and payload["optimizer"]["step"] is not None
-    report = dist_io.load(
-        model,
-        optimizer if moments else None,
-        moments,
-        iter_dir,
-        dist_io.digests_of(meta),
-        meta["files"].get(dist_io.DCP_METADATA),
-    )
-    log.debug(
-        "rank %d read %d bytes (%d of tensor data; it holds %d)",
-        dist.get_rank(),
-        report.bytes_read,
-        report.tensor_bytes_read,
-        report.tensor_bytes_needed,
-    )
-    last_load_report[0] = report
-    if load_optim:
-        dist_io.restore_optimizer_common(optimizer, payload["optimizer"], path)
-
-
-def _check_optimizer_kind(meta: dict, source: str, kind: str) -> None:
-    if meta.get("optimizer") is None:
-        raise CheckpointError(
-            f"{source}: the checkpoint holds no optimizer state (saved with "
-            f"--no-save-optim, or imported); pass --no-load-optim or --finetune"
-        )
-    if meta["optimizer"] != kind:
-        raise CheckpointError(
-            f"{source}: unknown optimizer state kind {meta['optimizer']!r}; "
-            f"pass --no-load-optim to start the optimizer afresh"
-        )
-
-
-def _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source) -> None:
-    _check_optimizer_kind(meta, source, "replicated")
-    # Name-keyed full state whatever optimizer saved it; ZeRO ranks keep their shard.
-    load_checkpoint_optimizer_state(model, optimizer, optim_sd, source)
 
 
 def _load_scheduler(
@@ -205,7 +89,7 @@ def _load_scheduler(
         {"num_steps": saved["num_steps"]} if c.override_opt_param_scheduler else saved
     )
     if optimizer_loaded:
-        resume_rules.apply_to_optimizer(dist_io.torch_optimizer(optimizer), cfg.train, keep)
+        resume_rules.apply_to_optimizer(dcp_pieces.torch_optimizer(optimizer), cfg.train, keep)
 
 
 def _load_grad_scaler(grad_scaler, payload: dict, source: str) -> None:
@@ -293,6 +177,7 @@ def _locate(cfg: ResolvedConfig):
     iter_dir = files.find_iteration_dir(load_dir, iteration)
     meta = files.read_metadata(iter_dir)
     check_model_matches(meta, cfg, os.path.join(iter_dir, files.METADATA))
+    storage.format_of(meta, os.path.join(iter_dir, files.METADATA))  # one this version reads
     return iteration, iter_dir, meta
 
 
@@ -307,23 +192,15 @@ def load_checkpoint(cfg: ResolvedConfig, model, optimizer, scheduler, grad_scale
         return Resume()
     iteration, iter_dir, meta = found
     load_optim = not (c.finetune or c.no_load_optim)
-    common = None
-    if meta.get("storage") == "torch_dist":
-        common = _on_every_rank(lambda: _read_dist_common(meta, iter_dir, load_optim))
-        _on_every_rank(lambda: _read_dist(meta, iter_dir, model, optimizer, load_optim, *common))
+    fmt = storage.format_of(meta, os.path.join(iter_dir, files.METADATA))
+    job = LoadJob(meta, iter_dir, run_layout(cfg), load_optim, c.load or "")
+    opened = _on_every_rank(lambda: fmt.open(job, model))
+    # The model (and optimizer) restored; collective for a format that reads pieces in place.
+    report = _on_every_rank(lambda: fmt.restore(job, opened, model, optimizer))
+    if report is not None:
+        last_load_report[0] = report
     resume = _on_every_rank(
-        lambda: _apply(
-            cfg,
-            model,
-            optimizer,
-            scheduler,
-            grad_scaler,
-            iteration,
-            iter_dir,
-            meta,
-            load_optim,
-            common,
-        )
+        lambda: _apply(cfg, scheduler, optimizer, grad_scaler, iteration, iter_dir, meta, opened)
     )
     # The fp32 main weights were loaded: round them into a half-precision model (ZeRO-1:
     # and all-gather them, the one collective of a load, so outside the checked steps).
@@ -340,30 +217,21 @@ def load_checkpoint(cfg: ResolvedConfig, model, optimizer, scheduler, grad_scale
 
 def _apply(
     cfg: ResolvedConfig,
-    model,
-    optimizer,
     scheduler,
+    optimizer,
     grad_scaler,
     iteration: int,
     iter_dir: str,
     meta: dict,
-    load_optim: bool,
-    common,
+    opened: Opened,
 ) -> Resume:
-    """Everything a load does besides the collective torch_dist read (`common`: its payload
-    and path)."""
+    """Everything a load does after the model (and optimizer) is restored: the schedule, the
+    resume rules, the loss scaler, the RNG states, where training resumes."""
     c = cfg.checkpoint
-    if common is not None:
-        payload, source = common
-    else:
-        payload, source, model_sd, optim_sd = _read_model_and_optim(
-            cfg, meta, iter_dir, model, load_optim
-        )
-        load_model_state(model, model_sd, source, optimizer)
+    payload, source = opened.payload, opened.source
     if c.finetune:
         return Resume()
-    if load_optim and common is None:
-        _load_optimizer(cfg, meta, iter_dir, model, optimizer, optim_sd, source)
+    load_optim = not c.no_load_optim
     if load_optim:
         _load_scheduler(cfg, scheduler, optimizer, payload, source, optimizer is not None)
     elif dist.get_rank() == 0:

@@ -1,13 +1,12 @@
 """Save training checkpoints: crash-safe, checksummed, exact to the bit on resume, and loadable
-on another layout (load.py reshards them).
+on another layout (load.py reshards them), in any storage format (checkpoint/storage).
 
 Save protocol (every step survives a kill -9 of any process at any moment):
  1. rank 0 takes the save directory's lock (files.claim_save_dir), draws a save id and
-    broadcasts it; every rank writes (and fsyncs) its files into DIR/iter_N.tmp-<id>: the model
-    and optimizer from the dp0/sp0 rank of each (tp, pp) (ZeRO state is first gathered over
-    dp_cp_sp into the same name-keyed form: checkpoint/layout/zero.py), and every rank's RNG states;
-    with --ckpt-format torch_dist every rank writes its own pieces instead (dist_io.py), in
-    the background with --async-save (a PendingSave, completed once every writer finished);
+    broadcasts it; every rank writes (and fsyncs) its files into DIR/iter_N.tmp-<id>: its RNG
+    states, and what the --ckpt-format writes (torch: the model and optimizer from the dp0/sp0
+    rank of each (tp, pp); torch_dist: every rank its own pieces, in the background with
+    --async-save: a PendingSave, completed once every writer finished);
  2. every rank reports its files' sizes and SHA-256 (or its error: then all ranks fail the
     save together); rank 0 writes metadata.json, fsyncs the directories and renames the tmp
     directory into place (an existing iter_N is first renamed aside and deleted only
@@ -30,11 +29,10 @@ import torch.distributed as dist
 from ...config import ResolvedConfig
 from ...model.chunks import model_dims
 from ...pipeline.param_table import local_parameter_table
-from .. import files
+from .. import files, storage
 from ..files import FORMAT, CheckpointError
-from ..layout.zero import checkpoint_model_state, checkpoint_optimizer_state
 from ..state import rng_state
-from ..storage import torch_dist as dist_io
+from ..storage.base import SaveJob, Written
 from .record import Resume, run_layout
 
 log = logging.getLogger("megatron_ul")
@@ -213,7 +211,7 @@ def _begin_save(save_dir: str, iteration: int, overwrite: bool) -> str:
     return uuid.uuid4().hex[:12]
 
 
-def _write_rank_files(
+def _write_files(
     cfg: ResolvedConfig,
     model,
     optimizer,
@@ -222,30 +220,29 @@ def _write_rank_files(
     tmp: str,
     grad_scaler,
     position: Resume,
-):
-    """torch format: the dp0/cp0/sp0 rank of each (tp, pp) writes the model and optimizer,
-    every rank its RNG states. Returns ({path relative to the iteration directory: file
-    record}, this rank's error or None)."""
-    dims = model_dims(model)
-    save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
-    # Collective over dp_cp_sp under ZeRO (gathers one parameter at a time); None off the writer.
-    model_sd = checkpoint_model_state(model, optimizer)
-    optim_sd = checkpoint_optimizer_state(model, optimizer) if save_optim else None
-    records: dict = {}
+    background: bool,
+) -> Written:
+    """This rank's files in `tmp`: its RNG states, and what the storage format writes of the
+    model, the optimizer and the common state. A local error is returned, not raised: every
+    rank still takes part in the format's collectives and in the agreement after them."""
+    rng_records, rng_error = {}, None
     try:
-        if dims.dp_cp_sp_rank == 0:  # DP, CP and SP coordinates all 0
-            payload = {
-                **_common_payload(cfg, scheduler, iteration, grad_scaler, position),
-                "model": model_sd,
-                "optimizer": optim_sd,
-            }
-            path = files.model_file(tmp, dims.tp_rank, dims.pp_rank, dims.pp)
-            records[os.path.relpath(path, tmp)] = files.save_torch(payload, path)
         path = files.rng_file(tmp, dist.get_rank())
-        records[os.path.relpath(path, tmp)] = files.save_torch(rng_state(), path)
+        rng_records[os.path.relpath(path, tmp)] = files.save_torch(rng_state(), path)
     except CheckpointError as e:
-        return records, str(e)
-    return records, None
+        rng_error = str(e)
+    job = SaveJob(
+        model,
+        optimizer,
+        not cfg.checkpoint.no_save_optim and optimizer is not None,
+        tmp,
+        _common_payload(cfg, scheduler, iteration, grad_scaler, position),
+        background,
+    )
+    written = storage.storage_format(cfg.checkpoint.ckpt_format).write(job)
+    written.records = {**rng_records, **written.records}
+    written.error = rng_error or written.error
+    return written
 
 
 def _agree(model, iteration: int, records: dict, digests: dict, error: str | None):
@@ -288,42 +285,6 @@ def _common_payload(cfg, scheduler, iteration, grad_scaler, position) -> dict:
         "consumed_valid_samples": position.consumed_valid_samples,
         "args": asdict(cfg),
     }
-
-
-def _write_dist_files(
-    cfg: ResolvedConfig,
-    model,
-    optimizer,
-    scheduler,
-    iteration: int,
-    tmp: str,
-    grad_scaler,
-    position: Resume,
-    background: bool,
-):
-    """torch_dist: every rank writes its pieces (dist_io), rank 0 the common state, every rank
-    its RNG states. Returns (this rank's records so far, its error, the pieces' outcome: file
-    records and digests, or a Future of them)."""
-    save_optim = not cfg.checkpoint.no_save_optim and optimizer is not None
-    records, error, outcome = {}, None, None
-    try:
-        if dist.get_rank() == 0:
-            path = os.path.join(tmp, files.COMMON_FILE)
-            payload = {
-                **_common_payload(cfg, scheduler, iteration, grad_scaler, position),
-                "optimizer": dist_io.optimizer_common(optimizer) if save_optim else None,
-            }
-            records[files.COMMON_FILE] = files.save_torch(payload, path)
-        path = files.rng_file(tmp, dist.get_rank())
-        records[os.path.relpath(path, tmp)] = files.save_torch(rng_state(), path)
-    except CheckpointError as e:
-        error = str(e)
-    # Collective (DCP plans globally): every rank takes part even after a local error.
-    try:
-        outcome = dist_io.save(model, optimizer, save_optim, tmp, background)
-    except CheckpointError as e:
-        error = error or str(e)
-    return records, error, outcome
 
 
 def _publish(save_dir: str, tmp: str, final: str, save_id: str, iteration: int) -> None:
@@ -426,20 +387,17 @@ def save_checkpoint(
     final = os.path.join(save_dir, files.iteration_dir_name(iteration))
     tmp = f"{final}.tmp-{save_id}"
     pending = PendingSave(cfg, model, optimizer, iteration, tmp, final, save_id)
-    if cfg.checkpoint.ckpt_format == "torch_dist":
-        pending.records, pending.error, outcome = _write_dist_files(
-            cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler, position, background
-        )
-        if background and outcome is not None:
-            pending.future = outcome
-            return pending
-        if outcome is not None:
-            pending.records = {**pending.records, **outcome[0]}
-            pending.digests = outcome[1]
-    else:
-        pending.records, pending.error = _write_rank_files(
-            cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler, position
-        )
+    written = _write_files(
+        cfg, model, optimizer, scheduler, iteration, tmp, grad_scaler, position, background
+    )
+    pending.records, pending.error, pending.digests = (
+        written.records,
+        written.error,
+        written.digests,
+    )
+    if written.future is not None:
+        pending.future = written.future
+        return pending
     pending.complete()
     return final
 
@@ -516,7 +474,7 @@ def _finish_save(
 ) -> None:
     """Rank 0, after every rank has written its files: metadata, publication, tidying."""
     save_dir = save_dir_of(cfg)
-    dist_format = cfg.checkpoint.ckpt_format == "torch_dist"
+    fmt = storage.storage_format(cfg.checkpoint.ckpt_format)
     with_optim = not (cfg.checkpoint.no_save_optim or optimizer is None)
     meta = {
         "format": FORMAT,
@@ -524,18 +482,17 @@ def _finish_save(
         "layout": run_layout(cfg),
         "model": asdict(cfg.model),
         "params": params,
-        "storage": cfg.checkpoint.ckpt_format,
-        # torch: ZeRO state is stored gathered, like plain AdamW's; torch_dist: in pieces.
-        # Either loads on any layout.
-        "optimizer": (None if not with_optim else "sharded" if dist_format else "replicated"),
+        "storage": fmt.name,
+        # ZeRO state is stored gathered like plain AdamW's, or in pieces, as the format does;
+        # either loads on any layout.
+        "optimizer": fmt.optimizer_kind if with_optim else None,
         "zero_stage": cfg.parallel.zero_stage,
         "special_tokens": special_token_ids(cfg),
         "files": records,
         "rng": True,
         "save_id": save_id,  # which save wrote it: the publish intent names the same id
     }
-    if dist_format:
-        meta["piece_sha256"] = digests
+    meta.update(fmt.metadata(digests))
     try:
         files.write_metadata(tmp, meta)
         _publish(save_dir, tmp, final, save_id, iteration)
