@@ -57,7 +57,13 @@ from ..mpu.parallel_state import ParallelDims
 from ..mpu.param_spec import param_spec
 from .contract import ParamStates, TrainingOptimizer
 from .grad_buckets import BucketLauncher, split_into_buckets
-from .grads import all_reduce_coalesced, clip_coefficient, counts_once, grad_norm
+from .grads import (
+    all_reduce_coalesced,
+    clip_coefficient,
+    counts_once,
+    grad_norm,
+    sharded_like_dense,
+)
 from .mixed_precision import HOST, attach_main_grad, host_buffer, offloaded_prefix
 from .replicated import adamw, weight_decay_groups
 
@@ -83,7 +89,9 @@ class DistributedOptimizer(TrainingOptimizer):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if len({p.dtype for _, p in named}) != 1:
             raise ValueError("the distributed optimizer expects one parameter dtype")
-        other = sorted({param_spec(p).grad_group for _, p in named} - {"dp_cp_sp"})
+        other = sorted(
+            {param_spec(p).grad_group for _, p in named if not sharded_like_dense(p, dims)}
+        )
         if other:
             raise ValueError(
                 f"--zero-stage 1/2 shard over dp_cp_sp only; parameters reducing over "

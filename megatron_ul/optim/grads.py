@@ -58,6 +58,14 @@ def all_reduce_coalesced(grads: list[torch.Tensor], group) -> None:
             host_staging.all_reduce_flat(bucket, group)
 
 
+def sharded_like_dense(p: torch.nn.Parameter, dims: ParallelDims) -> bool:
+    """Is p replicated over the whole dp_cp_sp group, as ZeRO shards assume? (An expert
+    under expert parallelism 1 is: its group holds the same ranks.)"""
+    if param_spec(p).grad_group == "dp_cp_sp":
+        return True
+    return dist.get_world_size(reduce_group(p, dims)) == dist.get_world_size(dims.dp_cp_sp_group)
+
+
 class DataParallelGradSync:
     """Sums the gradients of `params` over their reduction groups (reduce_group: dp_cp_sp for
     dense parameters) in buckets, and Megatron-SP replicated weights' over TP first, after

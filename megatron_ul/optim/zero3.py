@@ -33,7 +33,13 @@ from ..mpu.parallel_state import ParallelDims
 from ..model.chunks import model_chunks
 from ..mpu.param_spec import param_spec
 from .contract import ParamStates, TrainingOptimizer
-from .grads import all_reduce_coalesced, clip_coefficient, counts_once, grad_norm
+from .grads import (
+    all_reduce_coalesced,
+    clip_coefficient,
+    counts_once,
+    grad_norm,
+    sharded_like_dense,
+)
 from .replicated import adamw, weight_decay_groups
 
 M = TypeVar("M", bound=nn.Module)  # sharded in place: the model handed in comes back
@@ -84,7 +90,9 @@ class Zero3Optimizer(TrainingOptimizer):
     def __init__(self, model: torch.nn.Module, train: TrainConfig, dims: ParallelDims, *, tied=()):
         self.dims, self.states, self.tied = dims, ParamStates(), list(tied)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        other = sorted({param_spec(p).grad_group for p in self.params} - {"dp_cp_sp"})
+        other = sorted(
+            {param_spec(p).grad_group for p in self.params if not sharded_like_dense(p, dims)}
+        )
         if other:
             raise ValueError(
                 f"--zero-stage 3 shards over dp_cp_sp only; parameters reducing over {other} "

@@ -1,6 +1,6 @@
 """--optimizer-cpu-offload: fp32 main parameters and Adam state in host memory, the step there.
 On a CPU run the host is the device, so training must be bit-identical to the on-device
-optimizer (plain DP and ZeRO-1, fp32 and bf16, all or part of the parameters), and a
+optimizer (plain DP, ZeRO-1 and ZeRO-2, fp32 and bf16, all or part of the parameters), and a
 checkpoint written with offload resumes without it, and the other way round, bitwise."""
 
 import os
@@ -24,6 +24,8 @@ CASES = {  # name -> (flags of both runs, offload flags)
     # small buckets so that half of the shard's buckets go to the host
     "ZeRO1-DP2": (["--use-distributed-optimizer", "--ddp-bucket-size", "2000"], HALF),
     "bf16-ZeRO1-DP2": (["--bf16", "--use-distributed-optimizer"], OFFLOAD),
+    "ZeRO2-DP2": (["--zero-stage", "2", "--ddp-bucket-size", "2000"], HALF),
+    "bf16-ZeRO2-DP2": (["--bf16", "--zero-stage", "2"], OFFLOAD),
 }
 
 

@@ -21,6 +21,7 @@ MODELS = {"gpt2-mha-learned": (GPT2_STYLE, 4, 4), "llama-gqa-rope": (LLAMA_GQA, 
 LAYOUTS = {  # name -> (flags, world, dp_cp_sp size)
     "SP2-DP2": (["--ds-sequence-parallel-size", "2"], 4, 4),
     "TP2-SP2": (["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2"], 4, 2),
+    "CP2-DP2": (["--context-parallel-size", "2"], 4, 4),
     "TP2-SP2-megatron-sp": (
         [
             "--tensor-model-parallel-size",
