@@ -216,7 +216,8 @@ _MINIMA = {"block": 1, "num_local_blocks": 1, "num_global_blocks": 1,
 def sparse_attention_problems(cfg: Config) -> list[str]:
     """The --sparse-* flags' problems in a run's configuration, each naming its flags: the
     pattern's own rules, a block size that does not divide the sequence (all of it: Ulysses
-    attends whole sequences), and what the block-sparse path lacks (the ring, dropout)."""
+    attends whole sequences) or the ring's chunks, and attention dropout (the kernels take
+    none)."""
     m, cp = cfg.model, cfg.parallel.context_parallel_size
     given = {name for name, value in given_parameters(m).items() if value is not None}
     if m.sparse_attention is None:
@@ -244,10 +245,12 @@ def sparse_attention_problems(cfg: Config) -> list[str]:
             f"--seq-length {n} is not a multiple of --sparse-block-size {block}: every "
             f"block of the layout needs {block} tokens"
         )
-    if cp > 1:
+    chunk = n // (2 * cp)
+    if cp > 1 and n % (2 * cp) == 0 and chunk % block:
         errors.append(
-            f"--sparse-attention with --context-parallel-size {cp}: the ring does not run "
-            f"block-sparse layouts yet; split the sequence with --ds-sequence-parallel-size"
+            f"--sparse-block-size {block} does not divide the ring's chunks of {chunk} tokens "
+            f"(--seq-length / (2 × --context-parallel-size {cp})); pick a block size that "
+            f"divides {chunk}"
         )
     if m.attention_dropout > 0:
         errors.append(

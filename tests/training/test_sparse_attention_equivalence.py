@@ -1,6 +1,6 @@
 """Block-sparse attention on parallel layouts reproduces the one-process run (per-step loss
 and final parameters within 1e-5, fp32): each Ulysses rank applies its own global heads'
-layout rows, with GQA's replicated kv heads, Megatron-SP and pipeline stages."""
+layout rows, with GQA's replicated kv heads, Megatron-SP, pipeline stages and the ring."""
 
 import pytest
 
@@ -28,6 +28,13 @@ LAYOUTS = {
         4,
     ),
     "PP2-SP2": (["--pipeline-model-parallel-size", "2", "--ds-sequence-parallel-size", "2"], 4),
+    "CP2": (["--context-parallel-size", "2"], 2),
+    "SP2-CP2": (["--ds-sequence-parallel-size", "2", "--context-parallel-size", "2"], 4),
+    "TP2-SP2-CP2-PP2": (
+        ["--tensor-model-parallel-size", "2", "--ds-sequence-parallel-size", "2",
+         "--context-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+        16,
+    ),
 }  # fmt: skip
 CASES = [
     pytest.param("gpt2", "bigbird-per-head", "SP2", id="gpt2-bigbird-per-head-SP2"),
@@ -40,6 +47,9 @@ CASES = [
             ("llama-gqa", "fixed", "TP2-SP2"),
             ("gpt2", "fixed", "TP2-SP2-megatron-sp"),
             ("gpt2", "bigbird-per-head", "PP2-SP2"),
+            ("gpt2", "bigbird-per-head", "CP2"),
+            ("llama-gqa", "bigbird-per-head", "SP2-CP2"),
+            ("llama-gqa", "fixed", "TP2-SP2-CP2-PP2"),
         ]
     ),
 ]

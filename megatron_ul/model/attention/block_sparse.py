@@ -30,8 +30,6 @@ any layout as they are, with the same kernels the ring and the document tiles us
 
 from __future__ import annotations
 
-import functools
-import logging
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -42,11 +40,7 @@ from . import lse_kernels
 from .block_sparse_layouts import block_layout
 from .documents import DocumentMask
 from .lse_kernels import UnitKernel
-from ...config import ModelConfig
-from ...mpu.parallel_state import ParallelDims
 from ...sparsity_config import SparsityPattern
-
-log = logging.getLogger(__name__)
 
 MASK_TILE_ROWS = 512  # query rows per masked call: its mask is [b, 1, rows, keys]
 
@@ -62,14 +56,15 @@ class Rect:
     causal: bool
 
 
-def rectangles(layout: np.ndarray, block: int) -> list[Rect]:
-    """The rectangles that cover a head's layout [nb, nb] (bool, host) at or below the
-    diagonal, each block once."""
+def rectangles(layout: np.ndarray, block: int, diagonal: bool = True) -> list[Rect]:
+    """The rectangles that cover a head's layout [rows, columns] (bool, host) at or below the
+    diagonal, each block once. `diagonal` False: a piece of the layout wholly below the
+    diagonal (a ring unit of earlier keys), every block of it visible."""
     nb = layout.shape[0]
-    lower = np.tril(layout)
+    lower = np.tril(layout) if diagonal else layout
     covered = np.zeros_like(lower)
     out = []
-    a = 0
+    a = 0 if diagonal else nb
     while a < nb:
         if not lower[a, a]:
             a += 1
@@ -344,48 +339,7 @@ class LayerSparsity:
         return self._plans[key]
 
 
-class SparseLayerAttention:
-    """One layer's block-sparse attention on the heads the Ulysses exchange gathered (the
-    callable DistributedAttention hands q, k, v to): the layout rows of this rank's global
-    heads, heads [tp·H/TP + sp·H/(TP·SP), ...) of the H query heads, keyed by the run's seed
-    and the layer's number. Keeps q, k, v, the output and the log-sum-exp: selective
-    recompute has nothing to recompute."""
-
-    def __init__(self, cfg: ModelConfig, dims: ParallelDims, seed: int, layer: int):
-        pattern = SparsityPattern.of(cfg)
-        if pattern is None:
-            raise ValueError("SparseLayerAttention needs --sparse-attention")
-        if dims.cp > 1:
-            raise ValueError(
-                "--sparse-attention with --context-parallel-size > 1: the ring does not run "
-                "block-sparse layouts yet; use Ulysses (--ds-sequence-parallel-size)"
-            )
-        heads = cfg.num_attention_heads
-        per_rank = heads // (dims.tp * dims.sp)
-        first = dims.tp_rank * (heads // dims.tp) + dims.sp_rank * per_rank
-        self.heads = range(first, first + per_rank)
-        self.sparsity = LayerSparsity(pattern, heads, seed, layer)
-        self.window = cfg.attention_window
-
-    def __call__(self, q, k, v, *, dropout_p: float, documents: Optional[DocumentMask] = None):
-        if dropout_p > 0:
-            raise ValueError("block-sparse attention takes no attention dropout")
-        kernels = unit_kernels(q.device, q.dtype)
-        _announce(self.sparsity.pattern.mode, kernels[0].name, q.device.type)
-        plan = self.sparsity.plan(q.shape[0], self.heads, k.shape[2])
-        return block_sparse_attention(
-            q, k, v, plan, documents=documents, window=self.window, kernels=kernels
-        )
-
-
-@functools.lru_cache(maxsize=None)
-def _announce(mode: str, kernel: str, device: str) -> None:
-    """Logs once per process and kernel which kernel runs the rectangles."""
-    log.info("attention: block-sparse %s = %s rectangles (%s)", mode, kernel, device)
-
-
 __all__ = [
-    "SparseLayerAttention",
     "SparsePlan",
     "LayerSparsity",
     "block_sparse_attention",
