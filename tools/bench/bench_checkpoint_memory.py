@@ -61,7 +61,7 @@ def _held_mb(trainer) -> float:
         return t.numel() * t.element_size()
 
     params = list(trainer.model.parameters())
-    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    inner = trainer.optimizer.torch_optimizer
     moments = sum(
         local(v)
         for s in inner.state.values()
