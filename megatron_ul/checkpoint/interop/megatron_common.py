@@ -21,7 +21,7 @@ from ...pipeline.model import chunk_layer_numbers
 from .. import files
 from ..files import CheckpointError
 from ..full import FullCheckpoint
-from ..group_progress import tensor_groups
+from ..group_progress import stage_file_size, tensor_groups
 from ..layout import reshard
 from . import megatron_pickle
 from .base import Check, Options, Source, weights_only
@@ -267,7 +267,8 @@ def read_stage_files(
     )
     shards: dict[str, list] = {}
     parts = [(s, t) for s in range(pp) for t in range(tp)]
-    for s, t in tensor_groups(parts, len(parts), f"reading {iter_dir}"):
+    size = stage_file_size(iter_dir, pp)
+    for s, t in tensor_groups(parts, len(parts), f"reading {iter_dir}", size=size):
         path = files.model_file(iter_dir, t, s, pp)
         state = first if (t, s) == (0, 0) else _load(path, trust_pickle)
         keys = ["model"] if chunks == 1 else [f"model{c}" for c in range(chunks)]
@@ -452,7 +453,8 @@ def _write_stages(full, args, final: str, state_of, table: dict) -> None:
     tmp = f"{final}.tmp-export"
     try:
         parts = [(s, t) for s in range(pp) for t in range(tp)]
-        for s, t in tensor_groups(parts, len(parts), f"writing {final}"):
+        size = stage_file_size(tmp, pp)
+        for s, t in tensor_groups(parts, len(parts), f"writing {final}", size=size):
             names = [n for n, e in table.items() if e["stage"] == s]
             tensors, _ = reshard.shard_for(full, table, names, t, tp)
             files.save_torch(

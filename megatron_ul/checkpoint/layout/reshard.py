@@ -27,7 +27,7 @@ from ...pipeline.param_table import parameter_table, stage_parameter_names
 from .. import files
 from ..files import CheckpointError
 from ..full import FullCheckpoint
-from ..group_progress import tensor_groups
+from ..group_progress import stage_file_size, tensor_groups
 
 log = logging.getLogger("megatron_ul")
 
@@ -265,7 +265,8 @@ def write_layout(
     try:
         table, records = meta["params"], {}
         parts = [(s, t) for s in range(pp) for t in range(tp)]
-        for s, t in tensor_groups(parts, len(parts), f"writing {final}"):
+        size = stage_file_size(tmp, pp)
+        for s, t in tensor_groups(parts, len(parts), f"writing {final}", size=size):
             stage = stage_parameter_names(table, s)
             model, optim = shard_for(full, table, stage, t, tp)
             path = files.model_file(tmp, t, s, pp)

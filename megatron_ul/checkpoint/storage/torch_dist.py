@@ -10,6 +10,7 @@ import logging
 import os
 from concurrent.futures import Future
 
+import torch
 import torch.distributed as dist
 
 from .. import files
@@ -112,9 +113,15 @@ class TorchDist:
         moments = bool(
             with_optim and meta.get("optimizer") and saved_optim and saved_optim["step"] is not None
         )
-        params, state = {}, {}
+        params: dict[str, torch.Tensor] = {}
+        state: dict[str, dict] = {}
+
         # a parameter and its moments are one tensor group
-        read = tensor_groups(table.items(), len(table), f"reading {iter_dir}", progress)
+        def nbytes(item) -> int:
+            name = item[0]
+            return params[name].nbytes + sum(t.nbytes for t in state.get(name, {}).values())
+
+        read = tensor_groups(table.items(), len(table), f"reading {iter_dir}", progress, nbytes)
         for name, info in read:
             params[name] = full(f"model/{name}", info)
             if moments:

@@ -18,7 +18,7 @@ from ...model.chunks import model_dims
 from .. import files
 from ..files import CheckpointError
 from ..full import FullCheckpoint
-from ..group_progress import tensor_groups
+from ..group_progress import stage_file_size, tensor_groups
 from ..layout import reshard
 from ..layout.zero import (
     checkpoint_model_state,
@@ -100,7 +100,9 @@ class TorchFiles:
         what = f"reading {iter_dir}"
         loaded = {
             (s, t): _load_shard(meta, iter_dir, files.model_file(iter_dir, t, s, pp))
-            for s, t in tensor_groups(parts, len(parts), what, progress)
+            for s, t in tensor_groups(
+                parts, len(parts), what, progress, stage_file_size(iter_dir, pp)
+            )
         }
         by_stage = [[loaded[s, t] for t in range(tp)] for s in range(pp)]
         params: dict[str, torch.Tensor] = {}
