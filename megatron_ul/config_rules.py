@@ -154,9 +154,10 @@ RANGES: dict[str, Range] = {
     "logging.peak_tflops": above(0),
 }
 # Numeric fields that a rule below judges instead of a range (_long_context_errors, _zero_errors).
-JUDGED_BY_RULES = {"model.window_size", "parallel.zero_stage"}
-# The block-sparse pattern's index lists (sparsity_config.sparse_attention_problems).
-JUDGED_BY_RULES |= {
+JUDGED_BY_RULES = {
+    "model.window_size",
+    "parallel.zero_stage",
+    # the block-sparse pattern's index lists (sparsity_config.sparse_attention_problems)
     "model.sparse_local_window_blocks",
     "model.sparse_global_block_indices",
     "model.sparse_global_block_end_indices",
