@@ -439,8 +439,8 @@ def layer_backward_terms(
         "ring unit working set": ring_working_bytes(m, layout),
         "document attention backward": document_working_bytes(m, layout, precision, kernels),
     }
-    if layout.cp > 1:  # the ring keeps its fp32 output and log-sum-exp for backward
-        attention_stage["attention output (ring, fp32)"] = z.attn * 4
+    if layout.cp > 1:  # the ring's own backward, in place of dq, dk, dv and the document loop
+        attention_stage.update(ring_backward_terms(m, layout, precision))
     elif m.sparse_attention is not None:  # the blocked engine's output, lse, fp32 dq, dk, dv
         attention_stage["block-sparse output and log-sum-exp"] = (
             z.attn * act + z.attn / m.head_dim * 4
@@ -449,6 +449,25 @@ def layer_backward_terms(
     if sum(mlp_stage.values()) > sum(attention_stage.values()):
         return mlp_stage
     return attention_stage
+
+
+def ring_backward_terms(m: ModelConfig, layout: Layout, precision: Precision) -> dict[str, float]:
+    """The ring attention's backward (model/attention/ring.py, _RingAttention.backward): its
+    fp32 output kept for backward; dq and the travelling dk, dv accumulated in fp32, dk and dv
+    twice (the block being added to and the one arriving), beside k and v packed for the ring
+    and their spare. These replace the other paths' dq, dk, dv in the activation dtype;
+    documents are masked inside the ring's units (no document loop)."""
+    z = _sizes(m, layout)
+    kv = z.qkv * 2 * m.query_groups / (m.num_attention_heads + 2 * m.query_groups)
+    working = backward_working_bytes(m, layout, precision, "full") - z.qkv * precision.act
+    return {
+        "attention output (ring, fp32)": z.attn * 4,
+        "backward working set (residual grads, d out, dq, dk, dv)": working,
+        "ring backward (fp32 dq, dk and dv twice; k and v packed and their spare)": (
+            (z.qkv + kv) * 4 + 2 * kv * precision.act
+        ),
+        "document attention backward": 0.0,
+    }
 
 
 def head_activation_bytes(m: ModelConfig, layout: Layout, precision: Precision) -> float:
