@@ -2,7 +2,10 @@
 tools/bench/bench_memory.py (every storage alive, op by op, over two training iterations so
 that Adam's state exists), on CPU gloo ranks. 1 layer, 8 heads, SwiGLU, RMSNorm, RoPE, vocab
 32000, full recompute with the inputs offloaded, tiled loss and MLP, documents. Within 10% at
-the peak and in every phase of the second iteration."""
+the peak and in every phase of the second iteration; as a GPU run holds it (the device apart
+from host-held storages), in every phase at two lengths and in bytes per token between them."""
+
+import functools
 
 import pytest
 
@@ -107,3 +110,57 @@ HELD_IN_EVERY_PHASE = {
     (512, 16384, "fp32", 1, 2, ()),
     (1024, 16384, "bf16", 1, 1, ()),
 }
+
+
+# The device's peak as a GPU run holds it (offloaded layer inputs, fp32 main parameters, main
+# gradients and Adam's state in host memory), bf16 with every long-context option, optimizer
+# offload and attention tiles (tools/bench/bench_layer_floor.py; docs/long_context.md's device
+# table): (hidden, N, CP, documents or one causal sequence).
+DEVICE_ROWS = [
+    (512, 4096, 1, False),
+    (512, 8192, 1, False),
+    (512, 8192, 1, True),
+    (512, 16384, 1, True),
+    (512, 16384, 2, True),
+    (512, 16384, 2, False),
+    (1024, 4096, 1, True),
+    (1024, 4096, 1, False),
+    (1024, 8192, 1, True),
+]
+# Pairs of rows whose layer-backward bytes per token are compared: (hidden, CP, documents,
+# two lengths), both with more tokens per rank than one tiled MLP chunk.
+DEVICE_SLOPES = [
+    (512, 1, True, 8192, 16384),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def device_row(hidden, seq_length, cp, documents):
+    from tools.bench.bench_layer_floor import run_row
+
+    return run_row(hidden, seq_length, "bf16:offload+tiles", 1, cp, documents)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hidden,seq_length,cp,documents", DEVICE_ROWS)
+def test_estimate_matches_the_device_peak(hidden, seq_length, cp, documents):
+    """Every phase the estimator models within 10% of the tracker's device peak."""
+    from tools.bench.bench_layer_floor import ESTIMATED
+
+    r = device_row(hidden, seq_length, cp, documents)
+    for phase in ESTIMATED:
+        measured, estimate = r["phases"][phase]["device"], r["estimated"][phase]
+        if measured is None:  # offloaded, the step runs on the host
+            continue
+        assert abs(estimate / measured - 1) < TOLERANCE, (phase, measured, estimate)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hidden,cp,documents,short,long", DEVICE_SLOPES)
+def test_estimated_layer_backward_slope_matches_the_device(hidden, cp, documents, short, long):
+    """The layer backward's device bytes per token between two lengths within 10%."""
+    a, b = (device_row(hidden, n, cp, documents) for n in (short, long))
+    tokens = b["tokens"] - a["tokens"]
+    measured = b["phases"]["layer backward"]["device"] - a["phases"]["layer backward"]["device"]
+    estimate = b["estimated"]["layer backward"] - a["estimated"]["layer backward"]
+    assert abs(estimate / measured - 1) < TOLERANCE, (measured / tokens, estimate / tokens)
