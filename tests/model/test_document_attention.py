@@ -43,11 +43,13 @@ def window_mask(n: int, left: int) -> torch.Tensor:
 DOCUMENTS = torch.tensor([0, 1, 9, 10, 31, 40, 45, 46, 80], dtype=torch.int32)  # 1-token docs too
 
 
+@pytest.mark.parametrize("grad_tile", [1024, 3])  # 3: every block's backward in tile pairs
 @pytest.mark.parametrize(
     "case", ["documents", "window", "documents+window", "gqa", "window-longer-than-documents"]
 )
-def test_matches_dense_mask(case, monkeypatch):
+def test_matches_dense_mask(case, grad_tile, monkeypatch):
     monkeypatch.setattr(da, "WINDOW_QUERY_BLOCK", 7)  # several uneven blocks per document
+    monkeypatch.setattr(da, "DOCUMENT_GRAD_TILE", grad_tile)
     hq, hk = (8, 2) if case == "gqa" else (4, 4)
     g = torch.Generator().manual_seed(0)
     q, k, v = (

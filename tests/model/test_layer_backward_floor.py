@@ -68,3 +68,32 @@ def test_bf16_backward_holds_no_whole_document_gradients():
     # q, k, v, out, its gradient, three accumulators, the recomputed output (9) and its
     # fp32 log-sum-exp (1/16 of a unit at head dim 32), plus tiles
     assert tracker.peaks["backward"].bytes < 10 * unit, tracker.peaks["backward"].bytes / unit
+
+
+@pytest.mark.parametrize("window", [None, 1500])
+def test_gqa_and_window_gradients_written_in_place(monkeypatch, window):
+    """GQA (8 query heads, 2 kv heads) and a window that cuts the document: the blocks'
+    gradients too go tile by tile into the accumulators. Budget in units of q: q, k, v (1.5),
+    out and its gradient (2), the accumulators (1.5), one block's recomputed output (at most
+    1), its log-sum-exp, masks and tiles; a block's own dq, dk, dv beside the accumulators
+    (+1.5) exceed it, as the autograd path (in place refused) shows."""
+    n = 4096
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, 1, h, 64, generator=g).to(torch.bfloat16) for h in (8, 2, 2))
+    offsets = torch.tensor([0, n], dtype=torch.int32)
+
+    def backward_peak() -> float:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        documents = da.DocumentMask(offsets, 1)
+        out = document_attention(
+            *leaves, backend="sdpa", dropout_p=0.0, documents=documents, window=window
+        )
+        grad = torch.ones_like(out)
+        with LiveTensorTracker(preexisting=[*leaves, out, grad]) as tracker:
+            tracker.phase = "backward"
+            out.backward(grad)
+        return tracker.peaks["backward"].bytes / (q.numel() * q.element_size())
+
+    assert backward_peak() < 7.5
+    monkeypatch.setattr(da, "_writes_in_place", lambda *args: False)
+    assert backward_peak() > 7.5  # the test can fail: autograd's copies added in

@@ -24,7 +24,6 @@ from tests.dense_masks import dense_document_mask
 from megatron_ul.model.attention.ring import (
     Ring,
     backward_step,
-    chunked,
     forward_step,
     measure_ring_time,
     packed_kv,
@@ -159,11 +158,9 @@ def _virtual_ring(q, k, v, world, documents, window, kernels=None):
     outs, lses = [], []
     for r, plan in enumerate(plans):
         out = torch.zeros(q[pos[r]].shape, dtype=acc)
-        lse = torch.full(chunked(out).shape[:4], float("-inf"), dtype=acc)
+        lse = torch.full((B, q.shape[2], length), float("-inf"), dtype=acc)
         for src in range(world):
-            forward_step(
-                chunked(q[pos[r]]), chunked(out), lse, blocks[src], plan.step(src), D**-0.5, plan
-            )
+            forward_step(q[pos[r]], out, lse, blocks[src], plan.step(src), D**-0.5, plan)
         outs.append(out.to(q.dtype))
         lses.append(lse)
     dkv = [torch.zeros(b.shape, dtype=acc) for b in blocks]
@@ -172,12 +169,12 @@ def _virtual_ring(q, k, v, world, documents, window, kernels=None):
         dq = torch.zeros(outs[r].shape, dtype=acc)
         for src in range(world):
             backward_step(
-                chunked(q[pos[r]]),
-                chunked(weights[pos[r]]),
-                chunked(outs[r]),
+                q[pos[r]],
+                weights[pos[r]],
+                outs[r],
                 lses[r],
                 blocks[src],
-                chunked(dq),
+                dq,
                 dkv[src],
                 plan.step(src),
                 D**-0.5,

@@ -156,19 +156,18 @@ def rank_step_seconds(
     g = torch.Generator().manual_seed(0)
     q, k, v, dout = (torch.randn(length, 1, heads, head_dim, generator=g) for _ in range(4))
     scale, srcs = head_dim**-0.5, [(plan.rank - s) % ring_size for s in range(ring_size)]
-    qg, kv = ring_attention.chunked(q), ring_attention.packed_kv(k, v)
-    dog = ring_attention.chunked(dout)
-    out = torch.zeros_like(qg)
-    lse = torch.full(qg.shape[:4], float("-inf"))
-    dq, dkv = torch.zeros_like(qg), torch.zeros(kv.shape)
+    kv = ring_attention.packed_kv(k, v)
+    out = torch.zeros_like(q)
+    lse = torch.full((1, heads, length), float("-inf"))
+    dq, dkv = torch.zeros_like(q), torch.zeros(kv.shape)
     seconds = []
     for src in srcs:
         start = time.thread_time()
-        ring_attention.forward_step(qg, out, lse, kv, plan.step(src), scale, plan)
+        ring_attention.forward_step(q, out, lse, kv, plan.step(src), scale, plan)
         seconds.append(time.thread_time() - start)
     for src in srcs:
         start = time.thread_time()
-        ring_attention.backward_step(qg, dog, out, lse, kv, dq, dkv, plan.step(src), scale, plan)
+        ring_attention.backward_step(q, dout, out, lse, kv, dq, dkv, plan.step(src), scale, plan)
         seconds.append(time.thread_time() - start)
     return seconds
 

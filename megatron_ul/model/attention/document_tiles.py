@@ -10,7 +10,8 @@ Calls per tile do not depend on how many documents there are; the calls are plan
 host from the offsets (read once per micro-batch). Partial results merge with the log-sum-exp,
 backward takes the final lse and adds each call's gradients into dq, dk, dv in place.
 
-Kernels: lse_kernels (torch's efficient kernel on CUDA, its CPU flash kernel on CPU).
+Kernels: lse_kernels (torch's efficient kernel on CUDA, its CPU flash kernel on CPU), run by
+the blocked engine (blocks.py): the tiles are a plan of its blocks.
 
 Attention dropout runs inside the efficient kernel: each call drops its block of the
 normalised probabilities with the philox seed and offset it draws from the device generator,
@@ -23,29 +24,22 @@ draws the same ones.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from . import lse_kernels
+from . import blocks, lse_kernels
+from .blocks import Block, Kernels, Mask, MaskRules
 
 TILE = 512
 
 
-@dataclass(frozen=True)
-class Call:
+def _call(sample, q0, q1, k0, k1, masked: bool) -> Block:
     """Queries [q0, q1) of one sample against keys [k0, k1); masked: needs a bias."""
-
-    sample: int
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    masked: bool
+    return Block(q0, q1, k0, k1, Mask.BIAS if masked else Mask.FULL, sample)
 
 
-def _key_calls(sample, q0, q1, lo, window, tile) -> list[Call]:
+def _key_calls(sample, q0, q1, lo, window, tile) -> list[Block]:
     """Queries [q0, q1), all of one document starting at or before `lo`'s document start, whose
     first visible key is `lo`: the whole key tiles every row sees in one unmasked call, the
     rest masked."""
@@ -55,18 +49,18 @@ def _key_calls(sample, q0, q1, lo, window, tile) -> list[Call]:
     full1 = (q0 // tile) * tile if full0 < q0 else full0
     calls = []
     if full1 > full0:
-        calls.append(Call(sample, q0, q1, full0, full1, False))
+        calls.append(_call(sample, q0, q1, full0, full1, False))
         if full0 > lo:
-            calls.append(Call(sample, q0, q1, lo, full0, True))
-        calls.append(Call(sample, q0, q1, full1, q1, True))
+            calls.append(_call(sample, q0, q1, lo, full0, True))
+        calls.append(_call(sample, q0, q1, full1, q1, True))
     else:
-        calls.append(Call(sample, q0, q1, lo, q1, True))
+        calls.append(_call(sample, q0, q1, lo, q1, True))
     return calls
 
 
 def plan(
     starts: list[list[int]], n: int, window: Optional[int], tile: Optional[int] = None
-) -> list[Call]:
+) -> list[Block]:
     """The kernel calls for documents starting at `starts` per sample (positions in [0, n)),
     in query tiles of `tile` tokens (default TILE, read at call time)."""
     tile = TILE if tile is None else tile
@@ -82,36 +76,8 @@ def plan(
             lo = first if window is None else max(first, q0 - window)
             calls += _key_calls(sample, q0, split, lo, window, tile)
             if split < q1:  # documents that begin inside the tile see only the tile
-                calls.append(Call(sample, split, q1, split, q1, True))
+                calls.append(_call(sample, split, q1, split, q1, True))
     return calls
-
-
-def _bias(call: Call, ids: Optional[torch.Tensor], window, dtype, device):
-    qpos = torch.arange(call.q0, call.q1, device=device)
-    kpos = torch.arange(call.k0, call.k1, device=device)
-    distance = qpos.unsqueeze(1) - kpos.unsqueeze(0)
-    hidden = distance < 0
-    if window is not None:
-        hidden |= distance > window
-    if ids is not None:
-        row = ids[call.sample]
-        hidden |= row[qpos].unsqueeze(1) != row[kpos].unsqueeze(0)
-    width = -(-(call.k1 - call.k0) // lse_kernels.BIAS_ALIGN) * lse_kernels.BIAS_ALIGN
-    bias = torch.zeros(1, 1, call.q1 - call.q0, width, dtype=dtype, device=device)
-    return bias[..., : call.k1 - call.k0].masked_fill_(hidden, float("-inf"))
-
-
-def _heads_first(t: torch.Tensor, sample: int, a: int, b: int) -> torch.Tensor:
-    return t[a:b, sample].transpose(0, 1).unsqueeze(0)  # [N, b, h, d] -> [1, h, L, d]
-
-
-def _merge(out, lse, part_out, part_lse):
-    new = torch.logaddexp(lse, part_lse)
-    safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(
-        part_out * torch.exp(part_lse - safe).unsqueeze(-1)
-    )
-    lse.copy_(new)
 
 
 class TiledDocumentAttention(torch.autograd.Function):
@@ -125,61 +91,24 @@ class TiledDocumentAttention(torch.autograd.Function):
         lse = torch.full(
             (q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=acc, device=q.device
         )  # [b, h, N]
-        philox = []
-        for c in calls:
-            bias = _bias(c, ids, window, q.dtype, q.device) if c.masked else None
-            args = (
-                _heads_first(q, c.sample, c.q0, c.q1),
-                _heads_first(k, c.sample, c.k0, c.k1),
-                _heads_first(v, c.sample, c.k0, c.k1),
-                False,
-                bias,
-                scale,
-            )
-            if dropout_p > 0:
-                part, part_lse, drawn = lse_kernels.efficient_attention(*args, dropout_p)
-                philox.append(drawn)
-            else:
-                part, part_lse = kernel.forward(*args)
-            _merge(
-                _heads_first(out, c.sample, c.q0, c.q1),
-                lse[c.sample : c.sample + 1, :, c.q0 : c.q1],
-                part,
-                part_lse,
-            )
+        rules, kernels = MaskRules(window, ids), Kernels(kernel, kernel)
+        philox = blocks.forward(q, k, v, out, lse, calls, kernels, rules, scale, dropout_p)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = calls, ids, window, scale, kernel
+        ctx.plan = calls, rules, scale, kernels
         ctx.dropout = dropout_p, philox
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        calls, ids, window, scale, kernel = ctx.plan
+        calls, rules, scale, kernels = ctx.plan
         dropout_p, philox = ctx.dropout
         dout = dout.to(q.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k, v))
-        for i, c in enumerate(calls):
-            bias = _bias(c, ids, window, q.dtype, q.device) if c.masked else None
-            rows, keys = (c.sample, c.q0, c.q1), (c.sample, c.k0, c.k1)
-            args = (
-                _heads_first(dout, *rows),
-                _heads_first(q, *rows),
-                _heads_first(k, *keys),
-                _heads_first(v, *keys),
-                _heads_first(out, *rows),
-                lse[c.sample : c.sample + 1, :, c.q0 : c.q1],
-                False,
-                bias,
-                scale,
-            )
-            if dropout_p > 0:
-                grads = lse_kernels.efficient_attention_backward(*args, dropout_p, philox[i])
-            else:
-                grads = kernel.backward(*args)
-            for target, at, grad in zip((dq, dk, dv), (rows, keys, keys), grads):
-                _heads_first(target, *at).add_(grad)
+        blocks.backward(
+            dout, q, k, v, out, lse, dq, dk, dv, calls, kernels, rules, scale, dropout_p, philox
+        )
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
 
 

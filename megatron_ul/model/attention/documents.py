@@ -32,6 +32,8 @@ import torch.nn.functional as F
 from ...mpu.random import device_rng_get, device_rng_set
 from .flash_attn import flash_attn_module
 from .local import expand_kv_for_sdpa
+from . import blocks as engine
+from .blocks import Block, Mask
 from .lse_kernels import CPU_FLASH
 
 # queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
@@ -161,7 +163,9 @@ class BlockwiseAttention(torch.autograd.Function):
         try:
             for block in ctx.blocks:
                 if _writes_in_place(q, k, block, ctx.dropout_p):
-                    _document_backward_in_place(dq, dk, dv, q, k, v, grad_out, block, ctx.scale)
+                    _document_backward_in_place(
+                        dq, dk, dv, q, k, v, grad_out, block, ctx.window, ctx.scale
+                    )
                     continue
                 b, q0, q1, k0, k1, _ = block
                 pieces = [
@@ -181,9 +185,10 @@ class BlockwiseAttention(torch.autograd.Function):
 
 
 def _writes_in_place(q, k, block, dropout_p: float) -> bool:
-    """Whether a block's backward can add tile by tile into dq/dk/dv: torch's CPU flash
-    kernel (it returns the log-sum-exp the tiles need), a whole causal document (no window
-    mask), no dropout (tiles would redraw the masks) and as many kv heads as query heads.
+    """Whether a block's backward adds tile by tile into dq/dk/dv: torch's CPU flash kernel
+    (it returns the log-sum-exp the tiles need, takes GQA and a bias) and no dropout (tiles
+    would redraw the masks; with dropout the block's gradients come from autograd and are
+    added in, one block's at a time).
 
     Half precision too: the kernel itself (aten/src/ATen/native/cpu/FlashAttentionKernel.cpp,
     cpu_flash_attention_backward) accumulates grad_q, grad_k and grad_v in the input dtype,
@@ -196,49 +201,75 @@ def _writes_in_place(q, k, block, dropout_p: float) -> bool:
         q.device.type == "cpu"
         and q.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
         and dropout_p == 0
-        and not block[5]
-        and k.shape[2] == q.shape[2]
     )
 
 
-def _document_backward_in_place(dq, dk, dv, q, k, v, grad_out, block, scale) -> None:
-    """One document's gradients added into dq/dk/dv tile pair by tile pair: the document's
-    output and log-sum-exp are recomputed once, then each (query tile, key tile) pair at or
-    below the diagonal runs the flash backward with the document's own output and log-sum-exp,
-    which makes its contributions exact partial sums. Only tile-sized gradients exist besides
-    the accumulators, never a whole document's dq, dk and dv next to them."""
-    b, q0, q1 = block[:3]
+def tile_pairs(length_q: int, length_k: int, q_at: int, k_at: int, window, masked: bool):
+    """The engine's plan of one document block's backward: (query tile, key tile) pairs of
+    DOCUMENT_GRAD_TILE rows that some query sees some key of, in block-local rows; `q_at`,
+    `k_at`: the positions of the block's first query and key. Unmasked (a whole causal
+    document, q_at == k_at): the diagonal pairs causal, the pairs below it full. Masked (the
+    window cuts the block): pairs the window and causality leave whole run full, the rest
+    with the bias."""
+    tile, plan = DOCUMENT_GRAD_TILE, []
+    for r0 in range(0, length_q, tile):
+        r1 = min(r0 + tile, length_q)
+        for c0 in range(0, length_k, tile):
+            c1 = min(c0 + tile, length_k)
+            nearest = (q_at + r0) - (k_at + c1 - 1)  # the smallest query - key distance
+            farthest = (q_at + r1 - 1) - (k_at + c0)
+            if farthest < 0 or (window is not None and nearest > window):
+                continue  # no query of the tile sees a key of this one
+            if not masked:
+                mask = Mask.CAUSAL if r0 == c0 else Mask.FULL
+            elif nearest >= 0 and (window is None or farthest <= window):
+                mask = Mask.FULL
+            else:
+                mask = Mask.BIAS
+            plan.append(Block(r0, r1, c0, c1, mask, q_at=q_at + r0, k_at=k_at + c0))
+    return plan
 
-    def heads_first(t, lo, hi):  # [1, h, L, d] views
-        return t[q0 + lo : q0 + hi, b].transpose(0, 1).unsqueeze(0)
 
-    length = q1 - q0
+def _document_backward_in_place(dq, dk, dv, q, k, v, grad_out, block, window, scale) -> None:
+    """One block's gradients added into dq/dk/dv tile pair by tile pair on the blocked engine:
+    the block's output and log-sum-exp are recomputed once, then each (query tile, key tile)
+    pair some query of which sees some key runs the flash backward with the block's own output
+    and log-sum-exp, which makes its contributions exact partial sums. Only tile-sized
+    gradients exist besides the accumulators, never a whole document's dq, dk and dv next to
+    them; everything of this block is freed before the next block's recompute."""
+    b, q0, q1, k0, k1, masked = block
+
+    def part(t, lo, hi):  # the block's rows of one sample, [L, 1, h, d] views
+        return t[lo:hi, b : b + 1]
+
+    qd, kd, vd = part(q, q0, q1), part(k, k0, k1), part(v, k0, k1)
+    rules = engine.MaskRules(window)
+    whole = Block(0, q1 - q0, 0, k1 - k0, Mask.BIAS, q_at=q0, k_at=k0)
+    bias = rules.bias(whole, q.dtype, q.device) if masked else None
     out, lse = CPU_FLASH.forward(
-        heads_first(q, 0, length),
-        heads_first(k, 0, length),
-        heads_first(v, 0, length),
-        True,
-        None,
+        engine.rows(qd, 0, q1 - q0, None, None),
+        engine.rows(kd, 0, k1 - k0, None, None),
+        engine.rows(vd, 0, k1 - k0, None, None),
+        not masked,
+        bias,
         scale,
     )
-    for i in range(0, length, DOCUMENT_GRAD_TILE):
-        rows = (i, min(i + DOCUMENT_GRAD_TILE, length))
-        for j in range(0, i + 1, DOCUMENT_GRAD_TILE):
-            keys = (j, min(j + DOCUMENT_GRAD_TILE, length))
-            grads = CPU_FLASH.backward(
-                heads_first(grad_out, *rows),
-                heads_first(q, *rows),
-                heads_first(k, *keys),
-                heads_first(v, *keys),
-                out[:, :, rows[0] : rows[1]],
-                lse[:, :, rows[0] : rows[1]],
-                i == j,
-                None,
-                scale,
-            )
-            for target, at, grad in zip((dq, dk, dv), (rows, keys, keys), grads):
-                heads_first(target, *at).add_(grad)
-            del grads, grad  # not alive while the next pair's are made
+    del bias
+    engine.backward(
+        part(grad_out, q0, q1),
+        qd,
+        kd,
+        vd,
+        out.permute(2, 0, 1, 3),  # [1, h, L, d] -> [L, 1, h, d], a view
+        lse,
+        part(dq, q0, q1),
+        part(dk, k0, k1),
+        part(dv, k0, k1),
+        tile_pairs(q1 - q0, k1 - k0, q0, k0, window, masked),
+        engine.Kernels(CPU_FLASH, CPU_FLASH),
+        rules,
+        scale,
+    )
 
 
 # ---- flash-attn ----------------------------------------------------------------------------

@@ -41,8 +41,9 @@ kernels that return the log-sum-exp, in the activation dtype: flash-attn's forwa
 for whole units where it is installed, torch's memory-efficient kernel on CUDA otherwise (and
 for masked units), torch's CPU flash kernel on CPU (fp64 too: the exactness tests use it).
 Partial outputs, the log-sum-exp, dq and the travelling dk/dv accumulators are fp32 (fp64 for
-fp64); every tensor is a chunk view of its [L, b, h, d] layout, so nothing is copied to
-or from a blocked layout.
+fp64). A step's units are blocks of the blocked engine (blocks.py: its merge, bias and
+in-place gradients), row ranges of the [L, b, h, d] tensors, so nothing is copied to or from
+a blocked layout.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ import torch.distributed as dist
 from ...mpu.comm_stats import record
 from ...mpu.parallel_state import ParallelDims
 from ...data.sequence_layout import ring_chunks
-from . import lse_kernels
+from . import blocks, lse_kernels
+from .blocks import Block, Kernels, Mask, MaskRules
 from .documents import DocumentMask
 from .lse_kernels import UnitKernel
 
@@ -248,101 +250,73 @@ class RingPlan:
             (r, min(r + MASK_TILE_ROWS, self.chunk)) for r in range(0, self.chunk, MASK_TILE_ROWS)
         ]
 
-    def bias(self, unit: _Unit, rows: tuple[int, int], dtype, device) -> Optional[torch.Tensor]:
-        """Additive mask [b or 1, 1, r1 - r0, C] (0 visible, -inf masked) of a masked unit's
-        rows: causality, the window and the documents, from global token positions."""
-        if not unit.masked:
-            return None
+    def blocks(self, unit: _Unit) -> list[Block]:
+        """The engine's blocks of `unit`: rows of the local queries (chunk `unit.q`) against
+        the arriving block's chunk `unit.kv`, at their global positions (for the bias)."""
         c = self.chunk
-        qpos = torch.arange(unit.i * c + rows[0], unit.i * c + rows[1], device=device)
-        kpos = torch.arange(unit.j * c, (unit.j + 1) * c, device=device)
-        distance = qpos.unsqueeze(1) - kpos.unsqueeze(0)
-        hidden = (distance < 0).unsqueeze(0)
-        if self.window is not None:
-            hidden = hidden | (distance > self.window)
-        if self.documents is not None:
-            ids = self.documents.ids
-            hidden = hidden | (ids[:, qpos].unsqueeze(2) != ids[:, kpos].unsqueeze(1))
-        # rows padded to a multiple of 16 elements: the CUDA efficient kernel's alignment
-        width = -(-c // lse_kernels.BIAS_ALIGN) * lse_kernels.BIAS_ALIGN
-        bias = torch.zeros(hidden.shape[0], 1, hidden.shape[1], width, dtype=dtype, device=device)[
-            ..., :c
+        mask = Mask.BIAS if unit.masked else Mask.CAUSAL if unit.i == unit.j else Mask.FULL
+        return [
+            Block(
+                unit.q * c + r0,
+                unit.q * c + r1,
+                unit.kv * c,
+                (unit.kv + 1) * c,
+                mask,
+                q_at=unit.i * c + r0,
+                k_at=unit.j * c,
+            )
+            for r0, r1 in self.tiles(unit)
         ]
-        return bias.masked_fill_(hidden.unsqueeze(1), float("-inf"))
+
+    @property
+    def rules(self) -> MaskRules:
+        return MaskRules(self.window, None if self.documents is None else self.documents.ids)
+
+    @property
+    def kernels(self) -> Kernels:
+        return Kernels(self.dense, self.masked)
 
 
-def _merge(out, lse, unit_out, unit_lse):
-    """Log-sum-exp merge of a unit's partial result into (out, lse), in place."""
-    new_lse = torch.logaddexp(lse, unit_lse)
-    finite = torch.isfinite(new_lse)
-    safe = torch.where(finite, new_lse, torch.zeros_like(new_lse))
-    old_w = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(lse))
-    new_w = torch.where(finite, torch.exp(unit_lse - safe), torch.zeros_like(lse))
-    out.mul_(old_w.unsqueeze(-1)).add_(unit_out * new_w.unsqueeze(-1))
-    lse.copy_(new_lse)
-
-
-def _calls(plan: RingPlan, unit: _Unit, dtype, device):
-    """(kernel, rows, causal, bias) per kernel call of `unit`."""
-    kernel = plan.masked if unit.masked else plan.dense
-    for rows in plan.tiles(unit):
-        yield (
-            kernel,
-            slice(*rows),
-            unit.i == unit.j and not unit.masked,
-            plan.bias(unit, rows, dtype, device),
-        )
+def _plan_blocks(plan: RingPlan, work: list[_Unit]) -> list[Block]:
+    return [block for unit in work for block in plan.blocks(unit)]
 
 
 # ---- one step's compute (no communication; also what bench_ring times per rank) ----------------
-def forward_step(qg, out, lse, kv, work, scale, plan: RingPlan) -> None:
-    """Attend the chunked queries qg [2, b, hq, C, d] to the block kv [2 (k, v), L, b, hk, d]
-    over the units `work`, merging into out / lse [2, b, hq, C(, d)] (fp32 or wider, views
-    of the [L, ...] results) in place."""
+def forward_step(q, out, lse, kv, work, scale, plan: RingPlan) -> None:
+    """Attend the local queries q [L, b, hq, d] to the block kv [2 (k, v), L, b, hk, d] over
+    the units `work`, merging into out [L, b, hq, d] and lse [b, hq, L] (fp32 or wider) in
+    place."""
     with _timed("compute_cpu_s", time.thread_time):
-        for unit in work:
-            k, v = chunked(kv[0])[unit.kv], chunked(kv[1])[unit.kv]
-            for kernel, rows, causal, bias in _calls(plan, unit, qg.dtype, qg.device):
-                unit_out, unit_lse = kernel.forward(
-                    qg[unit.q][:, :, rows], k, v, causal, bias, scale
-                )
-                _merge(out[unit.q][:, :, rows], lse[unit.q][:, :, rows], unit_out, unit_lse)
+        blocks.forward(
+            q, kv[0], kv[1], out, lse, _plan_blocks(plan, work), plan.kernels, plan.rules, scale
+        )
     if _times is not None:
         _times["forward_blocks"] += len(work)
 
 
-def backward_step(qg, dog, outg, lse, kv, dq, dkv, work, scale, plan: RingPlan) -> None:
-    """Add this block's share of dq into dq [2, b, hq, C, d] and of its dk/dv into the
-    travelling accumulator dkv [2 (k, v), L, b, hk, d] (fp32 or wider), in place; outg and
-    lse are the final (merged) output and log-sum-exp."""
+def backward_step(q, dout, out, lse, kv, dq, dkv, work, scale, plan: RingPlan) -> None:
+    """Add this block's share of dq into dq [L, b, hq, d] and of its dk/dv into the travelling
+    accumulator dkv [2 (k, v), L, b, hk, d] (fp32 or wider), in place; out and lse are the
+    final (merged) output and log-sum-exp."""
     with _timed("compute_cpu_s", time.thread_time):
-        for unit in work:
-            q, k, v = unit.q, chunked(kv[0])[unit.kv], chunked(kv[1])[unit.kv]
-            dk, dv = chunked(dkv[0])[unit.kv], chunked(dkv[1])[unit.kv]
-            for kernel, rows, causal, bias in _calls(plan, unit, qg.dtype, qg.device):
-                dq_u, dk_u, dv_u = kernel.backward(
-                    dog[q][:, :, rows],
-                    qg[q][:, :, rows],
-                    k,
-                    v,
-                    outg[q][:, :, rows],
-                    lse[q][:, :, rows],
-                    causal,
-                    bias,
-                    scale,
-                )
-                dq[q][:, :, rows].add_(dq_u)
-                dk.add_(dk_u)
-                dv.add_(dv_u)
+        blocks.backward(
+            dout,
+            q,
+            kv[0],
+            kv[1],
+            out,
+            lse,
+            dq,
+            dkv[0],
+            dkv[1],
+            _plan_blocks(plan, work),
+            plan.kernels,
+            plan.rules,
+            scale,
+        )
 
 
-# ---- layout helpers: chunk views of [L, b, h, d] tensors, no copies -----------------------------
-def chunked(x: torch.Tensor) -> torch.Tensor:
-    """[L, b, h, d] -> a view [2, b, h, C, d] (C = L/2): chunk, then the kernels' layout."""
-    length, b, h, d = x.shape
-    return x.view(2, length // 2, b, h, d).permute(0, 2, 3, 1, 4)
-
-
+# ---- layout helpers ------------------------------------------------------------------------
 def packed_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """k, v [L, b, hk, d] -> one contiguous [2 (k, v), L, b, hk, d] buffer in the model's
     dtype: one message per step."""
@@ -353,16 +327,17 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, scale: float, plan: RingPlan):
         # q [L, b, hq, d]; k, v [L, b, hk, d]
-        qg = chunked(q)
         kv = packed_kv(k, v)
         # partial outputs and log-sum-exp merge in fp32 (fp64 for fp64)
         out = torch.zeros(q.shape, dtype=lse_kernels.lse_dtype(q.dtype), device=q.device)
-        lse = torch.full(qg.shape[:4], float("-inf"), dtype=out.dtype, device=q.device)
+        lse = torch.full(
+            (q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=out.dtype, device=q.device
+        )  # [b, hq, L]
         spare = torch.empty_like(kv)
         for step in range(ring.size):
             pending = ring.start_shift(kv, spare, KV_TAG) if step < ring.size - 1 else []
             src = (ring.rank - step) % ring.size
-            forward_step(qg, chunked(out), lse, kv, plan.step(src), scale, plan)
+            forward_step(q, out, lse, kv, plan.step(src), scale, plan)
             _wait(pending)
             if pending:
                 kv, spare = spare, kv
@@ -375,7 +350,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, scale, plan = ctx.ring, ctx.scale, ctx.plan
-        qg, dog, outg = chunked(q), chunked(dout.to(q.dtype)), chunked(out)
+        dout = dout.to(q.dtype)
         kv = packed_kv(k, v)
         spare = torch.empty_like(kv)
         dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
@@ -390,7 +365,7 @@ class _RingAttention(torch.autograd.Function):
             if step > 0:  # the accumulator of src's block, from the previous rank
                 _wait(dkv_pending)
                 dkv, dkv_in = dkv_in, dkv
-            backward_step(qg, dog, outg, lse, kv, chunked(dq), dkv, work, scale, plan)
+            backward_step(q, dout, out, lse, kv, dq, dkv, work, scale, plan)
             # Pass src's accumulator on (even when no unit touched it); after the last step
             # it reaches its owner.
             dkv_pending = ring.start_shift(dkv, dkv_in, DKV_TAG)

@@ -1,0 +1,270 @@
+"""The blocked-attention engine: attention over a plan of blocks, each (query rows, key rows,
+mask), run on a unit kernel (lse_kernels) and merged by the log-sum-exp.
+
+    lse = logaddexp(lse_a, lse_b),   out = out_a·exp(lse_a - lse) + out_b·exp(lse_b - lse)
+
+Backward is FlashAttention's: with the final output and log-sum-exp of every row, a block's
+probabilities are exp(S - lse), so each block's share of dq, dk, dv needs nothing else and is
+added into the accumulators where it lands. The document tiles (document_tiles.py), the
+per-document blocks' backward (documents.py) and the ring's units (ring.py) are plans of this
+engine; a block-sparse layout becomes one through `layout_blocks`.
+
+Tensors keep the model's layouts: q, out, dout, dq [L, b, hq, d] and k, v, dk, dv [Lk, b, hk,
+d], rows first; lse [b, hq, L]. A block's operands are views of them (no copy to a blocked
+layout). Masks are never materialised beyond one block: `MaskRules.bias` builds a block's
+additive bias from token positions (causality, the window, the documents' ids).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+from . import lse_kernels
+from .lse_kernels import UnitKernel
+
+
+class Mask(enum.Enum):
+    FULL = "full"  # every query row sees every key of the block
+    CAUSAL = "causal"  # the kernel's own causal flag: a diagonal square, top-left aligned
+    BIAS = "bias"  # an additive bias from token positions (MaskRules.bias)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Query rows [q0, q1) against key rows [k0, k1) of their tensors. `sample`: one sample of
+    the batch (None: all in one call). `q_at`, `k_at`: the global token positions of rows q0
+    and k0 (None: the row numbers themselves), what the bias is built from. `heads`: query
+    heads [h0, h1) with their kv heads (None: every head)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    mask: Mask = Mask.FULL
+    sample: Optional[int] = None
+    q_at: Optional[int] = None
+    k_at: Optional[int] = None
+    heads: Optional[tuple[int, int]] = None
+
+    @property
+    def masked(self) -> bool:
+        return self.mask is Mask.BIAS
+
+    def q_positions(self) -> tuple[int, int]:
+        start = self.q0 if self.q_at is None else self.q_at
+        return start, start + self.q1 - self.q0
+
+    def k_positions(self) -> tuple[int, int]:
+        start = self.k0 if self.k_at is None else self.k_at
+        return start, start + self.k1 - self.k0
+
+
+@dataclass(frozen=True)
+class MaskRules:
+    """What hides a key from a query besides the plan: causality (always), the window (a
+    query sees keys up to `window` positions back) and the documents (`ids` [b, N]: each
+    global position's document)."""
+
+    window: Optional[int] = None
+    ids: Optional[torch.Tensor] = None
+
+    def bias(self, block: Block, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The block's additive mask [b or 1, 1, rows, keys]: 0 visible, -inf hidden. Its rows
+        are padded to a multiple of lse_kernels.BIAS_ALIGN elements (the CUDA efficient
+        kernel's alignment)."""
+        qpos = torch.arange(*block.q_positions(), device=device)
+        kpos = torch.arange(*block.k_positions(), device=device)
+        # compared into bool directly: no [rows, keys] int64 distance
+        hidden = (kpos.unsqueeze(0) > qpos.unsqueeze(1)).unsqueeze(0)
+        if self.window is not None:
+            hidden |= kpos.unsqueeze(0) < (qpos - self.window).unsqueeze(1)
+        if self.ids is not None:
+            ids = self.ids if block.sample is None else self.ids[block.sample : block.sample + 1]
+            hidden = hidden | (ids[:, qpos].unsqueeze(2) != ids[:, kpos].unsqueeze(1))
+        keys = kpos.numel()
+        width = -(-keys // lse_kernels.BIAS_ALIGN) * lse_kernels.BIAS_ALIGN
+        bias = torch.zeros(hidden.shape[0], 1, hidden.shape[1], width, dtype=dtype, device=device)
+        return bias[..., :keys].masked_fill_(hidden.unsqueeze(1), float("-inf"))
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The unit kernels of a plan: `full` for unmasked and causal blocks, `masked` for blocks
+    with a bias (it must take one)."""
+
+    full: UnitKernel
+    masked: UnitKernel
+
+    def of(self, block: Block) -> UnitKernel:
+        return self.masked if block.mask is Mask.BIAS else self.full
+
+
+def merge(out, lse, part_out, part_lse) -> None:
+    """Log-sum-exp merge of a block's partial result into (out, lse), in place; rows that no
+    key has reached yet (lse -inf on both sides) stay 0 / -inf."""
+    new_lse = torch.logaddexp(lse, part_lse)
+    finite = torch.isfinite(new_lse)
+    safe = torch.where(finite, new_lse, torch.zeros_like(new_lse))
+    old_w = torch.where(finite, torch.exp(lse - safe), torch.zeros_like(lse))
+    new_w = torch.where(finite, torch.exp(part_lse - safe), torch.zeros_like(lse))
+    out.mul_(old_w.unsqueeze(-1)).add_(part_out * new_w.unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+def _kv_heads(block: Block, q_heads: int, kv_heads: int) -> Optional[tuple[int, int]]:
+    if block.heads is None:
+        return None
+    h0, h1 = block.heads
+    group = q_heads // kv_heads
+    if h1 - h0 < group:  # part of one group: its kv head
+        return h0 // group, h0 // group + 1
+    return h0 // group, h1 // group
+
+
+def rows(t: torch.Tensor, a: int, b: int, sample, heads) -> torch.Tensor:
+    """Rows [a, b) of t [L, b, h, d] as the kernels take them, [b or 1, h, rows, d] (a view)."""
+    t = t[a:b] if sample is None else t[a:b, sample : sample + 1]
+    if heads is not None:
+        t = t[:, :, heads[0] : heads[1]]
+    return t.permute(1, 2, 0, 3)
+
+
+def lse_rows(lse: torch.Tensor, a: int, b: int, sample, heads) -> torch.Tensor:
+    """Rows [a, b) of lse [b, h, L], [b or 1, h, rows] (a view)."""
+    t = lse if sample is None else lse[sample : sample + 1]
+    if heads is not None:
+        t = t[:, heads[0] : heads[1]]
+    return t[..., a:b]
+
+
+def _operands(block: Block, q, k, v):
+    kvh = _kv_heads(block, q.shape[2], k.shape[2])
+    return (
+        rows(q, block.q0, block.q1, block.sample, block.heads),
+        rows(k, block.k0, block.k1, block.sample, kvh),
+        rows(v, block.k0, block.k1, block.sample, kvh),
+    )
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    blocks: Iterable[Block],
+    kernels: Kernels,
+    rules: MaskRules,
+    scale: float,
+    dropout_p: float = 0.0,
+) -> list:
+    """Attend every block and merge it into out [L, b, hq, d] and lse [b, hq, L] (fp32, or
+    fp64 for fp64) in place. With attention dropout (torch's efficient kernel only) returns
+    each block's Philox, which its backward needs."""
+    philox = []
+    for block in blocks:
+        bias = rules.bias(block, q.dtype, q.device) if block.mask is Mask.BIAS else None
+        qb, kb, vb = _operands(block, q, k, v)
+        causal = block.mask is Mask.CAUSAL
+        if dropout_p > 0:
+            part, part_lse, drawn = lse_kernels.efficient_attention(
+                qb, kb, vb, causal, bias, scale, dropout_p
+            )
+            philox.append(drawn)
+        else:
+            part, part_lse = kernels.of(block).forward(qb, kb, vb, causal, bias, scale)
+        merge(
+            rows(out, block.q0, block.q1, block.sample, block.heads),
+            lse_rows(lse, block.q0, block.q1, block.sample, block.heads),
+            part,
+            part_lse,
+        )
+        del part, part_lse, bias, qb, kb, vb
+    return philox
+
+
+def backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    blocks: Sequence[Block],
+    kernels: Kernels,
+    rules: MaskRules,
+    scale: float,
+    dropout_p: float = 0.0,
+    philox: Optional[list] = None,
+) -> None:
+    """Add every block's share of the gradients into dq [L, b, hq, d], dk, dv [Lk, b, hk, d]
+    in place; out and lse are the final (merged) output and log-sum-exp. Only one block's
+    gradients exist besides the accumulators at a time."""
+    for i, block in enumerate(blocks):
+        bias = rules.bias(block, q.dtype, q.device) if block.mask is Mask.BIAS else None
+        sample, heads = block.sample, block.heads
+        qb, kb, vb = _operands(block, q, k, v)
+        args = (
+            rows(dout, block.q0, block.q1, sample, heads),
+            qb,
+            kb,
+            vb,
+            rows(out, block.q0, block.q1, sample, heads),
+            lse_rows(lse, block.q0, block.q1, sample, heads),
+            block.mask is Mask.CAUSAL,
+            bias,
+            scale,
+        )
+        if dropout_p > 0:
+            assert philox is not None
+            grads = lse_kernels.efficient_attention_backward(*args, dropout_p, philox[i])  # type: ignore[call-arg]
+        else:
+            grads = kernels.of(block).backward(*args)
+        kvh = _kv_heads(block, q.shape[2], k.shape[2])
+        for target, (a, b), h, grad in zip(
+            (dq, dk, dv),
+            ((block.q0, block.q1), (block.k0, block.k1), (block.k0, block.k1)),
+            (heads, kvh, kvh),
+            grads,
+        ):
+            rows(target, a, b, sample, h).add_(grad)
+        del grads, grad, bias, args, qb, kb, vb  # not alive while the next block's are made
+
+
+def layout_blocks(
+    layout: torch.Tensor, block_size: int, *, head: Optional[int] = None, causal: bool = True
+) -> list[Block]:
+    """The plan of one head's block layout ([nq_blocks, nk_blocks] 0/1, DeepSpeed's format):
+    per query block, each run of consecutive nonzero key blocks is one block; with `causal`,
+    key blocks after the query block are dropped and the diagonal one runs the kernel's causal
+    flag. `head`: the query head the layout row is for (None: every head)."""
+    plan = []
+    heads = None if head is None else (head, head + 1)
+    size = block_size
+    for i, row in enumerate(layout.to(torch.bool).tolist()):  # host: layouts are built there
+        columns = [j for j, on in enumerate(row) if on and (not causal or j < i)]
+        for start, end in _runs(columns):
+            plan.append(Block(i * size, (i + 1) * size, start * size, end * size, heads=heads))
+        if causal and row[i]:
+            plan.append(
+                Block(i * size, (i + 1) * size, i * size, (i + 1) * size, Mask.CAUSAL, heads=heads)
+            )
+    return plan
+
+
+def _runs(columns: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of each run of consecutive integers in the sorted `columns`."""
+    runs: list[tuple[int, int]] = []
+    for j in columns:
+        if runs and runs[-1][1] == j:
+            runs[-1] = (runs[-1][0], j + 1)
+        else:
+            runs.append((j, j + 1))
+    return runs
