@@ -126,14 +126,18 @@ class SparsePlan:
         self.block = pattern.block
         local = len(heads)
         group = local // kv_heads
-        layouts = block_layout(pattern, num_heads, seq_length, seed=seed, layer=layer, heads=heads)
+
+        def layout(h: int) -> np.ndarray:  # one head's layout at a time
+            return block_layout(
+                pattern, num_heads, seq_length, seed=seed, layer=layer, heads=[heads[h]]
+            )[0].numpy()
+
         self.groups: list[tuple[tuple[int, int], tuple[int, int], list[Rect]]] = []
         if not pattern.different_layout_per_head:
-            rects = rectangles(layouts[0].numpy(), self.block)
-            self.groups.append(((0, local), (0, kv_heads), rects))
+            self.groups.append(((0, local), (0, kv_heads), rectangles(layout(0), self.block)))
         else:
             for h in range(local):
-                rects = rectangles(layouts[h].numpy(), self.block)
+                rects = rectangles(layout(h), self.block)
                 self.groups.append(((h, h + 1), (h // group, h // group + 1), rects))
 
     def calls(self, window: Optional[int], documents: Optional["_Starts"]) -> list[Call]:

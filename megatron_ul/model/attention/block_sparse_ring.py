@@ -58,13 +58,21 @@ class SparseRingPlan:
         self.chunk = seq_length // (2 * ring.size)
         blocks = self.chunk // pattern.block
         local = len(heads)
-        layouts = block_layout(pattern, num_heads, seq_length, seed=seed, layer=layer, heads=heads)
         if pattern.different_layout_per_head:  # one query head with its kv head each
             group = local // kv_heads
             groups = [((h, h + 1), (h // group, h // group + 1), h) for h in range(local)]
         else:
             groups = [((0, local), (0, kv_heads), 0)]
         mine = ring_chunks(ring.rank, ring.size)
+        # Only the layout rows of this rank's two chunks, per head group: [blocks, all blocks].
+        rows = {
+            (i, h): block_layout(
+                pattern, num_heads, seq_length, seed=seed, layer=layer, heads=[heads[h]],
+                rows=(i * blocks, (i + 1) * blocks),
+            )[0]
+            for i in mine
+            for _, _, h in groups
+        }  # fmt: skip
         self.units: list[list[tuple]] = []  # per source rank: (q chunk, kv chunk, i, j, ...)
         for src in range(ring.size):
             units = []
@@ -74,9 +82,7 @@ class SparseRingPlan:
                         continue
                     pieces = []
                     for hs, kvs, h in groups:
-                        piece = layouts[
-                            h, i * blocks : (i + 1) * blocks, j * blocks : (j + 1) * blocks
-                        ]
+                        piece = rows[i, h][:, j * blocks : (j + 1) * blocks]
                         rects = rectangles(piece.numpy(), pattern.block, diagonal=i == j)
                         shifted = [
                             Rect(
