@@ -93,7 +93,12 @@ def describe(cfg: ResolvedConfig) -> str:
         f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision {precision}, "
         f"{activation_bytes}-byte activations; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
-        "attention kernel on a GPU: " + planned_kernel(attention_call(cfg, torch.device("cuda"))),
+        "attention kernel on a GPU: "
+        + (
+            "block-sparse rectangles on torch's efficient kernel (fp64: the softmax written out)"
+            if m.sparse_attention is not None
+            else planned_kernel(attention_call(cfg, torch.device("cuda")))
+        ),
         "long context: " + long_context(cfg),
         "memory estimate per GPU: " + est.describe(),
         f"initialisation peak per GPU: "

@@ -32,3 +32,6 @@ def test_dry_run_reports_the_pattern_and_its_share_of_blocks():
     assert "block-sparse fixed attention, block 8: 47.1% of the causal blocks" in (
         sparse_attention_plan(cfg)
     )
+    from megatron_ul.training.dry_run import describe
+
+    assert "attention kernel on a GPU: block-sparse rectangles" in describe(cfg)
