@@ -880,13 +880,16 @@ def smallest_fitting_layout(
     under ZeRO, in powers of two; TP, CP, PP and each replica's micro-batches kept. Returns
     (the config, its estimate), or None."""
     budget = memory_budget_bytes(gpu_memory_gb)
+    # What the rules say of the resolved config itself (not of its flags as given) is no
+    # reason to refuse a candidate.
+    known = set(problems(cfg))
     heads_per_tp = cfg.model.num_attention_heads // cfg.parallel.tensor_model_parallel_size
     best: tuple[ResolvedConfig, MemoryEstimate] | None = None
     for sp in range(1, heads_per_tp + 1):
         dp = 1
         while True:
             planned = with_layout(cfg, sp, dp)
-            if planned.parallel.world_size > max_world or problems(planned):
+            if planned.parallel.world_size > max_world or set(problems(planned)) - known:
                 break
             est = estimate_config(planned)
             if est.total_bytes <= budget:
