@@ -55,7 +55,13 @@ def estimate_phases(cfg, precision: str, documents: bool) -> dict[str, float]:
         kernels=kernels,
     )
     state = est.parameter_bytes + est.optimizer_bytes
-    return {phase: state + est.phases[phase] for phase in ESTIMATED}
+    phases = {phase: state + est.phases[phase] for phase in ESTIMATED}
+    # The tracker's layer-backward phase lasts until clipping: the gradient reduction after
+    # backward (its host-held gradients' staging bucket) is in it.
+    if "gradient reduction" in est.phases:
+        reduction = state + est.phases["gradient reduction"]
+        phases["layer backward"] = max(phases["layer backward"], reduction)
+    return phases
 
 
 def run_row(hidden, seq_length, run: str, sp: int, cp: int, documents: bool) -> dict:
