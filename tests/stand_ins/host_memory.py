@@ -15,7 +15,13 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
+COLLECTIVES = (
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "all_gather_into_tensor",
+    "broadcast",
+    "all_to_all_single",
+)
 
 
 class HostTensor(torch.Tensor):
