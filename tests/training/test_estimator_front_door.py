@@ -34,6 +34,7 @@ MATRIX = {
     "fp32": [],
     "bf16": ["--bf16"],
     "fp16 zero-1": ["--fp16", "--zero-stage", "1"],
+    "bf16 zero-2": ["--bf16", "--zero-stage", "2"],
     "bf16 zero-3 full recompute": [
         "--bf16",
         "--zero-stage",
