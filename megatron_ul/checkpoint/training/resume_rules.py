@@ -265,6 +265,9 @@ NEUTRAL = {
             "timing_log_level",
             "timing_device_sync",
             "peak_tflops",
+            "wandb_project",
+            "wandb_exp_name",
+            "wandb_save_dir",
         )
     },
 }
