@@ -174,11 +174,15 @@ def table(rows: list[dict]) -> str:
     out += ["", "Alive at the layer-backward device peak (largest first), MiB:", ""]
     for r in rows:
         layer = r["phases"]["layer backward"]
-        terms = "; ".join(
-            f"{label.replace(' | ', ' / ')} {nbytes / MIB:.1f}" for label, nbytes in layer["top"]
-        )
-        out.append(f"- {_name(r)}, {r['seq_length'] // 1024}K (`{layer['where']}`): {terms}")
+        terms = "; ".join(f"{_short(label)} {nbytes / MIB:.1f}" for label, nbytes in layer["top"])
+        where = _short(layer["where"])
+        out.append(f"- {_name(r)}, {r['seq_length'] // 1024}K (at `{where}`): {terms}")
     return "\n".join(out)
+
+
+def _short(label: str) -> str:
+    """A tracker label as a table cell: 'phase backward | node | op' without the iteration."""
+    return label.replace("iteration 2 ", "").replace("iteration 1 ", "").replace(" | ", " / ")
 
 
 def main() -> None:
