@@ -66,6 +66,9 @@ LAYOUTS = {
         4,
     ),
 }
+# ZeRO shards over all of DP × CP × SP: with EP 1 the experts are ordinary replicated
+# parameters (EP > 1 with ZeRO is refused, tests/moe/test_moe_refusals.py).
+LAYOUTS.update({f"ZeRO-{stage}-DP2": (["--zero-stage", str(stage)], 2) for stage in (1, 2, 3)})
 DEFAULT = {("llama-moe-alltoall", "DP2-EP2"), ("llama-moe", "SP2-EP2")}
 MATRIX = [
     pytest.param(
