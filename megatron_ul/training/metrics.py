@@ -35,7 +35,7 @@ def flops_per_token(m: ModelConfig, padded_vocab: int, seed: int = 0) -> float:
     """
     h, d, n = m.hidden_size, m.head_dim, m.seq_length
     qkv = 2 * h * (m.num_attention_heads + 2 * m.query_groups) * d
-    attention = 2 * 2 * n * m.num_attention_heads * d
+    attention: float = 2 * 2 * n * m.num_attention_heads * d
     if m.sparse_attention is not None:
         attention = sparse_attention_flops(m, seed)
     proj = 2 * m.num_attention_heads * d * h
@@ -44,16 +44,27 @@ def flops_per_token(m: ModelConfig, padded_vocab: int, seed: int = 0) -> float:
     return 3.0 * forward
 
 
+# Heads whose layouts the FLOPs count reads when each head has its own (scaled to all).
+COUNTED_HEADS = 8
+
+
 def sparse_attention_flops(m: ModelConfig, seed: int = 0) -> float:
     """Forward FLOPs per token of one layer's block-sparse scores and values, all heads:
     2·2·d·B² per computed block (the layout's blocks at or below the diagonal, each run whole),
     over N tokens. The blocks are counted on layer 0's layout: layers differ only by where
-    their random blocks fall (BigBird, Variable), at most --sparse-num-random-blocks per row."""
+    their random blocks fall (BigBird, Variable), at most --sparse-num-random-blocks per row.
+    Per-head layouts are counted on the first COUNTED_HEADS heads and scaled (Fixed's global
+    patterns repeat every --sparse-num-different-global-patterns heads; random draws differ
+    by a few blocks per row), so that a long sequence's start-up does not count every head."""
     pattern = SparsityPattern.of(m)
     assert pattern is not None
     n, heads = m.seq_length, m.num_attention_heads
-    blocks = computed_blocks(pattern, heads, n, seed=seed, layers=(0,))
+    sample = range(min(heads, COUNTED_HEADS))
+    blocks = computed_blocks(pattern, heads, n, seed=seed, heads=sample) * heads / len(sample)
     return 2 * 2 * m.head_dim * blocks * pattern.block**2 / n
+
+
+COUNTED_HEADS = 8
 
 
 # Dense bf16 tensor-core peaks, TFLOP/s per GPU (vendor datasheets; sparsity excluded).

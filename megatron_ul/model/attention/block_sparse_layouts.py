@@ -76,20 +76,24 @@ def computed_blocks(
     *,
     seed: int = 0,
     layers: Sequence[int] = (0,),
+    heads: Optional[Sequence[int]] = None,
     band: int = 1024,
 ) -> int:
-    """Blocks a kernel runs, summed over heads and `layers`: layout blocks at or below the
-    block diagonal (causality hides the others entirely). Row band by row band; the layers
-    differ only by their random blocks."""
+    """Blocks a kernel runs, summed over `heads` (default all) and `layers`: layout blocks at
+    or below the block diagonal (causality hides the others entirely). Row band by row band;
+    the layers differ only by their random blocks."""
     nb = p.num_blocks(seq_length)
+    wanted = list(range(num_heads)) if heads is None else list(heads)
     drawn = list(layers) if p.draws_random_blocks else list(layers[:1])
+    counted = wanted if p.different_layout_per_head else wanted[:1]
     total = 0
     for layer in drawn:
         for r0 in range(0, nb, band):
             r1 = min(r0 + band, nb)
-            heads = p.layout_heads(num_heads)
-            rows = block_layout(p, heads, seq_length, seed=seed, layer=layer, rows=(r0, r1))
-            total += int((rows & _lower(r0, r1, nb)).sum()) * (num_heads // heads)
+            rows = block_layout(
+                p, num_heads, seq_length, seed=seed, layer=layer, heads=counted, rows=(r0, r1)
+            )
+            total += int((rows & _lower(r0, r1, nb)).sum()) * (len(wanted) // len(counted))
     return total * len(layers) // len(drawn)
 
 
