@@ -12,6 +12,7 @@ from megatron_ul.config_rules import validate
 from megatron_ul.model.gpt import GPTModel
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
+from tests.dense_masks import use_dense_masks
 
 MODEL = [
     "--mock-data",
@@ -67,6 +68,8 @@ def loss_and_grads(cfg, dims, autocast_dtype=None, attention_mask_fn=None):
     )
     tokens, positions, labels, mask = _batch(cfg, dims)
     mask_arg = attention_mask_fn(cfg) if attention_mask_fn else None
+    if isinstance(mask_arg, torch.Tensor):  # a dense reference mask: the tests' own attention
+        use_dense_masks(model)
     with (
         torch.autocast("cpu", dtype=autocast_dtype)
         if autocast_dtype
