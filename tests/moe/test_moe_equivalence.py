@@ -66,6 +66,11 @@ LAYOUTS = {
         4,
     ),
 }
+# Full recomputation re-runs the MoE layers (their dispatch and host read included).
+LAYOUTS["DP2-EP2-recompute"] = (
+    ep(2) + ["--recompute-granularity", "full", "--recompute-method", "uniform"],
+    2,
+)
 # ZeRO shards over all of DP × CP × SP: with EP 1 the experts are ordinary replicated
 # parameters (EP > 1 with ZeRO is refused, tests/moe/test_moe_refusals.py).
 LAYOUTS.update({f"ZeRO-{stage}-DP2": (["--zero-stage", str(stage)], 2) for stage in (1, 2, 3)})
@@ -88,8 +93,7 @@ def test_moe_layout_matches_single_process(model, layout):
     assert_matches_one_process(f"{model} {layout}", MODELS[model], flags, world)
 
 
-@pytest.mark.parametrize(
-    "policy", ["probs", pytest.param("position-padded", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["probs", "position-padded"])
 def test_dropping_matches_single_process(policy):
     assert_matches_one_process(f"dropping {policy} DP2-EP2", DROPPING_MODELS[policy], ep(2), 2)
