@@ -718,10 +718,9 @@ def estimate(
     staging, reduction_staging = _host_gradient_staging_bytes(
         m, layout, zero_stage, precision, kernels
     )
-    # A layer's backward stages only its own parameters' sums (the embedding's and the output
-    # layer's come before and after it).
-    largest_layer = max(held_elements(p, layout.tp) for p in described_layer(m).parameters())
-    layer_staging = min(staging, 4.0 * largest_layer)
+    # A layer's parameters are staged one at a time as their gradients appear, each freed
+    # once copied: measured, never alive at the layer backward's peak (its MLP's activation
+    # backward or its attention's), so not counted there.
     # While a layer backpropagates: the persistent buffers left on the device (host-held
     # ones, only ever persistent ones, are the first parameters'), else every gradient but the
     # embedding's, which comes last.
@@ -739,7 +738,6 @@ def estimate(
             }
         ),
         "gradients (all but the embedding's)" if not persistent_grads else "gradients": layer_grads,
-        "host-held gradient staging (largest layer parameter, fp32)": layer_staging,
         "ZeRO-2 bucket being reduce-scattered": zero2_bucket,
         "RoPE tables": rope,
     }
