@@ -4,7 +4,7 @@ each for the marginal bytes per token.
 
     python -m tools.bench.bench_layer_floor --run 512 16384 [--cp 2] [--no-documents] \
         [--runs bf16:offload+tiles] --out /tmp/r.json      # one row, its own processes
-    python -m tools.bench.bench_layer_floor --table /tmp/r*.json   # the tables of rows
+    python -m tools.bench.bench_layer_floor --table /tmp/r*.json   # the rows, estimated anew
 
 Each row is `bench_memory.measure_peak` (two iterations under the live-tensor tracker, the
 device's storages apart from what a GPU run keeps in host memory: offloaded layer inputs,
@@ -64,16 +64,30 @@ def estimate_phases(cfg, precision: str, documents: bool) -> dict[str, float]:
     return phases
 
 
-def run_row(hidden, seq_length, run: str, sp: int, cp: int, documents: bool) -> dict:
+def _config(hidden, seq_length, run: str, sp: int, cp: int, documents: bool):
+    """(precision, the bench's option flags, the row's resolved config)."""
     from megatron_ul.training.pretrain import configure
 
     precision, _, names = run.partition(":")
     if precision not in PRECISIONS or any(n not in OPTIONS for n in names.split("+")):
         raise SystemExit(f"--runs {run}: want PRECISION:OPTION[+OPTION] from {list(OPTIONS)}")
     extra = tuple(f for n in names.split("+") for f in OPTIONS[n])
-    got = measure_peak(hidden, seq_length, precision, sp, cp, extra, documents)
     argv = peak_argv(hidden, seq_length, sp, cp, extra, documents)
     cfg = configure(argv + (["--bf16"] if precision == "bf16" else []), sp * cp)
+    return precision, extra, cfg
+
+
+def reestimated(row: dict) -> dict:
+    """A measured row with this tree's estimate (a stored row keeps its measurement)."""
+    precision, _, cfg = _config(
+        row["hidden"], row["seq_length"], row["run"], row["sp"], row["cp"], row["documents"]
+    )
+    return {**row, "estimated": estimate_phases(cfg, precision, row["documents"])}
+
+
+def run_row(hidden, seq_length, run: str, sp: int, cp: int, documents: bool) -> dict:
+    precision, extra, cfg = _config(hidden, seq_length, run, sp, cp, documents)
+    got = measure_peak(hidden, seq_length, precision, sp, cp, extra, documents)
     m = cfg.model
     phases = {}
     for phase in PHASES:
@@ -207,7 +221,7 @@ def main() -> None:
         rows = []
         for path in args.table:
             with open(path) as f:
-                rows.append(json.load(f))
+                rows.append(reestimated(json.load(f)))
         print(table(rows))
     if not args.run and not args.table:
         parser.error("give --run HIDDEN N or --table JSON...")
