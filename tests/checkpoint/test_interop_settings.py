@@ -131,6 +131,28 @@ NON_DEFAULT = {
     "untie_embeddings_and_output_weights": True,
     "gelu_approximate": "tanh",
     "window_size": [8, 0],
+    "num_experts": 4,
+    "moe_ffn_hidden_size": 24,
+    "moe_router_topk": 1,
+    "moe_layer_freq": 2,
+    "moe_router_pre_softmax": True,
+    "moe_shared_expert_intermediate_size": 16,
+    "moe_expert_capacity_factor": 1.0,
+    "moe_token_drop_policy": "position",
+    "moe_pad_expert_input_to_capacity": True,
+    "sparse_attention": "fixed",
+    "sparse_block_size": 8,
+    "sparse_attention_direction": "bidirectional",
+    "sparse_different_layout_per_head": True,
+    "sparse_num_local_blocks": 2,
+    "sparse_num_global_blocks": 2,
+    "sparse_horizontal_global_attention": True,
+    "sparse_num_different_global_patterns": 2,
+    "sparse_num_random_blocks": 2,
+    "sparse_num_sliding_window_blocks": 2,
+    "sparse_local_window_blocks": [2],
+    "sparse_global_block_indices": [1],
+    "sparse_global_block_end_indices": [2],
 }
 
 
@@ -146,6 +168,8 @@ def test_every_model_setting_is_carried_or_refused(converter):
             m["position_embedding_type"] = "rope"
         if name == "gelu_approximate":
             m["swiglu"] = False
+        if name.startswith("moe_"):  # an expert setting computes only in an MoE model
+            m["num_experts"] = 4
         if name in interop_settings.OURS[converter]:
             interop_settings.check_carried(m, converter, "the target")
         else:

@@ -101,6 +101,103 @@ def _rows(tmp_path) -> dict:
         "--merge-file": (["--merge-file", "m.txt"], None, "m.txt"),
         "--tokenizer-model": (["--tokenizer-model", "t.model"], None, "t.model"),
         "--ckpt-format": (["--ckpt-format", "torch_dist"], "torch", "torch_dist"),
+        **_sparse_rows(),
+        **_moe_rows(),
+    }
+
+
+_SPARSE = ["--sparse-block-size", "4", "--attention-dropout", "0"]
+
+
+def _sparse_rows() -> dict:
+    fixed = _SPARSE + ["--sparse-attention", "fixed"]
+    bigbird = ["--sparse-attention", "bigbird"]
+    variable = _SPARSE + ["--sparse-attention", "variable"]
+    return {
+        "--sparse-attention": (fixed, None, "fixed"),
+        "--sparse-block-size": (_SPARSE, 16, 4),
+        "--sparse-attention-direction": (
+            fixed + ["--sparse-attention-direction", "bidirectional"],
+            "unidirectional",
+            "bidirectional",
+        ),
+        "--sparse-different-layout-per-head": (
+            fixed + ["--sparse-different-layout-per-head"],
+            False,
+            True,
+        ),
+        "--sparse-num-local-blocks": (fixed + ["--sparse-num-local-blocks", "2"], None, 2),
+        "--sparse-num-global-blocks": (fixed + ["--sparse-num-global-blocks", "1"], None, 1),
+        "--sparse-horizontal-global-attention": (
+            fixed
+            + ["--sparse-attention-direction", "bidirectional"]
+            + ["--sparse-horizontal-global-attention"],
+            False,
+            True,
+        ),
+        "--sparse-num-different-global-patterns": (
+            fixed
+            + ["--sparse-different-layout-per-head", "--sparse-num-local-blocks", "2"]
+            + ["--sparse-num-different-global-patterns", "2"],
+            None,
+            2,
+        ),
+        "--sparse-num-random-blocks": (
+            _SPARSE + bigbird + ["--sparse-num-random-blocks", "0"],
+            None,
+            0,
+        ),
+        "--sparse-num-sliding-window-blocks": (
+            _SPARSE + bigbird + ["--sparse-num-sliding-window-blocks", "1"],
+            None,
+            1,
+        ),
+        "--sparse-local-window-blocks": (
+            variable + ["--sparse-local-window-blocks", "2"],
+            None,
+            [2],
+        ),
+        "--sparse-global-block-indices": (
+            variable + ["--sparse-global-block-indices", "1"],
+            None,
+            [1],
+        ),
+        "--sparse-global-block-end-indices": (
+            variable
+            + ["--sparse-global-block-indices", "0", "--sparse-global-block-end-indices", "1"],
+            None,
+            [1],
+        ),
+    }
+
+
+_MOE = ["--num-experts", "4", "--disable-bias-linear"]
+
+
+def _moe_rows() -> dict:
+    return {
+        "--moe-expert-capacity-factor": (
+            _MOE + ["--moe-expert-capacity-factor", "1.5"],
+            None,
+            1.5,
+        ),
+        "--moe-token-drop-policy": (
+            _MOE + ["--moe-expert-capacity-factor", "1", "--moe-token-drop-policy", "position"],
+            "probs",
+            "position",
+        ),
+        "--moe-pad-expert-input-to-capacity": (
+            _MOE + ["--moe-expert-capacity-factor", "1", "--moe-pad-expert-input-to-capacity"],
+            False,
+            True,
+        ),
+        "--moe-router-load-balancing-type": (
+            _MOE + ["--moe-router-load-balancing-type", "none"],
+            "aux_loss",
+            "none",
+        ),
+        "--moe-aux-loss-coeff": (_MOE + ["--moe-aux-loss-coeff", "0.01"], 0.0, 0.01),
+        "--moe-z-loss-coeff": (_MOE + ["--moe-z-loss-coeff", "0.001"], None, 0.001),
     }
 
 
@@ -128,6 +225,8 @@ NEW_ROWS = [
     "--merge-file",
     "--tokenizer-model",
     "--ckpt-format",
+    *_sparse_rows(),
+    *_moe_rows(),
 ]
 _BY_FLAG = {s.flag: s for s in resume_rules.SETTINGS}
 

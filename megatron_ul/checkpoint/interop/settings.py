@@ -213,8 +213,15 @@ OUR_NO_EFFECT = frozenset(
     """attention_dropout hidden_dropout init_method_std use_flash_attn recompute_granularity
     recompute_method recompute_num_layers fused_layers fused_layers_backend
     tiled_loss_chunk_size tiled_mlp_chunk_size attention_block_tiles
-    activation_checkpoint_cpu_offload""".split()
+    activation_checkpoint_cpu_offload moe_router_load_balancing_type moe_aux_loss_coeff
+    moe_z_loss_coeff moe_grouped_gemm moe_token_dispatcher_type""".split()
 )
+# What a mixture-of-experts model computes beyond its dense shape; meaningless without
+# --num-experts (effective() spells them as their defaults then).
+_MOE = """num_experts moe_ffn_hidden_size moe_router_topk moe_layer_freq moe_router_pre_softmax
+moe_shared_expert_intermediate_size""".split()
+_MOE_CAPACITY = """moe_expert_capacity_factor moe_token_drop_policy
+moe_pad_expert_input_to_capacity""".split()
 _SHAPE = """num_layers hidden_size num_attention_heads ffn_hidden_size seq_length
 max_position_embeddings vocab_size make_vocab_size_divisible_by normalization norm_epsilon
 untie_embeddings_and_output_weights""".split()
@@ -232,6 +239,21 @@ OURS: dict[str, frozenset] = {
         add_bias_linear gelu_approximate""".split()
     ),
     "hf_gpt2": frozenset(_SHAPE + ["add_bias_linear", "gelu_approximate"]),
+    # transformers' Mixtral and Qwen2-MoE route every token (no capacity), top-k softmax as
+    # ours without --moe-router-pre-softmax (Mixtral) or with it (Qwen2-MoE's
+    # norm_topk_prob False); every layer sparse
+    "hf_mixtral": frozenset(
+        _SHAPE
+        + """num_query_groups kv_channels position_embedding_type rotary_base swiglu
+        add_bias_linear window_size num_experts moe_ffn_hidden_size moe_router_topk
+        moe_layer_freq""".split()
+    ),
+    "hf_qwen2_moe": frozenset(
+        _SHAPE
+        + """num_query_groups kv_channels position_embedding_type rotary_base swiglu
+        add_bias_linear window_size num_experts moe_ffn_hidden_size moe_router_topk
+        moe_layer_freq moe_router_pre_softmax moe_shared_expert_intermediate_size""".split()
+    ),
     "hf_llama": frozenset(
         _SHAPE
         + """num_query_groups kv_channels position_embedding_type rotary_base swiglu
@@ -263,6 +285,11 @@ def effective(m: dict) -> dict:
         out["rotary_base"] = _default("rotary_base")
     if out.get("swiglu"):
         out["gelu_approximate"] = _default("gelu_approximate")
+    if out.get("num_experts") is None:
+        for name in _MOE[1:] + _MOE_CAPACITY:
+            out[name] = _default(name)
+    elif out.get("moe_ffn_hidden_size") == out.get("ffn_hidden_size"):
+        out["moe_ffn_hidden_size"] = None
     return out
 
 

@@ -39,6 +39,12 @@ MODEL_FIELDS = {
     "normalization": "--normalization",
     "norm_epsilon": "--norm-epsilon",
     "gelu_approximate": "--gelu-approximate",
+    "num_experts": "--num-experts",
+    "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_layer_freq": "--moe-layer-freq",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_router_topk": "--moe-router-topk",
+    "moe_router_pre_softmax": "--moe-router-pre-softmax",
 }
 ROPE_FIELDS = {"rotary_base": "--rotary-base"}  # compared when both use rotary embeddings
 

@@ -173,6 +173,68 @@ SETTINGS += (
     ),
 )
 
+_SPARSE_EFFECT = (
+    "attention sees another block-sparse pattern of keys: the losses differ from the original run's"
+)
+SETTINGS += tuple(
+    Setting("--" + field.replace("_", "-"), f"model.{field}", RUN, _SPARSE_EFFECT)
+    for field in (
+        "sparse_attention",
+        "sparse_block_size",
+        "sparse_attention_direction",
+        "sparse_different_layout_per_head",
+        "sparse_num_local_blocks",
+        "sparse_num_global_blocks",
+        "sparse_horizontal_global_attention",
+        "sparse_num_different_global_patterns",
+        "sparse_num_random_blocks",
+        "sparse_num_sliding_window_blocks",
+        "sparse_local_window_blocks",
+        "sparse_global_block_indices",
+        "sparse_global_block_end_indices",
+    )
+)
+# MoE settings that leave the weights' shapes and the router's choice alone (the expert count,
+# sizes, top-k and softmax order are refused by load.check_model_matches).
+SETTINGS += (
+    Setting(
+        "--moe-expert-capacity-factor",
+        "model.moe_expert_capacity_factor",
+        RUN,
+        "another share of the routed tokens is dropped: the losses differ from the original run's",
+    ),
+    Setting(
+        "--moe-token-drop-policy",
+        "model.moe_token_drop_policy",
+        RUN,
+        "other tokens are dropped at capacity: the losses differ from the original run's",
+    ),
+    Setting(
+        "--moe-pad-expert-input-to-capacity",
+        "model.moe_pad_expert_input_to_capacity",
+        RUN,
+        "expert inputs are padded (or not) to their capacity",
+    ),
+    Setting(
+        "--moe-router-load-balancing-type",
+        "model.moe_router_load_balancing_type",
+        RUN,
+        "the load-balancing loss changes: the router's gradients differ from the original run's",
+    ),
+    Setting(
+        "--moe-aux-loss-coeff",
+        "model.moe_aux_loss_coeff",
+        RUN,
+        "the load-balancing loss is weighted anew: the router's gradients change",
+    ),
+    Setting(
+        "--moe-z-loss-coeff",
+        "model.moe_z_loss_coeff",
+        RUN,
+        "the router z-loss is weighted anew: the router's gradients change",
+    ),
+)
+
 # The config field behind each row compared on the LR schedule's state.
 SCHEDULER_FIELDS = {
     "scheduler.max_lr": "train.lr",
@@ -203,6 +265,8 @@ NEUTRAL = {
             "tiled_mlp_chunk_size",
             "attention_block_tiles",
             "activation_checkpoint_cpu_offload",
+            "moe_grouped_gemm",
+            "moe_token_dispatcher_type",
         )
     },
     "model.init_method_std": "the initialisation only, which a resume replaces by the weights",
@@ -220,6 +284,8 @@ NEUTRAL = {
             "world_size",
             "use_distributed_optimizer",
             "zero_stage",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
         )
     },
     "parallel.distributed_backend": "communication only",
