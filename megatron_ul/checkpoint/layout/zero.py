@@ -12,11 +12,15 @@ collectives.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ...model.chunks import model_dims
+from ...mpu.param_spec import param_spec
+from ...pipeline.model import global_named_parameters
 from ..files import CheckpointError
 from ..state import load_optimizer_state, named_parameters, optimizer_state
 
@@ -32,12 +36,79 @@ def _is_dp_cp_sp_root(model) -> bool:
     return model_dims(model).dp_cp_sp_rank == 0
 
 
+# ---- expert parallelism ----------------------------------------------------------------------
+# Expert names carry their global index (model/moe/experts.py), so a checkpoint holds every
+# expert under one name whatever the EP size: the writer gathers the other EP ranks' experts on
+# save and each rank keeps its own on load. ZeRO is refused with EP > 1 (moe_rules), so the
+# experts here are plain replicated tensors and their state plain AdamW state.
+_EXPERT_INDEX = re.compile(r"(\.local_experts\.)\d+\.")
+
+
+def _expert_names(model) -> set[str]:
+    return {n for n, p in global_named_parameters(model) if param_spec(p).grad_group == "expert_dp"}
+
+
+def _gather_experts(model, mine: dict) -> list[dict] | None:
+    """Every EP rank's `mine` (CPU objects) on EP rank 0, None elsewhere (collective over the
+    EP group; each EP group gathers in its own)."""
+    group = model_dims(model).ep_group
+    root = dist.get_global_rank(group, 0)
+    out: list | None = [None] * dist.get_world_size(group) if dist.get_rank() == root else None
+    dist.gather_object(mine, out, dst=root, group=group)
+    return out
+
+
+def _is_other_expert(name: str, local: set[str]) -> bool:
+    """`name` is an expert another EP rank holds: the same parameter of another index."""
+    template = _EXPERT_INDEX.sub(r"\1*.", name)
+    return template != name and any(_EXPERT_INDEX.sub(r"\1*.", n) == template for n in local)
+
+
+def local_experts_only(model, names) -> set[str]:
+    """The names in `names` this rank does not hold because another EP rank holds them."""
+    if model_dims(model).ep == 1:
+        return set()
+    local = set(named_parameters(model))
+    return {n for n in names if n not in local and _is_other_expert(n, local)}
+
+
+def _model_state_with_experts(model, params: dict) -> dict | None:
+    experts, root = _expert_names(model), _is_dp_cp_sp_root(model)
+    mine = {n: p.detach().cpu().clone() for n, p in params.items() if root or n in experts}
+    parts = _gather_experts(model, {n: t for n, t in mine.items() if n in experts})
+    if not root or parts is None:
+        return None
+    for part in parts:
+        mine.update(part)
+    return mine
+
+
+def _optimizer_state_with_experts(model, optimizer) -> dict | None:
+    experts, root = _expert_names(model), _is_dp_cp_sp_root(model)
+    state = optimizer_state(model, optimizer)
+    mine = (
+        {n: s for n, s in state["state"].items() if n in experts},
+        [[n for n in g["param_names"] if n in experts] for g in state["param_groups"]],
+    )
+    parts = _gather_experts(model, mine)
+    if not root or parts is None:
+        return None
+    for per_name, groups in parts[1:]:
+        state["state"].update(per_name)
+        for group, names in zip(state["param_groups"], groups):
+            group["param_names"] += names
+    return state
+
+
 # ---- save ----------------------------------------------------------------------------------
 def checkpoint_model_state(model, optimizer=None) -> dict[str, torch.Tensor] | None:
     """{name: full CPU tensor} on the dp_cp_sp root, None elsewhere (the optimizer's fp32 main
     weights where it keeps them). Collective over dp_cp_sp when parameters are DTensors
-    (ZeRO-3) or the main weights are ZeRO-1/2 pieces: gathered one at a time."""
+    (ZeRO-3) or the main weights are ZeRO-1/2 pieces: gathered one at a time; over the EP
+    group under expert parallelism (every expert in the root's state)."""
     params, root = named_parameters(model, optimizer), _is_dp_cp_sp_root(model)
+    if model_dims(model).ep > 1:
+        return _model_state_with_experts(model, params)
     pieces = {name: _main_pieces(optimizer, p) for name, p in params.items()}
     if not root and not any(
         isinstance(p, DTensor) or pieces[name] is not None for name, p in params.items()
@@ -77,6 +148,8 @@ def checkpoint_optimizer_state(model, optimizer) -> dict | None:
     Collective over dp_cp_sp for ZeRO-1 and ZeRO-3."""
     if _zero1(optimizer):
         return _gather_zero1(model, optimizer)
+    if model_dims(model).ep > 1:
+        return _optimizer_state_with_experts(model, optimizer)
     if not _is_dp_cp_sp_root(model) and not any(
         isinstance(p, DTensor) for p in named_parameters(model).values()
     ):
@@ -153,6 +226,8 @@ def load_model_state(model, state: dict, source: str, optimizer=None) -> None:
     """A full name-keyed model state into the model (the optimizer's main copies where it
     keeps them), its names and shapes checked first."""
     params = named_parameters(model, optimizer)
+    others = local_experts_only(model, state)
+    state = {n: t for n, t in state.items() if n not in others}
     missing, unexpected = set(params) - set(state), set(state) - set(params)
     if missing or unexpected:
         raise CheckpointError(
@@ -194,6 +269,16 @@ def load_checkpoint_optimizer_state(model, optimizer, saved: dict, source: str) 
     if _zero1(optimizer):
         _load_zero1(model, optimizer, saved, source)
         return
+    others = local_experts_only(model, saved["state"])
+    if others:  # the other EP ranks' experts
+        saved = {
+            **saved,
+            "state": {n: s for n, s in saved["state"].items() if n not in others},
+            "param_groups": [
+                {**g, "param_names": [n for n in g["param_names"] if n not in others]}
+                for g in saved["param_groups"]
+            ],
+        }
     params = named_parameters(model, optimizer)
     if any(isinstance(p, DTensor) for p in params.values()):
         state = {

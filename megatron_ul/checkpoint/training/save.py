@@ -252,7 +252,7 @@ def _agree(model, iteration: int, records: dict, digests: dict, error: str | Non
     dims = model_dims(model)
     mine = (
         local_parameter_table(model, dims.tp, dims.pp_rank)
-        if dims.dp_cp_sp_rank == 0 and dims.tp_rank == 0
+        if dims.expert_dp_rank == 0 and dims.tp_rank == 0  # each EP rank: its own experts
         else {}
     )
     gathered: list[Any] = [None] * dist.get_world_size()
