@@ -49,7 +49,12 @@ def flags() -> list[Flag]:
 def _flag(section: str, f: Field, annotation: Any) -> Flag:
     meta = f.metadata
     kind, choices, many = _kind(annotation)
-    default = f.default if f.default is not MISSING else f.default_factory()  # type: ignore
+    if f.default is not MISSING:
+        default = f.default
+    elif f.default_factory is not MISSING:
+        default = f.default_factory()
+    else:
+        raise TypeError(f"{section}.{f.name}: a flag needs a default")
     names = flag_names(f)
     if kind is bool and default is True and not meta.get("names"):
         raise TypeError(

@@ -39,7 +39,7 @@ def environment(device: str) -> dict:
     cuda = device == "cuda"
     props = torch.cuda.get_device_properties(0) if cuda else None
     try:
-        import flash_attn  # type: ignore[import-not-found]
+        import flash_attn
 
         flash = getattr(flash_attn, "__version__", "installed")
         if "stand_ins" in (getattr(flash_attn, "__file__", None) or ""):

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import sys
+from typing import Any, Optional
 
 import numpy as np
 
@@ -276,9 +277,10 @@ class ChunkEncoder:
     process), so pickling the encoder never ships a tokenizer.
     """
 
-    tokenizer = None
-    splitter = None
-    dtype = None
+    # set once per worker process by initializer()
+    tokenizer: Any = None
+    splitter: Any = None
+    dtype: Any = None
 
     def __init__(self, args):
         self.args = args
@@ -290,7 +292,9 @@ class ChunkEncoder:
 
     def encode(self, chunk):
         """Returns an EncodedChunk for the chunk's valid records."""
-        errors, record_ids, documents = [], [], []
+        errors: list[tuple] = []
+        record_ids: list[int] = []
+        documents: list[tuple] = []
         for position, record in enumerate(chunk.records):
             where = (chunk.path, chunk.first_in_shard + position + 1)
             document = parse_record(record, self.args.json_keys, where, errors)
@@ -335,7 +339,8 @@ class ChunkEncoder:
             flat = self.tokenizer.tokenize_batch(texts) if texts else []
         except Exception:  # noqa: BLE001 -- retry document by document to report the culprit
             flat = None
-        results, cursor = [], 0
+        results: list[Optional[list]] = []
+        cursor = 0
         for (where, _), shape in zip(documents, shapes):
             count = sum(shape)
             ids = (
@@ -365,7 +370,9 @@ class ChunkEncoder:
         """Megatron's rule per document: drop empty sentences; EOD joins the last one
         (a document without tokens gets no EOD and no sequence)."""
         eod = self.tokenizer.eod if self.args.append_eod else None
-        lengths, counts, pieces = [], [], []
+        lengths: list[int] = []
+        counts: list[int] = []
+        pieces: list[list[int]] = []
         for sentences in documents:
             kept = [ids for ids in sentences if len(ids)]
             if kept and eod is not None:
@@ -373,11 +380,11 @@ class ChunkEncoder:
             counts.append(len(kept))
             lengths.extend(len(ids) for ids in kept)
             pieces.extend(kept)
-        lengths = np.asarray(lengths, dtype=np.int32)
+        sizes = np.asarray(lengths, dtype=np.int32)
         tokens = np.fromiter(
-            itertools.chain.from_iterable(pieces), dtype=self.dtype, count=int(lengths.sum())
+            itertools.chain.from_iterable(pieces), dtype=self.dtype, count=int(sizes.sum())
         )
-        return tokens, lengths, np.asarray(counts, dtype=np.int64)
+        return tokens, sizes, np.asarray(counts, dtype=np.int64)
 
 
 class EncodedChunk:

@@ -26,6 +26,7 @@ import json
 import os
 import re
 from functools import lru_cache
+from typing import Optional
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -354,7 +355,7 @@ class HuggingFaceTokenizer(AbstractTokenizer):
         self, folder: str, prefer_transformers: bool = True, include_special_tokens: bool = True
     ):
         self.folder = folder
-        self.backend = None
+        self.library: Optional[str] = None  # which package reads tokenizer.json
         # Megatron-LM's include_special_tokens (megatron/core/tokenizers/text/libraries/
         # huggingface_tokenizer.py text_to_ids): True, its default from 0.18 and its legacy
         # tokenizer's only behaviour, is tokenizer(text).input_ids (BOS and the like added by
@@ -368,7 +369,7 @@ class HuggingFaceTokenizer(AbstractTokenizer):
                 pass
             else:
                 self._load_transformers()
-        if self.backend is None:
+        if self.library is None:
             self._load_tokenizers()
 
     def _load_transformers(self):
@@ -380,7 +381,7 @@ class HuggingFaceTokenizer(AbstractTokenizer):
             raise ValueError(
                 f"--tokenizer-model {self.folder}: not a Hugging Face tokenizer folder ({error})"
             ) from error
-        self.backend = "transformers"
+        self.library = "transformers"
         self._vocab_size = len(self.hf)
         self._eod = self.hf.eos_token_id
 
@@ -403,7 +404,7 @@ class HuggingFaceTokenizer(AbstractTokenizer):
             raise ValueError(
                 f"--tokenizer-model {path}: not a tokenizers file ({error})"
             ) from error
-        self.backend = "tokenizers"
+        self.library = "tokenizers"
         self._vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
         config_path = os.path.join(self.folder, "tokenizer_config.json")
         eos = (
@@ -428,14 +429,14 @@ class HuggingFaceTokenizer(AbstractTokenizer):
         return self._eod
 
     def tokenize(self, text: str) -> list:
-        if self.backend == "transformers":
+        if self.library == "transformers":
             if not self.include_special_tokens:
                 return list(self.hf.convert_tokens_to_ids(self.hf.tokenize(text)))
             return list(self.hf(text).input_ids)
         return self.hf.encode(text, add_special_tokens=self.include_special_tokens).ids
 
     def tokenize_batch(self, texts: list) -> list:
-        if self.backend == "transformers":
+        if self.library == "transformers":
             if not self.include_special_tokens:
                 return [self.tokenize(text) for text in texts]
             return [list(ids) for ids in self.hf(texts).input_ids] if texts else []

@@ -179,7 +179,7 @@ class GPTModel(nn.Module):
         Returns hidden states [s, b, h] on non-last stages; on the last stage the per-token
         loss [b, N/SP] (fp32) when labels are given, else logits [s, b, padded_vocab/TP].
         """
-        x = self.embed(tokens, position_ids) if self.pre_process else hidden_states
+        x = self._stage_input(tokens, position_ids, hidden_states)
         rotary = None
         if self.cfg.position_embedding_type == "rope":
             # fp32 tables; apply_rotary returns q and k in their own (activation) dtype
@@ -204,6 +204,21 @@ class GPTModel(nn.Module):
         if labels is None:
             return self.logits(x)
         return self.loss(x, labels.t()).t().contiguous()  # fresh: FSDP2 warns about views
+
+    def _stage_input(
+        self,
+        tokens: Optional[torch.Tensor],
+        position_ids: torch.Tensor,
+        hidden_states: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """The first stage embeds tokens; a later stage continues from the previous one's output."""
+        if self.pre_process:
+            if tokens is None:
+                raise ValueError("the first pipeline stage embeds tokens: tokens is None")
+            return self.embed(tokens, position_ids)
+        if hidden_states is None:
+            raise ValueError("a later pipeline stage needs the previous stage's hidden_states")
+        return hidden_states
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token loss [s, b] of final hidden states x [s, b, h] (÷TP under Megatron-SP)."""

@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 try:  # optional acceleration; the PyPI package named "apex" is unrelated and has no such module
     from apex.normalization.fused_layer_norm import (
-        fused_layer_norm_affine,  # type: ignore
+        fused_layer_norm_affine,
         fused_rms_norm_affine,
     )
 

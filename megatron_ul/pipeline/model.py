@@ -9,12 +9,14 @@ into PP·v blocks of n layers and virtual stage (model chunk) c on pp rank r hol
 from __future__ import annotations
 
 import re
+from typing import cast
 
 from torch import nn
 
 from ..config import ResolvedConfig, ResolvedModelConfig
 from ..model.chunks import model_chunks
 from ..model.gpt import GPTModel
+from ..model.transformer import TransformerLayer
 from ..mpu.parallel_state import ParallelDims
 from ..mpu.param_spec import param_spec, set_param_spec
 from ..timers import NO_TIMERS, Timers
@@ -145,7 +147,7 @@ def chunk_named_parameters(model: nn.Module):
         for name, p in chunk.named_parameters():
             match = _LAYER.match(name)
             if match:
-                layer = chunk.layers[int(match.group(1))]
+                layer = cast(TransformerLayer, cast(GPTModel, chunk).layers[int(match.group(1))])
                 name = f"layers.{layer.layer_number - 1}." + name[match.end() :]
             if param_spec(p).tied_replica:
                 name = REPLICA_PREFIX + name

@@ -155,10 +155,10 @@ def test_llama2_tokenizer_prepends_bos(sp_model):
 # ---------------------------------------------------------------- Hugging Face
 
 
-def test_huggingface_tokenizer_both_backends_agree(tmp_path):
+def test_huggingface_tokenizer_both_libraries_agree(tmp_path):
     folder = hf_tokenizer_folder(str(tmp_path / "hf"))
     light = HuggingFaceTokenizer(folder, prefer_transformers=False)
-    assert light.backend == "tokenizers"
+    assert light.library == "tokenizers"
     texts = SP_TEXTS[:20] + SAMPLE_TEXTS
     ids = light.tokenize_batch(texts)
     assert ids == [light.tokenize(text) for text in texts]
@@ -171,7 +171,7 @@ def test_huggingface_tokenizer_both_backends_agree(tmp_path):
     )
     pytest.importorskip("transformers")
     full = build_tokenizer("HuggingFaceTokenizer", tokenizer_model=folder)
-    assert full.backend == "transformers"
+    assert full.library == "transformers"
     assert (full.vocab_size, full.eod) == (light.vocab_size, light.eod)
     assert full.tokenize_batch(texts) == ids
 

@@ -14,11 +14,15 @@ import contextlib
 import os
 import platform
 import sys
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
 from tools.bench.common import run_ranks
 from tools.bench.memory_targets import table_targets
+
+if TYPE_CHECKING:
+    from megatron_ul.model.gpt import GPTModel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -132,7 +136,7 @@ def layer_activation_worker(rank, world, argv, seq_length):
     from megatron_ul.training.pretrain import configure, setup
 
     cfg = configure(argv, world)
-    model = setup(cfg).model
+    model = cast("GPTModel", setup(cfg).model)  # one stage: the configs here have no PP
     tokens, positions, _ = _local_batch(cfg.model, seq_length, model.dims)
     x, rotary = _layer_inputs(model, cfg, tokens, positions)
     _, saved = saved_activation_bytes(
@@ -181,7 +185,8 @@ def longest_sequence_worker(rank, world, argv, cap_bytes, start):
 
     cfg = configure(argv + ["--seq-length", str(start)], world)
     trainer = setup(cfg)
-    model, params = trainer.model, list(trainer.model.parameters())
+    model = cast("GPTModel", trainer.model)  # one stage: the configs here have no PP
+    params = list(model.parameters())
     tokens, positions, labels = _local_batch(cfg.model, start, model.dims)
     model(tokens, positions, None, labels).sum().backward()
     trainer.optimizer.step()
@@ -338,7 +343,7 @@ def peak_worker(rank, world, argv, precision: str):
         }
     return {
         "phases": phases,
-        "peak": max(p["peak"] for p in phases.values()),
+        "peak": max(tracker.total_peaks[phase] for phase in phases),
         "rss_peak": peak_rss_bytes(),  # with the fp32 copies when fp32_half_kernels
         "fp32_half_kernels": wide,
         "rss_start": rss_start,
@@ -355,11 +360,11 @@ def _host_held_gradients():
     from megatron_ul.optim import host_grads
 
     keeps = host_grads.keeps_grads_apart
-    host_grads.keeps_grads_apart = lambda device: True  # type: ignore[assignment]
+    host_grads.keeps_grads_apart = lambda device: True
     try:
         yield
     finally:
-        host_grads.keeps_grads_apart = keeps  # type: ignore[assignment]
+        host_grads.keeps_grads_apart = keeps
 
 
 def _storage_bytes(tensors) -> int:

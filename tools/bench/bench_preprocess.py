@@ -194,7 +194,7 @@ def measure(args, workdir):
         )
     for workers in args.workers:
         # Alternate the tools within each repeat so that load on a shared machine hits both alike.
-        best = {}
+        best: dict[str, float] = {}
         for _ in range(args.repeats):
             for name, timed in methods:
                 prefix = os.path.join(workdir, f"{len(best)}-{name.split()[0]}-w{workers}")

@@ -19,7 +19,7 @@ import torch
 
 from tools.bench.common import markdown_table, report
 
-from megatron_ul.config import ModelConfig
+from megatron_ul.config import ResolvedModelConfig
 from megatron_ul.initialize import free_port
 from megatron_ul.model.gpt import GPTModel
 from megatron_ul.mpu import parallel_state as ps
@@ -32,7 +32,7 @@ def build_ours(a):
     torch.distributed.init_process_group("gloo", rank=0, world_size=1)
     dims = ps.initialize_model_parallel(1, 1, 1)
     model_parallel_seed(1, dims, "cpu")
-    cfg = ModelConfig(
+    cfg = ResolvedModelConfig(
         num_layers=a.layers,
         hidden_size=a.hidden,
         num_attention_heads=a.heads,
@@ -112,8 +112,8 @@ def main(argv=None):
         "megatron_ul GPTModel": (step_ours, *build_ours(a)),
         "HF GPT2LMHeadModel": (step_hf, *build_hf(a)),
     }
-    wall = {name: [] for name in runners}
-    cpu = {name: [] for name in runners}
+    wall: dict[str, list[float]] = {name: [] for name in runners}
+    cpu: dict[str, list[float]] = {name: [] for name in runners}
     for step, model, opt in runners.values():  # warm-up
         step(model, opt, tokens)
     for _ in range(a.rounds):

@@ -292,10 +292,12 @@ def read_core_dist(
     check(Source(model_cfg, iteration, {"tp": 1, "pp": 1}))
     wanted = _dist_wanted(reader.read_metadata(), args, iter_dir)
     index = reader.read_metadata().state_dict_metadata
-    loaded = {
-        k: torch.empty(index[k].size, dtype=index[k].properties.dtype)  # type: ignore
-        for k in wanted
-    }
+    loaded = {}
+    for k in wanted:
+        meta = index[k]
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"{iter_dir}: {k} is stored as bytes, not as a tensor")
+        loaded[k] = torch.empty(meta.size, dtype=meta.properties.dtype)
     try:
         dcp.load(loaded, storage_reader=reader, no_dist=True)
     # DCP's CheckpointException derives from BaseException; its text is every traceback.

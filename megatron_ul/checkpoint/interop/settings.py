@@ -239,20 +239,13 @@ OURS: dict[str, frozenset] = {
         add_bias_linear gelu_approximate""".split()
     ),
     "hf_gpt2": frozenset(_SHAPE + ["add_bias_linear", "gelu_approximate"]),
-    # transformers' Mixtral and Qwen2-MoE route every token (no capacity), top-k softmax as
-    # ours without --moe-router-pre-softmax (Mixtral) or with it (Qwen2-MoE's
-    # norm_topk_prob False); every layer sparse
+    # transformers' Mixtral routes every token (no capacity) with top-k softmax as ours
+    # without --moe-router-pre-softmax; every layer sparse (hf_moe.py)
     "hf_mixtral": frozenset(
         _SHAPE
         + """num_query_groups kv_channels position_embedding_type rotary_base swiglu
         add_bias_linear window_size num_experts moe_ffn_hidden_size moe_router_topk
         moe_layer_freq""".split()
-    ),
-    "hf_qwen2_moe": frozenset(
-        _SHAPE
-        + """num_query_groups kv_channels position_embedding_type rotary_base swiglu
-        add_bias_linear window_size num_experts moe_ffn_hidden_size moe_router_topk
-        moe_layer_freq moe_router_pre_softmax moe_shared_expert_intermediate_size""".split()
     ),
     "hf_llama": frozenset(
         _SHAPE
@@ -266,7 +259,11 @@ _FLAGS["add_bias_linear"] = "--disable-bias-linear"
 
 def _default(name: str) -> Any:
     f = {f.name: f for f in fields(ModelConfig)}[name]
-    return f.default if f.default is not MISSING else f.default_factory()  # type: ignore[misc,operator]
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    raise TypeError(f"ModelConfig.{name} has no default")
 
 
 def effective(m: dict) -> dict:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -139,7 +140,8 @@ def _on_every_rank(step):
     every rank; when it fails on any rank, every rank raises, naming each failed rank and its
     error — so rank 0 reports another rank's missing or corrupt file, not a broken
     connection."""
-    result, error, local = None, None, None
+    result, error = None, None
+    local: Optional[Exception] = None
     try:
         result = step()
     except CheckpointError as e:

@@ -171,10 +171,11 @@ class BlockwiseAttention(torch.autograd.Function):
                 pieces = [
                     t.detach().requires_grad_() for t in (q[q0:q1, b], k[k0:k1, b], v[k0:k1, b])
                 ]
+                bq, bk, bv = pieces
                 with torch.enable_grad():
-                    out = _block_attention(*pieces, block, ctx.window, ctx.dropout_p, ctx.scale)
+                    out = _block_attention(bq, bk, bv, block, ctx.window, ctx.dropout_p, ctx.scale)
                 gq, gk, gv = torch.autograd.grad(out, pieces, grad_out[q0:q1, b])
-                del out, pieces  # not alive while the next block recomputes
+                del out, pieces, bq, bk, bv  # not alive while the next block recomputes
                 dq[q0:q1, b] += gq
                 dk[k0:k1, b] += gk
                 dv[k0:k1, b] += gv
