@@ -11,6 +11,8 @@ TINY = [
     "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
     "--train-iters", "20", "--lr", "1e-3", "--min-lr", "1e-4", "--lr-warmup-iters", "3",
     "--attention-dropout", "0", "--hidden-dropout", "0",
+    # large weights: logits far from uniform, so every mapped tensor moves the loss
+    "--init-method-std", "0.5",
 ]  # fmt: skip
 
 
@@ -46,6 +48,6 @@ def test_transformers_model_from_our_weights_gives_our_loss(shape):
 
     ours, theirs, lrs = run_distributed(_losses, 1, TINY + SHAPES[shape], shape)[0]
     assert abs(ours - theirs) < 1e-5, (ours, theirs)
-    assert ours > 4.0  # about ln(100) from random weights: a real loss, not a degenerate one
+    assert ours > 6.0  # well above ln(100): the logits are far from uniform
     for written, scheduled in lrs:
         assert written == pytest.approx(scheduled, rel=1e-12, abs=1e-15)
