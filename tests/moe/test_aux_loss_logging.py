@@ -66,3 +66,43 @@ def test_logged_aux_losses_are_megatron_cores_per_layer_on_any_layout():
     for rank_reports, _ in split:
         for key, value in report.items():
             assert rank_reports[-1][key] == pytest.approx(value, rel=1e-5), key
+
+
+def _router_gradients(rank, world, argv):
+    """The router weights before the step, their inputs per micro-batch and the gradient
+    backward gave them over the step (summed over micro-batches, before clipping)."""
+    trainer = setup(configure(argv, world))
+    routers = [m for m in trainer.model.modules() if type(m).__name__ == "TopKRouter"]
+    weights = [r.weight.detach().clone() for r in routers]
+    inputs = [[] for _ in routers]
+    grads = [torch.zeros_like(w) for w in weights]
+    for n, router in enumerate(routers):
+        router.register_forward_hook(lambda _m, i, _o, n=n: inputs[n].append(i[0].detach()))
+        router.weight.register_hook(lambda g, n=n: grads[n].add_(g))
+    trainer.train()
+    return weights, inputs, grads
+
+
+def test_aux_loss_gradient_is_the_mean_over_micro_batches():
+    """Megatron's weighting: the load-balancing loss adds coeff × (1/M) Σ_micro-batches
+    d(aux)/dW to the router's gradient (M micro-batches in the step): the difference between
+    a run with the loss and one without, against autograd of megatron-core's loss function."""
+    base = BASE + LLAMA_GQA + ["--num-experts", "4", "--train-iters", "1", "--lr-warmup-iters"]
+    base += ["0", "--global-batch-size", "4"]  # M = 2 micro-batches of 2
+    ((weights, inputs, with_aux),) = run_distributed(
+        _router_gradients, 1, base + ["--moe-aux-loss-coeff", "0.5"]
+    )
+    ((_, _, without),) = run_distributed(_router_gradients, 1, base)
+    # The last MoE layer's router: no later layer's loss reaches it (an earlier router's
+    # gradient also carries the later layers' losses through the activations).
+    for w, xs, g_aux, g_plain in list(zip(weights, inputs, with_aux, without))[-1:]:
+        w = w.double().requires_grad_(True)
+        total = 0.0
+        for x in xs:
+            scores = torch.softmax(x.double() @ w.t(), -1)
+            counts = torch.zeros_like(scores).scatter(1, scores.topk(2, 1).indices, 1.0).sum(0)
+            total = total + moe_utils.switch_load_balancing_loss_func(
+                scores, counts.detach(), x.shape[0], 2, 4, 0.5
+            )
+        (total / len(xs)).backward()
+        torch.testing.assert_close((g_aux - g_plain).double(), w.grad, rtol=1e-4, atol=1e-7)
