@@ -224,7 +224,7 @@ def backward(
         )
         if dropout_p > 0:
             assert philox is not None
-            grads = lse_kernels.efficient_attention_backward(*args, dropout_p, philox[i])  # type: ignore[call-arg]
+            grads = lse_kernels.efficient_attention_backward(*args, dropout_p, philox[i])
         else:
             grads = kernels.of(block).backward(*args)
         kvh = _kv_heads(block, q.shape[2], k.shape[2])
