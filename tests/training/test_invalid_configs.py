@@ -186,7 +186,7 @@ def test_choices_of_a_config_built_in_code_come_from_the_literal_types():
 
     cfg = resolve(Config())
     cfg.data.mock_data, cfg.model.vocab_size = True, 100
-    cfg.model.normalization, cfg.train.lr_decay_style = "BatchNorm", "step"  # type: ignore
+    cfg.model.normalization, cfg.train.lr_decay_style = "BatchNorm", "step"  # type: ignore[assignment]
     found = problems(cfg)
     assert "--normalization must be one of LayerNorm, RMSNorm (got 'BatchNorm')" in found
     assert "--lr-decay-style must be one of constant, linear, cosine (got 'step')" in found
