@@ -34,7 +34,7 @@ ZERO1_PP2 = [
 
 def _train_with_delayed_gathers(rank: int, world: int, argv: list[str], wait_for_tied: bool):
     if not wait_for_tied:  # the old order: nothing waits before the output layer's read
-        GPTModel.register_tied_weight_read_hook = lambda self, hook: None  # type: ignore
+        GPTModel.register_tied_weight_read_hook = lambda self, hook: None  # type: ignore[method-assign]
     with delayed_all_gathers():
         return train_and_collect(rank, world, argv)
 
