@@ -85,7 +85,7 @@ REFUSED = [
     (["--lr", "inf"], "--lr must be >= 0 (got inf)"),
     (["--vocab-size", "-1"], "--vocab-size must be >= 0 (got -1)"),
     (["--vocab-size", "1"], "--mock-data needs --vocab-size N (N >= 2"),
-    (["--zero-stage", "2"], "--zero-stage 2 is not available"),
+    (["--zero-stage", "4"], "--zero-stage 4 is not available"),
     (["--window-size", "4", "1"], "RIGHT must be 0"),
 ]
 
