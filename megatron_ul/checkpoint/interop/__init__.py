@@ -11,12 +11,16 @@ import types
 from ..files import CheckpointError
 from .base import Converter
 from .hf import HuggingFace
+from .hf_moe import HuggingFaceMixtral
 from .megatron_core import MegatronCore
 from .megatron_lm import MegatronLM
 from .ours import MegatronUl
 
 CONVERTERS: types.MappingProxyType[str, Converter] = types.MappingProxyType(
-    {c.name: c for c in (MegatronUl(), HuggingFace(), MegatronLM(), MegatronCore())}
+    {
+        c.name: c
+        for c in (MegatronUl(), HuggingFace(), HuggingFaceMixtral(), MegatronLM(), MegatronCore())
+    }
 )
 
 

@@ -13,6 +13,7 @@ collectives.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,7 +49,7 @@ def _expert_names(model) -> set[str]:
     return {n for n, p in global_named_parameters(model) if param_spec(p).grad_group == "expert_dp"}
 
 
-def _gather_experts(model, mine: dict) -> list[dict] | None:
+def _gather_experts(model, mine: Any) -> list | None:
     """Every EP rank's `mine` (CPU objects) on EP rank 0, None elsewhere (collective over the
     EP group; each EP group gathers in its own)."""
     group = model_dims(model).ep_group
