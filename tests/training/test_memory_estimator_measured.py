@@ -127,13 +127,17 @@ DEVICE_ROWS = [
     (1024, 4096, 1, True),
     (1024, 4096, 1, False),
     (1024, 8192, 1, True),
+    (1024, 8192, 1, False),
     (1024, 16384, 1, True),
+    (1024, 8192, 2, True),
+    (1024, 16384, 2, True),
 ]
 # Pairs of rows whose layer-backward bytes per token are compared: (hidden, CP, documents,
 # two lengths), both with more tokens per rank than one tiled MLP chunk.
 DEVICE_SLOPES = [
     (512, 1, True, 8192, 16384),
     (1024, 1, True, 8192, 16384),
+    (1024, 1, False, 8192, 16384),
 ]
 
 
