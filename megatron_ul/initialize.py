@@ -59,8 +59,10 @@ def initialize_distributed(cfg: Config) -> tuple[torch.device, ParallelDims]:
     """
     rank, world, local_rank = _rank_env()
     timeout = datetime.timedelta(minutes=cfg.parallel.distributed_timeout_minutes)
-    backend = cfg.parallel.distributed_backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
+    dist_backend = cfg.parallel.distributed_backend or (
+        "nccl" if torch.cuda.is_available() else "gloo"
+    )
+    if dist_backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("--distributed-backend nccl needs GPUs; use gloo on CPU")
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
@@ -71,7 +73,7 @@ def initialize_distributed(cfg: Config) -> tuple[torch.device, ParallelDims]:
         # device_id binds this rank's GPU to the group, so barriers and object collectives
         # (checkpoint saves) use it instead of guessing; CPU/gloo has nothing to bind.
         dist.init_process_group(
-            backend,
+            dist_backend,
             init_method=_one_process_rendezvous(world),
             rank=rank,
             world_size=world,
@@ -98,7 +100,7 @@ def initialize_distributed(cfg: Config) -> tuple[torch.device, ParallelDims]:
             p.ds_sequence_parallel_size,
             p.tensor_model_parallel_size,
             device,
-            backend,
+            dist_backend,
         )
     return device, dims
 

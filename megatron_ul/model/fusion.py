@@ -5,8 +5,8 @@ norms, RoPE) runs as fused kernels and keeps fewer intermediates for backward.
 Only the layer's `forward` is compiled, not its `__call__`: module hooks (FSDP2's all-gather and
 reshard, recompute, the memory probe's) stay eager around it. The Ulysses attention (all-to-all,
 attention kernel, all-to-all) is excluded and runs eagerly between two compiled regions: it is
-one kernel and two collectives, nothing to fuse. So is the tiled MLP's chunk loop
-(--tiled-mlp-chunk-size, a checkpoint per chunk); each chunk's MLP is compiled on its own. TP's
+one kernel and two collectives, nothing to fuse. So is the tiled MLP's tile loop
+(--tiled-mlp-chunk-size, a checkpoint per tile); each tile's MLP is compiled on its own. TP's
 collectives live in autograd Functions that call torch.distributed directly; dynamo breaks the
 graph there, so they run eagerly too.
 Random numbers (dropout) use PyTorch's generator as in eager mode (inductor's fallback_random),
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-BACKENDS = ("inductor", "aot_eager")  # aot_eager: traced and differentiated, not fused
+COMPILERS = ("inductor", "aot_eager")  # aot_eager: traced and differentiated, not fused
 
 
-def fuse_layers(layers, backend: str = "inductor") -> None:
+def fuse_layers(layers, compiler: str = "inductor") -> None:
     """Compile the forward of every layer in `layers` in place (parameters and names stay)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown torch.compile backend {backend!r}; use one of {BACKENDS}")
+    if compiler not in COMPILERS:
+        raise ValueError(f"unknown torch.compile backend {compiler!r}; use one of {COMPILERS}")
     import torch._inductor.config as inductor_config
 
     inductor_config.fallback_random = True
@@ -31,9 +31,9 @@ def fuse_layers(layers, backend: str = "inductor") -> None:
         attention = layer.attention
         attention.core = torch.compiler.disable(attention.core, recursive=True)
         mlp = layer.mlp
-        if mlp.chunk_tokens is not None:
-            # The tiled MLP checkpoints each chunk with the RNG tracker's snapshot, which dynamo
-            # cannot trace: the tiling loop runs eagerly and each chunk's MLP is compiled alone.
-            mlp._dense = torch.compile(mlp._dense, backend=backend, dynamic=False)
+        if mlp.tile_tokens is not None:
+            # The tiled MLP checkpoints each tile with the RNG tracker's snapshot, which dynamo
+            # cannot trace: the tiling loop runs eagerly and each tile's MLP is compiled alone.
+            mlp._dense = torch.compile(mlp._dense, backend=compiler, dynamic=False)
             mlp.forward = torch.compiler.disable(mlp.forward, recursive=True)
-        layer.forward = torch.compile(layer.forward, backend=backend, dynamic=False)
+        layer.forward = torch.compile(layer.forward, backend=compiler, dynamic=False)

@@ -222,14 +222,14 @@ class GPTModel(nn.Module):
 
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Per-token loss [s, b] of final hidden states x [s, b, h] (÷TP under Megatron-SP)."""
-        chunk = self.cfg.tiled_loss_chunk_size
-        if chunk is None or chunk >= x.shape[0]:
+        tile = self.cfg.tiled_loss_chunk_size
+        if tile is None or tile >= x.shape[0]:
             return vocab_parallel_cross_entropy(
                 self.logits(x), labels, self.cfg.vocab_size, self.tp_group
             )
         gathered = self.tp_size if self.sequence_parallel else 1
         return tiled_logits_loss(
-            self.logits, x, labels, self.cfg.vocab_size, chunk, gathered, self.tp_group
+            self.logits, x, labels, self.cfg.vocab_size, tile, gathered, self.tp_group
         )
 
 

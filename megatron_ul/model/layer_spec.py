@@ -46,7 +46,7 @@ class LayerSpec:
     def mlp_for(self, cfg: ModelConfig, layer_number: int) -> type[MLP]:
         if self.moe is not None and cfg.is_moe_layer(layer_number):
             # MoELayer answers the MLP's interface (forward, saved_bytes, gradient_bytes,
-            # saved_blocks, chunk_tokens) without its fc1/fc2.
+            # saved_blocks, tile_tokens) without its fc1/fc2.
             return cast("type[MLP]", self.moe)
         return self.mlp
 

@@ -1,5 +1,5 @@
 """The layer spec's MLPs (model/layer_spec.py): fc1 (column-parallel) → activation → fc2
-(row-parallel), optionally over sequence chunks (--tiled-mlp-chunk-size, model/tiled_mlp.py).
+(row-parallel), optionally over sequence tiles (--tiled-mlp-chunk-size, model/tiled_mlp.py).
 
 A variant sets how many ffn-wide blocks fc1 produces and how they are fused, its activation,
 and how many [s, b, ffn/TP] tensors it keeps for backward (what the memory estimator counts).
@@ -47,7 +47,7 @@ class MLP(nn.Module):
     ):
         super().__init__()
         self.gelu_approximate = cfg.gelu_approximate
-        self.chunk_tokens = cfg.tiled_mlp_chunk_size
+        self.tile_tokens = cfg.tiled_mlp_chunk_size
         self.ffn = cfg.ffn_size
         # Several blocks are TP-split with that stride: each rank gets matching parts of all.
         self.fc1 = ColumnParallelLinear(
@@ -74,8 +74,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.chunk_tokens is not None:
-            return tiled_mlp(self._dense, x, self.chunk_tokens)
+        if self.tile_tokens is not None:
+            return tiled_mlp(self._dense, x, self.tile_tokens)
         return self._dense(x)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,11 +85,11 @@ class MLP(nn.Module):
         return F.gelu(h, approximate=self.gelu_approximate)
 
     def saved_bytes(self, shape: ActivationShape) -> float:
-        """What the MLP keeps for backward beyond fc1's input; tiled, one chunk's (alive
-        while that chunk is recomputed)."""
+        """What the MLP keeps for backward beyond fc1's input; tiled, one tile's (alive
+        while that tile is recomputed)."""
         ffn = shape.tokens * self.ffn / shape.tp
-        if self.chunk_tokens:
-            ffn *= min(1.0, self.chunk_tokens / shape.local_seq)
+        if self.tile_tokens:
+            ffn *= min(1.0, self.tile_tokens / shape.local_seq)
         return self.saved_blocks * ffn * shape.act_bytes
 
     def gradient_bytes(self, shape: ActivationShape) -> float:

@@ -242,7 +242,7 @@ def _groups_varying(grid: torch.Tensor, axes: tuple[str, ...]) -> list[list[int]
 
 def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
-    sequence_parallel_size: int = 1,
+    ulysses_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     timeout: datetime.timedelta | None = None,
     context_parallel_size: int = 1,
@@ -252,7 +252,7 @@ def initialize_model_parallel(
     init_process_group. Keeps nothing: the caller hands the result to what needs it."""
     world = dist.get_world_size()
     rank = dist.get_rank()
-    tp, sp, pp = tensor_model_parallel_size, sequence_parallel_size, pipeline_model_parallel_size
+    tp, sp, pp = tensor_model_parallel_size, ulysses_size, pipeline_model_parallel_size
     cp = context_parallel_size
     if world % (tp * sp * pp * cp) != 0:
         raise ValueError(

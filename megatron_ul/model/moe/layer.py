@@ -104,7 +104,7 @@ class MoELayer(nn.Module):
         self.topk, self.ffn, self.swiglu = cfg.moe_router_topk, cfg.moe_ffn_size, cfg.swiglu
         self.hidden = cfg.hidden_size
         self.saved_blocks = 4 if cfg.swiglu else 2  # the dense MLP's count, for the estimator
-        self.chunk_tokens = None  # never tiled (config_rules refuses --tiled-mlp-chunk-size)
+        self.tile_tokens = None  # never tiled (config_rules refuses --tiled-mlp-chunk-size)
         self.layer_number = int(key.split(".")[1])  # key: "layers.<n>.mlp"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
