@@ -21,7 +21,7 @@ from ..mpu.parallel_state import ParallelDims
 from ..mpu.random import get_rng_tracker
 from ..timers import NO_TIMERS, Timers
 from .attention.layer import LayerAttention, model_call
-from .attention.block_sparse_layer import SparseLayerAttention
+from .attention.block_sparse import SparseHeads
 from .attention.documents import DocumentMask
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
@@ -162,9 +162,9 @@ class TransformerLayer(nn.Module):
         self.input_norm = spec.build_norm(cfg, sequence_parallel, device, dtype)
         self.attention = spec.attention(cfg, key + ".attention", *args, timers=timers, dims=dims)
         if cfg.sparse_attention is not None:  # this layer's layout (its own random blocks)
-            sparse = SparseLayerAttention(cfg, dims, seed, layer_number)
-            # the same call as LayerAttention's (q, k, v, dropout_p, documents); not a subclass
-            self.attention.core.attention = sparse  # type: ignore[assignment]
+            self.attention.core.attention.use_sparse_heads(
+                SparseHeads.of(cfg, dims, seed, layer_number)
+            )
         self.post_attention_norm = spec.build_norm(cfg, sequence_parallel, device, dtype)
         self.mlp = spec.mlp_for(cfg, layer_number)(cfg, key + ".mlp", *args, dims=dims)
         self.hidden_dropout = cfg.hidden_dropout

@@ -93,12 +93,7 @@ def describe(cfg: ResolvedConfig) -> str:
         f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision {precision}, "
         f"{activation_bytes}-byte activations; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
-        "attention kernel on a GPU: "
-        + (
-            "block-sparse rectangles on torch's efficient kernel (fp64: the softmax written out)"
-            if m.sparse_attention is not None
-            else planned_kernel(attention_call(cfg, torch.device("cuda")))
-        ),
+        "attention kernel on a GPU: " + planned_kernel(attention_call(cfg, torch.device("cuda"))),
         "long context: " + long_context(cfg),
         "memory estimate per GPU: " + est.describe(),
         f"initialisation peak per GPU: "
@@ -134,7 +129,7 @@ def long_context(cfg: ResolvedConfig) -> str:
 
 def sparse_attention_plan(cfg: ResolvedConfig) -> str:
     """The block-sparse pattern, the share of the causal blocks it computes (layer 0's
-    layout, the run's seed) and the kernel its rectangles run on."""
+    layout, the run's seed); the kernel is the attention line's (the backend table's row)."""
     m = cfg.model
     pattern = SparsityPattern.of(m)
     assert pattern is not None
@@ -143,7 +138,7 @@ def sparse_attention_plan(cfg: ResolvedConfig) -> str:
     share = computed / (m.num_attention_heads * blocks * (blocks + 1) / 2)
     return (
         f"block-sparse {pattern.mode} attention, block {pattern.block}: {share:.1%} of the "
-        f"causal blocks computed (rectangles on torch's efficient kernel on a GPU)"
+        f"causal blocks computed (as blocks of the blocked attention engine)"
     )
 
 

@@ -78,3 +78,27 @@ def test_the_selection_returns_typed_backends_the_call_sites_run():
     )
     sdpa = select(cuda)
     assert isinstance(sdpa, backends.TorchSdpa) and sdpa.backend == "efficient" and sdpa.expand_kv
+
+
+def test_block_sparse_is_a_row_of_the_table_the_run_the_dry_run_and_the_check_ask():
+    """--sparse-attention: select() returns the block-sparse rows (one rank, the ring) on the
+    table's unit kernels; the start-up check refuses a head dim the CUDA kernel cannot align,
+    naming the flags, and attention dropout; the log names the pattern."""
+    from megatron_ul.model.attention.block_sparse import SparseHeads
+    from megatron_ul.sparsity_config import SparsityPattern
+
+    sparse = SparseHeads(SparsityPattern.create("fixed", block=8), num_heads=4)
+    call = AttentionCall(CPU, torch.float32, 8, 4, 2, sparse=sparse)
+    assert isinstance(select(call), backends.BlockSparse)
+    assert select(call).name == "block-sparse fixed: cpu-flash"
+    ring = replace(call, ring=True, documents=True)
+    assert isinstance(select(ring), backends.BlockSparseRing)
+    assert select(ring).name == "ring block-sparse fixed: cpu-flash / cpu-flash"
+    assert backends.attention_path(ring) == "ring block-sparse fixed + documents"
+    cuda = replace(call, device=torch.device("cuda"), dtype=torch.bfloat16, head_dim=36)
+    assert "--kv-channels" in kernel_refusal(cuda)  # 36 is not a multiple of 8
+    assert select(replace(cuda, head_dim=64)).name == "block-sparse fixed: sdpa-efficient"
+    assert backends.planned_kernel(replace(call, head_dim=64)) == (
+        "block-sparse fixed: sdpa-efficient"
+    )
+    assert "--attention-dropout" in kernel_refusal(replace(call, dropout=0.1))

@@ -1,6 +1,6 @@
 """Block-sparse attention against the softmax written out in fp64 over the dense token mask
 (layout expanded to tokens, causal, documents, window: tests only), forward and backward; the
-rectangles cover each computed block exactly once; the CUDA path through the strict stand-in
+engine's blocks cover each computed block exactly once; the CUDA path through the strict stand-in
 of torch's efficient kernel."""
 
 import numpy as np
@@ -8,17 +8,16 @@ import pytest
 import torch
 
 from megatron_ul.model.attention import lse_kernels
-from megatron_ul.model.attention.block_sparse import (
-    LayerSparsity,
-    block_sparse_attention,
-    rectangles,
-)
+from megatron_ul.model.attention.block_sparse import LayerSparsity, block_sparse_attention
+from megatron_ul.model.attention.blocks import Kernels, Mask, layout_blocks
+from megatron_ul.model.attention.ring import DocumentSpans
 from megatron_ul.model.attention.block_sparse_layouts import block_layout
 from megatron_ul.model.attention.documents import DocumentMask
 from megatron_ul.sparsity_config import SparsityPattern
 from tests.stand_ins.sdpa_efficient_cuda import EfficientOps
 
 N, B, HQ, HK, D, BLOCK = 64, 2, 4, 2, 8, 8
+CPU = Kernels(lse_kernels.CPU_FLASH, lse_kernels.CPU_FLASH)
 
 PATTERNS = {
     "fixed": dict(num_local_blocks=2, different_layout_per_head=True,
@@ -70,7 +69,7 @@ def test_matches_fp64_dense_masked_reference(mode, documents, window):
     sparsity = LayerSparsity(pattern, HQ, seed=5, layer=2)
     q, k, v = _inputs()
     out = block_sparse_attention(
-        q, k, v, sparsity.plan(N, range(HQ), HK), documents=documents, window=window
+        q, k, v, sparsity.plan(N, range(HQ)), kernels=CPU, documents=documents, window=window
     )
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -88,27 +87,27 @@ def test_a_ranks_global_heads_take_their_own_layout_rows():
     pattern = SparsityPattern.create("bigbird", block=BLOCK, **PATTERNS["bigbird"])
     sparsity = LayerSparsity(pattern, HQ, seed=1, layer=0)
     q, k, v = _inputs()
-    whole = block_sparse_attention(q, k, v, sparsity.plan(N, range(HQ), HK))
+    whole = block_sparse_attention(q, k, v, sparsity.plan(N, range(HQ)), kernels=CPU)
     part = block_sparse_attention(
         q[:, :, 2:].detach(), k[:, :, 1:].detach(), v[:, :, 1:].detach(),
-        sparsity.plan(N, [2, 3], 1),
+        sparsity.plan(N, [2, 3]), kernels=CPU,
     )  # fmt: skip
     assert torch.equal(part, whole[:, :, 2:].detach())
     other = block_sparse_attention(
         q[:, :, 2:].detach(), k[:, :, 1:].detach(), v[:, :, 1:].detach(),
-        sparsity.plan(N, [0, 1], 1),
+        sparsity.plan(N, [0, 1]), kernels=CPU,
     )  # fmt: skip
     assert not torch.equal(other, part)  # the rows of other heads would differ
 
 
 @pytest.mark.parametrize("mode", list(PATTERNS))
-def test_rectangles_cover_each_computed_block_once(mode):
+def test_layout_blocks_cover_each_computed_block_once(mode):
     pattern = SparsityPattern.create(mode, block=1, **PATTERNS[mode])
     for head in range(HQ):
         layout = block_layout(pattern, HQ, 40, seed=3, heads=[head])[0].numpy()
         count = np.zeros((40, 40), dtype=int)
-        for r in rectangles(layout, 1):
-            if r.causal:
+        for r in layout_blocks(layout, 1):
+            if r.mask is Mask.CAUSAL:
                 count[r.q0 : r.q1, r.k0 : r.k1] += np.tril(np.ones((r.q1 - r.q0,) * 2, int))
             else:
                 count[r.q0 : r.q1, r.k0 : r.k1] += 1
@@ -121,8 +120,8 @@ def test_cuda_path_runs_the_efficient_kernel_through_the_strict_stand_in(monkeyp
     monkeypatch.setattr(lse_kernels, "cuda_ops", EfficientOps())
     pattern = SparsityPattern.create("fixed", block=BLOCK, **PATTERNS["fixed"])
     q, k, v = _inputs(torch.float32)
-    kernels = (lse_kernels.SDPA_EFFICIENT, lse_kernels.SDPA_EFFICIENT)
-    plan = LayerSparsity(pattern, HQ, seed=0, layer=0).plan(N, range(HQ), HK)
+    kernels = Kernels(lse_kernels.SDPA_EFFICIENT, lse_kernels.SDPA_EFFICIENT)
+    plan = LayerSparsity(pattern, HQ, seed=0, layer=0).plan(N, range(HQ))
     out = block_sparse_attention(q, k, v, plan, documents=DOCS, window=19, kernels=kernels)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -137,12 +136,11 @@ def test_cuda_path_runs_the_efficient_kernel_through_the_strict_stand_in(monkeyp
 def test_time_follows_the_blocks_calls_skip_what_documents_exclude():
     pattern = SparsityPattern.create("bslongformer", block=BLOCK, num_sliding_window_blocks=1,
                                      global_block_indices=[0])  # fmt: skip
-    plan = LayerSparsity(pattern, HQ, 0, 0).plan(N, range(HQ), HK)
-    from megatron_ul.model.attention.block_sparse import _Starts
+    plan = LayerSparsity(pattern, HQ, 0, 0).plan(N, range(HQ))
 
     one_document = plan.calls(None, None)
     # a document start at every block: only the diagonal squares remain
     docs = DocumentMask(torch.arange(0, 2 * N + 1, BLOCK, dtype=torch.int32), B)
-    split = plan.calls(None, _Starts.of(docs))
+    split = plan.calls(None, DocumentSpans.of(docs))
     assert len(split) < len(one_document)
     assert all(c.q0 == c.k0 and c.q1 == c.k1 for c in split)

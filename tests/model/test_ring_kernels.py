@@ -160,7 +160,7 @@ def _virtual_ring(q, k, v, world, documents, window, kernels=None):
         out = torch.zeros(q[pos[r]].shape, dtype=acc)
         lse = torch.full((B, q.shape[2], length), float("-inf"), dtype=acc)
         for src in range(world):
-            forward_step(q[pos[r]], out, lse, blocks[src], plan.step(src), D**-0.5, plan)
+            forward_step(q[pos[r]], out, lse, blocks[src], src, D**-0.5, plan)
         outs.append(out.to(q.dtype))
         lses.append(lse)
     dkv = [torch.zeros(b.shape, dtype=acc) for b in blocks]
@@ -176,7 +176,7 @@ def _virtual_ring(q, k, v, world, documents, window, kernels=None):
                 blocks[src],
                 dq,
                 dkv[src],
-                plan.step(src),
+                src,
                 D**-0.5,
                 plan,
             )

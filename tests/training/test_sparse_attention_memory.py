@@ -4,8 +4,7 @@
 import torch
 
 from megatron_ul.config import ModelConfig
-from megatron_ul.model.attention.block_sparse import LayerSparsity, block_sparse_attention
-from megatron_ul.sparsity_config import SparsityPattern
+from megatron_ul.model.attention.layer import LayerAttention, model_call
 from megatron_ul.training.memory_estimator import Layout, Precision, layer_terms
 
 
@@ -16,7 +15,8 @@ def test_saved_bytes_match_the_estimators_attention_terms():
     )  # fmt: skip
     n, heads, d = m.seq_length, m.num_attention_heads, m.head_dim
     q, k, v = (torch.randn(n, 1, heads, d, requires_grad=True) for _ in range(3))
-    plan = LayerSparsity(SparsityPattern.of(m), heads, 0, 0).plan(n, range(heads), heads)
+    call = model_call(m, torch.device("cpu"), torch.float32, tp=1, sp=1, cp=1, documents=False)
+    attention = LayerAttention(call)  # the table's block-sparse row
     saved = {}
 
     def pack(t):
@@ -24,7 +24,7 @@ def test_saved_bytes_match_the_estimators_attention_terms():
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block_sparse_attention(q, k, v, plan)
+        attention(q, k, v, dropout_p=0.0)
     terms = layer_terms(m, Layout(), Precision())
     wanted = terms["q, k, v"] + terms["attention output"] + terms["block-sparse log-sum-exp"]
     assert sum(saved.values()) == wanted  # q, k, v stored apart here: one [n, b, 3h, d] there

@@ -23,11 +23,14 @@ import torch.nn.functional as F
 from tools.bench.common import markdown_table, report
 from tools.bench.live_tensors import LiveTensorTracker
 
+from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention.block_sparse import LayerSparsity, block_sparse_attention
+from megatron_ul.model.attention.blocks import Kernels
 from megatron_ul.model.attention.block_sparse_layouts import computed_blocks
 from megatron_ul.sparsity_config import SparsityPattern
 
 HEADS, HEAD_DIM, BLOCK = 2, 64, 64
+KERNELS = Kernels(lse_kernels.CPU_FLASH, lse_kernels.CPU_FLASH)  # the table's on the CPU
 # What the table measured on the machine it names (docs/benchmarks.md).
 CONCLUSION = (
     "Time follows the computed blocks: at 16K, BSLongformer with a 63-block window computes "
@@ -75,7 +78,10 @@ def _measure(fn, n):
 def table(lengths, dense_up_to):
     warm = LayerSparsity(SparsityPattern.create("bigbird", block=BLOCK), HEADS, 0, 0)
     _measure(_dense, 1024)  # first calls load and initialise the kernels
-    _measure(lambda q, k, v: block_sparse_attention(q, k, v, warm.plan(1024, [0, 1], 2)), 1024)
+    _measure(
+        lambda q, k, v: block_sparse_attention(q, k, v, warm.plan(1024, [0, 1]), kernels=KERNELS),
+        1024,
+    )
     rows = []
     for n in lengths:
         nb = n // BLOCK
@@ -87,9 +93,11 @@ def table(lengths, dense_up_to):
             )
         for name, kwargs in PATTERNS.items():
             pattern = SparsityPattern.create(block=BLOCK, **kwargs)
-            plan = LayerSparsity(pattern, HEADS, seed=0, layer=0).plan(n, range(HEADS), HEADS)
+            plan = LayerSparsity(pattern, HEADS, seed=0, layer=0).plan(n, range(HEADS))
             density = computed_blocks(pattern, 1, n) / causal_blocks
-            seconds, peak = _measure(lambda q, k, v, p=plan: block_sparse_attention(q, k, v, p), n)
+            seconds, peak = _measure(
+                lambda q, k, v, p=plan: block_sparse_attention(q, k, v, p, kernels=KERNELS), n
+            )
             rows.append([n, name, f"{density:.3f}", f"{seconds:.2f}", f"{peak / 2**20:.0f}"])
             print(*rows[-1], sep=" | ", flush=True)
     return markdown_table(["N", "attention", "density", "seconds", "peak MiB"], rows)

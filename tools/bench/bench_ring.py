@@ -163,11 +163,11 @@ def rank_step_seconds(
     seconds = []
     for src in srcs:
         start = time.thread_time()
-        ring_attention.forward_step(q, out, lse, kv, plan.step(src), scale, plan)
+        ring_attention.forward_step(q, out, lse, kv, src, scale, plan)
         seconds.append(time.thread_time() - start)
     for src in srcs:
         start = time.thread_time()
-        ring_attention.backward_step(q, dout, out, lse, kv, dq, dkv, plan.step(src), scale, plan)
+        ring_attention.backward_step(q, dout, out, lse, kv, dq, dkv, src, scale, plan)
         seconds.append(time.thread_time() - start)
     return seconds
 

@@ -20,6 +20,10 @@ one class and one row in `TABLE`.
   sdpa math             torch SDPA's math kernel (the N×N scores; refused for a run)
   sdpa cpu-flash        torch SDPA on CPU (its fused flash kernel, any float dtype; its math
                         kernel with attention dropout, where the log says "sdpa math")
+  block-sparse <mode>: <dense>/<masked>
+                        --sparse-attention: the layout's blocks on the blocked engine, on the
+                        unit kernels of `UNIT_KERNELS` (block_sparse.py); "ring block-sparse"
+                        across the ring, units with no block skipped (block_sparse_ring.py)
   ring: <dense>/<masked> the ring's unit kernels (lse_kernels.py) for unmasked units and for
                         units the window or documents cut through, chosen from `UNIT_KERNELS`
 
@@ -44,6 +48,9 @@ import torch
 from . import lse_kernels
 from .dispatch import HALF_DTYPES, HEAD_DIM_FLAGS, MODELLED_GPUS, AttentionCall, gpu_of
 from .dispatch import sdpa_backend_of
+from .block_sparse import LayerSparsity, SparseHeads, block_sparse_attention
+from .block_sparse_ring import SparseRingPlan, block_sparse_ring_attention
+from .blocks import Kernels
 from .document_tiles import tiled_document_attention
 from .documents import BlockwiseAttention, DocumentMask, document_blocks, flash_documents
 from .flash_attn import FLASH_DTYPES, dtype_refusal, flash_attn_refusal, unit_head_dim_refusal
@@ -67,7 +74,10 @@ class AttentionRefused(ValueError):
 
 
 def path_of(call: AttentionCall) -> str:
-    """'ring', 'documents' (documents and/or a window) or 'causal'."""
+    """'sparse' or 'sparse ring' (block-sparse), 'ring', 'documents' (documents and/or a
+    window) or 'causal'."""
+    if call.sparse is not None:
+        return "sparse ring" if call.ring else "sparse"
     if call.ring:
         return "ring"
     return "documents" if call.documents or call.window is not None else "causal"
@@ -344,8 +354,83 @@ class RingUnits(AttentionBackend):
         )
 
 
+class BlockSparse(AttentionBackend):
+    """Block-sparse attention on whole heads: the layout's blocks on the blocked engine
+    (block_sparse.py), on the unit kernels the table chooses for the blocks (`masked`: those
+    the documents or the window cut through). Keeps one plan per sequence length."""
+
+    paths: ClassVar[frozenset[str]] = frozenset({"sparse"})
+    keeps: ClassVar[tuple[str, ...]] = ("q", "k", "v", "out", "lse")
+
+    def __init__(self, sparse: SparseHeads, kernels: Kernels, cut: bool):
+        self.sparse, self.kernels, self.cut = sparse, kernels, cut
+        self.layouts = LayerSparsity(sparse.pattern, sparse.num_heads, sparse.seed, sparse.layer)
+        self._ring_plans: dict = {}
+
+    @classmethod
+    def refusal(cls, call):
+        if call.dropout > 0:
+            return "block-sparse attention takes no attention dropout: set --attention-dropout 0"
+        return RingUnits.refusal(call)
+
+    @classmethod
+    def build(cls, call):
+        dense, masked = unit_kernel(call, False), unit_kernel(call, True)
+        assert not isinstance(dense, str) and not isinstance(masked, str)
+        assert call.sparse is not None
+        return cls(call.sparse, Kernels(dense, masked), call.documents or call.window is not None)
+
+    @property
+    def uses_flash_attn(self) -> bool:  # type: ignore[override]
+        return self.kernels.full is lse_kernels.FLASH_ATTN
+
+    @property
+    def log_name(self) -> str:
+        return self.kernels.full.name + (f" / {self.kernels.masked.name}" if self.cut else "")
+
+    @property
+    def name(self) -> str:
+        return f"block-sparse {self.sparse.pattern.mode}: {self.log_name}"
+
+    def heads(self, q: torch.Tensor) -> range:
+        return range(self.sparse.first, self.sparse.first + q.shape[2])
+
+    def forward(self, q, k, v, call, *, documents, ring, softmax_scale):
+        plan = self.layouts.plan(q.shape[0], self.heads(q))
+        return block_sparse_attention(
+            q, k, v, plan, kernels=self.kernels, documents=documents, window=call.window,
+            softmax_scale=softmax_scale,
+        )  # fmt: skip
+
+
+class BlockSparseRing(BlockSparse):
+    """Block-sparse attention across the ring: the ring's steps with each unit's piece of the
+    layout as blocks (block_sparse_ring.py); units with no block are skipped."""
+
+    paths: ClassVar[frozenset[str]] = frozenset({"sparse ring"})
+
+    @property
+    def name(self) -> str:
+        return f"ring block-sparse {self.sparse.pattern.mode}: {self.log_name}"
+
+    def forward(self, q, k, v, call, *, documents, ring, softmax_scale):
+        assert ring is not None, "a ring call needs the ring"
+        key = q.shape[0]
+        if key not in self._ring_plans:
+            s = self.sparse
+            self._ring_plans[key] = SparseRingPlan(
+                s.pattern, s.num_heads, self.heads(q), key * ring.size, ring, s.seed, s.layer
+            )
+        return block_sparse_ring_attention(
+            q, k, v, ring, self._ring_plans[key], self.kernels, documents=documents,
+            window=call.window, softmax_scale=softmax_scale,
+        )  # fmt: skip
+
+
 # The order is the preference: the first row serving the call's path that takes it runs.
 TABLE: tuple[type[AttentionBackend], ...] = (
+    BlockSparseRing,
+    BlockSparse,
     RingUnits,
     FlashAttnVarlen,
     FlashAttn,
@@ -395,6 +480,12 @@ def kernel_refusal(call: AttentionCall) -> Optional[str]:
 
 def attention_path(call: AttentionCall) -> str:
     """The path a call belongs to, for the log: causal, documents, window W, ring unit kernel."""
+    if call.sparse is not None:
+        parts = [("ring " if call.ring else "") + f"block-sparse {call.sparse.pattern.mode}"]
+        parts += (["documents"] if call.documents else []) + (
+            [f"window {call.window}"] if call.window is not None else []
+        )
+        return " + ".join(parts)
     if call.ring:
         return "ring unit kernel"
     parts = (["documents"] if call.documents else []) + (

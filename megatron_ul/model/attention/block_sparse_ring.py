@@ -1,210 +1,122 @@
-"""Block-sparse attention across the ring: the ring's communication (ring.py: k/v blocks
-travel forward, dk/dv accumulators travel again in backward) with each C×C unit run as the
-layout's rectangles inside it (block_sparse.py).
+"""Block-sparse attention across the ring: the ring's communication and steps (ring.py:
+k/v blocks travel forward, dk/dv accumulators travel again in backward) with each C×C unit run
+as the blocked engine's blocks of the layout's piece inside it.
 
 A unit pairs local query chunk i with arriving chunk j (global chunk indices, j <= i). Its
-piece of the layout, block rows [i·C/B, (i+1)·C/B) against block columns [j·C/B, ...), is cut
-into rectangles once per shape; a unit whose piece is empty for every head is skipped without
-a kernel call, and the documents and the window skip or mask rectangles from global token
-positions as on one rank. The chunk (C = N/(2·CP)) must hold whole blocks (config rule).
-Ring ranks hold chunks r and 2R-1-r, so each holds early and late rows of the layout: the
-computed blocks per rank stay balanced (tests/model/test_block_sparse_ring.py measures it).
+piece of the layout, block rows [i·C/B, (i+1)·C/B) against block columns [j·C/B, ...), becomes
+blocks once per shape (blocks.layout_blocks, causal on the diagonal unit only); a unit whose
+piece is empty for every head is skipped without a kernel call, and the documents and the
+window skip or mask blocks from global token positions as on one rank (block_sparse.cut_blocks).
+The chunk (C = N/(2·CP)) must hold whole blocks (config rule). Ring ranks hold chunks r and
+2R-1-r, so each holds early and late rows of the layout: the computed blocks per rank stay
+balanced (tests/model/test_block_sparse_ring.py measures it).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
 
 from ...data.sequence_layout import ring_chunks
 from ...sparsity_config import SparsityPattern
-from . import lse_kernels
-from .block_sparse import Call, Rect, _bias, _cut, _merge, _Starts, rectangles
+from .block_sparse import cut_blocks, head_layouts
 from .block_sparse_layouts import block_layout
+from .blocks import Block, Kernels, MaskRules, layout_blocks
 from .documents import DocumentMask
-from .lse_kernels import UnitKernel
-from .ring import DKV_TAG, KV_TAG, Ring, _wait, packed_kv
-
-MASK_TILE_ROWS = 512
+from .ring import DocumentSpans, Ring, run_ring_plan
 
 
 @dataclass(frozen=True)
-class RingCall:
-    """One kernel call of a step: `call` in global token positions (what masks read), and
-    where its rows start in the local sequence and its keys in the arriving block."""
+class SparseUnit:
+    """Local query chunk `q` (0 or 1) against chunk `kv` (0 or 1) of the arriving block, global
+    chunks i and j; `blocks`: the layout piece's blocks in local rows (`q_at`, `k_at`: global
+    token positions)."""
 
-    call: Call
-    rows_at: int
-    keys_at: int
+    q: int
+    kv: int
+    i: int
+    j: int
+    blocks: tuple[Block, ...]
 
 
 class SparseRingPlan:
-    """One rank's units per step: for each source rank, the (query chunk, key chunk) pieces
-    of the layout with their rectangles per head group (global token positions)."""
+    """One rank's units per source rank: the (query chunk, key chunk) pieces of the layout
+    that hold a block for some head, as engine blocks."""
 
     def __init__(
         self,
         pattern: SparsityPattern,
         num_heads: int,
         heads: Sequence[int],
-        kv_heads: int,
         seq_length: int,
         ring: Ring,
         seed: int,
         layer: int,
     ):
-        self.chunk = seq_length // (2 * ring.size)
-        blocks = self.chunk // pattern.block
-        local = len(heads)
-        if pattern.different_layout_per_head:  # one query head with its kv head each
-            group = local // kv_heads
-            groups = [((h, h + 1), (h // group, h // group + 1), h) for h in range(local)]
-        else:
-            groups = [((0, local), (0, kv_heads), 0)]
+        self.chunk = c = seq_length // (2 * ring.size)
+        per_chunk = c // pattern.block
+        groups = head_layouts(pattern, heads)
         mine = ring_chunks(ring.rank, ring.size)
         # Only the layout rows of this rank's two chunks, per head group: [blocks, all blocks].
         rows = {
-            (i, h): block_layout(
-                pattern, num_heads, seq_length, seed=seed, layer=layer, heads=[heads[h]],
-                rows=(i * blocks, (i + 1) * blocks),
+            (i, g): block_layout(
+                pattern, num_heads, seq_length, seed=seed, layer=layer, heads=[g],
+                rows=(i * per_chunk, (i + 1) * per_chunk),
             )[0]
             for i in mine
-            for _, _, h in groups
+            for _, g in groups
         }  # fmt: skip
-        self.units: list[list[tuple]] = []  # per source rank: (q chunk, kv chunk, i, j, ...)
+        self.units: list[list[SparseUnit]] = []
         for src in range(ring.size):
             units = []
             for qc, i in enumerate(mine):
                 for kc, j in enumerate(ring_chunks(src, ring.size)):
                     if j > i:
                         continue
-                    pieces = []
-                    for hs, kvs, h in groups:
-                        piece = rows[i, h][:, j * blocks : (j + 1) * blocks]
-                        rects = rectangles(piece.numpy(), pattern.block, diagonal=i == j)
-                        shifted = [
-                            Rect(
-                                r.q0 + i * self.chunk,
-                                r.q1 + i * self.chunk,
-                                r.k0 + j * self.chunk,
-                                r.k1 + j * self.chunk,
-                                r.causal,
+                    found: list[Block] = []
+                    for head, g in groups:
+                        piece = rows[i, g][:, j * per_chunk : (j + 1) * per_chunk]
+                        for b in layout_blocks(piece, pattern.block, head=head, causal=i == j):
+                            found.append(
+                                replace(
+                                    b,
+                                    q0=b.q0 + qc * c,
+                                    q1=b.q1 + qc * c,
+                                    k0=b.k0 + kc * c,
+                                    k1=b.k1 + kc * c,
+                                    q_at=b.q0 + i * c,
+                                    k_at=b.k0 + j * c,
+                                )
                             )
-                            for r in rects
-                        ]
-                        if shifted:
-                            pieces.append((hs, kvs, shifted))
-                    if pieces:  # a unit whose layout piece is empty runs nothing
-                        units.append((qc, kc, i, j, pieces))
+                    if found:  # a unit whose layout piece is empty runs nothing
+                        units.append(SparseUnit(qc, kc, i, j, tuple(found)))
             self.units.append(units)
 
-    def calls(self, src: int, window: Optional[int], documents: Optional[_Starts]):
-        """The kernel calls against src's block (host arithmetic only)."""
-        out = []
-        for qc, kc, i, j, pieces in self.units[src]:
-            rows_shift, keys_shift = (qc - i) * self.chunk, (kc - j) * self.chunk
-            for heads, kv, rects in pieces:
-                for r in rects:
-                    cut = _cut(r, window, documents)
-                    if cut is None:
-                        continue
-                    for q0 in range(r.q0, r.q1, MASK_TILE_ROWS) if cut else (r.q0,):
-                        q1 = min(q0 + MASK_TILE_ROWS, r.q1) if cut else r.q1
-                        call = Call(heads, kv, q0, q1, r.k0, r.k1, r.causal and not cut, cut)
-                        out.append(RingCall(call, q0 + rows_shift, r.k0 + keys_shift))
-        return out
+    def bind(
+        self, window: Optional[int], documents: Optional[DocumentSpans], kernels: Kernels
+    ) -> "_BoundPlan":
+        """The plan of one call (ring.StepPlan): its window, documents and unit kernels."""
+        return _BoundPlan(self, window, documents, kernels)
 
 
-def _heads_first(t: torch.Tensor) -> torch.Tensor:
-    return t.permute(1, 2, 0, 3)
+@dataclass(frozen=True)
+class _BoundPlan:
+    sparse: SparseRingPlan
+    window: Optional[int]
+    documents: Optional[DocumentSpans]
+    kernels: Kernels
 
+    @property
+    def rules(self) -> MaskRules:
+        return MaskRules(self.window, None if self.documents is None else self.documents.ids)
 
-def _slices(rc: RingCall):
-    c = rc.call
-    rows = slice(rc.rows_at, rc.rows_at + c.q1 - c.q0)
-    keys = slice(rc.keys_at, rc.keys_at + c.k1 - c.k0)
-    return slice(*c.heads), slice(*c.kv_heads), rows, keys
-
-
-class _SparseRing(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, ring, plan, window, documents, kernels, scale):
-        dense, masked = kernels
-        kv = packed_kv(k, v)
-        out = torch.zeros(q.shape, dtype=lse_kernels.lse_dtype(q.dtype), device=q.device)
-        lse = torch.full(
-            (q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=out.dtype, device=q.device
-        )
-        qh, oh = _heads_first(q), _heads_first(out)
-        spare = torch.empty_like(kv)
-        for step in range(ring.size):
-            pending = ring.start_shift(kv, spare, KV_TAG) if step < ring.size - 1 else []
-            src = (ring.rank - step) % ring.size
-            kh, vh = _heads_first(kv[0]), _heads_first(kv[1])
-            for rc in plan.calls(src, window, documents):
-                h, g, rows, keys = _slices(rc)
-                c = rc.call
-                bias = _bias(c, window, documents, q.dtype, q.device) if c.bias else None
-                part, part_lse = (masked if c.bias else dense).forward(
-                    qh[:, h, rows], kh[:, g, keys], vh[:, g, keys], c.causal, bias, scale
-                )
-                _merge(oh[:, h, rows], lse[:, h, rows], part, part_lse)
-            _wait(pending)
-            if pending:
-                kv, spare = spare, kv
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.ring, ctx.plan, ctx.window, ctx.documents = ring, plan, window, documents
-        ctx.kernels, ctx.scale = kernels, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        ring, plan, window, documents = ctx.ring, ctx.plan, ctx.window, ctx.documents
-        dense, masked = ctx.kernels
-        kv = packed_kv(k, v)
-        spare = torch.empty_like(kv)
-        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
-        dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)
-        dkv_in = torch.empty_like(dkv)
-        qh, oh, doh, dqh = (_heads_first(t) for t in (q, out, dout.to(q.dtype), dq))
-        dkv_pending: list = []
-        for step in range(ring.size):
-            kv_pending = ring.start_shift(kv, spare, KV_TAG) if step < ring.size - 1 else []
-            src = (ring.rank - step) % ring.size
-            if step > 0:  # the accumulator of src's block, from the previous rank
-                _wait(dkv_pending)
-                dkv, dkv_in = dkv_in, dkv
-            kh, vh = _heads_first(kv[0]), _heads_first(kv[1])
-            dkh, dvh = _heads_first(dkv[0]), _heads_first(dkv[1])
-            for rc in plan.calls(src, window, documents):
-                h, g, rows, keys = _slices(rc)
-                c = rc.call
-                bias = _bias(c, window, documents, q.dtype, q.device) if c.bias else None
-                gq, gk, gv = (masked if c.bias else dense).backward(
-                    doh[:, h, rows],
-                    qh[:, h, rows],
-                    kh[:, g, keys],
-                    vh[:, g, keys],
-                    oh[:, h, rows],
-                    lse[:, h, rows],
-                    c.causal,
-                    bias,
-                    ctx.scale,
-                )
-                dqh[:, h, rows].add_(gq)
-                dkh[:, g, keys].add_(gk)
-                dvh[:, g, keys].add_(gv)
-            dkv_pending = ring.start_shift(dkv, dkv_in, DKV_TAG)
-            _wait(kv_pending)
-            if kv_pending:
-                kv, spare = spare, kv
-        _wait(dkv_pending)
-        grads = dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype)
-        return (*grads, None, None, None, None, None, None)
+    def step_blocks(self, src: int) -> tuple[list[Block], int]:
+        """The blocks against src's block (host arithmetic only) and their units."""
+        units = self.sparse.units[src]
+        blocks = [b for u in units for b in u.blocks]
+        return cut_blocks(blocks, self.window, self.documents), len(units)
 
 
 def block_sparse_ring_attention(
@@ -213,7 +125,7 @@ def block_sparse_ring_attention(
     v: torch.Tensor,
     ring: Ring,
     plan: SparseRingPlan,
-    kernels: tuple[UnitKernel, UnitKernel],
+    kernels: Kernels,
     *,
     documents: Optional[DocumentMask] = None,
     window: Optional[int] = None,
@@ -222,9 +134,9 @@ def block_sparse_ring_attention(
     """This ring rank's local sequence (chunks r and 2R-1-r) against the whole sequence under
     the layout. q [L, b, hq, d]; k, v [L, b, hk, d]; returns [L, b, hq, d] in q's dtype."""
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    starts = None if documents is None else _Starts.of(documents)
+    spans = None if documents is None else DocumentSpans.of(documents)
     with torch.autocast(q.device.type, enabled=False):
-        return _SparseRing.apply(q, k, v, ring, plan, window, starts, kernels, scale)
+        return run_ring_plan(q, k, v, ring, plan.bind(window, spans, kernels), scale)
 
 
-__all__ = ["SparseRingPlan", "block_sparse_ring_attention"]
+__all__ = ["SparseRingPlan", "SparseUnit", "block_sparse_ring_attention"]

@@ -6,8 +6,9 @@ mask), run on a unit kernel (lse_kernels) and merged by the log-sum-exp.
 Backward is FlashAttention's: with the final output and log-sum-exp of every row, a block's
 probabilities are exp(S - lse), so each block's share of dq, dk, dv needs nothing else and is
 added into the accumulators where it lands. The document tiles (document_tiles.py), the
-per-document blocks' backward (documents.py) and the ring's units (ring.py) are plans of this
-engine; a block-sparse layout becomes one through `layout_blocks`.
+per-document blocks' backward (documents.py), the ring's units (ring.py) and the block-sparse
+layouts (block_sparse.py, block_sparse_ring.py: through `layout_blocks`) are plans of this
+engine; `BlockedAttention` is its autograd function.
 
 Tensors keep the model's layouts: q, out, dout, dq [L, b, hq, d] and k, v, dk, dv [Lk, b, hk,
 d], rows first; lse [b, hq, L]. A block's operands are views of them (no copy to a blocked
@@ -21,6 +22,7 @@ import enum
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from . import lse_kernels
@@ -239,32 +241,80 @@ def backward(
 
 
 def layout_blocks(
-    layout: torch.Tensor, block_size: int, *, head: Optional[int] = None, causal: bool = True
+    layout, block_size: int, *, head: Optional[int] = None, causal: bool = True
 ) -> list[Block]:
-    """The plan of one head's block layout ([nq_blocks, nk_blocks] 0/1, DeepSpeed's format):
-    per query block, each run of consecutive nonzero key blocks is one block; with `causal`,
-    key blocks after the query block are dropped and the diagonal one runs the kernel's causal
-    flag. `head`: the query head the layout row is for (None: every head)."""
-    plan = []
+    """The plan of one head's block layout ([nq_blocks, nk_blocks] 0/1, DeepSpeed's format, a
+    tensor or an array on the host), each nonzero block computed once. With `causal`, key
+    blocks after the query block are dropped and diagonal squares [a, b) x [a, b) whose lower
+    triangle the layout holds entirely run the kernel's causal flag (one call for a run of
+    diagonal blocks: a local window); without it every block of the layout is visible (a
+    piece wholly below the diagonal, e.g. a ring unit of earlier keys). The rest is cut row by
+    row into runs of consecutive key blocks, and a run that the next rows repeat exactly (a
+    global column, a band of leading blocks) grows downwards into one block. `head`: the
+    query head the layout is for (None: every head)."""
+    grid = np.asarray(layout.cpu() if isinstance(layout, torch.Tensor) else layout).astype(bool)
+    nb = grid.shape[0]
     heads = None if head is None else (head, head + 1)
     size = block_size
-    for i, row in enumerate(layout.to(torch.bool).tolist()):  # host: layouts are built there
-        columns = [j for j, on in enumerate(row) if on and (not causal or j < i)]
-        for start, end in _runs(columns):
-            plan.append(Block(i * size, (i + 1) * size, start * size, end * size, heads=heads))
-        if causal and row[i]:
-            plan.append(
-                Block(i * size, (i + 1) * size, i * size, (i + 1) * size, Mask.CAUSAL, heads=heads)
-            )
+    lower = np.tril(grid) if causal else grid
+    covered = np.zeros_like(lower)
+    plan = []
+    a = 0 if causal else nb
+    while a < nb:
+        if not lower[a, a]:
+            a += 1
+            continue
+        b = a + 1
+        while b < nb and lower[b, a : b + 1].all():
+            b += 1
+        covered[a:b, a:b] = np.tril(np.ones((b - a, b - a), dtype=bool))
+        plan.append(Block(a * size, b * size, a * size, b * size, Mask.CAUSAL, heads=heads))
+        a = b
+    rest = lower & ~covered
+    open_runs: dict[tuple[int, int], int] = {}  # run of key blocks -> its first row
+    for row in range(nb + 1):
+        runs = set(_runs(rest[row])) if row < nb else set()
+        for run in [r for r in open_runs if r not in runs]:
+            first = open_runs.pop(run)
+            plan.append(Block(first * size, row * size, run[0] * size, run[1] * size, heads=heads))
+        for run in sorted(runs):
+            open_runs.setdefault(run, row)
     return plan
 
 
-def _runs(columns: list[int]) -> list[tuple[int, int]]:
-    """[start, end) of each run of consecutive integers in the sorted `columns`."""
-    runs: list[tuple[int, int]] = []
-    for j in columns:
-        if runs and runs[-1][1] == j:
-            runs[-1] = (runs[-1][0], j + 1)
-        else:
-            runs.append((j, j + 1))
-    return runs
+def _runs(row: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of True in a bool row."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], row.view(np.int8), [0]))))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+class BlockedAttention(torch.autograd.Function):
+    """q [N, b, hq, d], k, v [Lk, b, hk, d] -> [N, b, hq, d] over a plan of blocks; keeps q, k,
+    v, the output and the log-sum-exp (with dropout each block's Philox seed and offset).
+    Rows no block reaches give 0."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, kernels, rules, scale, dropout_p):
+        acc = lse_kernels.lse_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full(
+            (q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=acc, device=q.device
+        )  # [b, hq, N]
+        philox = forward(q, k, v, out, lse, plan, kernels, rules, scale, dropout_p)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan = plan, kernels, rules, scale
+        ctx.dropout = dropout_p, philox
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, kernels, rules, scale = ctx.plan
+        dropout_p, philox = ctx.dropout
+        dq, dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k, v))
+        backward(
+            dout.to(q.dtype), q, k, v, out, lse, dq, dk, dv, plan, kernels, rules, scale,
+            dropout_p, philox,
+        )  # fmt: skip
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 5)

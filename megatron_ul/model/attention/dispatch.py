@@ -19,9 +19,12 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass, field, replace
-from typing import ContextManager, Optional
+from typing import TYPE_CHECKING, ContextManager, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from .block_sparse import SparseHeads
 
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -391,6 +394,7 @@ class AttentionCall:
     requires_grad: bool = True  # a backward will follow (grad mode on, inputs need grad)
     gpu: Optional[CudaSdpa] = None  # None: this process's GPU, else the modelled H100
     flash_attn_installed: Optional[bool] = None  # None: look flash-attn up
+    sparse: Optional[SparseHeads] = None  # block-sparse attention: the layer's pattern and heads
 
 
 def sdpa_backend_of(call: AttentionCall) -> tuple[str, bool]:

@@ -26,8 +26,6 @@ from __future__ import annotations
 import bisect
 from typing import Optional
 
-import torch
-
 from . import blocks, lse_kernels
 from .blocks import Block, Kernels, Mask, MaskRules
 
@@ -80,38 +78,6 @@ def plan(
     return calls
 
 
-class TiledDocumentAttention(torch.autograd.Function):
-    """q [N, b, hq, d], k/v [N, b, hk, d] -> [N, b, hq, d]; keeps q, k, v, out and lse (and
-    with dropout each call's philox seed and offset)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, calls, ids, window, scale, kernel, dropout_p):
-        acc = lse_kernels.lse_dtype(q.dtype)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(
-            (q.shape[1], q.shape[2], q.shape[0]), float("-inf"), dtype=acc, device=q.device
-        )  # [b, h, N]
-        rules, kernels = MaskRules(window, ids), Kernels(kernel, kernel)
-        philox = blocks.forward(q, k, v, out, lse, calls, kernels, rules, scale, dropout_p)
-        out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.plan = calls, rules, scale, kernels
-        ctx.dropout = dropout_p, philox
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        calls, rules, scale, kernels = ctx.plan
-        dropout_p, philox = ctx.dropout
-        dout = dout.to(q.dtype)
-        dq, dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k, v))
-        blocks.backward(
-            dout, q, k, v, out, lse, dq, dk, dv, calls, kernels, rules, scale, dropout_p, philox
-        )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), *([None] * 6)
-
-
 def document_starts(offsets: list[int], n: int, batch: int) -> list[list[int]]:
     """Per sample, its documents' start positions, from offsets over the flattened [b·N]."""
     starts: list[list[int]] = [[] for _ in range(batch)]
@@ -143,14 +109,7 @@ def tiled_document_attention(
     offsets = documents.offsets if documents is not None else list(range(0, b * n + 1, n))
     ids = documents.token_documents() if documents is not None else None
     scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
-    return TiledDocumentAttention.apply(
-        q,
-        k,
-        v,
-        plan(document_starts(offsets, n, b), n, window),
-        ids,
-        window,
-        scale,
-        kernel,
-        dropout_p,
+    calls = plan(document_starts(offsets, n, b), n, window)
+    return blocks.BlockedAttention.apply(
+        q, k, v, calls, Kernels(kernel, kernel), MaskRules(window, ids), scale, dropout_p
     )

@@ -15,6 +15,7 @@ from ...mpu.random import get_rng_tracker
 from ...mpu.recompute import checkpoint
 from . import backends
 from .backends import AttentionBackend
+from .block_sparse import SparseHeads
 from .dispatch import AttentionCall
 from .documents import DocumentMask
 from .local import require_one_dtype
@@ -22,11 +23,23 @@ from .ring import Ring
 
 
 def model_call(
-    m, device: torch.device, dtype: torch.dtype, *, tp: int, sp: int, cp: int, documents: bool
+    m,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    tp: int,
+    sp: int,
+    cp: int,
+    documents: bool,
+    sparse: Optional[SparseHeads] = None,
 ) -> AttentionCall:
     """The call every layer of a model makes in training: per-rank head counts after the
-    Ulysses exchange, the full sequence, the model's window, flash-attn request and dropout.
-    `m`: the model configuration (config.ModelConfig)."""
+    Ulysses exchange, the full sequence, the model's window, flash-attn request and dropout,
+    and the block-sparse pattern. `m`: the model configuration (config.ModelConfig); `sparse`:
+    the layer's own heads, seed and number (default: the pattern on heads from 0, which
+    selects the same kernel)."""
+    if sparse is None:
+        sparse = SparseHeads.of(m)
     q_heads = m.num_attention_heads // (tp * sp)
     kv_heads = max(q_heads * m.query_groups // m.num_attention_heads, 1)
     return AttentionCall(
@@ -41,6 +54,7 @@ def model_call(
         m.use_flash_attn,
         dropout=m.attention_dropout,
         seq_length=m.seq_length,
+        sparse=sparse,
     )
 
 
@@ -63,9 +77,10 @@ def attend(
             f"document offsets are for sequences of {documents.seq_length} tokens, "
             f"attention got {q.shape[0]}"
         )
-    if call.ring:
+    if call.ring or call.sparse is not None:
         # The kernels run in the activation dtype with fp32 accumulation whatever autocast
-        # says: autocast would recast the forward's inputs and not the backward's.
+        # says: autocast would recast the forward's inputs and not the backward's. (Neither
+        # takes attention dropout: no random stream.)
         with torch.autocast(q.device.type, enabled=False):
             return backend.forward(
                 q, k, v, call, documents=documents, ring=ring, softmax_scale=softmax_scale
@@ -96,8 +111,14 @@ class LayerAttention:
         self.template = call
         self.use_flash_attn = use_flash_attn if call is None else call.use_flash_attn
         self.window = window if call is None else call.window
+        self.sparse = None if call is None else call.sparse
         self.recompute = recompute  # selective recompute: keep only q, k, v of the kernel
         self._selected: dict = {}
+
+    def use_sparse_heads(self, sparse: Optional[SparseHeads]) -> None:
+        """Block-sparse attention on this layer's own layouts (its heads, seed and number)."""
+        self.sparse = sparse
+        self._selected.clear()
 
     def call_for(
         self, q, k, documents: bool, dropout_p: float
@@ -119,6 +140,7 @@ class LayerAttention:
                 documents=documents,
                 window=self.window,
                 ring=self.ring is not None,
+                sparse=self.sparse,
                 use_flash_attn=self.use_flash_attn,
                 dropout=dropout_p,
                 seq_length=q.shape[0] * (self.ring.size if self.ring else 1),
@@ -146,8 +168,9 @@ class LayerAttention:
         def run(q_, k_, v_):
             return attend(backend, q_, k_, v_, call, documents=documents, ring=self.ring)
 
-        # The ring saves only q, k, v, out and the log-sum-exp already: nothing to recompute.
-        if self.recompute and self.ring is None:
+        # The ring and block-sparse attention save only q, k, v, out and the log-sum-exp
+        # already: nothing to recompute.
+        if self.recompute and self.ring is None and call.sparse is None:
             return checkpoint(run, q, k, v)
         return run(q, k, v)
 

@@ -52,7 +52,7 @@ import bisect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -154,7 +154,7 @@ class _Unit:
 
 
 @dataclass(frozen=True)
-class _Documents:
+class DocumentSpans:
     """Document starts per sample (host, from the micro-batch's offsets: one device->host copy
     per micro-batch) and each token's document id [b, N] on the device (for masks)."""
 
@@ -163,7 +163,7 @@ class _Documents:
     ids: torch.Tensor
 
     @classmethod
-    def of(cls, documents: DocumentMask) -> "_Documents":
+    def of(cls, documents: DocumentMask) -> "DocumentSpans":
         n = documents.seq_length
         starts: list[list[int]] = [[] for _ in range(documents.batch_size)]
         for offset in documents.offsets[:-1]:
@@ -185,7 +185,7 @@ def _unit(
     j: int,
     chunk: int,
     window: Optional[int],
-    documents: Optional[_Documents],
+    documents: Optional[DocumentSpans],
 ) -> Optional[_Unit]:
     """The unit, or None when causality, the window or the documents exclude all of it.
     Relative position of query a vs key b in a unit: (i - j)·C + a - b; its smallest value is
@@ -211,7 +211,7 @@ def _units(
     kv_chunks: tuple[int, int],
     chunk: int,
     window: Optional[int],
-    documents: Optional[_Documents] = None,
+    documents: Optional[DocumentSpans] = None,
 ) -> list[_Unit]:
     """The units of one step that causality, the window and the documents do not exclude,
     query-chunk major."""
@@ -232,7 +232,7 @@ class RingPlan:
     chunks: tuple[tuple[int, int], ...]  # per ring rank
     chunk: int
     window: Optional[int]
-    documents: Optional[_Documents]
+    documents: Optional[DocumentSpans]
     dense: UnitKernel = lse_kernels.CPU_FLASH
     masked: UnitKernel = lse_kernels.CPU_FLASH
 
@@ -268,6 +268,10 @@ class RingPlan:
             for r0, r1 in self.tiles(unit)
         ]
 
+    def step_blocks(self, src: int) -> tuple[list[Block], int]:
+        work = self.step(src)
+        return _plan_blocks(self, work), len(work)
+
     @property
     def rules(self) -> MaskRules:
         return MaskRules(self.window, None if self.documents is None else self.documents.ids)
@@ -281,39 +285,44 @@ def _plan_blocks(plan: RingPlan, work: list[_Unit]) -> list[Block]:
     return [block for unit in work for block in plan.blocks(unit)]
 
 
+class StepPlan(Protocol):
+    """What a ring step computes against one source rank's block: the engine's blocks (rows of
+    the local sequence against rows of the arriving block, at their global positions), with
+    the plan's mask rules and unit kernels. RingPlan (dense causal) and the block-sparse ring
+    plan (block_sparse_ring.py) are two."""
+
+    @property
+    def rules(self) -> MaskRules: ...
+
+    @property
+    def kernels(self) -> Kernels: ...
+
+    def step_blocks(self, src: int) -> tuple[list[Block], int]:
+        """The blocks against src's block and how many C×C units they cover."""
+        ...
+
+
 # ---- one step's compute (no communication; also what bench_ring times per rank) ----------------
-def forward_step(q, out, lse, kv, work, scale, plan: RingPlan) -> None:
-    """Attend the local queries q [L, b, hq, d] to the block kv [2 (k, v), L, b, hk, d] over
-    the units `work`, merging into out [L, b, hq, d] and lse [b, hq, L] (fp32 or wider) in
-    place."""
+def forward_step(q, out, lse, kv, src: int, scale, plan: StepPlan) -> None:
+    """Attend the local queries q [L, b, hq, d] to src's block kv [2 (k, v), L, b, hk, d],
+    merging into out [L, b, hq, d] and lse [b, hq, L] (fp32 or wider) in place."""
+    work, units = plan.step_blocks(src)
     with _timed("compute_cpu_s", time.thread_time):
-        blocks.forward(
-            q, kv[0], kv[1], out, lse, _plan_blocks(plan, work), plan.kernels, plan.rules, scale
-        )
+        blocks.forward(q, kv[0], kv[1], out, lse, work, plan.kernels, plan.rules, scale)
     if _times is not None:
-        _times["forward_blocks"] += len(work)
+        _times["forward_blocks"] += units
 
 
-def backward_step(q, dout, out, lse, kv, dq, dkv, work, scale, plan: RingPlan) -> None:
-    """Add this block's share of dq into dq [L, b, hq, d] and of its dk/dv into the travelling
+def backward_step(q, dout, out, lse, kv, dq, dkv, src: int, scale, plan: StepPlan) -> None:
+    """Add src's block's share of dq into dq [L, b, hq, d] and of its dk/dv into the travelling
     accumulator dkv [2 (k, v), L, b, hk, d] (fp32 or wider), in place; out and lse are the
     final (merged) output and log-sum-exp."""
+    work, _ = plan.step_blocks(src)
     with _timed("compute_cpu_s", time.thread_time):
         blocks.backward(
-            dout,
-            q,
-            kv[0],
-            kv[1],
-            out,
-            lse,
-            dq,
-            dkv[0],
-            dkv[1],
-            _plan_blocks(plan, work),
-            plan.kernels,
-            plan.rules,
-            scale,
-        )
+            dout, q, kv[0], kv[1], out, lse, dq, dkv[0], dkv[1], work, plan.kernels,
+            plan.rules, scale,
+        )  # fmt: skip
 
 
 # ---- layout helpers ------------------------------------------------------------------------
@@ -325,7 +334,7 @@ def packed_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring, scale: float, plan: RingPlan):
+    def forward(ctx, q, k, v, ring: Ring, scale: float, plan: StepPlan):
         # q [L, b, hq, d]; k, v [L, b, hk, d]
         kv = packed_kv(k, v)
         # partial outputs and log-sum-exp merge in fp32 (fp64 for fp64)
@@ -337,7 +346,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             pending = ring.start_shift(kv, spare, KV_TAG) if step < ring.size - 1 else []
             src = (ring.rank - step) % ring.size
-            forward_step(q, out, lse, kv, plan.step(src), scale, plan)
+            forward_step(q, out, lse, kv, src, scale, plan)
             _wait(pending)
             if pending:
                 kv, spare = spare, kv
@@ -361,11 +370,10 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             kv_pending = ring.start_shift(kv, spare, KV_TAG) if step < ring.size - 1 else []
             src = (ring.rank - step) % ring.size
-            work = plan.step(src)
             if step > 0:  # the accumulator of src's block, from the previous rank
                 _wait(dkv_pending)
                 dkv, dkv_in = dkv_in, dkv
-            backward_step(q, dout, out, lse, kv, dq, dkv, work, scale, plan)
+            backward_step(q, dout, out, lse, kv, dq, dkv, src, scale, plan)
             # Pass src's accumulator on (even when no unit touched it); after the last step
             # it reaches its owner.
             dkv_pending = ring.start_shift(dkv, dkv_in, DKV_TAG)
@@ -393,7 +401,7 @@ def ring_plan(
         tuple(ring_chunks(r, ring.size) for r in range(ring.size)),
         length // 2,
         window,
-        None if documents is None else _Documents.of(documents),
+        None if documents is None else DocumentSpans.of(documents),
         dense,
         masked,
     )
@@ -418,4 +426,10 @@ def run_ring(
     plan = ring_plan(
         ring, q.shape[0], dense=dense, masked=masked, window=window, documents=documents
     )
+    return _RingAttention.apply(q, k, v, ring, scale, plan)
+
+
+def run_ring_plan(q, k, v, ring: Ring, plan: StepPlan, scale: float) -> torch.Tensor:
+    """The ring's communication around any step plan: q [L, b, hq, d]; k, v [L, b, hk, d];
+    returns [L, b, hq, d] in q's dtype."""
     return _RingAttention.apply(q, k, v, ring, scale, plan)
