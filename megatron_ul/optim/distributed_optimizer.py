@@ -1,18 +1,21 @@
 """ZeRO-1 over the DP×SP group (--use-distributed-optimizer): Adam state and the fp32 master
-weights are sharded over dp_cp_sp; every rank keeps full parameters and full gradients.
+weights are sharded over dp_cp_sp (experts under EP > 1: over expert-DP); every rank keeps
+full parameters and full gradients.
 
-Layout. All trainable parameters are packed into one contiguous fp32 buffer, bucket after
-bucket (grad_buckets.py: runs of about --ddp-bucket-size elements in model.parameters() order;
-a weight tied across pipeline stages in a bucket of its own, last); the model's parameters
-become views of it. Each bucket is padded to a multiple of N = dp_cp_sp size and rank r owns the
-r-th N-th of every bucket, as in Megatron's distributed optimizer, so each bucket is one
-reduce-scatter and one all-gather. The buffer has the model's dtype. An fp32 model that does not
-offload steps the owned slices of this buffer in place: they *are* the fp32 main copy of the
-shard. A --bf16/--fp16 model (or --optimizer-cpu-offload) keeps a separate fp32 main copy of
-the owned slices only (in host memory when offloaded, whole buckets, the first
---optimizer-offload-fraction of them), and after the step rounds it into the buffer, whose
-all-gather then moves half-precision bytes. Gradients live in a twin fp32 buffer: an fp32
-model's .grad are views of it (autograd accumulates straight into it); a half-precision
+Layout. All trainable parameters are packed into one contiguous fp32 buffer, bucket after bucket
+(grad_buckets.py: runs of about --ddp-bucket-size elements in model.parameters() order; a weight
+tied across pipeline stages in a bucket of its own, last); the model's parameters become views
+of it. Dense parameters come first; under expert parallelism the experts get buckets of their
+own, after them. Each bucket is padded to a multiple of N = the size of its parameters' gradient
+group (dp_cp_sp; experts under EP > 1: expert-DP, the replicas of the same experts) and that
+group's rank r owns the r-th N-th of the bucket, as in Megatron's distributed optimizer, so each
+bucket is one reduce-scatter and one all-gather over its group. The buffer has the model's
+dtype. An fp32 model that does not offload steps the owned slices of this buffer in place: they
+*are* the fp32 main copy of the shard. A --bf16/--fp16 model (or --optimizer-cpu-offload) keeps
+a separate fp32 main copy of the owned slices only (in host memory when offloaded, whole
+buckets, the first --optimizer-offload-fraction of them), and after the step rounds it into the
+buffer, whose all-gather then moves half-precision bytes. Gradients live in a twin fp32 buffer:
+an fp32 model's .grad are views of it (autograd accumulates straight into it); a half-precision
 model's fp32 `main_grad` are (mixed_precision.attach_main_grad adds each micro-batch in).
 
 Step. (1) Megatron-SP replicated weights: all-reduce over TP, as in grads.py. (2) Reduce-
@@ -62,6 +65,7 @@ from .grads import (
     clip_coefficient,
     counts_once,
     grad_norm,
+    reduce_group,
     sharded_like_dense,
 )
 from .mixed_precision import HOST, attach_main_grad, host_buffer, offloaded_prefix
@@ -89,37 +93,42 @@ class DistributedOptimizer(TrainingOptimizer):
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if len({p.dtype for _, p in named}) != 1:
             raise ValueError("the distributed optimizer expects one parameter dtype")
-        other = sorted(
-            {param_spec(p).grad_group for _, p in named if not sharded_like_dense(p, dims)}
-        )
-        if other:
-            raise ValueError(
-                f"--zero-stage 1/2 shard over dp_cp_sp only; parameters reducing over "
-                f"{other} (ParamSpec.grad_group) need plain data parallelism"
-            )
         self.half = named[0][1].dtype != torch.float32
         self.group = self.dims.dp_cp_sp_group
         self.size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         deferred_ids = {id(p) for p in self.tied}
-        regular = [(n, p) for n, p in named if id(p) not in deferred_ids]
-        tied = [(n, p) for n, p in named if id(p) in deferred_ids]
+        # One run of buckets per gradient group, dense first, as megatron-core's distributed
+        # optimizer: each bucket is sharded over the group its gradients sum over (experts
+        # under EP > 1: expert-DP, replicas of the same experts).
+        by_group: dict[str, list[torch.nn.Parameter]] = {}
+        for _, p in named:
+            if id(p) not in deferred_ids:
+                key = "dp_cp_sp" if sharded_like_dense(p, dims) else param_spec(p).grad_group
+                by_group.setdefault(key, []).append(p)
+        tied = [p for _, p in named if id(p) in deferred_ids]
         names = {id(p): n for n, p in named}
-        buckets = split_into_buckets([p for _, p in regular], max_bucket_elements)
+        buckets, self.bucket_groups = [], []
+        for key in sorted(by_group, key=lambda k: k != "dp_cp_sp"):
+            group = self.group if key == "dp_cp_sp" else reduce_group(by_group[key][0], dims)
+            for bucket in split_into_buckets(by_group[key], max_bucket_elements):
+                buckets.append(bucket)
+                self.bucket_groups.append(group)
         if tied:
-            buckets.append([p for _, p in tied])
+            buckets.append(tied)
+            self.bucket_groups.append(self.group)
         named = [(names[id(p)], p) for bucket in buckets for p in bucket]
         self.params = [p for _, p in named]
         device = self.params[0].device
         self.numel = sum(p.numel() for p in self.params)
-        # Bucket b spans [bounds[b], bounds[b] + N·S_b); rank r owns its r-th S_b elements.
+        # Bucket b spans [bounds[b], bounds[b] + N_b·S_b) for its group of N_b ranks; the
+        # group's rank r owns its r-th S_b elements.
         self.bucket_ranges, self.shard_ranges, offset = [], [], 0
-        for bucket in buckets:
-            per_rank = math.ceil(sum(p.numel() for p in bucket) / self.size)
-            self.bucket_ranges.append((offset, offset + per_rank * self.size))
-            self.shard_ranges.append(
-                (offset + self.rank * per_rank, offset + (self.rank + 1) * per_rank)
-            )
-            offset += per_rank * self.size
+        for bucket, group in zip(buckets, self.bucket_groups):
+            size, rank = dist.get_world_size(group), dist.get_rank(group)
+            per_rank = math.ceil(sum(p.numel() for p in bucket) / size)
+            self.bucket_ranges.append((offset, offset + per_rank * size))
+            self.shard_ranges.append((offset + rank * per_rank, offset + (rank + 1) * per_rank))
+            offset += per_rank * size
         self.param_buffer = torch.zeros(offset, dtype=self.params[0].dtype, device=device)
         self.buckets = buckets
         self.deferred = frozenset([len(buckets) - 1]) if tied else frozenset()
@@ -131,11 +140,24 @@ class DistributedOptimizer(TrainingOptimizer):
         self._bind_main_shards()
         self.optimizer = self._build_inner(train)
         self._grads_in_flight: dict[int, Any] = {}  # async work handles
-        self._arm_reduction(overlap_grad_reduce and self.size > 1)
+        sharded = self.sharded_anywhere
+        self._arm_reduction(overlap_grad_reduce and sharded)
         self._params_in_flight: dict[int, Any] = {}
-        self.overlap_param_gather = overlap_param_gather and self.size > 1
+        self.overlap_param_gather = overlap_param_gather and sharded
         if self.overlap_param_gather:
             self._register_param_wait_hooks(model)
+
+    def shard_group(self, p: torch.nn.Parameter):
+        """The group p's state is sharded over (its bucket's: dp_cp_sp, or expert-DP)."""
+        for bucket, group in zip(self.buckets, self.bucket_groups):
+            if any(q is p for q in bucket):
+                return group
+        raise KeyError("not a parameter of this optimizer")
+
+    @property
+    def sharded_anywhere(self) -> bool:
+        """Does some bucket's group hold more than this rank?"""
+        return any(dist.get_world_size(g) > 1 for g in self.bucket_groups)
 
     # ---- where the gradients live (ZeRO-2 overrides) ---------------------------------------
     def _make_grad_storage(self, device) -> None:
@@ -252,14 +274,15 @@ class DistributedOptimizer(TrainingOptimizer):
             if param_spec(p).sequence_parallel and (g := self.grad(p)) is not None
         ]
         all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
-        if self.size == 1:
+        group = self.bucket_groups[b]
+        if dist.get_world_size(group) == 1:
             return
         (lo, hi), (own_lo, own_hi) = self.bucket_ranges[b], self.shard_ranges[b]
-        record("reduce_scatter", self.grad_buffer[lo:hi], self.group)
+        record("reduce_scatter", self.grad_buffer[lo:hi], group)
         self._grads_in_flight[b] = dist.reduce_scatter_tensor(
             self.grad_buffer[own_lo:own_hi],
             self.grad_buffer[lo:hi],
-            group=self.group,
+            group=group,
             async_op=True,
         )
 
@@ -285,6 +308,9 @@ class DistributedOptimizer(TrainingOptimizer):
         return norm
 
     def _global_norm(self) -> float:
+        # Every bucket's group lies within dp_cp_sp and its shards partition each of the
+        # group's parameters: summed over dp_cp_sp, each element of every expert (one set per
+        # EP rank) and of every dense parameter counts exactly once.
         owned = [
             self._owned_grad(lo, hi) for _, p, _, lo, hi in self.pieces if counts_once(p, self.dims)
         ]
@@ -319,16 +345,17 @@ class DistributedOptimizer(TrainingOptimizer):
             own = self.param_buffer[lo:hi]
             if main.data_ptr() != own.data_ptr():
                 own.copy_(main, non_blocking=True)
-        if self.size == 1:
-            return
         for b, ((lo, hi), (own_lo, own_hi)) in enumerate(
             zip(self.bucket_ranges, self.shard_ranges)
         ):
-            record("all_gather", self.param_buffer[lo:hi], self.group)
+            group = self.bucket_groups[b]
+            if dist.get_world_size(group) == 1:
+                continue
+            record("all_gather", self.param_buffer[lo:hi], group)
             self._params_in_flight[b] = dist.all_gather_into_tensor(
                 self.param_buffer[lo:hi],
                 self.param_buffer[own_lo:own_hi],
-                group=self.group,
+                group=group,
                 async_op=True,
             )
         if not self.overlap_param_gather:

@@ -1,5 +1,6 @@
 """ZeRO-2 over the DP×SP group (--zero-stage 2): Adam state, the fp32 main copy and the
-gradients are sharded over dp_cp_sp; the parameters stay replicated.
+gradients are sharded over each parameter's gradient group (dp_cp_sp; experts under EP > 1:
+expert-DP); the parameters stay replicated.
 
 Everything but the gradients is ZeRO-1's (distributed_optimizer.py): the same flat parameter
 buffer, buckets, owned slices, inner AdamW, norm and parameter all-gather. The difference is
@@ -101,12 +102,13 @@ class Zero2Optimizer(DistributedOptimizer):
             offset += n
         all_reduce_coalesced(sequence_parallel, self.dims.tp_group)
         owned = self._owned_grad(own_lo, own_hi)
-        if self.size == 1:
+        group = self.bucket_groups[b]
+        if dist.get_world_size(group) == 1:
             owned.add_(flat)
             return
         out = torch.empty_like(owned)
-        record("reduce_scatter", flat, self.group)
-        work = dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)
+        record("reduce_scatter", flat, group)
+        work = dist.reduce_scatter_tensor(out, flat, group=group, async_op=True)
         self._in_flight.append((owned, out, flat, work))
         while len(self._in_flight) > (IN_FLIGHT if self.overlap else 0):
             self._retire()

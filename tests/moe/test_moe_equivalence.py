@@ -72,9 +72,26 @@ LAYOUTS["DP2-EP2-recompute"] = (
     2,
 )
 # ZeRO shards over all of DP × CP × SP: with EP 1 the experts are ordinary replicated
-# parameters (EP > 1 with ZeRO is refused, tests/moe/test_moe_refusals.py).
+# parameters. With EP > 1 ZeRO-1/2 shard the experts' buckets over expert-DP (EP 2 of DP 4:
+# two replicas per expert; with Ulysses SP 2 × DP 2 the replicas are SP ranks' pairs).
 LAYOUTS.update({f"ZeRO-{stage}-DP2": (["--zero-stage", str(stage)], 2) for stage in (1, 2, 3)})
-DEFAULT = {("llama-moe-alltoall", "DP2-EP2"), ("llama-moe", "SP2-EP2")}
+LAYOUTS.update(
+    {f"ZeRO-{stage}-DP4-EP2": (["--zero-stage", str(stage)] + ep(2), 4) for stage in (1, 2)}
+)
+LAYOUTS.update(
+    {
+        f"ZeRO-{stage}-SP2-DP2-EP2": (
+            ["--zero-stage", str(stage), "--ds-sequence-parallel-size", "2"] + ep(2),
+            4,
+        )
+        for stage in (1, 2)
+    }
+)
+DEFAULT = {
+    ("llama-moe-alltoall", "DP2-EP2"),
+    ("llama-moe", "SP2-EP2"),
+    ("llama-moe-alltoall", "ZeRO-2-DP4-EP2"),
+}
 MATRIX = [
     pytest.param(
         model,

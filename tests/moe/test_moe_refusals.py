@@ -58,9 +58,10 @@ CASES = [
             "--dry-run",
             "--world-size",
             "2",
-            "--use-distributed-optimizer",
+            "--zero-stage",
+            "3",
         ],
-        ["--expert-model-parallel-size 2", "ZeRO"],
+        ["--expert-model-parallel-size 2", "--zero-stage 3"],
     ),
 ]
 

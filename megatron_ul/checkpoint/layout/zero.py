@@ -40,8 +40,9 @@ def _is_dp_cp_sp_root(model) -> bool:
 # ---- expert parallelism ----------------------------------------------------------------------
 # Expert names carry their global index (model/moe/experts.py), so a checkpoint holds every
 # expert under one name whatever the EP size: the writer gathers the other EP ranks' experts on
-# save and each rank keeps its own on load. ZeRO is refused with EP > 1 (moe_rules), so the
-# experts here are plain replicated tensors and their state plain AdamW state.
+# save and each rank keeps its own on load. Under ZeRO-1/2 an expert's main weights and moments
+# are first gathered over its expert-DP group (onto that group's first rank, which is in the
+# EP group of the dp_cp_sp root), then over EP like plain AdamW state.
 _EXPERT_INDEX = re.compile(r"(\.local_experts\.)\d+\.")
 
 
@@ -108,9 +109,13 @@ def checkpoint_model_state(model, optimizer=None) -> dict[str, torch.Tensor] | N
     (ZeRO-3) or the main weights are ZeRO-1/2 pieces: gathered one at a time; over the EP
     group under expert parallelism (every expert in the root's state)."""
     params, root = named_parameters(model, optimizer), _is_dp_cp_sp_root(model)
-    if model_dims(model).ep > 1:
-        return _model_state_with_experts(model, params)
     pieces = {name: _main_pieces(optimizer, p) for name, p in params.items()}
+    if model_dims(model).ep > 1:
+        full = {
+            n: p if pieces[n] is None else _gather_main(model, p, pieces[n], optimizer)
+            for n, p in params.items()
+        }
+        return _model_state_with_experts(model, full)
     if not root and not any(
         isinstance(p, DTensor) or pieces[name] is not None for name, p in params.items()
     ):
@@ -119,7 +124,7 @@ def checkpoint_model_state(model, optimizer=None) -> dict[str, torch.Tensor] | N
     for name, p in params.items():
         shards = pieces[name]
         if shards is not None:
-            full = _gather_main(model, p, shards)
+            full = _gather_main(model, p, shards, optimizer)
         else:
             full = p.full_tensor() if isinstance(p, DTensor) else p
         if root:  # other ranks take part in the gather and keep nothing
@@ -132,13 +137,14 @@ def _main_pieces(optimizer, p) -> list | None:
     return None if optimizer is None else optimizer.main_shards(p)
 
 
-def _gather_main(model, p, shards: list) -> torch.Tensor:
-    """p's fp32 main weights from the ZeRO-1/2 pieces every dp_cp_sp rank holds: a SUM of
-    disjoint pieces over zeros onto the dp_cp_sp root, exact (collective)."""
+def _gather_main(model, p, shards: list, optimizer) -> torch.Tensor:
+    """p's fp32 main weights from the ZeRO-1/2 pieces every rank of its shard group holds
+    (dp_cp_sp; an expert's: expert-DP): a SUM of disjoint pieces over zeros onto the group's
+    first rank, exact (collective)."""
     full = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
     for start, piece in shards:
         full[start : start + piece.numel()] = piece
-    group = model_dims(model).dp_cp_sp_group
+    group = optimizer.shard_group(p)
     if dist.get_world_size(group) > 1:
         dist.reduce(full, dst=dist.get_global_rank(group, 0), group=group)
     return full.view(p.shape)
@@ -167,8 +173,6 @@ def checkpoint_optimizer_state(model, optimizer) -> dict | None:
 def _gather_zero1(model, optimizer) -> dict | None:
     """Reduce (SUM of disjoint pieces, zeros elsewhere: exact) each parameter's two moments onto
     the dp_cp_sp root; all ranks loop over the parameters in the same (buffer) order."""
-    group = optimizer.group
-    root = dist.get_global_rank(group, 0)
     names = {id(p): n for n, p in named_parameters(model).items()}
     inner = optimizer.optimizer
     piece_state = {
@@ -182,6 +186,8 @@ def _gather_zero1(model, optimizer) -> dict | None:
         pieces_of.setdefault(id(p), []).append((offset, lo, hi, piece_state[(name, lo)]))
     gathered = {}
     for p in optimizer.params:
+        group = optimizer.shard_group(p)
+        is_group_root = dist.get_rank(group) == 0
         both = torch.zeros(2, p.numel(), dtype=torch.float32, device=p.device)
         held = False
         for start, lo, hi, s in pieces_of.get(id(p), []):
@@ -190,17 +196,31 @@ def _gather_zero1(model, optimizer) -> dict | None:
                 for row, key in enumerate(MOMENTS):
                     both[row, lo - start : hi - start] = s[key]
         flags = torch.tensor([float(held)], device=p.device)
-        if optimizer.size > 1:
+        if dist.get_world_size(group) > 1:
+            root = dist.get_global_rank(group, 0)
             dist.reduce(both, dst=root, group=group)
             dist.reduce(flags, dst=root, group=group)
-        if is_root and flags.item() > 0:  # other ranks keep nothing they reduced
+        if is_group_root and flags.item() > 0:  # other ranks keep nothing they reduced
             gathered[names[id(p)]] = {
                 "step": step.clone() if torch.is_tensor(step) else step,
                 **{k: both[i].view_as(p).cpu().clone() for i, k in enumerate(MOMENTS)},
             }
-    if not _is_dp_cp_sp_root(model):
+    groups = _zero1_groups(model, optimizer)
+    if model_dims(model).ep > 1:  # the other EP ranks' experts, from their expert-DP roots
+        experts = _expert_names(model)
+        mine = (
+            {n: s for n, s in gathered.items() if n in experts},
+            [[n for n in g["param_names"] if n in experts] for g in groups],
+        )
+        parts = _gather_experts(model, mine)
+        if is_root and parts is not None:
+            for per_name, names_per_group in parts[1:]:
+                gathered.update(per_name)
+                for group_state, more in zip(groups, names_per_group):
+                    group_state["param_names"] += more
+    if not is_root:
         return None
-    return {"state": gathered, "param_groups": _zero1_groups(model, optimizer)}
+    return {"state": gathered, "param_groups": groups}
 
 
 def inner_params(optimizer) -> list[torch.Tensor]:
@@ -267,9 +287,6 @@ def _my_chunk(full: torch.Tensor, like: DTensor) -> torch.Tensor:
 
 def load_checkpoint_optimizer_state(model, optimizer, saved: dict, source: str) -> None:
     """Each rank keeps its shard of the name-keyed state `saved` (of this rank's part)."""
-    if _zero1(optimizer):
-        _load_zero1(model, optimizer, saved, source)
-        return
     others = local_experts_only(model, saved["state"])
     if others:  # the other EP ranks' experts
         saved = {
@@ -280,6 +297,9 @@ def load_checkpoint_optimizer_state(model, optimizer, saved: dict, source: str) 
                 for g in saved["param_groups"]
             ],
         }
+    if _zero1(optimizer):
+        _load_zero1(model, optimizer, saved, source)
+        return
     params = named_parameters(model, optimizer)
     if any(isinstance(p, DTensor) for p in params.values()):
         state = {
