@@ -144,3 +144,36 @@ def test_time_follows_the_blocks_calls_skip_what_documents_exclude():
     split = plan.calls(None, DocumentSpans.of(docs))
     assert len(split) < len(one_document)
     assert all(c.q0 == c.k0 and c.q1 == c.k1 for c in split)
+
+
+@pytest.mark.parametrize("flash_attn_stand_in", ["2.8.3"], indirect=True)
+def test_the_tables_row_runs_per_head_blocks_on_flash_attn_through_the_stand_in(
+    flash_attn_stand_in,
+):
+    """--use-flash-attn, bf16: select() gives the block-sparse row flash-attn for whole blocks
+    (per-head layouts: head-sliced views) and the CPU kernel for the blocks documents and the
+    window cut; against the fp64 reference at bf16's tolerance."""
+    from megatron_ul.model.attention.backends import BlockSparse, select
+    from megatron_ul.model.attention.block_sparse import SparseHeads
+    from megatron_ul.model.attention.dispatch import AttentionCall
+
+    pattern = SparsityPattern.create("bigbird", block=BLOCK, **PATTERNS["bigbird"])
+    heads = SparseHeads(pattern, HQ, seed=5, layer=2)
+    call = AttentionCall(torch.device("cpu"), torch.bfloat16, D, HQ, HK, True, 19,
+                         use_flash_attn=True, sparse=heads)  # fmt: skip
+    backend = select(call)
+    assert isinstance(backend, BlockSparse) and backend.name == "block-sparse bigbird: " + (
+        "flash-attn / cpu-flash"
+    )
+    q, k, v = (t.detach().bfloat16().requires_grad_() for t in _inputs())
+    out = backend.forward(q, k, v, call, documents=DOCS, ring=None, softmax_scale=None)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
+    grads = torch.autograd.grad(out, (q, k, v), dout.bfloat16())
+    assert flash_attn_stand_in.calls["_flash_attn_forward"] > 0
+    assert flash_attn_stand_in.calls["_flash_attn_backward"] > 0
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = _reference(*wide, _token_mask(pattern, HQ, 5, 2, DOCS, 19), D**-0.5)
+    want_grads = torch.autograd.grad(want, wide, dout.double())
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=3e-2)
+    for got, expected in zip(grads, want_grads):
+        torch.testing.assert_close(got.double(), expected, rtol=0, atol=6e-2)
