@@ -111,11 +111,11 @@ def checkpoint_model_state(model, optimizer=None) -> dict[str, torch.Tensor] | N
     params, root = named_parameters(model, optimizer), _is_dp_cp_sp_root(model)
     pieces = {name: _main_pieces(optimizer, p) for name, p in params.items()}
     if model_dims(model).ep > 1:
-        full = {
-            n: p if pieces[n] is None else _gather_main(model, p, pieces[n], optimizer)
-            for n, p in params.items()
-        }
-        return _model_state_with_experts(model, full)
+        main = {}
+        for n, p in params.items():
+            shards = pieces[n]
+            main[n] = p if shards is None else _gather_main(model, p, shards, optimizer)
+        return _model_state_with_experts(model, main)
     if not root and not any(
         isinstance(p, DTensor) or pieces[name] is not None for name, p in params.items()
     ):
