@@ -62,7 +62,7 @@ tests and measurements that model one kernel (a CPU run's float dropout masks, s
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..config import ModelConfig, ResolvedConfig
 from ..config_rules import problems
@@ -92,6 +92,7 @@ class Layout:
     micro_batch_size: int = 1
     num_micro_batches: int = 1
     cp: int = 1  # ring-attention degree (--context-parallel-size)
+    ep: int = 1  # expert-parallel degree (--expert-model-parallel-size), within DP × CP × SP
 
     @property
     def world(self) -> int:
@@ -222,21 +223,41 @@ class MemoryEstimate:
 
 
 # ---- parameters ---------------------------------------------------------------------------------
-def layer_parameters(m: ModelConfig, tp: int) -> int:
+def layer_parameters(m: ModelConfig, tp: int, ep: int = 1) -> int:
     """Parameters of one transformer layer held by one TP rank (counted on the layer the spec
-    builds)."""
-    return held_parameters(described_layer(m), tp)
+    builds: an MoE layer when --num-experts is set, holding E/EP experts under EP)."""
+    layer = described_layer(m)
+    experts = sum(
+        held_elements(p, tp) for n, p in layer.named_parameters() if ".local_experts." in n
+    )
+    return held_parameters(layer, tp) - experts + experts // ep
+
+
+def _stage_layer_parameters(m: ModelConfig, tp: int, pp: int, ep: int) -> int:
+    """The layers' parameters on the stage holding the most: with --moe-layer-freq > 1 the
+    stages hold different mixes of MoE and dense layers."""
+    per_stage = -(-m.num_layers // pp)
+    if m.num_experts is None:
+        return per_stage * layer_parameters(m, tp)
+    moe, dense = layer_parameters(m, tp, ep), layer_parameters(replace(m, num_experts=None), tp)
+    return max(
+        sum(
+            moe if m.is_moe_layer(i + 1) else dense
+            for i in range(s, min(s + per_stage, m.num_layers))
+        )
+        for s in range(0, m.num_layers, per_stage)
+    )
 
 
 def _embedding_parameters(m: ModelConfig, tp: int) -> int:
     return m.padded_vocab_size(tp) * m.hidden_size // tp
 
 
-def stage_parameters(m: ModelConfig, tp: int, pp: int) -> int:
+def stage_parameters(m: ModelConfig, tp: int, pp: int, ep: int = 1) -> int:
     """Parameters on the largest pipeline stage of one TP rank (the first, or the last when the
     output layer is untied and larger)."""
     h = m.hidden_size
-    layers = -(-m.num_layers // pp) * layer_parameters(m, tp)
+    layers = _stage_layer_parameters(m, tp, pp, ep)
     embedding = _embedding_parameters(m, tp)
     position = (
         (m.max_position_embeddings or m.seq_length) * h
@@ -321,6 +342,11 @@ def layer_terms(
         terms["tiled MLP chunk (while recomputed)"] = mlp
     else:
         terms["MLP intermediate"] = mlp
+    if m.num_experts is not None:
+        # the router's top-k choice (int64 index, fp32 probability per pair of each token) and
+        # the dispatch's sort (two int64 permutations and an fp32 weight per routed pair)
+        pairs = m.moe_router_topk * shape.tokens
+        terms["MoE routing (indices, probabilities)"] = pairs * (8 + 4) + pairs * (8 + 8 + 4)
     if m.hidden_dropout > 0:
         terms["dropout masks"] = 2 * z.norm * precision.dropout_mask_bytes
     if sparse and not ring:  # the blocked engine keeps its fp32 log-sum-exp for backward
@@ -651,7 +677,7 @@ def _host_gradient_staging_bytes(
         return 0.0, 0.0
     largest = _largest_parameter(m, layout.tp)
     group = layout.dp * layout.sp * layout.cp
-    bucket = min(bucket_elements(None, group), stage_parameters(m, layout.tp, layout.pp))
+    bucket = min(bucket_elements(None, group), stage_parameters(m, layout.tp, layout.pp, layout.ep))
     return 4.0 * largest, 4.0 * bucket if group > 1 else 0.0
 
 
@@ -681,7 +707,7 @@ def estimate(
         raise ValueError(f"recompute must be one of {RECOMPUTE_CHOICES} (got {recompute!r})")
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero stage must be 0, 1, 2 or 3 (got {zero_stage})")
-    params = stage_parameters(m, layout.tp, layout.pp)
+    params = stage_parameters(m, layout.tp, layout.pp, layout.ep)
     param_bytes, grad_bytes, optimizer_bytes, host_optimizer = _model_state(
         params, layout, zero_stage, precision, kernels
     )
@@ -805,7 +831,7 @@ def init_peak_bytes(m: ModelConfig, layout: Layout, zero_stage: int = 0) -> floa
     slice and pipeline stage; under ZeRO-3 its shard over dp × CP × SP, the model being built on
     the meta device first) and computes them in place, plus the generator's bounded workspace
     (mpu/param_init.py). Nothing is drawn in full, on the host or on the GPU."""
-    params = stage_parameters(m, layout.tp, layout.pp)
+    params = stage_parameters(m, layout.tp, layout.pp, layout.ep)
     shards = layout.dp * layout.sp * layout.cp if zero_stage >= 3 else 1
     return 4 * params / shards + WORKSPACE_BYTES
 
@@ -821,6 +847,7 @@ def layout_from_config(cfg: ResolvedConfig) -> Layout:
         micro_batch_size=t.micro_batch_size,
         num_micro_batches=max(cfg.num_micro_batches, 1),
         cp=p.context_parallel_size,
+        ep=p.expert_model_parallel_size,
     )
 
 

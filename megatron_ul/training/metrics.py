@@ -32,6 +32,7 @@ def flops_per_token(m: ModelConfig, padded_vocab: int, seed: int = 0) -> float:
       MLP   2·h·ffn·(2 with SwiGLU: gate and up, else 1) + 2·ffn·h
       per layer; plus the logits 2·h·V once.
     Block-sparse attention counts only the blocks its kernels run (`sparse_attention_flops`).
+    An MoE layer counts its active parameters only (`moe_mlp_flops`).
     """
     h, d, n = m.hidden_size, m.head_dim, m.seq_length
     qkv = 2 * h * (m.num_attention_heads + 2 * m.query_groups) * d
@@ -39,9 +40,28 @@ def flops_per_token(m: ModelConfig, padded_vocab: int, seed: int = 0) -> float:
     if m.sparse_attention is not None:
         attention = sparse_attention_flops(m, seed)
     proj = 2 * m.num_attention_heads * d * h
-    mlp = 2 * h * m.ffn_size * (2 if m.swiglu else 1) + 2 * m.ffn_size * h
-    forward = m.num_layers * (qkv + attention + proj + mlp) + 2 * h * padded_vocab
+    mlp = _mlp_flops(m, m.ffn_size)
+    moe_layers = sum(m.is_moe_layer(i + 1) for i in range(m.num_layers))
+    mlps = (m.num_layers - moe_layers) * mlp + (moe_layers and moe_layers * moe_mlp_flops(m))
+    forward = m.num_layers * (qkv + attention + proj) + mlps + 2 * h * padded_vocab
     return 3.0 * forward
+
+
+def _mlp_flops(m: ModelConfig, ffn: int) -> float:
+    return 2 * m.hidden_size * ffn * (2 if m.swiglu else 1) + 2 * ffn * m.hidden_size
+
+
+def moe_mlp_flops(m: ModelConfig) -> float:
+    """Forward FLOPs per token of one MoE layer, active parameters only: the router 2·h·E, the
+    top-k experts' MLPs and the shared expert's (capacity drops are not subtracted: MFU counts
+    the model's work, not the tokens a full expert turned away)."""
+    assert m.num_experts is not None
+    shared = m.moe_shared_expert_intermediate_size
+    return (
+        2 * m.hidden_size * m.num_experts
+        + m.moe_router_topk * _mlp_flops(m, m.moe_ffn_size)
+        + (_mlp_flops(m, shared) if shared else 0.0)
+    )
 
 
 # Heads whose layouts the FLOPs count reads when each head has its own (scaled to all).
