@@ -103,7 +103,8 @@ def test_estimate_matches_the_live_tensor_peak(hidden, seq_length, precision, sp
         check(hidden, seq_length, precision, sp, cp, extra, ("layer backward",), 0.15)
 
 
-# Rows measured phase by phase within TOLERANCE (docs/long_context.md, the estimator's table).
+# Rows measured phase by phase within TOLERANCE (docs/results/long_context.md, the estimator's
+# table).
 HELD_IN_EVERY_PHASE = {
     (512, 16384, "fp32", 1, 1, ()),
     (512, 16384, "fp32", 2, 1, ()),
@@ -114,8 +115,8 @@ HELD_IN_EVERY_PHASE = {
 
 # The device's peak as a GPU run holds it (offloaded layer inputs, fp32 main parameters, main
 # gradients and Adam's state in host memory), bf16 with every long-context option, optimizer
-# offload and attention tiles (tools/bench/bench_layer_floor.py; docs/long_context.md's device
-# table): (hidden, N, CP, documents or one causal sequence).
+# offload and attention tiles (tools/bench/bench_layer_floor.py; the device table of
+# docs/results/long_context.md): (hidden, N, CP, documents or one causal sequence).
 DEVICE_ROWS = [
     (512, 4096, 1, False),
     (512, 8192, 1, False),
