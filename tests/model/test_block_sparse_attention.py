@@ -69,7 +69,7 @@ def test_matches_fp64_dense_masked_reference(mode, documents, window):
     sparsity = LayerSparsity(pattern, HQ, seed=5, layer=2)
     q, k, v = _inputs()
     out = block_sparse_attention(
-        q, k, v, sparsity.plan(N, range(HQ)), kernels=CPU, documents=documents, window=window
+        q, k, v, sparsity.plan(N, range(HQ), HK), kernels=CPU, documents=documents, window=window
     )
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -87,15 +87,15 @@ def test_a_ranks_global_heads_take_their_own_layout_rows():
     pattern = SparsityPattern.create("bigbird", block=BLOCK, **PATTERNS["bigbird"])
     sparsity = LayerSparsity(pattern, HQ, seed=1, layer=0)
     q, k, v = _inputs()
-    whole = block_sparse_attention(q, k, v, sparsity.plan(N, range(HQ)), kernels=CPU)
+    whole = block_sparse_attention(q, k, v, sparsity.plan(N, range(HQ), HK), kernels=CPU)
     part = block_sparse_attention(
         q[:, :, 2:].detach(), k[:, :, 1:].detach(), v[:, :, 1:].detach(),
-        sparsity.plan(N, [2, 3]), kernels=CPU,
+        sparsity.plan(N, [2, 3], 1), kernels=CPU,
     )  # fmt: skip
     assert torch.equal(part, whole[:, :, 2:].detach())
     other = block_sparse_attention(
         q[:, :, 2:].detach(), k[:, :, 1:].detach(), v[:, :, 1:].detach(),
-        sparsity.plan(N, [0, 1]), kernels=CPU,
+        sparsity.plan(N, [0, 1], 1), kernels=CPU,
     )  # fmt: skip
     assert not torch.equal(other, part)  # the rows of other heads would differ
 
@@ -121,7 +121,7 @@ def test_cuda_path_runs_the_efficient_kernel_through_the_strict_stand_in(monkeyp
     pattern = SparsityPattern.create("fixed", block=BLOCK, **PATTERNS["fixed"])
     q, k, v = _inputs(torch.float32)
     kernels = Kernels(lse_kernels.SDPA_EFFICIENT, lse_kernels.SDPA_EFFICIENT)
-    plan = LayerSparsity(pattern, HQ, seed=0, layer=0).plan(N, range(HQ))
+    plan = LayerSparsity(pattern, HQ, seed=0, layer=0).plan(N, range(HQ), HK)
     out = block_sparse_attention(q, k, v, plan, documents=DOCS, window=19, kernels=kernels)
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), dout)
@@ -136,7 +136,7 @@ def test_cuda_path_runs_the_efficient_kernel_through_the_strict_stand_in(monkeyp
 def test_time_follows_the_blocks_calls_skip_what_documents_exclude():
     pattern = SparsityPattern.create("bslongformer", block=BLOCK, num_sliding_window_blocks=1,
                                      global_block_indices=[0])  # fmt: skip
-    plan = LayerSparsity(pattern, HQ, 0, 0).plan(N, range(HQ))
+    plan = LayerSparsity(pattern, HQ, 0, 0).plan(N, range(HQ), HK)
 
     one_document = plan.calls(None, None)
     # a document start at every block: only the diagonal squares remain
@@ -177,3 +177,24 @@ def test_the_tables_row_runs_per_head_blocks_on_flash_attn_through_the_stand_in(
     torch.testing.assert_close(out.double(), want, rtol=0, atol=3e-2)
     for got, expected in zip(grads, want_grads):
         torch.testing.assert_close(got.double(), expected, rtol=0, atol=6e-2)
+
+
+def test_heads_sharing_a_layout_share_calls_in_ranges_the_kv_groups_allow():
+    """Per-head layouts: consecutive equal layouts run as one head range, cut where a range
+    would span part of a kv head's group (the engine gives a range within one group that
+    group's kv head, a range of whole groups theirs)."""
+    from megatron_ul.model.attention.block_sparse import head_layouts
+
+    per_head = SparsityPattern.create("fixed", block=BLOCK, different_layout_per_head=True)
+    same, other = torch.eye(3, dtype=torch.bool), torch.ones(3, 3, dtype=torch.bool)
+    # 8 query heads, 2 kv heads (groups of 4): heads 1-6 share a layout, 0 and 7 differ
+    layouts = {0: other, 7: other.tril()} | {h: same for h in range(1, 7)}
+    got = [hs for hs, _ in head_layouts(per_head, range(8), 2, layouts.__getitem__)]
+    assert got == [(0, 1), (1, 4), (4, 7), (7, 8)]
+    # all heads alike: one range, whole groups
+    got = [hs for hs, _ in head_layouts(per_head, range(8), 2, lambda h: same)]
+    assert got == [(0, 8)]
+    plan = LayerSparsity(per_head, HQ, seed=0, layer=0).plan(N, range(HQ), HK)
+    shared = SparsityPattern.create("fixed", block=BLOCK)
+    assert {b.heads for b in plan.blocks} == {(0, HQ)}
+    assert len(plan.blocks) == len(LayerSparsity(shared, HQ, 0, 0).plan(N, range(HQ), HK).blocks)

@@ -38,13 +38,13 @@ def _check(rank, world):
     for pattern in PATTERNS:
         for documents, window in ((None, None), (DOCS, 21)):
             whole = [t.clone().requires_grad_() for t in full]
-            plan = LayerSparsity(pattern, HQ, 3, 1).plan(N, range(HQ))
+            plan = LayerSparsity(pattern, HQ, 3, 1).plan(N, range(HQ), HK)
             want = block_sparse_attention(
                 *whole, plan, kernels=KERNELS, documents=documents, window=window
             )
             want.backward(dout)
             mine = [t[positions].clone().requires_grad_() for t in full]
-            ring_plan = SparseRingPlan(pattern, HQ, range(HQ), N, ring, 3, 1)
+            ring_plan = SparseRingPlan(pattern, HQ, range(HQ), HK, N, ring, 3, 1)
             out = block_sparse_ring_attention(
                 *mine, ring, ring_plan, KERNELS, documents=documents, window=window
             )
@@ -56,7 +56,7 @@ def _check(rank, world):
 
 def _pairs(pattern, rank, size, n):
     """Query-key token pairs a ring rank's kernels compute over all steps (host plan only)."""
-    plan = SparseRingPlan(pattern, 1, [0], n, Ring(None, rank, size, 0, 0), 0, 0)
+    plan = SparseRingPlan(pattern, 1, [0], 1, n, Ring(None, rank, size, 0, 0), 0, 0)
     step = plan.bind(None, None, KERNELS)
     return sum(
         (b.q1 - b.q0) * (b.k1 - b.k0) for src in range(size) for b in step.step_blocks(src)[0]
@@ -90,7 +90,7 @@ def test_empty_units_are_skipped():
     pattern = SparsityPattern.create("bslongformer", block=BLOCK, num_sliding_window_blocks=1,
                                      global_block_indices=[0])  # fmt: skip
     ring = Ring(None, 1, 4, 2, 0)
-    plan = SparseRingPlan(pattern, HQ, range(HQ), N, ring, 0, 0)
+    plan = SparseRingPlan(pattern, HQ, range(HQ), HK, N, ring, 0, 0)
     # rank 1 holds chunks 1 and 6; against rank 0's chunks 0 and 7 only the global column
     # (block 0, in chunk 0) is visible: the units (1, 0) and (6, 0)
     assert [(u.i, u.j) for u in plan.units[0]] == [(1, 0), (6, 0)]

@@ -79,7 +79,9 @@ def table(lengths, dense_up_to):
     warm = LayerSparsity(SparsityPattern.create("bigbird", block=BLOCK), HEADS, 0, 0)
     _measure(_dense, 1024)  # first calls load and initialise the kernels
     _measure(
-        lambda q, k, v: block_sparse_attention(q, k, v, warm.plan(1024, [0, 1]), kernels=KERNELS),
+        lambda q, k, v: block_sparse_attention(
+            q, k, v, warm.plan(1024, [0, 1], 2), kernels=KERNELS
+        ),
         1024,
     )
     rows = []
@@ -93,7 +95,7 @@ def table(lengths, dense_up_to):
             )
         for name, kwargs in PATTERNS.items():
             pattern = SparsityPattern.create(block=BLOCK, **kwargs)
-            plan = LayerSparsity(pattern, HEADS, seed=0, layer=0).plan(n, range(HEADS))
+            plan = LayerSparsity(pattern, HEADS, seed=0, layer=0).plan(n, range(HEADS), HEADS)
             density = computed_blocks(pattern, 1, n) / causal_blocks
             seconds, peak = _measure(
                 lambda q, k, v, p=plan: block_sparse_attention(q, k, v, p, kernels=KERNELS), n

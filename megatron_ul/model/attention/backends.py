@@ -396,7 +396,7 @@ class BlockSparse(AttentionBackend):
         return range(self.sparse.first, self.sparse.first + q.shape[2])
 
     def forward(self, q, k, v, call, *, documents, ring, softmax_scale):
-        plan = self.layouts.plan(q.shape[0], self.heads(q))
+        plan = self.layouts.plan(q.shape[0], self.heads(q), k.shape[2])
         return block_sparse_attention(
             q, k, v, plan, kernels=self.kernels, documents=documents, window=call.window,
             softmax_scale=softmax_scale,
@@ -415,11 +415,11 @@ class BlockSparseRing(BlockSparse):
 
     def forward(self, q, k, v, call, *, documents, ring, softmax_scale):
         assert ring is not None, "a ring call needs the ring"
-        key = q.shape[0]
+        key = (q.shape[0], k.shape[2])
         if key not in self._ring_plans:
-            s = self.sparse
+            s, n = self.sparse, q.shape[0] * ring.size
             self._ring_plans[key] = SparseRingPlan(
-                s.pattern, s.num_heads, self.heads(q), key * ring.size, ring, s.seed, s.layer
+                s.pattern, s.num_heads, self.heads(q), k.shape[2], n, ring, s.seed, s.layer
             )
         return block_sparse_ring_attention(
             q, k, v, ring, self._ring_plans[key], self.kernels, documents=documents,

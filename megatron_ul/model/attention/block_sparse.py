@@ -24,7 +24,7 @@ tiles run; the backend rows are backends.BlockSparse and backends.BlockSparseRin
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
@@ -69,11 +69,32 @@ class SparseHeads:
         return cls(pattern, heads, first, seed, layer)
 
 
-def head_layouts(pattern: SparsityPattern, heads: Sequence[int]) -> list[tuple]:
-    """(local query head or None for all, global head whose layout it runs) per head group."""
-    if pattern.different_layout_per_head:
-        return [(h, g) for h, g in enumerate(heads)]
-    return [(None, heads[0])]
+def head_layouts(
+    pattern: SparsityPattern, heads: Sequence[int], kv_heads: int, layout_of: Callable
+) -> list[tuple[Optional[tuple[int, int]], torch.Tensor]]:
+    """(local query heads [h0, h1) or None for all, their layout) per group of heads that
+    share one: `layout_of(global head)`. Consecutive heads with equal layouts share calls,
+    in ranges the engine's blocks can take (inside one kv head's group, or whole groups)."""
+    if not pattern.different_layout_per_head:
+        return [(None, layout_of(heads[0]))]
+    group = len(heads) // kv_heads
+    runs: list[list] = []  # [h0, h1, layout]
+    for h, g in enumerate(heads):
+        layout = layout_of(g)
+        if runs and torch.equal(runs[-1][2], layout):
+            runs[-1][1] = h + 1
+        else:
+            runs.append([h, h + 1, layout])
+    out: list[tuple[Optional[tuple[int, int]], torch.Tensor]] = []
+    for h0, h1, layout in runs:
+        # the partial groups at either end apart, the whole groups between as one range
+        first, last = -(-h0 // group) * group, h1 // group * group
+        if first >= last:
+            cuts = sorted({h0, h1} | {x for x in range(first, h1, group) if h0 < x})
+        else:
+            cuts = sorted({h0, first, last, h1})
+        out += [((a, b), layout) for a, b in zip(cuts, cuts[1:]) if a < b]
+    return out
 
 
 class SparsePlan:
@@ -84,14 +105,18 @@ class SparsePlan:
         pattern: SparsityPattern,
         num_heads: int,
         heads: Sequence[int],
+        kv_heads: int,
         seq_length: int,
         seed: int,
         layer: int,
     ):
-        self.blocks: list[Block] = []
-        for head, g in head_layouts(pattern, heads):
+        def layout_of(g: int) -> torch.Tensor:
             layout = block_layout(pattern, num_heads, seq_length, seed=seed, layer=layer, heads=[g])
-            self.blocks += layout_blocks(layout[0], pattern.block, head=head)
+            return layout[0]
+
+        self.blocks: list[Block] = []
+        for hs, layout in head_layouts(pattern, heads, kv_heads, layout_of):
+            self.blocks += layout_blocks(layout, pattern.block, heads=hs)
 
     def calls(self, window: Optional[int], documents: Optional[DocumentSpans]) -> list[Block]:
         """The blocks to run, with those the documents or the window exclude left out and
@@ -167,18 +192,18 @@ def block_sparse_attention(
 
 
 class LayerSparsity:
-    """One layer's pattern and its plans, one per (sequence length, heads): the layout is
+    """One layer's pattern and its plans, one per (sequence length, heads, kv heads): the layout is
     drawn and cut into blocks once per shape, not per micro-batch."""
 
     def __init__(self, pattern: SparsityPattern, num_heads: int, seed: int, layer: int):
         self.pattern, self.num_heads, self.seed, self.layer = pattern, num_heads, seed, layer
         self._plans: dict = {}
 
-    def plan(self, seq_length: int, heads: Sequence[int], kv_heads: int = 0) -> SparsePlan:
-        key = (seq_length, tuple(heads))
+    def plan(self, seq_length: int, heads: Sequence[int], kv_heads: int) -> SparsePlan:
+        key = (seq_length, tuple(heads), kv_heads)
         if key not in self._plans:
             self._plans[key] = SparsePlan(
-                self.pattern, self.num_heads, heads, seq_length, self.seed, self.layer
+                self.pattern, self.num_heads, heads, kv_heads, seq_length, self.seed, self.layer
             )
         return self._plans[key]
 

@@ -50,6 +50,7 @@ class SparseRingPlan:
         pattern: SparsityPattern,
         num_heads: int,
         heads: Sequence[int],
+        kv_heads: int,
         seq_length: int,
         ring: Ring,
         seed: int,
@@ -57,16 +58,17 @@ class SparseRingPlan:
     ):
         self.chunk = c = seq_length // (2 * ring.size)
         per_chunk = c // pattern.block
-        groups = head_layouts(pattern, heads)
         mine = ring_chunks(ring.rank, ring.size)
         # Only the layout rows of this rank's two chunks, per head group: [blocks, all blocks].
-        rows = {
-            (i, g): block_layout(
-                pattern, num_heads, seq_length, seed=seed, layer=layer, heads=[g],
-                rows=(i * per_chunk, (i + 1) * per_chunk),
-            )[0]
+        groups = {
+            i: head_layouts(
+                pattern, heads, kv_heads,
+                lambda g, i=i: block_layout(
+                    pattern, num_heads, seq_length, seed=seed, layer=layer, heads=[g],
+                    rows=(i * per_chunk, (i + 1) * per_chunk),
+                )[0],
+            )
             for i in mine
-            for _, g in groups
         }  # fmt: skip
         self.units: list[list[SparseUnit]] = []
         for src in range(ring.size):
@@ -76,9 +78,9 @@ class SparseRingPlan:
                     if j > i:
                         continue
                     found: list[Block] = []
-                    for head, g in groups:
-                        piece = rows[i, g][:, j * per_chunk : (j + 1) * per_chunk]
-                        for b in layout_blocks(piece, pattern.block, head=head, causal=i == j):
+                    for hs, rows in groups[i]:
+                        piece = rows[:, j * per_chunk : (j + 1) * per_chunk]
+                        for b in layout_blocks(piece, pattern.block, heads=hs, causal=i == j):
                             found.append(
                                 replace(
                                     b,

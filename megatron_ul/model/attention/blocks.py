@@ -241,7 +241,12 @@ def backward(
 
 
 def layout_blocks(
-    layout, block_size: int, *, head: Optional[int] = None, causal: bool = True
+    layout,
+    block_size: int,
+    *,
+    head: Optional[int] = None,
+    causal: bool = True,
+    heads: Optional[tuple[int, int]] = None,
 ) -> list[Block]:
     """The plan of one head's block layout ([nq_blocks, nk_blocks] 0/1, DeepSpeed's format, a
     tensor or an array on the host), each nonzero block computed once. With `causal`, key
@@ -251,10 +256,12 @@ def layout_blocks(
     piece wholly below the diagonal, e.g. a ring unit of earlier keys). The rest is cut row by
     row into runs of consecutive key blocks, and a run that the next rows repeat exactly (a
     global column, a band of leading blocks) grows downwards into one block. `head`: the
-    query head the layout is for (None: every head)."""
+    query head the layout is for, `heads`: the query heads [h0, h1) that share it (neither:
+    every head)."""
     grid = np.asarray(layout.cpu() if isinstance(layout, torch.Tensor) else layout).astype(bool)
     nb = grid.shape[0]
-    heads = None if head is None else (head, head + 1)
+    if head is not None:
+        heads = (head, head + 1)
     size = block_size
     lower = np.tril(grid) if causal else grid
     covered = np.zeros_like(lower)
