@@ -93,6 +93,7 @@ def describe(cfg: ResolvedConfig) -> str:
         f"parameters per rank: {est.params_per_rank / 1e6:.1f} M; precision {precision}, "
         f"{activation_bytes}-byte activations; ZeRO stage {zero}; recompute "
         f"{recompute_of(cfg)}",
+        *([moe_plan(cfg, activation_bytes)] if m.num_experts is not None else []),
         "attention kernel on a GPU: " + planned_kernel(attention_call(cfg, torch.device("cuda"))),
         "long context: " + long_context(cfg),
         "memory estimate per GPU: " + est.describe(),
@@ -101,6 +102,28 @@ def describe(cfg: ResolvedConfig) -> str:
         f"only the parameters it holds, on its device)",
     ]
     return "\n".join(lines)
+
+
+def moe_plan(cfg: ResolvedConfig, activation_bytes: int) -> str:
+    """The experts each rank holds, the tokens' share of them (FLOPs count the top-k only:
+    training/metrics.py), and the rows an all-to-all dispatch moves per MoE layer: forward
+    and backward each send and return T·k rows, (EP-1)/EP of them off the rank
+    (tools/bench/bench_moe.py measures this)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    ep, e, k = p.expert_model_parallel_size, m.num_experts, m.moe_router_topk
+    assert e is not None
+    moe_layers = sum(m.is_moe_layer(i + 1) for i in range(m.num_layers))
+    tokens = (
+        t.micro_batch_size * m.seq_length / (p.ds_sequence_parallel_size * p.context_parallel_size)
+    )
+    moved = 4 * tokens * k * m.hidden_size * activation_bytes * (ep - 1) / ep
+    shared = m.moe_shared_expert_intermediate_size
+    return (
+        f"experts: {moe_layers} MoE layers of {e} experts (ffn {m.moe_ffn_size}"
+        f"{f', shared expert {shared}' if shared else ''}), top-{k}; EP {ep}: {e // ep} experts "
+        f"per rank; {p.expert_model_parallel_size > 1 and m.moe_token_dispatcher_type or 'no'} "
+        f"dispatch, {moved / 2**20:.1f} MiB sent per rank per MoE layer per micro-batch"
+    )
 
 
 def long_context(cfg: ResolvedConfig) -> str:

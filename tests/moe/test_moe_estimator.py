@@ -86,3 +86,16 @@ def test_flops_count_active_parameters_only(moe):
     assert abs(ours - reference) <= 1e-9 * reference, (ours, reference)
     dense = dataclasses.replace(m, num_experts=None)
     assert ours < flops_per_token(dense, vocab) * m.num_experts  # not every expert counted
+
+
+def test_dry_run_says_the_experts_per_rank_and_the_dispatch():
+    from megatron_ul.training.dry_run import describe
+
+    argv = BASE + MOE + ["--num-experts", "8", "--expert-model-parallel-size", "4"]
+    text = describe(
+        configure(argv + ["--global-batch-size", "8", "--moe-token-dispatcher-type", "alltoall"], 4)
+    )
+    line = next(x for x in text.splitlines() if x.startswith("experts:"))
+    # 512 tokens × top-2 × hidden 64 × 4 bytes, four exchanges, 3/4 of them off the rank
+    assert "2 MoE layers of 8 experts" in line and "2 experts per rank" in line, line
+    assert f"{4 * 512 * 2 * 64 * 4 * 3 / 4 / 2**20:.1f} MiB" in line, line
