@@ -341,6 +341,7 @@ def efficient_kernel_ops(device: str, recorder: Any):
         return
     ops = EfficientOps()
     original = lse_kernels.cuda_ops
+    # patched on purpose: the stand-in's ops, counted, in place of the CUDA ones
     lse_kernels.cuda_ops = _CountedOps(ops, recorder)  # type: ignore[assignment]
     try:
         yield "CPU stand-in (tests/stand_ins/sdpa_efficient_cuda.py)"

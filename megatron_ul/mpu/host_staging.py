@@ -18,6 +18,7 @@ _pending_streams: list = []
 
 def mark_host_held(tensor: torch.Tensor, device: torch.device) -> None:
     """`tensor` lives in host memory for a model on `device`: collectives stage it there."""
+    # a tag on the tensor itself: it travels wherever the tensor is handed
     tensor.staging_device = device  # type: ignore[attr-defined]
 
 

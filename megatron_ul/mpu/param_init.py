@@ -199,6 +199,7 @@ def new_parameter(
         param = nn.Parameter(torch.empty([len(i) for i in index], device="meta", dtype=dtype))
     else:
         param = nn.Parameter(init.values(global_shape, index, device, dtype))
+    # on the parameter itself, as its ParamSpec: materialising and resharding find it there
     param.init_spec = InitSpec(init, global_shape, index)  # type: ignore[attr-defined]
     return param
 
@@ -242,7 +243,7 @@ def materialize(module: M, device) -> M:
         for attribute, value in attributes[name].items():
             if not hasattr(param, attribute):
                 setattr(param, attribute, value)
-        spec: InitSpec = param.init_spec  # type: ignore[attr-defined]
+        spec: InitSpec = param.init_spec  # type: ignore[attr-defined]  # set by new_parameter
         local, offset = _dim0_shard(param)
         if local.numel() == 0:
             continue

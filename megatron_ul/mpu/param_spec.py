@@ -52,6 +52,8 @@ def param_spec(p: torch.Tensor) -> ParamSpec:
 
 def set_param_spec(p: torch.Tensor, **changes) -> None:
     """Attach `p`'s spec with `changes` applied (the one way parameters are tagged)."""
+    # an attribute of the parameter (as Megatron's tensor_model_parallel): every copy and
+    # wrapper of the parameter that keeps its attributes keeps its layout
     p.spec = replace(param_spec(p), **changes)  # type: ignore[attr-defined]
 
 

@@ -583,6 +583,7 @@ def _cpu_only_shims():
         return
     saved = torch.cuda.synchronize, torch.cuda.current_device
     torch.cuda.synchronize = lambda *a, **k: None
+    # patched on purpose: megatron-core asks for a CUDA device index; the CPU stands in
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     try:
         yield
