@@ -49,12 +49,6 @@ def moe_problems(cfg: Config) -> list[str]:
     ):
         if size is not None and size % tp:
             errors.append(f"{flag} {size} is not divisible by --tensor-model-parallel-size {tp}")
-    if ep > 1 and p.zero_stage == 3:
-        errors.append(
-            f"--expert-model-parallel-size {ep} with --zero-stage 3 is not provided yet: FSDP2 "
-            f"shards every layer over DP × CP × SP, the experts differ across EP ranks; use "
-            f"--zero-stage 1 or 2 (sharded over expert-DP for the experts) or EP 1"
-        )
     if m.moe_expert_capacity_factor is None and m.moe_pad_expert_input_to_capacity:
         errors.append("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     if m.add_bias_linear:

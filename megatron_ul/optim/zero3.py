@@ -1,7 +1,11 @@
 """ZeRO-3 over the DP×SP group (--zero-stage 3) with PyTorch FSDP2, composed with our TP.
 
 `shard_model` applies `fully_shard` to every transformer layer and then to the root (the
-embeddings, final norm and head) on a 1-D DeviceMesh over the dp_cp_sp ranks. Under pipelining
+embeddings, final norm and head) on a 1-D DeviceMesh over the dp_cp_sp ranks. Under expert
+parallelism each layer's experts are sharded first, on their own 1-D mesh over expert-DP (the
+replicas of the same experts; FSDP2 takes a mesh per fully_shard call), as megatron-core shards
+expert parameters over the expert-data-parallel group; the gradient-norm argument below holds
+unchanged, since each expert-DP group's local shards partition its experts. Under pipelining
 every model chunk (GPTModel) of the PipelineStageModel is its own FSDP root: the schedule runs
 one chunk's forward or backward at a time (several forwards before their backwards, which
 FSDP2 supports), and each backward reduce-scatters into the accumulated gradient shards. The
@@ -24,13 +28,15 @@ from __future__ import annotations
 from typing import TypeVar, cast
 
 import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
 from ..mpu.parallel_state import ParallelDims
 from ..model.chunks import model_chunks
+from ..model.moe.experts import Experts
 from ..mpu.param_spec import param_spec
 from .contract import ParamStates, TrainingOptimizer
 from .grads import (
@@ -64,16 +70,25 @@ def shard_model(model: M, dims: ParallelDims, param_dtype: torch.dtype | None = 
         if param_dtype is not None
         else MixedPrecisionPolicy()
     )
+    expert_mesh = None
+    sharded: list[FSDPModule] = []
     for chunk in model_chunks(model):
-        sharded = [
-            fully_shard(layer, mesh=mesh, mp_policy=policy)
-            for layer in cast(nn.ModuleList, chunk.layers)
-        ]
+        for layer in cast(nn.ModuleList, chunk.layers):
+            # Experts under EP > 1 first, over their own mesh: their replicas are expert-DP.
+            for module in layer.modules():
+                if module is layer or not isinstance(module, Experts):
+                    continue
+                if all(sharded_like_dense(p, dims) for p in module.parameters()):
+                    continue
+                if expert_mesh is None:
+                    expert_mesh = _expert_dp_mesh(dims)
+                sharded.append(fully_shard(module, mesh=expert_mesh, mp_policy=policy))
+            sharded.append(fully_shard(layer, mesh=mesh, mp_policy=policy))
         sharded.append(fully_shard(chunk, mesh=mesh, mp_policy=policy))
-        for module in sharded:
-            module.set_gradient_divide_factor(1.0)  # SUM over dp_cp_sp, not the mean
-            # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.
-            module.set_force_sum_reduction_for_comms(True)
+    for fsdp in sharded:
+        fsdp.set_gradient_divide_factor(1.0)  # SUM over its mesh, not the mean
+        # Plain SUM collectives: gloo has no PREMUL_SUM, and a factor of 1 needs no scaling.
+        fsdp.set_force_sum_reduction_for_comms(True)
     for name, p in model.named_parameters():
         for attribute, value in saved[name].items():
             setattr(p, attribute, value)
@@ -84,20 +99,20 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _expert_dp_mesh(dims: ParallelDims):
+    """1-D DeviceMesh over this rank's expert-DP group (the existing communicator)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device_type = "cuda" if dist.get_backend(dims.expert_dp_group) == "nccl" else "cpu"
+    return DeviceMesh.from_group(dims.expert_dp_group, device_type, mesh_dim_names=("expert_dp",))
+
+
 class Zero3Optimizer(TrainingOptimizer):
     """torch AdamW over the FSDP2 shards, plus the reduction and clipping FSDP2 leaves to us."""
 
     def __init__(self, model: torch.nn.Module, train: TrainConfig, dims: ParallelDims, *, tied=()):
         self.dims, self.states, self.tied = dims, ParamStates(), list(tied)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        other = sorted(
-            {param_spec(p).grad_group for p in self.params if not sharded_like_dense(p, dims)}
-        )
-        if other:
-            raise ValueError(
-                f"--zero-stage 3 shards over dp_cp_sp only; parameters reducing over {other} "
-                f"(ParamSpec.grad_group) need plain data parallelism"
-            )
         self.optimizer = adamw(weight_decay_groups(self.params, train), train, foreach=True)
 
     def grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:

@@ -76,7 +76,7 @@ LAYOUTS["DP2-EP2-recompute"] = (
 # two replicas per expert; with Ulysses SP 2 × DP 2 the replicas are SP ranks' pairs).
 LAYOUTS.update({f"ZeRO-{stage}-DP2": (["--zero-stage", str(stage)], 2) for stage in (1, 2, 3)})
 LAYOUTS.update(
-    {f"ZeRO-{stage}-DP4-EP2": (["--zero-stage", str(stage)] + ep(2), 4) for stage in (1, 2)}
+    {f"ZeRO-{stage}-DP4-EP2": (["--zero-stage", str(stage)] + ep(2), 4) for stage in (1, 2, 3)}
 )
 LAYOUTS.update(
     {
@@ -84,7 +84,7 @@ LAYOUTS.update(
             ["--zero-stage", str(stage), "--ds-sequence-parallel-size", "2"] + ep(2),
             4,
         )
-        for stage in (1, 2)
+        for stage in (1, 2, 3)
     }
 )
 DEFAULT = {

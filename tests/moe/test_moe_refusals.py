@@ -49,20 +49,6 @@ CASES = [
         ["--num-experts", "4", "--moe-pad-expert-input-to-capacity"],
         ["--moe-expert-capacity-factor"],
     ),
-    (
-        [
-            "--num-experts",
-            "4",
-            "--expert-model-parallel-size",
-            "2",
-            "--dry-run",
-            "--world-size",
-            "2",
-            "--zero-stage",
-            "3",
-        ],
-        ["--expert-model-parallel-size 2", "--zero-stage 3"],
-    ),
 ]
 
 

@@ -1,7 +1,8 @@
 """ZeRO-1/2 with expert parallelism in checkpoints: the experts' Adam state and main weights,
 sharded over expert-DP, are gathered under their global names. A ZeRO-1 EP 2 checkpoint
-resumes on ZeRO-1 EP 2 bit-exactly, and on plain data parallelism at EP 1 and on ZeRO-2 EP 2
-on the original loss curve (fp32, 1e-5)."""
+resumes on ZeRO-1 EP 2 bit-exactly, and on plain data parallelism at EP 1, on ZeRO-2 EP 2 and
+on ZeRO-3 EP 2 on the original loss curve (fp32, 1e-5); ZeRO-3 EP 2's own checkpoint resumes
+on ZeRO-1 EP 2."""
 
 import os
 
@@ -29,6 +30,16 @@ def _resumes(rank: int, world: int, argv: list[str], tmp: str) -> dict:
     out["zero1-ep2"] = train(rank, world, argv + zero1 + ["--load", save])
     out["zero2-ep2"] = train(rank, world, argv + ["--zero-stage", "2"] + EP2 + ["--load", save])
     out["plain-ep1"] = train(rank, world, argv + ["--load", save])
+    # ZeRO-3 EP 2 (experts on an expert-DP mesh) loads it and saves 3; ZeRO-1 EP 2 resumes that
+    zero3, save3 = ["--zero-stage", "3"] + EP2, os.path.join(tmp, "zero3-ep2")
+    out["zero3-ep2"] = train(
+        rank, world, argv + zero3 + ["--load", save, "--save", save3, "--save-interval", "1"]
+    )
+    dist.barrier()
+    if dist.get_rank() == 0:
+        files.write_tracker(save3, 3)
+    dist.barrier()
+    out["zero1-from-zero3"] = train(rank, world, argv + zero1 + ["--load", save3])
     return out
 
 
@@ -39,7 +50,12 @@ def test_zero_expert_checkpoints_resume(tmp_path):
     print(original, out)
     assert len(original) == 4
     assert out["zero1-ep2"] == original[2:], out["zero1-ep2"]  # bit-exact
-    for name in ("zero2-ep2", "plain-ep1"):
-        diff = max(abs(a - b) for a, b in zip(out[name], original[2:]))
+    for name, start in (
+        ("zero2-ep2", 2),
+        ("plain-ep1", 2),
+        ("zero3-ep2", 2),
+        ("zero1-from-zero3", 3),
+    ):
+        diff = max(abs(a - b) for a, b in zip(out[name], original[start:]))
         print(f"{name}: max diff {diff:.2e}")
-        assert len(out[name]) == 2 and diff < 1e-5, name
+        assert len(out[name]) == 4 - start and diff < 1e-5, name

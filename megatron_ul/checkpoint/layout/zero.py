@@ -42,7 +42,8 @@ def _is_dp_cp_sp_root(model) -> bool:
 # expert under one name whatever the EP size: the writer gathers the other EP ranks' experts on
 # save and each rank keeps its own on load. Under ZeRO-1/2 an expert's main weights and moments
 # are first gathered over its expert-DP group (onto that group's first rank, which is in the
-# EP group of the dp_cp_sp root), then over EP like plain AdamW state.
+# EP group of the dp_cp_sp root), then over EP like plain AdamW state; under ZeRO-3 the expert
+# DTensors live on an expert-DP mesh, and each is made full there first.
 _EXPERT_INDEX = re.compile(r"(\.local_experts\.)\d+\.")
 
 
@@ -88,6 +89,10 @@ def _model_state_with_experts(model, params: dict) -> dict | None:
 def _optimizer_state_with_experts(model, optimizer) -> dict | None:
     experts, root = _expert_names(model), _is_dp_cp_sp_root(model)
     state = optimizer_state(model, optimizer)
+    for per_param in state["state"].values():  # ZeRO-3: every rank gathers, one at a time
+        for key, value in per_param.items():
+            if isinstance(value, DTensor):
+                per_param[key] = value.full_tensor().cpu()
     mine = (
         {n: s for n, s in state["state"].items() if n in experts},
         [[n for n in g["param_names"] if n in experts] for g in state["param_groups"]],
@@ -112,9 +117,12 @@ def checkpoint_model_state(model, optimizer=None) -> dict[str, torch.Tensor] | N
     pieces = {name: _main_pieces(optimizer, p) for name, p in params.items()}
     if model_dims(model).ep > 1:
         main = {}
-        for n, p in params.items():
+        for n, p in params.items():  # every rank: the gathers are collectives
             shards = pieces[n]
-            main[n] = p if shards is None else _gather_main(model, p, shards, optimizer)
+            if shards is not None:
+                main[n] = _gather_main(model, p, shards, optimizer)
+            else:
+                main[n] = p.full_tensor() if isinstance(p, DTensor) else p
         return _model_state_with_experts(model, main)
     if not root and not any(
         isinstance(p, DTensor) or pieces[name] is not None for name, p in params.items()
