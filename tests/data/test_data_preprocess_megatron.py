@@ -63,7 +63,7 @@ def test_empty_documents_and_two_keys_with_eod(tmp_path, capsys):
         uint16_bytes([7, 10, 8, 9, 10]),
         expected_index_bytes(UINT16, [2, 3], [0, 1, 2, 2], 2),
     )
-    assert "3 documents, 11 tokens (2 empty documents" in capsys.readouterr().err
+    assert "3 documents (11 tokens, 2 empty documents" in capsys.readouterr().err
 
 
 def test_empty_documents_without_eod(tmp_path):
