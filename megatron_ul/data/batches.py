@@ -140,7 +140,7 @@ def build_micro_batch(
         raise ValueError(f"sp_rank {sp_rank} outside [0, sp_size={sp_size})")
     if seq_length % sp_size:
         raise ValueError(
-            f"seq_length {seq_length} is not divisible by the sequence-parallel size {sp_size}"
+            f"seq_length {seq_length} is not divisible by the Ulysses degree SP = {sp_size}"
         )
     if cp_size < 1 or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank {cp_rank} outside [0, cp_size={cp_size})")

@@ -1,4 +1,4 @@
-"""Which tokens of a sequence each sequence-parallel rank holds: the one rule that the data
+"""Which tokens of a sequence each Ulysses and ring rank holds: the one rule that the data
 path (tokens, labels, loss masks, position ids) and ring attention share.
 
 Without a ring (R = 1) the U Ulysses ranks hold contiguous N/U slices in rank order. With a

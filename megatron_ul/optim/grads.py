@@ -1,6 +1,6 @@
 """Gradient reduction over DP×SP and clipping on one global norm.
 
-Parameters are replicated over data- and sequence-parallel ranks, so their gradients are
+Parameters are replicated over the data-parallel, ring and Ulysses ranks, so their gradients are
 *summed* over the dp_cp_sp group: the loss each rank backpropagates is already divided by the
 number of tokens in the whole global batch (see training/step.py), so the sum is the gradient
 of the global token-mean loss, whatever the layout.

@@ -6,7 +6,7 @@ fp32 gradients and two fp32 Adam moments (16 bytes per parameter). --bf16 and --
 half-precision model (Precision.half_model, Megatron's meaning): 2-byte parameters and
 activations, fp32 main parameters and gradients next to Adam (18 bytes per parameter).
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
-parameters, over the data × sequence parallel group (Ulysses ranks hold replicated weights, as
+parameters, over the DP × CP × SP group (Ulysses and ring ranks hold replicated weights, as
 in DeepSpeed).
 
 A layer's parameters, and what its norms and MLP keep for backward, are the layer spec's modules'

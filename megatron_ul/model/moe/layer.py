@@ -4,7 +4,7 @@
 Input and output are the dense MLP's: [s, b, h], or [s/TP, b, h] under Megatron-SP. With TP > 1
 the experts are TP-split (expert-TP = TP) and need every TP rank to see the same tokens:
   - Megatron-SP: each TP rank routes its own s/TP tokens (the router's gradient sums over TP,
-    as a sequence-parallel weight's); tokens and probabilities are all-gathered over TP,
+    as a Megatron-SP weight's); tokens and probabilities are all-gathered over TP,
     whose backward reduce-scatters the partial gradients the TP-split experts produce; the
     partial output is reduce-scattered back to s/TP;
   - without it the TP ranks hold the same tokens and route them alike; the expert branch's
