@@ -59,3 +59,21 @@ def test_zero_expert_checkpoints_resume(tmp_path):
         diff = max(abs(a - b) for a, b in zip(out[name], original[start:]))
         print(f"{name}: max diff {diff:.2e}")
         assert len(out[name]) == 4 - start and diff < 1e-5, name
+
+
+def _bf16_resumes(rank: int, world: int, argv: list[str], tmp: str) -> dict:
+    """--bf16: the experts' fp32 main weights are ZeRO-1 pieces over expert-DP."""
+    save, zero1 = os.path.join(tmp, "bf16"), ["--zero-stage", "1"] + EP2
+    out = {"original": train(rank, world, argv + zero1 + ["--save", save, "--save-interval", "2"])}
+    dist.barrier()
+    if dist.get_rank() == 0:
+        files.write_tracker(save, 2)
+    dist.barrier()
+    out["zero1-ep2"] = train(rank, world, argv + zero1 + ["--load", save])
+    return out
+
+
+@pytest.mark.slow
+def test_zero_expert_main_weights_resume_bitwise_in_bf16(tmp_path):
+    out = run_distributed(_bf16_resumes, 4, ARGV + ["--bf16"], str(tmp_path))[0]
+    assert out["zero1-ep2"] == out["original"][2:], out
