@@ -1,7 +1,7 @@
 """Per-rank memory, measured: ZeRO model state over dp_sp, Ulysses activation memory over SP,
 and the longest sequence that fits a memory cap with full recompute.
 
-    python -m tools.bench.bench_memory            # prints the tables, writes docs/memory.md
+    python -m tools.bench.bench_memory   # prints the tables, writes docs/results/memory.md
 
 All numbers are bytes of tensors a rank really holds (tools/bench/saved_bytes.py), on CPU
 gloo ranks spawned here; no timing is involved.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import os
 import platform
 import sys
@@ -632,7 +633,7 @@ def main() -> None:
     )
     parser.add_argument("--cap-mib", type=float, default=96, help="per-rank cap of table 3")
     parser.add_argument("--start-seq", type=int, default=1024, help="first length tried")
-    parser.add_argument("--output", default=os.path.join(ROOT, "docs", "memory.md"))
+    parser.add_argument("--output", default=os.path.join(ROOT, "docs", "results", "memory.md"))
     parser.add_argument(
         "--targets", action="store_true", help="print only the estimator's GPU targets table"
     )
@@ -699,7 +700,11 @@ def main() -> None:
             table_longest_sequence(int(args.cap_mib * MIB), args.start_seq),
         ),
     ]
-    text = [f"# Memory, measured\n\nCommand: `{command}`  \nMachine: {machine_info()}\n"]
+    today = datetime.date.today().isoformat()
+    text = [
+        f"# Memory, measured\n\nMeasured {today}.  \nCommand: `{command}`  \n"
+        f"Machine: {machine_info()}\n"
+    ]
     for title, note, table in sections:
         text.append(f"## {title}\n\n{note}\n\n{table}\n")
     out = "\n".join(text)
