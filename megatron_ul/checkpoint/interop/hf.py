@@ -377,7 +377,8 @@ def detect(hf_config: dict) -> str:
     """'gpt2' or 'llama' (Mistral maps as Llama with its window)."""
     kind = hf_config.get("model_type")
     if kind not in HF_KEYS:
-        raise _hf_error(f"model_type {kind!r} is not supported (gpt2, llama or mistral)")
+        hint = "; read Mixtral with --from hf_mixtral" if kind == "mixtral" else ""
+        raise _hf_error(f"model_type {kind!r} is not supported (gpt2, llama or mistral){hint}")
     return "gpt2" if kind == "gpt2" else "llama"
 
 
