@@ -258,7 +258,7 @@ def test_a_changed_setting_is_said_with_this_runs_value(flag, tmp_path, caplog):
     assert any(s.flag == flag and (a, b) == (theirs, ours) for s, a, b in diffs), diffs
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="megatron_ul"):
-        resume_rules.decide(diffs, False, False, "ckpt")
+        resume_rules.apply_rules(diffs, False, False, "ckpt")
     line = (
         f"resume: {flag}: this run's {ours!r} wins over the checkpoint's {theirs!r}: "
         f"{_BY_FLAG[flag].effect}"

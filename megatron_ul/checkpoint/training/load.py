@@ -89,7 +89,7 @@ def _load_scheduler(
     diffs = resume_rules.differences(
         payload.get("args"), saved, asdict(cfg), scheduler.state_dict(), optimizer_loaded
     )
-    keep = resume_rules.decide(
+    keep = resume_rules.apply_rules(
         diffs, c.override_opt_param_scheduler, c.use_checkpoint_opt_param_scheduler, source
     )
     scheduler.load_state_dict(

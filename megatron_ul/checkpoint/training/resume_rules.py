@@ -375,17 +375,17 @@ def differences(
 
 def say_run_differences(saved_args: dict | None, our_args: dict) -> None:
     """A resume that does not load the optimizer and schedule (--no-load-optim): the RUN
-    rows, said as decide says them (the schedule and optimizer rows start from this run's
+    rows, said as apply_rules says them (the schedule and optimizer rows start from this run's
     flags anyway)."""
     diffs = [
         d
         for d in differences(saved_args, {}, our_args, {}, optimizer_loaded=False)
         if d[0].rule == RUN
     ]
-    decide(diffs, False, False, "")
+    apply_rules(diffs, False, False, "")
 
 
-def decide(diffs: list, override: bool, use_checkpoint: bool, source: str) -> bool:
+def apply_rules(diffs: list, override: bool, use_checkpoint: bool, source: str) -> bool:
     """Refuse or announce each difference (module docstring). Returns whether the checkpoint's
     schedule and weight decay win (--use-checkpoint-opt_param-scheduler)."""
     schedule = [(s, a, b) for s, a, b in diffs if s.rule == SCHEDULE]
