@@ -53,6 +53,8 @@ FOREIGN_PATHS = {
 
 _CODE_SPAN = re.compile(r"`([^`\n]+)`")
 _PATH = re.compile(r"(?<![\w./-])((?:megatron_ul|tools|tests|scripts|docs)/[\w./*-]*[\w*])")
+# `model/tiled_loss.py`: a path inside the package, named from its top level
+_PACKAGE_PATH = re.compile(r"(?<![\w./-])([a-z_]+/[\w./-]*\.py)\b")
 _FLAG = re.compile(r"(?<![\w-])(--[A-Za-z][\w*-]*)")  # `--target-*`: a family of flags
 _LINK = re.compile(r"\]\(([^)\s#]+)(?:#[^)]*)?\)")
 # Where our own parsers declare their options: argparse, pytest, and the shell scripts' cases.
@@ -76,6 +78,11 @@ def _our_flags() -> frozenset[str]:
     return frozenset(flags)
 
 
+@lru_cache(maxsize=None)
+def _package_tops() -> frozenset[str]:
+    return frozenset(m.name for m in pkgutil.iter_modules(megatron_ul.__path__))
+
+
 def _spans(doc: Path):
     name = doc.relative_to(ROOT) if doc.is_relative_to(ROOT) else doc
     for number, line in enumerate(doc.read_text().splitlines(), 1):
@@ -95,6 +102,10 @@ def missing_paths(docs: list[Path]) -> list[str]:
                 else:
                     found = (ROOT / path).exists() or (ROOT / (path + ".py")).exists()
                 if not found:
+                    missing.append(f"{where}: {path}")
+            for path in _PACKAGE_PATH.findall(span):
+                top = path.split("/")[0]
+                if top in _package_tops() and not (ROOT / "megatron_ul" / path).exists():
                     missing.append(f"{where}: {path}")
     return missing
 
@@ -134,7 +145,7 @@ def _resolves(parts: list[str]) -> bool:
 
 
 def unknown_dotted_names(docs: list[Path]) -> list[str]:
-    tops = {m.name for m in pkgutil.iter_modules(megatron_ul.__path__)}
+    tops = _package_tops()
     unknown = []
     for doc in docs:
         for where, span in _spans(doc):
@@ -180,7 +191,11 @@ def test_the_checks_catch_stale_names(tmp_path):
     doc.write_text(
         "`megatron_ul/model/gpt.py`, `--seq-length`, `ruff format --check`, `timers.NO_TIMERS`\n"
         "`megatron_ul/no_such_module.py` and `--no-such-flag`, `training.pretrain.no_such`\n"
+        "`model/tiled_loss.py` and `model/no_such.py`\n"
     )
-    assert missing_paths([doc]) == [f"{doc}:2: megatron_ul/no_such_module.py"]
+    assert missing_paths([doc]) == [
+        f"{doc}:2: megatron_ul/no_such_module.py",
+        f"{doc}:3: model/no_such.py",
+    ]
     assert unknown_flags([doc]) == [f"{doc}:2: --no-such-flag"]
     assert unknown_dotted_names([doc]) == [f"{doc}:2: training.pretrain.no_such"]
