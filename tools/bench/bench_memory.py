@@ -522,6 +522,8 @@ OPTIONS = {  # added to the bench model's flags; a run combines them with "+"
     "base": (),  # every long-context option (LONG_CONTEXT)
     "tiles": ("--attention-block-tiles", "4"),
     "offload": ("--optimizer-cpu-offload",),
+    # The MLP's token chunk is the layer backward's constant above its floor: halved here.
+    "mlp2k": ("--tiled-mlp-chunk-size", "2048"),
 }
 LAYER_BACKWARD = "iteration 2 layer backward"
 
