@@ -773,13 +773,14 @@ def estimate(
     kept_at_head = 0.0 if offloaded and not kernels.host_is_device else kept
     layer_forward = layer_forward_working_bytes(m, layout, precision)
     head_forward = head + loss_forward
-    own_forward = kept + layer_forward >= kept_at_head + head_forward
+    # A ring unit runs inside a layer's attention, never beside the head and its loss.
+    own_forward = kept + layer_forward + ring / 2 >= kept_at_head + head_forward
     forward_phase = {
         "activations kept": kept if own_forward else kept_at_head,
         "head and loss working set (or a layer's own forward)": (
             layer_forward if own_forward else head_forward
         ),
-        "ring unit working set": ring / 2,
+        "ring unit working set": ring / 2 if own_forward else 0.0,
         "gradients (accumulating)": grads_in_forward,
         "RoPE tables": rope,
     }
