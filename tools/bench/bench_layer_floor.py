@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from tools.bench.bench_memory import OPTIONS, PRECISIONS, measure_peak, peak_argv
+from tools.bench.bench_memory import OPTIONS, PRECISIONS, peak_argv, peak_worker
+from tools.bench.common import run_ranks
 
 MIB = 2**20
 PHASES = ("forward", "loss backward", "layer backward", "clip", "optimizer")
@@ -35,6 +36,29 @@ def floor_bytes_per_token(hidden: int, heads: int, groups: int, precision: str) 
     d = hidden // heads
     qkv, out = act * d * (heads + 2 * groups), act * d * heads
     return 2 * (qkv + out) + 4 * heads + 2 * residual * hidden
+
+
+def device_peak_worker(rank, world, argv, precision: str):
+    """`peak_worker` with SDPA given the permuted [b, h, N, d] views of q, k and v, as CUDA's
+    kernels take them: on CPU `attention.local._sdpa_layout` copies half-precision inputs
+    contiguous for the CPU kernel's speed, a copy of q, k and v that a GPU run never holds
+    (at hidden 1024, one causal sequence of 16K: 96 MiB beside the QKV output, the forward's
+    peak). CUDA's `_scaled_dot_product_flash_attention_cuda` (aten/src/ATen/native/
+    transformers/cuda/attention.cu) hands `query.transpose(1, 2)` to `_flash_attention_forward`,
+    whose `mha_fwd` (transformers/cuda/flash_attn/flash_api.cpp) only asks for a last
+    dimension of stride 1; the CPU kernel (native/cpu/FlashAttentionKernel.cpp,
+    `cpu_flash_attention`) reads any strides, so the values are unchanged."""
+    from megatron_ul.model.attention import local
+
+    local._sdpa_layout = lambda t: t
+    return peak_worker(rank, world, argv, precision)
+
+
+def measure_device_peak(hidden, seq_length, precision, sp, cp, extra, documents) -> dict:
+    """The fullest rank's `device_peak_worker` result (bench_memory.measure_peak's shape)."""
+    argv = peak_argv(hidden, seq_length, sp, cp, extra, documents)
+    results = run_ranks(device_peak_worker, sp * cp, argv, precision, timeout=4 * 3600.0)
+    return max(results, key=lambda r: r["peak"])
 
 
 def estimate_phases(cfg, precision: str, documents: bool) -> dict[str, float]:
@@ -87,7 +111,7 @@ def reestimated(row: dict) -> dict:
 
 def run_row(hidden, seq_length, run: str, sp: int, cp: int, documents: bool) -> dict:
     precision, extra, cfg = _config(hidden, seq_length, run, sp, cp, documents)
-    got = measure_peak(hidden, seq_length, precision, sp, cp, extra, documents)
+    got = measure_device_peak(hidden, seq_length, precision, sp, cp, extra, documents)
     m = cfg.model
     phases = {}
     for phase in PHASES:
