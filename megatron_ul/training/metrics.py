@@ -84,9 +84,6 @@ def sparse_attention_flops(m: ModelConfig, seed: int = 0) -> float:
     return 2 * 2 * m.head_dim * blocks * pattern.block**2 / n
 
 
-COUNTED_HEADS = 8
-
-
 # Dense bf16 tensor-core peaks, TFLOP/s per GPU (vendor datasheets; sparsity excluded).
 KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 PHASES = ("forward", "backward", "all-to-all", "grad-reduce", "optimizer", "grad-clip")
