@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import types
 import typing
 from dataclasses import MISSING, Field, dataclass, fields
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from .config import Config, flag_names
 
@@ -25,10 +26,10 @@ class Flag:
     names: tuple[str, ...]  # spellings, e.g. ("--num-layers",)
     kind: type  # int, float, str or bool (a switch)
     default: Any
-    choices: Optional[tuple] = None
+    choices: tuple | None = None
     many: bool = False  # a list: nargs="*"
     help: str = ""
-    enabled_by: Optional[str] = None
+    enabled_by: str | None = None
 
 
 def sections() -> list[tuple[str, type, str]]:
@@ -74,10 +75,10 @@ def _flag(section: str, f: Field, annotation: Any) -> Flag:
     )
 
 
-def _kind(annotation: Any) -> tuple[type, Optional[tuple], bool]:
+def _kind(annotation: Any) -> tuple[type, tuple | None, bool]:
     """(value type, choices, is a list) of a field's annotation."""
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Union:  # Optional[X]: None means "not given"
+    if origin in (typing.Union, types.UnionType):  # X | None: None means "not given"
         return _kind(next(a for a in args if a is not type(None)))
     if origin is Literal:
         return type(args[0]), tuple(args), False

@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import MISSING, Field, dataclass, field, fields
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 
 class ConfigError(ValueError):
@@ -33,7 +33,7 @@ def flag(
     help: str,
     names: tuple[str, ...] = (),
     default_factory: Any = MISSING,
-    enabled_by: Optional[str] = None,
+    enabled_by: str | None = None,
 ) -> Any:
     """A config field that is also a command-line flag.
 
@@ -59,19 +59,19 @@ class ModelConfig:
     num_layers: int = flag(2, help="transformer layers")
     hidden_size: int = flag(64, help="model width h")
     num_attention_heads: int = flag(4, help="query heads")
-    ffn_hidden_size: Optional[int] = flag(
+    ffn_hidden_size: int | None = flag(
         None,
         help="MLP width; default 4h (8h/3 rounded down to a multiple of 64 with --swiglu, "
         "as Megatron-LM); must be divisible by TP",
     )
-    num_query_groups: Optional[int] = flag(
+    num_query_groups: int | None = flag(
         None,
         enabled_by="--group-query-attention",
         help="kv heads for grouped-query attention; default: one per query head (MHA)",
     )
-    kv_channels: Optional[int] = flag(None, help="per-head dimension; default hidden / heads")
+    kv_channels: int | None = flag(None, help="per-head dimension; default hidden / heads")
     seq_length: int = flag(128, help="tokens per sequence")
-    max_position_embeddings: Optional[int] = flag(
+    max_position_embeddings: int | None = flag(
         None, help="learned position table size; default --seq-length"
     )
     # As given here; resolved, the model's vocabulary (data.given_vocab_size keeps the input).
@@ -108,10 +108,10 @@ class ModelConfig:
     gelu_approximate: Literal["none", "tanh"] = flag(
         "none", help="tanh = GPT-2's gelu_new (for Hugging Face GPT-2 weights)"
     )
-    recompute_granularity: Optional[Literal["full", "selective"]] = flag(
+    recompute_granularity: Literal["full", "selective"] | None = flag(
         None, help="full: recompute whole layers in backward; selective: core attention"
     )
-    recompute_method: Optional[Literal["uniform", "block"]] = flag(
+    recompute_method: Literal["uniform", "block"] | None = flag(
         None,
         help="uniform: checkpoint chunks of --recompute-num-layers layers; block: "
         "checkpoint the first --recompute-num-layers layers of each stage",
@@ -126,12 +126,12 @@ class ModelConfig:
         "inductor", help="torch.compile backend for --fused-layers (aot_eager: traced, not fused)"
     )
     # Long sequences (docs/long_context.md); chunk sizes count tokens of this rank's sequence.
-    tiled_loss_chunk_size: Optional[int] = flag(
+    tiled_loss_chunk_size: int | None = flag(
         None,
         help="compute the output layer and loss over chunks of this many tokens, never "
         "holding the full logits; backward recomputes one chunk at a time",
     )
-    tiled_mlp_chunk_size: Optional[int] = flag(
+    tiled_mlp_chunk_size: int | None = flag(
         None,
         help="run the MLP over chunks of this many tokens, each recomputed in backward "
         "(ALST's tiled MLP)",
@@ -148,7 +148,7 @@ class ModelConfig:
         help="with --recompute-granularity full: keep each checkpointed layer input in "
         "host memory until backward (ALST's name)",
     )
-    window_size: Optional[list[int]] = flag(
+    window_size: list[int] | None = flag(
         None,
         help="sliding-window attention LEFT RIGHT: token i sees tokens i-LEFT..i of its "
         "document (RIGHT must be 0; -1 = unlimited; Megatron-core's window_size)",
@@ -156,7 +156,7 @@ class ModelConfig:
     # Block-sparse attention: DeepSpeed's sparsity configs and parameter names (0.18.9, its
     # last release with them): sparsity_config.py, model/attention/block_sparse*.py. Unset
     # counts: the pattern's DeepSpeed default.
-    sparse_attention: Optional[Literal["fixed", "bigbird", "bslongformer", "variable"]] = flag(
+    sparse_attention: Literal["fixed", "bigbird", "bslongformer", "variable"] | None = flag(
         None,
         help="block-sparse attention pattern (DeepSpeed's Fixed, BigBird, BSLongformer, "
         "Variable); causal on top of it; combines with documents and --window-size",
@@ -170,36 +170,36 @@ class ModelConfig:
     sparse_different_layout_per_head: bool = flag(
         False, help="block-sparse attention: a layout per head (random draws, global patterns)"
     )
-    sparse_num_local_blocks: Optional[int] = flag(
+    sparse_num_local_blocks: int | None = flag(
         None, help="fixed: blocks per local window (default 4)"
     )
-    sparse_num_global_blocks: Optional[int] = flag(
+    sparse_num_global_blocks: int | None = flag(
         None, help="fixed: global blocks per local window; bigbird: leading global blocks (1)"
     )
     sparse_horizontal_global_attention: bool = flag(
         False, help="fixed, variable: global blocks also attend to every block (bidirectional)"
     )
-    sparse_num_different_global_patterns: Optional[int] = flag(
+    sparse_num_different_global_patterns: int | None = flag(
         None, help="fixed: distinct global-block positions over the heads (default 1)"
     )
-    sparse_num_random_blocks: Optional[int] = flag(
+    sparse_num_random_blocks: int | None = flag(
         None, help="bigbird (default 1), variable (0): random blocks per block row"
     )
-    sparse_num_sliding_window_blocks: Optional[int] = flag(
+    sparse_num_sliding_window_blocks: int | None = flag(
         None, help="bigbird, bslongformer: blocks of the sliding window (default 3)"
     )
-    sparse_local_window_blocks: Optional[list[int]] = flag(
+    sparse_local_window_blocks: list[int] | None = flag(
         None, help="variable: sizes of the first local windows, the last repeated (default 4)"
     )
-    sparse_global_block_indices: Optional[list[int]] = flag(
+    sparse_global_block_indices: list[int] | None = flag(
         None, help="bslongformer, variable: global blocks (default 0), or range starts"
     )
-    sparse_global_block_end_indices: Optional[list[int]] = flag(
+    sparse_global_block_end_indices: list[int] | None = flag(
         None, help="bslongformer, variable: exclusive ends of the global ranges"
     )
     # Mixture of experts (Megatron-LM's flags and defaults; model/moe/, docs/moe.md).
-    num_experts: Optional[int] = flag(None, help="MoE: experts per MoE layer (None: dense MLPs)")
-    moe_ffn_hidden_size: Optional[int] = flag(
+    num_experts: int | None = flag(None, help="MoE: experts per MoE layer (None: dense MLPs)")
+    moe_ffn_hidden_size: int | None = flag(
         None, help="MoE: each expert's hidden size (default --ffn-hidden-size)"
     )
     moe_router_topk: int = flag(2, help="MoE: experts each token is routed to")
@@ -210,11 +210,11 @@ class ModelConfig:
         "aux_loss", help="MoE: load-balancing loss (Switch per micro-batch, or per sequence)"
     )
     moe_aux_loss_coeff: float = flag(0.0, help="MoE: load-balancing loss coefficient")
-    moe_z_loss_coeff: Optional[float] = flag(None, help="MoE: router z-loss coefficient")
+    moe_z_loss_coeff: float | None = flag(None, help="MoE: router z-loss coefficient")
     moe_router_pre_softmax: bool = flag(
         False, help="MoE: softmax over all experts before top-k (default: over the k chosen)"
     )
-    moe_expert_capacity_factor: Optional[float] = flag(
+    moe_expert_capacity_factor: float | None = flag(
         None, help="MoE: expert capacity as a multiple of an even share; drops the excess"
     )
     moe_token_drop_policy: Literal["probs", "position"] = flag(
@@ -223,7 +223,7 @@ class ModelConfig:
     moe_pad_expert_input_to_capacity: bool = flag(
         False, help="MoE: pad every expert's input to its capacity (static shapes)"
     )
-    moe_shared_expert_intermediate_size: Optional[int] = flag(
+    moe_shared_expert_intermediate_size: int | None = flag(
         None, help="MoE: hidden size of a shared expert every token goes through"
     )
     moe_grouped_gemm: bool = flag(
@@ -238,7 +238,7 @@ class ModelConfig:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
-    def attention_window(self) -> Optional[int]:
+    def attention_window(self) -> int | None:
         """Keys a query sees before itself under --window-size (None: unlimited)."""
         if self.window_size is None or self.window_size[0] < 0:
             return None
@@ -285,16 +285,16 @@ class ParallelConfig:
     expert_model_parallel_size: int = flag(
         1, help="MoE: expert-parallel degree EP, carved from DP × CP × SP"
     )
-    expert_tensor_parallel_size: Optional[int] = flag(
+    expert_tensor_parallel_size: int | None = flag(
         None, help="MoE: tensor-parallel degree of each expert (default and only value: TP)"
     )
-    num_layers_per_virtual_pipeline_stage: Optional[int] = flag(
+    num_layers_per_virtual_pipeline_stage: int | None = flag(
         None, help="layers per virtual stage: interleaved 1F1B with several chunks per rank"
     )
     sequence_parallel: bool = flag(
         False, help="Megatron-LM sequence parallelism over the TP group (norms, dropout)"
     )
-    distributed_backend: Optional[Literal["nccl", "gloo"]] = flag(
+    distributed_backend: Literal["nccl", "gloo"] | None = flag(
         None, help="default: nccl on GPU, gloo on CPU"
     )
     distributed_timeout_minutes: float = flag(
@@ -316,7 +316,7 @@ class ParallelConfig:
     overlap_param_gather: bool = flag(
         False, help="ZeRO-1: all-gather the updated parameters while the next forward runs"
     )
-    ddp_bucket_size: Optional[int] = flag(
+    ddp_bucket_size: int | None = flag(
         None, help="elements per gradient-reduction bucket (default max(40M, 1M·DP×SP))"
     )
     world_size: int = flag(
@@ -343,7 +343,7 @@ class ParallelConfig:
 @dataclass
 class TrainConfig:
     micro_batch_size: int = flag(1, help="sequences per micro-batch per DP rank")
-    global_batch_size: Optional[int] = flag(
+    global_batch_size: int | None = flag(
         None, help="sequences per iteration over all DP ranks; default micro × DP"
     )
     train_iters: int = flag(10, help="iterations to train")
@@ -353,9 +353,7 @@ class TrainConfig:
         "cosine", help="shape of the decay after warm-up"
     )
     lr_warmup_iters: int = flag(0, help="linear warm-up iterations")
-    lr_decay_iters: Optional[int] = flag(
-        None, help="iterations to decay over; default --train-iters"
-    )
+    lr_decay_iters: int | None = flag(None, help="iterations to decay over; default --train-iters")
     weight_decay: float = flag(0.01, help="AdamW weight decay (not on biases and norms)")
     adam_beta1: float = flag(0.9, help="AdamW β1")
     adam_beta2: float = flag(0.999, help="AdamW β2")
@@ -383,7 +381,7 @@ class TrainConfig:
     optimizer_offload_fraction: float = flag(
         1.0, help="--optimizer-cpu-offload: share of the parameters (in order) offloaded"
     )
-    loss_scale: Optional[float] = flag(
+    loss_scale: float | None = flag(
         None, help="fp16: constant loss scale; default: dynamic scaling"
     )
     initial_loss_scale: float = flag(2.0**32, help="fp16: first dynamic loss scale")
@@ -399,7 +397,7 @@ class TrainConfig:
         help="validate, print the resolved layout and a per-GPU memory "
         "estimate, exit (with --world-size N for the planned launch)",
     )
-    gpu_memory_gb: Optional[float] = flag(
+    gpu_memory_gb: float | None = flag(
         None,
         help="--dry-run: GPU memory per device; the plan is refused (exit 1, naming the "
         "largest term) when the estimate does not fit",
@@ -415,13 +413,13 @@ class DataConfig:
         default_factory=list, help="dataset prefixes, or 'weight prefix' pairs to blend"
     )
     split: str = flag("969,30,1", help="train,valid,test weights of each dataset")
-    data_cache_path: Optional[str] = flag(
+    data_cache_path: str | None = flag(
         None,
         help="where the sample index files are cached (default: index_cache/ beside the "
         "first --data-path)",
     )
     # The names of megatron_ul/data/tokenizers.py's TOKENIZER_TYPES (a test keeps them equal).
-    tokenizer_type: Optional[
+    tokenizer_type: (
         Literal[
             "GPT2BPETokenizer",
             "SentencePieceTokenizer",
@@ -430,10 +428,11 @@ class DataConfig:
             "HuggingFaceTokenizer",
             "NullTokenizer",
         ]
-    ] = flag(None, help="tokenizer of the data (docs/data.md)")
-    vocab_file: Optional[str] = flag(None, help="GPT2BPETokenizer: vocab.json")
-    merge_file: Optional[str] = flag(None, help="GPT2BPETokenizer: merges.txt")
-    tokenizer_model: Optional[str] = flag(
+        | None
+    ) = flag(None, help="tokenizer of the data (docs/data.md)")
+    vocab_file: str | None = flag(None, help="GPT2BPETokenizer: vocab.json")
+    merge_file: str | None = flag(None, help="GPT2BPETokenizer: merges.txt")
+    tokenizer_model: str | None = flag(
         None, help="SentencePiece .model file, or HuggingFaceTokenizer's local tokenizer folder"
     )
     reset_position_ids: bool = flag(False, help="restart position ids after each end-of-document")
@@ -443,9 +442,9 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    save: Optional[str] = flag(None, help="directory to save checkpoints in")
-    load: Optional[str] = flag(None, help="directory to resume from (may equal --save)")
-    save_interval: Optional[int] = flag(None, help="save every this many iterations")
+    save: str | None = flag(None, help="directory to save checkpoints in")
+    load: str | None = flag(None, help="directory to resume from (may equal --save)")
+    save_interval: int | None = flag(None, help="save every this many iterations")
     ckpt_format: Literal["torch", "torch_dist"] = flag(
         "torch",
         help="torch: one file per (TP, PP) rank, ZeRO state gathered into it; "
@@ -461,10 +460,10 @@ class CheckpointConfig:
     no_load_optim: bool = flag(False, help="do not load optimizer and LR-scheduler state")
     no_load_rng: bool = flag(False, help="do not load RNG states")
     finetune: bool = flag(False, help="load model weights only and start at iteration 0")
-    exit_interval: Optional[int] = flag(
+    exit_interval: int | None = flag(
         None, help="exit (saving first with --save) when the iteration is a multiple of this"
     )
-    exit_duration_in_mins: Optional[float] = flag(
+    exit_duration_in_mins: float | None = flag(
         None, help="exit (saving first with --save) this many minutes after the program started"
     )
     exit_signal_handler: bool = flag(
@@ -472,7 +471,7 @@ class CheckpointConfig:
         help="on SIGTERM or SIGUSR1 (Slurm's --signal time-limit warning), save at the "
         "end of the current iteration and exit 0",
     )
-    keep_last_n_checkpoints: Optional[int] = flag(
+    keep_last_n_checkpoints: int | None = flag(
         None,
         help="after each save, delete all but the newest N complete iterations (default: keep all)",
     )
@@ -504,14 +503,14 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     log_interval: int = flag(1, help="report every this many iterations")
-    tensorboard_dir: Optional[str] = flag(None, help="write TensorBoard scalars here")
-    wandb_project: Optional[str] = flag(
+    tensorboard_dir: str | None = flag(None, help="write TensorBoard scalars here")
+    wandb_project: str | None = flag(
         None,
         help="log the TensorBoard scalars to this Weights & Biases project as well (needs the "
         "wandb package; WANDB_MODE=offline writes locally)",
     )
-    wandb_exp_name: Optional[str] = flag(None, help="the W&B run's name (with --wandb-project)")
-    wandb_save_dir: Optional[str] = flag(
+    wandb_exp_name: str | None = flag(None, help="the W&B run's name (with --wandb-project)")
+    wandb_save_dir: str | None = flag(
         None, help="W&B's local run directory; default --save/wandb (with --wandb-project)"
     )
     timing_log_level: Literal[0, 1, 2] = flag(
@@ -526,7 +525,7 @@ class LoggingConfig:
         "gives each kernel to the phase that issued it; costs two host syncs per "
         "timed call, per layer for the all-to-all, and the overlap)",
     )
-    peak_tflops: Optional[float] = flag(
+    peak_tflops: float | None = flag(
         None,
         help="per-GPU peak TFLOP/s for MFU (default: known GPU names, e.g. A100 312, "
         "H100/H200 989 bf16 dense)",
@@ -585,7 +584,7 @@ class ResolvedConfig(Config):
         return t.global_batch_size // (t.micro_batch_size * dp)
 
 
-def resolve(cfg: Config, tokenizer_vocab_size: Optional[int] = None) -> ResolvedConfig:
+def resolve(cfg: Config, tokenizer_vocab_size: int | None = None) -> ResolvedConfig:
     """A copy of cfg (the flags as parsed) with the defaults that depend on other fields filled.
 
     tokenizer_vocab_size: the vocabulary of the tokenizer the data flags name, when there is

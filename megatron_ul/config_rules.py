@@ -19,9 +19,10 @@ evaluation, --lr 0 is a constant zero rate.
 from __future__ import annotations
 
 import math
+import types
 import typing
 from dataclasses import dataclass, fields
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from .config import (
     CheckpointConfig,
@@ -42,8 +43,8 @@ from .sparsity_config import sparse_attention_problems
 class Range:
     """The values a number may take: low <= x <= high (strict where open); None: unbounded."""
 
-    low: Optional[float] = None
-    high: Optional[float] = None
+    low: float | None = None
+    high: float | None = None
     low_open: bool = False
     high_open: bool = False
 
@@ -205,7 +206,7 @@ def config_error(found: list[str]) -> ConfigError:
     return ConfigError("invalid configuration:\n  " + "\n  ".join(found))
 
 
-def problems(cfg: Config, given: Optional[Config] = None) -> list[str]:
+def problems(cfg: Config, given: Config | None = None) -> list[str]:
     """Every problem of a resolved configuration, each naming its flag(s) and a fix.
 
     given: the configuration before resolve(), whose fields are then judged instead of the
@@ -267,9 +268,9 @@ def field_problems(cfg: Config) -> tuple[set[str], list[str]]:
     return keys, found
 
 
-def _choice_problem(annotation: Any, value: Any) -> Optional[str]:
+def _choice_problem(annotation: Any, value: Any) -> str | None:
     args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is typing.Union:  # Optional[Literal[...]]: None = not given
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # None = not given
         if value is None:
             return None
         annotation = next(a for a in args if a is not type(None))
@@ -279,7 +280,7 @@ def _choice_problem(annotation: Any, value: Any) -> Optional[str]:
     return f"must be one of {', '.join(map(str, args))} (got {value!r})"
 
 
-def _range_problem(allowed: Optional[Range], value: Any) -> Optional[str]:
+def _range_problem(allowed: Range | None, value: Any) -> str | None:
     if allowed is None or value is None or isinstance(value, bool):
         return None
     if allowed.admits(value):

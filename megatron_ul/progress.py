@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Callable, Optional, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 
 class Progress:
@@ -27,11 +28,11 @@ class Progress:
         unit: str,
         interval: int = 1000,
         *,
-        rate_unit: Optional[str] = None,
-        total_bytes: Optional[int] = None,
-        total: Optional[int] = None,
+        rate_unit: str | None = None,
+        total_bytes: int | None = None,
+        total: int | None = None,
         verb: str = "processed",
-        stream: Optional[TextIO] = None,
+        stream: TextIO | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if interval < 1:
@@ -44,7 +45,7 @@ class Progress:
         self.extras: dict[str, int] = {}
         self._next = interval
 
-    def update(self, count: int = 1, nbytes: int = 0, position: Optional[int] = None, **extras):
+    def update(self, count: int = 1, nbytes: int = 0, position: int | None = None, **extras):
         """Adds `count` items of `nbytes` bytes (and extras, e.g. tokens=...); prints a line
         when the count crosses a multiple of the interval."""
         self.count += count
@@ -69,7 +70,7 @@ class Progress:
         parts += [f"{value / elapsed / 1e6:.3f} M {name}/s" for name, value in self.extras.items()]
         return ", ".join(parts)
 
-    def done_fraction(self) -> Optional[float]:
+    def done_fraction(self) -> float | None:
         if self.total_bytes:
             return min(self.position / self.total_bytes, 1.0)
         if self.total:

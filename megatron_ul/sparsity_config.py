@@ -7,8 +7,9 @@ by model/attention/block_sparse_layouts.py and run by model/attention/block_spar
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from .config import Config, ModelConfig
 
@@ -65,10 +66,10 @@ class SparsityPattern:
     num_sliding_window_blocks: int = 3
     local_window_blocks: tuple[int, ...] = (4,)
     global_block_indices: tuple[int, ...] = (0,)
-    global_block_end_indices: Optional[tuple[int, ...]] = None
+    global_block_end_indices: tuple[int, ...] | None = None
 
     @classmethod
-    def create(cls, mode: str, **given: Any) -> "SparsityPattern":
+    def create(cls, mode: str, **given: Any) -> SparsityPattern:
         """The pattern `mode` with the parameters given (None = not given: the mode's
         default). Raises ValueError for a mode or a parameter the mode does not take."""
         if mode not in PATTERN_DEFAULTS:
@@ -85,7 +86,7 @@ class SparsityPattern:
         return cls(mode, **values)
 
     @classmethod
-    def of(cls, m: ModelConfig) -> Optional["SparsityPattern"]:
+    def of(cls, m: ModelConfig) -> SparsityPattern | None:
         """The run's pattern (None without --sparse-attention). Raises ValueError as `create`."""
         if m.sparse_attention is None:
             return None
@@ -133,7 +134,7 @@ def misplaced_message(mode: str, names: Sequence[str]) -> str:
     return f"{flags} {verb} not apply to --sparse-attention {mode} (it takes {takes})"
 
 
-def pattern_problems(p: SparsityPattern, seq_length: Optional[int] = None) -> list[str]:
+def pattern_problems(p: SparsityPattern, seq_length: int | None = None) -> list[str]:
     """DeepSpeed's parameter rules and ours, each naming its flags; `seq_length`: also the
     rules that depend on the number of blocks."""
     errors = []

@@ -11,7 +11,7 @@ import importlib
 import pkgutil
 import re
 from fnmatch import fnmatchcase
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import megatron_ul
@@ -62,7 +62,7 @@ _DECLARED = re.compile(r"(?:add_argument|addoption)\(([^)]*)\)", re.S)
 _SHELL_CASE = re.compile(r"^\s*(--[\w-]+)(?:\|--[\w-]+)*\)", re.M)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _our_flags() -> frozenset[str]:
     flags = {s for action in build_parser()._actions for s in action.option_strings}
     for path in [*ROOT.glob("tools/**/*.py"), *ROOT.glob("megatron_ul/**/*.py")] + [
@@ -78,7 +78,7 @@ def _our_flags() -> frozenset[str]:
     return frozenset(flags)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _package_tops() -> frozenset[str]:
     return frozenset(m.name for m in pkgutil.iter_modules(megatron_ul.__path__))
 

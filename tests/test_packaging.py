@@ -6,9 +6,9 @@ import pkgutil
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
+import tomllib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

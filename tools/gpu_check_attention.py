@@ -19,19 +19,19 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from megatron_ul.data.sequence_layout import rank_positions
-from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention import document_tiles as tiles_module
+from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention.backends import attention_kernel
 from megatron_ul.model.attention.dispatch import AttentionCall
-from megatron_ul.model.attention.documents import DocumentMask
-from megatron_ul.model.attention.ring import Ring
 from megatron_ul.model.attention.document_tiles import tiled_document_attention
+from megatron_ul.model.attention.documents import DocumentMask
 from megatron_ul.model.attention.layer import LayerAttention
+from megatron_ul.model.attention.ring import Ring
 from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from tools.gpu_check_sdpa import DIRECT_OPS
@@ -51,7 +51,7 @@ class Case:
     head_dim: int
     dtype: torch.dtype
     documents: int = 0  # documents in the sequence (0: none)
-    window: Optional[int] = None
+    window: int | None = None
 
     def bounds(self) -> tuple[float, float]:
         if self.dtype == torch.float32:
@@ -81,7 +81,7 @@ def inputs(case: Case, device: str, seed: int = 0):
     return q, k, v, dout, documents
 
 
-def dense_reference(q, k, v, dout, documents: Optional[DocumentMask], window: Optional[int]):
+def dense_reference(q, k, v, dout, documents: DocumentMask | None, window: int | None):
     """(out, dq, dk, dv) of causal attention written out in fp64 with an explicit mask."""
     n, _, hq, d = q.shape
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
@@ -118,7 +118,7 @@ def _sync(device: str) -> None:
 class Measured:
     results: tuple  # out, dq, dk, dv
     seconds: float
-    working_mib: Optional[float]  # CUDA: peak allocated above what was allocated before
+    working_mib: float | None  # CUDA: peak allocated above what was allocated before
 
 
 def fused_kernels_only(device: str):
@@ -267,7 +267,7 @@ class RingRun:
     passes: int
     converged: bool
     seconds: float  # slowest rank, forward + backward
-    working_mib: Optional[float]  # largest rank's, CUDA only
+    working_mib: float | None  # largest rank's, CUDA only
 
 
 def virtual_ring(

@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import re
-from typing import Optional
 
 import torch
 
@@ -68,7 +67,7 @@ def slug(name: str) -> str:
 _NUMBER = re.compile(r"^[<>=≤≥~ ]*(-?[0-9][0-9,]*\.?[0-9]*(?:e[+-]?[0-9]+)?)\s*(%|x|×|s|ms)?$")
 
 
-def number(cell) -> Optional[float]:
+def number(cell) -> float | None:
     """A cell's value when it reads as one number ('1.2e-03', '12,345', '41.0%'), else None."""
     if isinstance(cell, (int, float)) and not isinstance(cell, bool):
         return float(cell)
@@ -82,9 +81,7 @@ def number(cell) -> Optional[float]:
 class ResultFiles:
     """The JSON record of one run and its Markdown rendering, rewritten after every row."""
 
-    def __init__(
-        self, directory: str, mode: str, env: dict, command: str, budget_s: Optional[float]
-    ):
+    def __init__(self, directory: str, mode: str, env: dict, command: str, budget_s: float | None):
         self.started = datetime.datetime.now(datetime.timezone.utc)
         name = "cpu" if mode == "cpu" else slug(env["device"])
         stem = f"{self.started:%Y-%m-%d}-{name}"
@@ -109,7 +106,7 @@ class ResultFiles:
         self.scope = ""
 
     @classmethod
-    def from_file(cls, json_path: str) -> "ResultFiles":
+    def from_file(cls, json_path: str) -> ResultFiles:
         """A written record, to render its Markdown again (--docs-from)."""
         with open(json_path) as f:
             record = json.load(f)
@@ -154,7 +151,7 @@ class ResultFiles:
         if row["skipped_for_time"]:
             self.record["skipped_for_time"].append(f"{row['section']}: {row['case']}")
 
-    def write(self, state: Optional[str] = None) -> None:
+    def write(self, state: str | None = None) -> None:
         if state is not None:
             self.record["state"] = state
         self.record["updated"] = datetime.datetime.now(datetime.timezone.utc).isoformat(

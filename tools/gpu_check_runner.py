@@ -8,9 +8,9 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from collections import Counter
-from typing import Callable, Optional
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -212,9 +212,9 @@ class Check:
         mode: Mode,
         write_docs: bool = False,
         out=None,
-        results: Optional[ResultFiles] = None,
-        time_budget_s: Optional[float] = None,
-        start: Optional[float] = None,
+        results: ResultFiles | None = None,
+        time_budget_s: float | None = None,
+        start: float | None = None,
     ):
         self.mode, self.write_docs = mode, write_docs
         self.out = out or sys.stdout
@@ -228,8 +228,8 @@ class Check:
         self.enforce_budget = mode.device == "cuda" or time_budget_s is not None
         self.counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
         self.skipped_for_time: list[str] = []
-        self.cuda_lost: Optional[str] = None  # the sticky CUDA error, once there is one
-        self.section: Optional[Section] = None
+        self.cuda_lost: str | None = None  # the sticky CUDA error, once there is one
+        self.section: Section | None = None
         self._row_start = self.start
 
     def left(self) -> float:
@@ -276,14 +276,14 @@ class Check:
             except OutOfTime as e:
                 outcome = "cut for time"
                 self._emit(filled(len(header), section.key, "SKIP", str(e)), for_time=True)
-            except Exception as e:  # noqa: BLE001 - one failing section must not hide the others
+            except Exception as e:
                 outcome = "aborted"
                 self._emit(filled(len(header), f"{section.key}: section aborted", "FAIL", _why(e)))
                 self._probe_cuda(section, e)
             # after the traceback (and the tensors its frames hold) is gone
             try:
                 release()
-            except Exception as e:  # noqa: BLE001 - a release that fails is the section's failure
+            except Exception as e:
                 outcome = "aborted"
                 self._emit(
                     filled(
@@ -311,7 +311,7 @@ class Check:
             probe = torch.ones(1, device="cuda")
             probe.add_(1)
             torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - any failure here means the context is gone
+        except Exception as e:
             self.cuda_lost = (
                 f"the CUDA context is unusable since section {section.key} "
                 f"({_why(error)}; probe: {_why(e)})"
@@ -422,11 +422,11 @@ def peak_reset(device: str) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def peak_gib(device: str) -> Optional[float]:
+def peak_gib(device: str) -> float | None:
     return torch.cuda.max_memory_allocated() / GiB if device == "cuda" else None
 
 
-def gib(x: Optional[float]) -> str:
+def gib(x: float | None) -> str:
     return f"{x:.2f}" if x is not None else "-"
 
 
@@ -434,5 +434,5 @@ def ms(seconds: float) -> str:
     return f"{1e3 * seconds:.1f}"
 
 
-def mib(x: Optional[float]) -> str:
+def mib(x: float | None) -> str:
     return f"{x:.0f}" if x is not None else "-"

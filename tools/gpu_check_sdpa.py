@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +137,7 @@ class SdpaRecorder(TorchFunctionMode):
     def _sdpa(args, kwargs) -> str:
         try:
             name = fused_sdp_choice(*args, **kwargs)
-        except Exception as e:  # noqa: BLE001 - the row runs on; the record says why
+        except Exception as e:
             return f"sdpa ? ({type(e).__name__})"
         query = args[0] if args else kwargs.get("query")
         device = query.device.type if isinstance(query, torch.Tensor) else "?"
@@ -159,6 +158,6 @@ def summary(calls: Counter) -> str:
     return ", ".join(f"{name} ×{n}" for name, n in calls.most_common())
 
 
-def recorded(calls: Counter) -> Optional[str]:
+def recorded(calls: Counter) -> str | None:
     """The distinct backends, most used first (the JSON's sdpa_backend), or None."""
     return ", ".join(name for name, _ in calls.most_common()) or None

@@ -8,8 +8,8 @@ import contextlib
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, Optional
 
 import torch
 
@@ -19,7 +19,6 @@ from megatron_ul.optim.precision import GradScaler
 from megatron_ul.training.memory_estimator import GiB, estimate_config
 from megatron_ul.training.metrics import flops_per_token, peak_tflops
 from megatron_ul.training.pretrain import configure, setup
-from tools.gpu_check_sdpa import SdpaRecorder
 from tools.gpu_check_runner import (
     FP32_LOSS_TOLERANCE,
     HALF_PRECISION_LOSS_TOLERANCE,
@@ -33,6 +32,7 @@ from tools.gpu_check_runner import (
     release,
     verdict,
 )
+from tools.gpu_check_sdpa import SdpaRecorder
 
 COMMON = [
     "--mock-data",
@@ -71,12 +71,12 @@ class TrainRun:
     losses: list
     calls: Counter  # attention kernels of the first iteration (SdpaRecorder), if recorded
     seconds: list  # per timed iteration (the first includes any compilation)
-    peak_gib: Optional[float]
+    peak_gib: float | None
     estimate_gib: float
     init_seconds: float
     params: list  # final parameters (when asked for)
     optimizer_state: dict  # final optimizer state_dict (when asked for)
-    scaler: Optional[GradScaler]  # the fp16 loss scaler, if the run has one
+    scaler: GradScaler | None  # the fp16 loss scaler, if the run has one
     trainer_cfg: object
 
 
@@ -118,7 +118,7 @@ def _timed(batches: Iterator, device: str, stamps: list, first: _FirstIteration)
 def train_run(
     argv: list,
     device: str,
-    batches: Optional[Iterator] = None,
+    batches: Iterator | None = None,
     keep_state: bool = False,
     sdpa_flash: bool = False,
     record: bool = False,

@@ -89,7 +89,7 @@ def _worker(
         buffer = io.BytesIO()
         torch.save(result, buffer)
         queue.put((rank, "ok", buffer.getvalue()))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
+    except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
     finally:
         if dist.is_initialized():

@@ -16,7 +16,7 @@ import json
 import os
 import signal
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -337,9 +337,9 @@ class ChunkEncoder:
             shapes.append(shape)
         try:
             flat = self.tokenizer.tokenize_batch(texts) if texts else []
-        except Exception:  # noqa: BLE001 -- retry document by document to report the culprit
+        except Exception:
             flat = None
-        results: list[Optional[list]] = []
+        results: list[list | None] = []
         cursor = 0
         for (where, _), shape in zip(documents, shapes):
             count = sum(shape)
@@ -362,7 +362,7 @@ class ChunkEncoder:
     def tokenize_one(self, texts, where, errors):
         try:
             return [self.tokenizer.tokenize(text) for text in texts]
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:
             errors.append((*where, f"cannot tokenize ({error})"))
             return None
 

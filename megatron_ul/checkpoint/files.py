@@ -25,7 +25,6 @@ import json
 import os
 import socket
 import time
-from typing import Optional
 
 import torch
 
@@ -113,7 +112,7 @@ def expected_record(meta: dict, iter_dir: str, path: str) -> dict:
     return record
 
 
-def load_torch(path: str, what: str, expected: Optional[dict] = None):
+def load_torch(path: str, what: str, expected: dict | None = None):
     """torch.load with a message naming the file when it is missing, unreadable or (with
     `expected`, its file_record) not the bytes that were saved."""
     if not os.path.isfile(path):
@@ -137,7 +136,7 @@ def load_torch(path: str, what: str, expected: Optional[dict] = None):
             )
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure to unpickle means a damaged file
+    except Exception as e:
         raise CheckpointError(
             f"{path}: cannot be read ({type(e).__name__}: {e}); the file is "
             f"corrupt or truncated — load an earlier iteration"
@@ -211,7 +210,7 @@ def write_tracker(save_dir: str, iteration: int) -> None:
     fsync_dir(save_dir)
 
 
-def read_tracker(load_dir: str) -> Optional[int]:
+def read_tracker(load_dir: str) -> int | None:
     """The latest complete iteration, or None when no save has completed in `load_dir`;
     CheckpointError naming the file when it holds anything but a non-negative iteration."""
     path = os.path.join(load_dir, TRACKER)
@@ -256,7 +255,7 @@ def write_intent(save_dir: str, iteration: int, save_id: str) -> str:
     return path
 
 
-def verify_iteration(iter_dir: str) -> Optional[str]:
+def verify_iteration(iter_dir: str) -> str | None:
     """None when `iter_dir` is complete: metadata.json matches its own SHA-256 and every file
     it records is there at its recorded size; else what is wrong. The files' SHA-256 are
     checked by the load that follows, as each file is read: hashing a whole large checkpoint
@@ -344,7 +343,7 @@ def _recover_one(save_dir: str, intent: str) -> str:
     )
 
 
-def _tracker_says(current: Optional[int]) -> str:
+def _tracker_says(current: int | None) -> str:
     return (
         "no checkpoint had completed before it"
         if current is None
@@ -477,7 +476,7 @@ def complete_iterations(save_dir: str) -> list[int]:
     return sorted(found)
 
 
-def lost_tracker_error(load_dir: str) -> Optional[CheckpointError]:
+def lost_tracker_error(load_dir: str) -> CheckpointError | None:
     """With no tracker, complete iterations in `load_dir` mean the tracker was lost, not that
     nothing was saved: starting from scratch would abandon them (and later overwrite them)."""
     complete = complete_iterations(load_dir)

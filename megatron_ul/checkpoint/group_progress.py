@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import io
 import os
-from typing import Callable, Iterable, Iterator, TypeVar
+from collections.abc import Callable, Iterable, Iterator
+from typing import TypeVar
 
 from ..progress import Progress
 from . import files

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import BinaryIO, Iterable
+from collections.abc import Iterable
+from typing import BinaryIO
 
 from .files import CheckpointError
 
@@ -50,7 +51,7 @@ def restricted_load(file: BinaryIO | bytes, allowed: Iterable[tuple[str, str]], 
         return _RestrictedUnpickler(stream, frozenset(allowed), what).load()
     except CheckpointError:
         raise
-    except Exception as e:  # noqa: BLE001 - any other failure to unpickle: a damaged file
+    except Exception as e:
         raise CheckpointError(
             f"{what}: cannot be read ({type(e).__name__}: {e}); the file is corrupt or truncated"
         ) from e

@@ -93,7 +93,7 @@ def _parquet_file(path: str):
         ) from error
     try:
         return pyarrow.parquet.ParquetFile(path)
-    except Exception as error:  # noqa: BLE001 -- pyarrow raises several types for a bad file
+    except Exception as error:
         raise CorpusError(f"--input {path}: not a readable Parquet file ({error})") from error
 
 
@@ -117,7 +117,7 @@ def check_shard(path: str, keys) -> bool:
                     return True
     except (OSError, EOFError) as error:
         raise CorpusError(f"--input {path}: cannot be read ({error})") from error
-    except Exception as error:  # noqa: BLE001 -- e.g. zstandard.ZstdError for a corrupt frame
+    except Exception as error:
         raise CorpusError(
             f"--input {path}: cannot be read ({type(error).__name__}: {error})"
         ) from error
@@ -178,7 +178,7 @@ def _lines_of(path, handle):
     zstandard.ZstdError, ...) or a read error is a CorpusError naming the file."""
     try:
         yield from handle
-    except Exception as error:  # noqa: BLE001 -- each decompressor raises its own types
+    except Exception as error:
         raise CorpusError(
             f"--input {path}: cannot be read ({type(error).__name__}: {error}); the file is "
             f"truncated or corrupt"

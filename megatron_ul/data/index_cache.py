@@ -135,7 +135,7 @@ class IndexCache:
             try:
                 array = np.load(path, mmap_mode="r", allow_pickle=False)
             # numpy raises EOFError (empty file), zipfile's BadZipFile (a "PK" file), ...
-            except Exception as error:  # noqa: BLE001 - any failure to parse: a damaged file
+            except Exception as error:
                 raise IndexCacheError(
                     f"{path}: missing, truncated or corrupt ({type(error).__name__}: {error})"
                 ) from error

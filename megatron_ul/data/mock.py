@@ -1,7 +1,5 @@
 """A synthetic dataset with the GPTDataset interface, for runs without data files."""
 
-from typing import Optional
-
 import numpy as np
 
 
@@ -24,7 +22,7 @@ class MockGPTDataset:
         seq_length: int,
         vocab_size: int,
         seed: int = 1234,
-        eod_token: Optional[int] = None,
+        eod_token: int | None = None,
     ):
         if num_samples < 0 or seq_length < 1 or vocab_size < 1:
             raise ValueError(

@@ -26,7 +26,6 @@ import json
 import os
 import re
 from functools import lru_cache
-from typing import Optional
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -70,7 +69,7 @@ class AbstractTokenizer:
         raise NotImplementedError
 
 
-@lru_cache()
+@lru_cache
 def bytes_to_unicode() -> dict:
     """GPT-2's reversible byte -> printable unicode character table.
 
@@ -355,7 +354,7 @@ class HuggingFaceTokenizer(AbstractTokenizer):
         self, folder: str, prefer_transformers: bool = True, include_special_tokens: bool = True
     ):
         self.folder = folder
-        self.library: Optional[str] = None  # which package reads tokenizer.json
+        self.library: str | None = None  # which package reads tokenizer.json
         # Megatron-LM's include_special_tokens (megatron/core/tokenizers/text/libraries/
         # huggingface_tokenizer.py text_to_ids): True, its default from 0.18 and its legacy
         # tokenizer's only behaviour, is tokenizer(text).input_ids (BOS and the like added by
@@ -400,7 +399,7 @@ class HuggingFaceTokenizer(AbstractTokenizer):
             )
         try:
             self.hf = tokenizers.Tokenizer.from_file(path)
-        except Exception as error:  # noqa: BLE001 -- the Rust side raises plain Exception
+        except Exception as error:
             raise ValueError(
                 f"--tokenizer-model {path}: not a tokenizers file ({error})"
             ) from error

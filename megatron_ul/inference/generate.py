@@ -8,13 +8,12 @@ plenty for a quick look at what a model learned.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
 from ..checkpoint import files
-from ..checkpoint.layout import reshard
 from ..checkpoint.files import CheckpointError
+from ..checkpoint.layout import reshard
 from ..checkpoint.layout.zero import load_model_state
 from ..checkpoint.state import named_parameters
 from ..model.gpt import GPTModel
@@ -27,7 +26,7 @@ def sample_next(
     top_k: int = 0,
     top_p: float = 0.0,
     temperature: float = 1.0,
-    generator: Optional[torch.Generator] = None,
+    generator: torch.Generator | None = None,
 ) -> int:
     """One token id from logits [vocab]. top_k == 0 and top_p == 0 means greedy."""
     if top_k <= 0 and top_p <= 0.0:
@@ -76,8 +75,8 @@ def generate(
     top_k: int = 0,
     top_p: float = 0.0,
     temperature: float = 1.0,
-    eod: Optional[int] = None,
-    generator: Optional[torch.Generator] = None,
+    eod: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> list[int]:
     """The prompt's continuation (new token ids only)."""
     if not prompt:

@@ -7,7 +7,7 @@ global layers (1-based) this stage holds.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -17,15 +17,15 @@ from torch.distributed.tensor import DTensor
 from ..config import ResolvedModelConfig
 from ..mpu.cross_entropy import vocab_parallel_cross_entropy
 from ..mpu.layers import ColumnParallelLinear, VocabParallelEmbedding, sequence_parallel_linear
-from ..mpu.param_init import new_parameter
 from ..mpu.mappings import copy_to_tensor_model_parallel_region, scatter_to_sequence_parallel_region
 from ..mpu.offload import HostOffloader
 from ..mpu.parallel_state import ParallelDims
+from ..mpu.param_init import new_parameter
 from ..mpu.recompute import layers_to_checkpoint, run_layers
+from ..timers import NO_TIMERS, Timers
 from .attention.documents import DocumentMask
 from .chunks import model_chunks
 from .fusion import fuse_layers
-from ..timers import NO_TIMERS, Timers
 from .init import normal_init
 from .layer_spec import layer_spec
 from .rotary import rotary_cos_sin
@@ -42,7 +42,7 @@ class GPTModel(nn.Module):
         sequence_parallel: bool = False,
         pre_process: bool = True,
         post_process: bool = True,
-        layer_numbers: Optional[Iterable[int]] = None,
+        layer_numbers: Iterable[int] | None = None,
         device=None,
         dtype=torch.float32,
         timers: Timers = NO_TIMERS,
@@ -121,7 +121,7 @@ class GPTModel(nn.Module):
                 )
 
     # ---- pieces ---------------------------------------------------------------------------------
-    def _offloader(self, device) -> Optional[HostOffloader]:
+    def _offloader(self, device) -> HostOffloader | None:
         """--activation-checkpoint-cpu-offload: one HostOffloader per model chunk."""
         if not self.cfg.activation_checkpoint_cpu_offload:
             return None
@@ -141,7 +141,7 @@ class GPTModel(nn.Module):
         return dropout(x, self.cfg.hidden_dropout, self.training, self.sequence_parallel)
 
     @property
-    def tied_output_weight(self) -> Optional[nn.Parameter]:
+    def tied_output_weight(self) -> nn.Parameter | None:
         """The embedding table the output layer reads (tied embeddings), or None."""
         if not (self.share_embeddings and hasattr(self, "word_embeddings")):
             return None
@@ -167,11 +167,11 @@ class GPTModel(nn.Module):
 
     def forward(
         self,
-        tokens: Optional[torch.Tensor],
+        tokens: torch.Tensor | None,
         position_ids: torch.Tensor,
-        documents: Optional[DocumentMask] = None,
-        labels: Optional[torch.Tensor] = None,
-        hidden_states: Optional[torch.Tensor] = None,
+        documents: DocumentMask | None = None,
+        labels: torch.Tensor | None = None,
+        hidden_states: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens, position_ids, labels: [b, N/SP] with global position ids.
 
@@ -207,9 +207,9 @@ class GPTModel(nn.Module):
 
     def _stage_input(
         self,
-        tokens: Optional[torch.Tensor],
+        tokens: torch.Tensor | None,
         position_ids: torch.Tensor,
-        hidden_states: Optional[torch.Tensor],
+        hidden_states: torch.Tensor | None,
     ) -> torch.Tensor:
         """The first stage embeds tokens; a later stage continues from the previous one's output."""
         if self.pre_process:

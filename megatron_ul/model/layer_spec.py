@@ -23,9 +23,9 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
+from ..mpu.parallel_state import single_rank_dims
 from ..mpu.param_init import deferred
 from ..mpu.param_spec import param_spec
-from ..mpu.parallel_state import single_rank_dims
 from .mlp import MLP, SwiGLUMLP
 from .moe.layer import MoELayer
 from .norms import LayerNorm, Norm, RMSNorm

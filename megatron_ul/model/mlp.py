@@ -7,16 +7,14 @@ and how many [s, b, ffn/TP] tensors it keeps for backward (what the memory estim
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
 from ..mpu.layers import ColumnParallelLinear, RowParallelLinear
-from ..mpu.param_spec import FUSED_GATE_UP
 from ..mpu.parallel_state import ParallelDims
+from ..mpu.param_spec import FUSED_GATE_UP
 from .activation_shape import ActivationShape
 from .init import normal_init, scaled_normal_init
 from .tiled_mlp import tiled_mlp
@@ -30,7 +28,7 @@ class MLP(nn.Module):
     """fc1 → GELU (tanh-approximated for GPT-2) → fc2. Keeps GELU's input and output."""
 
     fc1_blocks = 1  # fc1's output is this many ffn-wide blocks
-    fc1_fused: Optional[str] = None  # their row layout (mpu/param_spec.py)
+    fc1_fused: str | None = None  # their row layout (mpu/param_spec.py)
     saved_blocks = 2  # [s, b, ffn/TP] tensors kept for backward
 
     def __init__(

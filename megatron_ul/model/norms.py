@@ -27,7 +27,7 @@ try:  # optional acceleration; the PyPI package named "apex" is unrelated and ha
     )
 
     HAVE_APEX = True
-except Exception:  # noqa: BLE001 - any import failure means "not available"
+except Exception:
     HAVE_APEX = False
 
 _announced: set = set()

@@ -14,7 +14,7 @@ per-tile losses are put back in the same order.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

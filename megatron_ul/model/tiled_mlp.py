@@ -9,7 +9,7 @@ the result back in the same rank order, so every rank gets its own tile back.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -8,7 +8,7 @@ The fused QKV weight is laid out by query group, [groups, (q_per_group + 2), hea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,20 +16,20 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..mpu.layers import ColumnParallelLinear, RowParallelLinear
-from ..mpu.param_spec import FUSED_QKV
 from ..mpu.parallel_state import ParallelDims
+from ..mpu.param_spec import FUSED_QKV
 from ..mpu.random import get_rng_tracker
 from ..timers import NO_TIMERS, Timers
-from .attention.layer import LayerAttention, model_call
 from .attention.block_sparse import SparseHeads
+from .attention.block_tiles import tiled_attention_block
 from .attention.documents import DocumentMask
+from .attention.layer import LayerAttention, model_call
+from .attention.ring import Ring
+from .attention.ulysses import DistributedAttention
 from .init import normal_init, scaled_normal_init
 from .norms import Norm
 from .qkv import split_qkv
-from .attention.ring import Ring
 from .rotary import apply_rotary
-from .attention.block_tiles import tiled_attention_block
-from .attention.ulysses import DistributedAttention
 
 if TYPE_CHECKING:  # the spec names this module's classes
     from .layer_spec import LayerSpec
@@ -111,7 +111,7 @@ class SelfAttention(nn.Module):
         self.core = DistributedAttention(dims.sp, layer_attention, dims.sp_group, timers=timers)
         self.attention_dropout = cfg.attention_dropout
 
-    def forward(self, x, rotary=None, documents: Optional[DocumentMask] = None):
+    def forward(self, x, rotary=None, documents: DocumentMask | None = None):
         return self.output(self.attend(self.project(x, rotary), documents))
 
     def project(self, x, rotary=None) -> list[torch.Tensor]:
@@ -127,7 +127,7 @@ class SelfAttention(nn.Module):
         return [q, k, v]
 
     def attend(
-        self, qkv_list: list[torch.Tensor], documents: Optional[DocumentMask] = None
+        self, qkv_list: list[torch.Tensor], documents: DocumentMask | None = None
     ) -> torch.Tensor:
         """The attention output [s, b, heads/TP, d]; empties qkv_list (see DistributedAttention)."""
         return self.core(
@@ -173,7 +173,7 @@ class TransformerLayer(nn.Module):
         self.tile_ranks = dims.tp if sequence_parallel else 1  # Megatron-SP shards per tile
 
     def forward(
-        self, x: torch.Tensor, rotary=None, documents: Optional[DocumentMask] = None
+        self, x: torch.Tensor, rotary=None, documents: DocumentMask | None = None
     ) -> torch.Tensor:
         def drop(t: torch.Tensor) -> torch.Tensor:
             return dropout(t, self.hidden_dropout, self.training, self.sequence_parallel)

@@ -14,7 +14,6 @@ import torch.distributed as dist
 from .layers import vocab_range
 from .mappings import all_reduce, group_size
 
-
 # fp32 elements of one row block's softmax temporaries: with a 32000-entry vocabulary, 128
 # rows (16 MiB); a tiled loss chunk of 1024 tokens holds 62.5 MiB of bf16 logits beside it.
 ROW_BLOCK_ELEMENTS = 2**22

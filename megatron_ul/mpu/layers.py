@@ -16,18 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .param_spec import set_param_spec
 from .mappings import (
     all_gather,
-    group_rank,
-    reduce_scatter,
-    group_size,
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
+    group_rank,
+    group_size,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter,
     reduce_scatter_to_sequence_parallel_region,
 )
 from .param_init import Constant, Init, new_parameter
+from .param_spec import set_param_spec
 
 InitMethod = Init
 

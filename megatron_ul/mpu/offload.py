@@ -21,7 +21,6 @@ the recompute, as mpu.recompute does, so results are bit-identical to plain full
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import torch
 
@@ -36,7 +35,7 @@ class HostOffloader:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.counts = {"offloaded": 0, "prefetched": 0, "fetched": 0}
 
-    def offload(self, x: torch.Tensor, previous: Optional["OffloadedTensor"]) -> "OffloadedTensor":
+    def offload(self, x: torch.Tensor, previous: OffloadedTensor | None) -> OffloadedTensor:
         return OffloadedTensor(self, x, previous)
 
 
@@ -44,12 +43,10 @@ class OffloadedTensor:
     """A tensor parked in host memory. `previous` is the handle offloaded just before this one
     in the same forward pass: backward needs it next, so fetching this one prefetches it."""
 
-    def __init__(
-        self, offloader: HostOffloader, x: torch.Tensor, previous: Optional["OffloadedTensor"]
-    ):
+    def __init__(self, offloader: HostOffloader, x: torch.Tensor, previous: OffloadedTensor | None):
         self.offloader, self.previous = offloader, previous
-        self.on_device: Optional[torch.Tensor] = None
-        self.host: Optional[torch.Tensor]
+        self.on_device: torch.Tensor | None = None
+        self.host: torch.Tensor | None
         stream = offloader.stream
         if stream is None:
             self.host = x  # CPU: already host memory, no copy
@@ -192,8 +189,8 @@ class _ReleasedGradient(torch.autograd.Function):
         return grad
 
 
-_PROBE: Optional[list] = None
-_SOLE_HOLDER_USES: Optional[tuple[int, int, int]] = None
+_PROBE: list | None = None
+_SOLE_HOLDER_USES: tuple[int, int, int] | None = None
 
 
 def _uses(t: torch.Tensor) -> tuple[int, int, int]:
@@ -205,7 +202,7 @@ def _uses(t: torch.Tensor) -> tuple[int, int, int]:
     return handles, storage, sys.getrefcount(t)
 
 
-def _sole_holder_uses() -> Optional[tuple[int, int, int]]:
+def _sole_holder_uses() -> tuple[int, int, int] | None:
     """The use count that a layer output's gradient has in _ReleasedGradient's backward when
     nothing outside autograd holds it (a fresh gradient from the next op), measured once on
     a two-element run: the engine's own references differ between torch releases."""

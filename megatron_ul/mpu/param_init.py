@@ -24,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ WORKSPACE_ELEMENTS = 1 << 20
 WORKSPACE_BYTES = 5 * 8 * WORKSPACE_ELEMENTS
 
 
-def _mix_(z: torch.Tensor, shift: int, multiplier: Optional[int], scratch: torch.Tensor) -> None:
+def _mix_(z: torch.Tensor, shift: int, multiplier: int | None, scratch: torch.Tensor) -> None:
     """z ^= z >>> shift (logical shift); z *= multiplier (wrapping) — in place."""
     torch.bitwise_right_shift(z, shift, out=scratch)
     scratch.bitwise_and_((1 << (64 - shift)) - 1)
@@ -190,7 +191,7 @@ def deferred():
 
 
 def new_parameter(
-    init: Init, global_shape, index: Optional[Index] = None, *, device=None, dtype=torch.float32
+    init: Init, global_shape, index: Index | None = None, *, device=None, dtype=torch.float32
 ) -> nn.Parameter:
     """A parameter holding positions `index` (default: all) of a `global_shape` tensor."""
     global_shape = tuple(global_shape)

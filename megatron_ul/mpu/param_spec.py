@@ -9,7 +9,6 @@ built from a model (pipeline/param_table.py), never from the parameter's name.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional
 
 import torch
 
@@ -20,10 +19,10 @@ FUSED_GATE_UP = "gate_up"  # [gate; up] of a SwiGLU MLP (TP-split with stride 2)
 
 @dataclass(frozen=True)
 class ParamSpec:
-    partition_dim: Optional[int] = None  # TP split dimension; None = replicated over TP
+    partition_dim: int | None = None  # TP split dimension; None = replicated over TP
     partition_stride: int = 1  # blocks laid end to end along partition_dim
     vocab_padded: bool = False  # dim 0 is the vocabulary, padded for the TP size
-    fused: Optional[str] = None  # FUSED_QKV, FUSED_GATE_UP or None
+    fused: str | None = None  # FUSED_QKV, FUSED_GATE_UP or None
     # How training treats the parameter in this run, not how it is stored (so not in to_json):
     sequence_parallel: bool = False  # TP-replicated, sees a sequence chunk: grads sum over TP
     tied_replica: bool = False  # the last stage's copy of the tied word embeddings

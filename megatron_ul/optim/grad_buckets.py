@@ -21,14 +21,14 @@ these buckets are launched by `finish` only.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
 DEFAULT_BUCKET_ELEMENTS = 40_000_000  # Megatron's default with --overlap-grad-reduce
 
 
-def bucket_elements(ddp_bucket_size: Optional[int], dp_cp_sp_size: int) -> int:
+def bucket_elements(ddp_bucket_size: int | None, dp_cp_sp_size: int) -> int:
     """--ddp-bucket-size, or Megatron's default max(40M, 1M · data-parallel size)."""
     if ddp_bucket_size is not None:
         return ddp_bucket_size
@@ -67,7 +67,7 @@ class BucketLauncher:
         self.deferred = deferred
         self.launched = [False] * len(buckets)
         self.counts = [0] * len(buckets)
-        self.expected: Optional[int] = None  # micro-batches of the current step
+        self.expected: int | None = None  # micro-batches of the current step
         self.launched_by_hooks = 0  # in the last step (logs and tests)
         self.hooks = []
         if overlap:

@@ -12,15 +12,15 @@ while backward still runs; both give the same bits.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..mpu.parallel_state import ParallelDims
-from ..mpu.comm_stats import record
-from ..mpu.param_spec import param_spec
 from ..mpu import host_staging
+from ..mpu.comm_stats import record
+from ..mpu.parallel_state import ParallelDims
+from ..mpu.param_spec import param_spec
 from .grad_buckets import BucketLauncher, split_into_buckets
 
 _BUCKET_BYTES = 64 * 2**20

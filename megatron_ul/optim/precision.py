@@ -16,7 +16,6 @@ counter; when that reaches 0, scale = max(scale · 0.5, --min-loss-scale). After
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -106,7 +105,7 @@ class GradScaler:
         self.skipped_steps = state["skipped_steps"]
 
 
-def build_grad_scaler(train: TrainConfig) -> Optional[GradScaler]:
+def build_grad_scaler(train: TrainConfig) -> GradScaler | None:
     """A scaler for --fp16, None otherwise (bf16 and fp32 need no loss scaling)."""
     if not train.fp16:
         return None

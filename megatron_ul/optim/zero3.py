@@ -29,14 +29,14 @@ from typing import TypeVar, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from ..config import TrainConfig
-from ..mpu.parallel_state import ParallelDims
 from ..model.chunks import model_chunks
 from ..model.moe.experts import Experts
+from ..mpu.parallel_state import ParallelDims
 from ..mpu.param_spec import param_spec
 from .contract import ParamStates, TrainingOptimizer
 from .grads import (

@@ -19,13 +19,11 @@ The tags only label the two streams for gloo and the stand-in.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
-from ..mpu.parallel_state import ParallelDims
 from ..mpu.comm_stats import record
+from ..mpu.parallel_state import ParallelDims
 
 FORWARD_TAG = 1
 BACKWARD_TAG = 2
@@ -55,11 +53,11 @@ class StageCommunicator:
     def communicate(
         self,
         *,
-        send_forward: Optional[torch.Tensor] = None,
-        send_backward: Optional[torch.Tensor] = None,
+        send_forward: torch.Tensor | None = None,
+        send_backward: torch.Tensor | None = None,
         recv_forward: bool = False,
         recv_backward: bool = False,
-    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """One step's messages in one batch, completed before returning: send an activation
         to the next stage and/or a gradient to the previous one; receive an activation from
         the previous stage and/or a gradient from the next. Returns (activation, gradient)

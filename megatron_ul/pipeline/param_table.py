@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ..config import ResolvedModelConfig
-from ..mpu.param_init import deferred
 from ..mpu.parallel_state import single_rank_dims
+from ..mpu.param_init import deferred
 from ..mpu.param_spec import full_shape, param_spec
 from .model import (
     REPLICA_PREFIX,

@@ -22,14 +22,14 @@ next step runs (p2p.py says why NCCL needs this). The orders and steps are Megat
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
 from ..model.attention.documents import document_mask_of
 from ..model.chunks import activation_dtype, model_chunks, model_dims
-from .p2p import StageCommunicator
 from ..timers import NO_TIMERS, Timers
+from .p2p import StageCommunicator
 
 
 def micro_batch_loss_sum(model, batch: dict) -> torch.Tensor:
@@ -202,7 +202,7 @@ def run_pipeline_steps(
 
 def _exchange(
     comm: StageCommunicator, outgoing: dict, following: tuple, chunks
-) -> dict[str, Optional[torch.Tensor]]:
+) -> dict[str, torch.Tensor | None]:
     """Send a step's results and receive the `following` step's inputs in one batch; returns
     {"F": activation or None, "B": gradient or None} for the following step."""
     needs = {op: _messages(chunks[c], op)[0] for op, c, _ in following}

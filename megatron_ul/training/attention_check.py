@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import ResolvedConfig, ConfigError
+from ..config import ConfigError, ResolvedConfig
 from ..model.attention.backends import kernel_refusal
 from .dry_run import attention_call
 

@@ -3,7 +3,7 @@ micro-batches (each DP rank its samples, each SP×CP rank its slice of every seq
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

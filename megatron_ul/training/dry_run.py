@@ -9,11 +9,11 @@ import sys
 import torch
 
 from ..config import ResolvedConfig
-from ..model.attention.block_sparse_layouts import computed_blocks
-from ..sparsity_config import SparsityPattern
 from ..model.attention.backends import planned_kernel
-from ..model.attention.layer import model_call
+from ..model.attention.block_sparse_layouts import computed_blocks
 from ..model.attention.dispatch import AttentionCall
+from ..model.attention.layer import model_call
+from ..sparsity_config import SparsityPattern
 from .memory_estimator import (
     RESERVE_GIB,
     GiB,

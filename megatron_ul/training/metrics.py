@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
-from ..config import ResolvedConfig, ModelConfig
+from ..config import ModelConfig, ResolvedConfig
 from ..model.attention.block_sparse_layouts import computed_blocks
 from ..sparsity_config import SparsityPattern
 from ..timers import NO_TIMERS, Timers
@@ -89,7 +89,7 @@ KNOWN_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 PHASES = ("forward", "backward", "all-to-all", "grad-reduce", "optimizer", "grad-clip")
 
 
-def peak_tflops(cfg: ResolvedConfig) -> Optional[float]:
+def peak_tflops(cfg: ResolvedConfig) -> float | None:
     """--peak-tflops, else the table entry whose name appears in the CUDA device name."""
     if cfg.logging.peak_tflops:
         return cfg.logging.peak_tflops

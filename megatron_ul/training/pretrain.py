@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional
 
 import torch
 
@@ -14,23 +14,23 @@ from ..checkpoint.files import CheckpointError
 from ..checkpoint.training.load import load_checkpoint
 from ..checkpoint.training.record import Resume
 from ..checkpoint.training.save import claim_save_dir
-from ..config import ResolvedConfig, ConfigError
+from ..config import ConfigError, ResolvedConfig
 from ..data.gpt_dataset import DataError
+from ..exit_signals import catch_exit_signals, release_unless
 from ..initialize import initialize_distributed, shutdown
 from ..model.gpt import GPTModel, use_half_precision
-from ..mpu.param_init import deferred, materialize
 from ..mpu.parallel_state import ParallelDims
+from ..mpu.param_init import deferred, materialize
 from ..optim import TrainingOptimizer, build_optimizer
 from ..optim.lr_schedule import LRSchedule
-from ..pipeline.model import PipelineStageModel, build_pipeline_model
 from ..optim.mixed_precision import half_dtype
 from ..optim.precision import GradScaler, build_grad_scaler
 from ..optim.zero3 import shard_model
+from ..pipeline.model import PipelineStageModel, build_pipeline_model
 from ..timers import NO_TIMERS, Timers
 from .attention_check import refuse_unrunnable_attention
 from .configure import configure
 from .data import build_datasets, eod_token_for, global_batches
-from ..exit_signals import catch_exit_signals, release_unless
 from .exit import RunControl
 from .loop import is_reporting_rank, train
 
@@ -83,11 +83,11 @@ class Trainer:
     optimizer: TrainingOptimizer
     scheduler: LRSchedule
     train_batches: Iterator
-    valid_batches: Optional[Iterator]
+    valid_batches: Iterator | None
     start_iteration: int = 0
-    grad_scaler: Optional[GradScaler] = None  # fp16 only; checkpointed with the model
+    grad_scaler: GradScaler | None = None  # fp16 only; checkpointed with the model
     timers: Timers = NO_TIMERS  # --timing-log-level; the model holds them too
-    resume: Optional[Resume] = None  # data position loaded from the checkpoint
+    resume: Resume | None = None  # data position loaded from the checkpoint
 
     def train(self) -> list[float]:
         position = replace(self.resume) if self.resume else None

@@ -8,10 +8,10 @@ import math
 import torch
 import torch.distributed as dist
 
-from ..mpu.parallel_state import ParallelDims
-from ..optim.contract import TrainingOptimizer
 from ..model.chunks import model_chunks, model_dims
 from ..model.moe.layer import set_aux_loss_scale
+from ..mpu.parallel_state import ParallelDims
+from ..optim.contract import TrainingOptimizer
 from ..pipeline.schedules import get_forward_backward_func
 from ..timers import NO_TIMERS, Timers
 

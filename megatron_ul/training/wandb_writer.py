@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Any, Optional
+from typing import Any
 
 from ..config import Config
 
@@ -51,7 +51,7 @@ def wandb_problems(cfg: Config) -> list[str]:
     return found
 
 
-def wandb_save_dir(cfg: Config) -> Optional[str]:
+def wandb_save_dir(cfg: Config) -> str | None:
     """--wandb-save-dir, else --save/wandb as Megatron-LM has it, else None."""
     if cfg.logging.wandb_save_dir:
         return cfg.logging.wandb_save_dir
@@ -82,7 +82,7 @@ class WandbWriter:
             config=config_dict(cfg),
         )
         self._row: dict[str, float] = {}
-        self._step: Optional[int] = None
+        self._step: int | None = None
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         if self._step is not None and step != self._step:

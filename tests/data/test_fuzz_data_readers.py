@@ -16,16 +16,15 @@ import shutil
 import numpy as np
 import pytest
 
+from megatron_ul.checkpoint.files import CheckpointError
 from megatron_ul.config import ConfigError
 from megatron_ul.data.gpt_dataset import DataError
 from megatron_ul.data.index_cache import IndexCache
-from megatron_ul.checkpoint.files import CheckpointError
 from megatron_ul.training.pretrain import configure, setup
-from tests.file_mutations import COMMON
 from tests.checkpoint.conftest import single_rank  # noqa: F401 - a fixture
 from tests.data.fixtures import write_jsonl
+from tests.file_mutations import COMMON
 from tools import preprocess_data
-
 
 MUTATIONS = {**COMMON, "foreign: JSON": lambda d: b'{"not": "this file"}\n'}
 

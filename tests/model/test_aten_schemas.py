@@ -8,7 +8,6 @@ on the meta device, whose kernels check shapes and dtypes)."""
 import ast
 import json
 import os
-from typing import Optional
 
 import pytest
 import torch
@@ -27,7 +26,7 @@ UNDEFINED_OK = {k: v for k, v in FIXTURE["_undefined_tensor_ok"].items() if k !=
 ALIASES = {"cuda_ops", "_aten"}
 
 
-def _aten_name(node) -> Optional[str]:
+def _aten_name(node) -> str | None:
     """NAME of `torch.ops.aten.NAME`, `torch.ops.aten.NAME.default` or `<alias>.NAME`."""
     parts = []
     while isinstance(node, ast.Attribute):

@@ -315,9 +315,12 @@ def test_the_log_names_each_path_once_with_the_decided_kernel(monkeypatch, caplo
     import logging
 
     from megatron_ul.model.attention import backends as attention
-    from megatron_ul.model.attention.layer import document_attention, local_attention
-    from megatron_ul.model.attention.layer import ring_attention
     from megatron_ul.model.attention.documents import DocumentMask
+    from megatron_ul.model.attention.layer import (
+        document_attention,
+        local_attention,
+        ring_attention,
+    )
     from megatron_ul.model.attention.ring import Ring
     from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 

@@ -20,12 +20,12 @@ import torch
 from megatron_ul.model.attention import backends
 from megatron_ul.model.attention import flash_attn as attention
 from megatron_ul.model.attention.backends import attention_kernel, planned_kernel, planned_kernels
-from megatron_ul.model.attention.layer import LayerAttention, model_call
 from megatron_ul.model.attention.dispatch import MODELLED_GPUS
 from megatron_ul.model.attention.documents import DocumentMask
+from megatron_ul.model.attention.layer import LayerAttention, model_call
 from megatron_ul.model.attention.ring import Ring
-from megatron_ul.model.transformer import SelfAttention
 from megatron_ul.model.attention.ulysses import DistributedAttention
+from megatron_ul.model.transformer import SelfAttention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from megatron_ul.training.dry_run import attention_call, describe, run_precision
 from megatron_ul.training.pretrain import configure

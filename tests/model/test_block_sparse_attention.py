@@ -9,10 +9,10 @@ import torch
 
 from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention.block_sparse import LayerSparsity, block_sparse_attention
-from megatron_ul.model.attention.blocks import Kernels, Mask, layout_blocks
-from megatron_ul.model.attention.ring import DocumentSpans
 from megatron_ul.model.attention.block_sparse_layouts import block_layout
+from megatron_ul.model.attention.blocks import Kernels, Mask, layout_blocks
 from megatron_ul.model.attention.documents import DocumentMask
+from megatron_ul.model.attention.ring import DocumentSpans
 from megatron_ul.sparsity_config import SparsityPattern
 from tests.stand_ins.sdpa_efficient_cuda import EfficientOps
 

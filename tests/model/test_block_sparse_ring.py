@@ -6,12 +6,12 @@ computed blocks per ring rank stay within 1.10 max/min."""
 import torch
 
 from megatron_ul.data.sequence_layout import ring_local_positions
+from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention.block_sparse import LayerSparsity, block_sparse_attention
 from megatron_ul.model.attention.block_sparse_ring import (
     SparseRingPlan,
     block_sparse_ring_attention,
 )
-from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention.blocks import Kernels
 from megatron_ul.model.attention.documents import DocumentMask
 from megatron_ul.model.attention.ring import Ring

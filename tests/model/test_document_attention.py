@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from megatron_ul.model.attention import documents as da
-from tests.dense_masks import dense_document_mask
-from megatron_ul.model.attention.layer import document_attention
 from megatron_ul.model.attention.documents import DocumentMask
+from megatron_ul.model.attention.layer import document_attention
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
+from tests.dense_masks import dense_document_mask
 from tools.bench.saved_bytes import saved_activation_bytes
 
 N, B, D = 40, 2, 8

@@ -97,7 +97,7 @@ TRAIN_LAYOUTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def single_process(window: bool):
     return run_layout(DOCS + (["--window-size", "6", "0"] if window else []), 1)
 

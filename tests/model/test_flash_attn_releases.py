@@ -14,10 +14,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_ul.model.attention import backends
+from megatron_ul.model.attention import backends, lse_kernels
 from megatron_ul.model.attention import flash_attn as attention
 from megatron_ul.model.attention.dispatch import H100, AttentionCall
-from megatron_ul.model.attention import lse_kernels
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "flash_attn_schemas.json")
 

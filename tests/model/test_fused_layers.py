@@ -67,7 +67,7 @@ DEFAULT = {("llama", "SP2-full-recompute", "aot_eager")}
 SHORT = ["--train-iters", "3"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def eager(model: str, layout: str):
     flags, world = LAYOUTS[layout]
     return run_layout(BASE + MODELS[model][0] + SHORT + flags, world)

@@ -8,16 +8,16 @@ from typing import get_args, get_type_hints
 import pytest
 import torch
 
-from megatron_ul.checkpoint.interop import hf, megatron_core, megatron_lm
 from megatron_ul.checkpoint.files import CheckpointError
+from megatron_ul.checkpoint.interop import hf, megatron_core, megatron_lm
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.gpt import GPTModel
 from megatron_ul.model.layer_spec import NORMS, described_layer, layer_spec
 from megatron_ul.model.mlp import MLP, SwiGLUMLP
 from megatron_ul.model.norms import Norm
 from megatron_ul.model.transformer import TransformerLayer
-from megatron_ul.mpu.param_init import Constant, new_parameter
 from megatron_ul.mpu.parallel_state import single_rank_dims
+from megatron_ul.mpu.param_init import Constant, new_parameter
 from megatron_ul.mpu.random import model_parallel_seed
 from megatron_ul.pipeline.param_table import parameter_table
 from megatron_ul.training import memory_estimator as me

@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from megatron_ul.model.norms import LayerNorm, RMSNorm, rms_norm
 from megatron_ul.model.qkv import split_qkv
-from tools.bench.saved_bytes import saved_activation_bytes
 from tools.bench.live_tensors import LiveTensorTracker
+from tools.bench.saved_bytes import saved_activation_bytes
 
 S, B, H = 64, 2, 256
 
@@ -156,9 +156,9 @@ def test_split_qkv_backward_builds_one_fused_size_buffer():
 
 
 def test_attention_keeps_no_view_of_the_fused_qkv_output():
-    from megatron_ul.training.pretrain import build_model, configure
     from megatron_ul.mpu.parallel_state import single_rank_dims
     from megatron_ul.mpu.random import model_parallel_seed
+    from megatron_ul.training.pretrain import build_model, configure
 
     cfg = configure(
         [

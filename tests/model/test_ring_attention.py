@@ -7,15 +7,15 @@ import math
 
 import torch
 
+from megatron_ul.data.sequence_layout import rank_positions, ring_local_positions
 from megatron_ul.model.attention.documents import DocumentMask
-from tests.dense_masks import dense_document_mask
 from megatron_ul.model.attention.layer import LayerAttention, ring_attention
 from megatron_ul.model.attention.ring import Ring, measure_ring_time
 from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu import comm_stats
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
-from megatron_ul.data.sequence_layout import rank_positions, ring_local_positions
+from tests.dense_masks import dense_document_mask
 from tests.distributed import run_distributed
 
 N, B, D = 32, 2, 4

@@ -17,10 +17,9 @@ import torch
 from megatron_ul.data.sequence_layout import ring_local_positions
 from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention.backends import RingUnits, select
-from megatron_ul.model.attention.layer import ring_attention
 from megatron_ul.model.attention.dispatch import AttentionCall
 from megatron_ul.model.attention.documents import DocumentMask
-from tests.dense_masks import dense_document_mask
+from megatron_ul.model.attention.layer import ring_attention
 from megatron_ul.model.attention.ring import (
     Ring,
     backward_step,
@@ -29,6 +28,7 @@ from megatron_ul.model.attention.ring import (
     packed_kv,
     ring_plan,
 )
+from tests.dense_masks import dense_document_mask
 from tests.stand_ins.sdpa_efficient_cuda import EfficientOps
 
 N, B, D = 32, 2, 8

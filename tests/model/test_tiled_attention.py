@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from megatron_ul.config import ModelConfig
-from megatron_ul.model.layer_spec import layer_spec
 from megatron_ul.model.attention.block_tiles import merge_tiles, tile_rows
+from megatron_ul.model.layer_spec import layer_spec
 from megatron_ul.model.transformer import TransformerLayer
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
-from tools.bench.saved_bytes import saved_activation_bytes
 from tests.distributed import run_distributed
 from tests.model.long_context_harness import LLAMA, MODEL, compare_runs
+from tools.bench.saved_bytes import saved_activation_bytes
 
 TILED = ["--attention-block-tiles", "4"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]

@@ -11,8 +11,8 @@ same ones again."""
 import pytest
 import torch
 
-from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention import document_tiles as tiled
+from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention.documents import DocumentMask
 from megatron_ul.mpu.random import MODEL_PARALLEL_RNG, get_rng_tracker
 from megatron_ul.mpu.recompute import checkpoint

@@ -8,9 +8,9 @@ import torch
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.layer_spec import layer_spec
 from megatron_ul.mpu import parallel_state as ps
-from tools.bench.saved_bytes import saved_activation_bytes
 from tests.distributed import run_distributed
 from tests.model.long_context_harness import LLAMA, MODEL, compare_runs, slow_except
+from tools.bench.saved_bytes import saved_activation_bytes
 
 TILED = ["--tiled-mlp-chunk-size", "5"]
 FULL_RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]

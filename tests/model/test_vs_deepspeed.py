@@ -15,9 +15,8 @@ _sequence = pytest.importorskip("deepspeed.sequence.layer")
 if "num_kv_heads" not in inspect.signature(_sequence.DistributedAttention.__init__).parameters:
     pytest.skip("DeepSpeed's DistributedAttention takes no num_kv_heads", allow_module_level=True)
 
-from tools.bench.bench_vs_deepspeed import compare_all  # noqa: E402
-
 from tests.distributed import run_distributed  # noqa: E402
+from tools.bench.bench_vs_deepspeed import compare_all  # noqa: E402
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "sum"])

@@ -29,7 +29,7 @@ CASES = {  # name -> (flags, world)
 SLOW = {"moe-dp2-ep2"}  # two ranks: about two minutes on two shared cores
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured(world: int) -> dict:
     names = [n for n, (_, w) in CASES.items() if w == world]
     results = run_distributed(measure_many, world, [BASE + CASES[n][0] for n in names])

@@ -6,8 +6,8 @@ import torch.nn.functional as F
 
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.cross_entropy import vocab_parallel_cross_entropy
-from megatron_ul.mpu.param_init import FromFull
 from megatron_ul.mpu.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from megatron_ul.mpu.param_init import FromFull
 from tests.distributed import run_distributed
 
 S, B, H_IN, H_OUT, VOCAB, PADDED = 8, 3, 6, 10, 13, 16

@@ -112,7 +112,7 @@ def _init_on_rank(rank, world, argv):
     return {"params": params, "computed": sum(computed), "held": held}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _single_process(model: str) -> dict:
     params = run_distributed(_init_on_rank, 1, BASE + MODELS[model])[0]["params"]
     return {name: value for name, (value, _, _) in params.items()}

@@ -176,13 +176,12 @@ def layer_backward_peak(rank: int, world: int, argv: list, forced: bool) -> tupl
     the host-held path forced or not. On CPU every tensor is in one memory: what a GPU run
     keeps in host memory (main parameters, Adam's state and, forced, the main gradients) is
     told apart by name."""
+    from megatron_ul.training.step import train_step
     from tools.bench.bench_memory import (
         _host_held_gradients,
         _mark_backward_stages,
         _storage_bytes,
     )
-
-    from megatron_ul.training.step import train_step
 
     with _host_held_gradients() if forced else nullcontext():
         cfg = configure(argv, world)

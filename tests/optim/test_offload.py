@@ -6,9 +6,9 @@ import pytest
 
 from megatron_ul.config import ConfigError
 from megatron_ul.training.pretrain import configure
+from tests.distributed import run_distributed
 from tests.model.long_context_harness import slow_except
 from tests.optim.test_recompute import DROPOUT_ON, assert_identical
-from tests.distributed import run_distributed
 from tests.training.equivalence import run_layout
 
 FULL = ["--recompute-granularity", "full", "--recompute-method", "uniform"]

@@ -55,7 +55,7 @@ LAYOUTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def without_recompute(layout: str):
     flags, world = LAYOUTS[layout]
     return run_layout(DROPOUT_ON + flags, world)

@@ -24,7 +24,7 @@ from tests.stand_ins.nccl_p2p import Group, run_ranks
 SEQ, MICRO_BATCH, VOCAB, SEED = 8, 2, 64, 5
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model_config(layers: int):
     return configure(
         [
@@ -120,7 +120,7 @@ def run_pipeline(
     return losses[-1], (None if forward_only else summed_grads(models))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def run_reference(layers: int, num_micro_batches: int):
     """(loss sum, gradients) of the same batch in one process, without pipelining."""
     threads = torch.get_num_threads()

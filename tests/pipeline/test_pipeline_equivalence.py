@@ -43,7 +43,7 @@ LAYOUTS = {
 DEFAULT = ("TP2-PP2", "SP2-PP2")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(model: str, layers: tuple):
     return run_layout(BASE + MODELS[model][0] + list(layers), 1)
 

@@ -111,6 +111,7 @@ def test_script_arguments_pass_dry_run(path):
 
 def test_dry_run_prints_layout_and_exits_without_distributed(capsys):
     import torch.distributed as dist
+
     from megatron_ul.training.pretrain import main
 
     code = main(

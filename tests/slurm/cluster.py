@@ -22,7 +22,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 DEBIAN_PACKAGES = ["slurmd", "slurmctld", "slurm-client", "munge"]
 BINARIES = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue"]
@@ -156,12 +156,12 @@ class SlurmCluster:
         self.cpus_per_node, self.kill_wait, self.grace_time = cpus_per_node, kill_wait, grace_time
         self.cred_expire = cred_expire
         self.install, self.keep_dir = install, keep_dir
-        self.dir: Optional[str] = None
+        self.dir: str | None = None
         self.procs: list[subprocess.Popen] = []
         self.env: dict[str, str] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def __enter__(self) -> "SlurmCluster":
+    def __enter__(self) -> SlurmCluster:
         self.start()
         return self
 
@@ -342,7 +342,7 @@ class SlurmCluster:
         return "\n".join(f"--- {n}\n{self.read(n)[-3000:]}" for n in names)
 
     # -- jobs --------------------------------------------------------------------------------
-    def sbatch(self, args: list[str], env: Optional[dict] = None, cwd: Optional[str] = None) -> str:
+    def sbatch(self, args: list[str], env: dict | None = None, cwd: str | None = None) -> str:
         done = subprocess.run(
             ["sbatch", "--parsable", *args],
             env={**self.env, **(env or {})},

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 from unittest import mock
 
 import torch
@@ -69,9 +69,9 @@ class _Op:
     peer: int
     tensor: torch.Tensor
     tag: int
-    kernel: "_Kernel"
+    kernel: _Kernel
     seq: int = -1  # index among this direction's messages on the rank pair
-    snapshot: Optional[torch.Tensor] = None
+    snapshot: torch.Tensor | None = None
     done: bool = False
 
     def describe(self) -> str:
@@ -103,7 +103,7 @@ class _Work:
     """What isend/irecv/batch_isend_irecv return: wait() blocks until the op's kernel is done
     (on NCCL a batch is one kernel, so waiting on any of its works waits for all of it)."""
 
-    def __init__(self, world: "_World", op: _Op):
+    def __init__(self, world: _World, op: _Op):
         self._world, self._op = world, op
 
     def wait(self, timeout=None) -> bool:
@@ -123,7 +123,7 @@ class _World:
         self.posted: dict = defaultdict(list)  # (group, kind, rank, peer) -> ops
         self.blocked: dict[int, _Op] = {}  # rank -> the op it waits for
         self.finished: set[int] = set()
-        self.failure: Optional[BaseException] = None
+        self.failure: BaseException | None = None
 
     # ---- posting ------------------------------------------------------------------------------
     def post(self, rank: int, group: Group, label: str, specs: list) -> list[_Op]:
@@ -295,7 +295,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(same.all())
 
 
-def _check_op(rank: int, group: Optional[Group], kind: str, peer: int, tensor) -> None:
+def _check_op(rank: int, group: Group | None, kind: str, peer: int, tensor) -> None:
     if not isinstance(group, Group):
         raise TypeError(
             f"rank {rank}: {kind} on group {group!r}; the stand-in needs the "
@@ -407,7 +407,7 @@ def run_ranks(fn: Callable[[int], object], world_size: int, eager_bytes: int = 0
         try:
             results[rank] = fn(rank)
             world.finish(rank)
-        except BaseException as error:  # noqa: BLE001 - reported by the caller
+        except BaseException as error:
             errors[rank] = error
             world.abort(rank, error)
 

@@ -213,7 +213,7 @@ def compare(reference, candidate, heads: int, groups: int) -> tuple[float, float
     return loss_diff, param_diff
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _one_process(model_flags: tuple[str, ...]):
     return run_layout(BASE + list(model_flags), 1)
 

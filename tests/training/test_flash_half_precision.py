@@ -59,7 +59,7 @@ def train_each(rank, world, runs: dict):
     return results
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(flash: bool, release: str):
     """Per rank, the runs with (or without) --use-flash-attn; the SDPA runs do not depend on
     the flash-attn release, so they run once."""

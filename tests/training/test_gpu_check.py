@@ -17,11 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ul.model.attention import lse_kernels
+from megatron_ul.model.attention.dispatch import sdpa_backend_name
 from megatron_ul.model.attention.flash_attn import FLASH_ON_CPU_ENV
 from tests.conftest import ROOT, STAND_INS
 from tools import gpu_check, gpu_check_runner
 from tools.gpu_check_results import ResultFiles, environment
-from megatron_ul.model.attention.dispatch import sdpa_backend_name
 from tools.gpu_check_sdpa import TORCH_2_11_SDP_VALUES, SdpaRecorder, backend_names
 
 ORDER = [

@@ -13,8 +13,8 @@ from megatron_ul.training.dry_run import describe
 from megatron_ul.training.memory_estimator import GiB, Layout, init_peak_bytes, stage_parameters
 from megatron_ul.training.pretrain import configure
 from tests.distributed import run_distributed
-from tools.bench.live_tensors import peak_rss_bytes
 from tests.scripts.test_launch_scripts import ROOT, script_arguments
+from tools.bench.live_tensors import peak_rss_bytes
 
 MODEL_30B = ModelConfig(
     num_layers=36,

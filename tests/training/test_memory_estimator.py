@@ -59,7 +59,7 @@ CASES = {  # name -> (flags, world)
 CPU_FP32 = me.Precision(dropout_mask_bytes=4)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured(world: int) -> dict:
     names = [n for n, (_, w) in CASES.items() if w == world]
     results = run_distributed(measure_many, world, [BASE + CASES[n][0] for n in names])

@@ -7,8 +7,8 @@ import logging
 import pytest
 import torch
 
-from megatron_ul.training import metrics
 from megatron_ul.timers import NO_TIMERS, Timers
+from megatron_ul.training import metrics
 from megatron_ul.training.pretrain import configure, setup
 from megatron_ul.training.step import train_step
 from tests.distributed import run_distributed

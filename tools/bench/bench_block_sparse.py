@@ -20,14 +20,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tools.bench.common import markdown_table, report
-from tools.bench.live_tensors import LiveTensorTracker
-
 from megatron_ul.model.attention import lse_kernels
 from megatron_ul.model.attention.block_sparse import LayerSparsity, block_sparse_attention
-from megatron_ul.model.attention.blocks import Kernels
 from megatron_ul.model.attention.block_sparse_layouts import computed_blocks
+from megatron_ul.model.attention.blocks import Kernels
 from megatron_ul.sparsity_config import SparsityPattern
+from tools.bench.common import markdown_table, report
+from tools.bench.live_tensors import LiveTensorTracker
 
 HEADS, HEAD_DIM, BLOCK = 2, 64, 64
 KERNELS = Kernels(lse_kernels.CPU_FLASH, lse_kernels.CPU_FLASH)  # the table's on the CPU

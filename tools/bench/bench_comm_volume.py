@@ -19,14 +19,13 @@ import argparse
 
 import torch
 
-from tools.bench.common import markdown_table, report, run_ranks
-
 from megatron_ul.config import ModelConfig
 from megatron_ul.model.layer_spec import layer_spec
 from megatron_ul.model.transformer import TransformerLayer
 from megatron_ul.mpu import comm_stats
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
+from tools.bench.common import markdown_table, report, run_ranks
 
 
 def one_layer(rank, world, seq, hidden, heads, layout):

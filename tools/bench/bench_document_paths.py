@@ -15,11 +15,10 @@ import time
 
 import torch
 
-from tools.bench.common import markdown_table, report
-
 from megatron_ul.model.attention import lse_kernels
-from megatron_ul.model.attention.documents import DocumentMask, document_blocks, BlockwiseAttention
 from megatron_ul.model.attention.document_tiles import tiled_document_attention
+from megatron_ul.model.attention.documents import BlockwiseAttention, DocumentMask, document_blocks
+from tools.bench.common import markdown_table, report
 
 
 def _seconds(fn, n, heads, head_dim) -> float:

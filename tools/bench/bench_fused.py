@@ -10,7 +10,6 @@ import argparse
 import time
 
 from tools.bench.common import markdown_table, report, run_ranks, timed_training
-
 from tools.bench.saved_bytes import measure
 
 MiB = 2**20

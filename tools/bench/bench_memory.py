@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
+
 from tools.bench.common import run_ranks
 from tools.bench.memory_targets import table_targets
 
@@ -74,9 +75,9 @@ COMMON = [
 # ---- 1. model state under ZeRO 0/1/2/3 --------------------------------------------------------
 def model_state_worker(rank, world, argv):
     from megatron_ul.pipeline.schedules import forward_backward_no_pipelining
-    from tools.bench.saved_bytes import model_state_bytes
     from megatron_ul.training.pretrain import configure, setup
     from megatron_ul.training.step import count_tokens, train_step
+    from tools.bench.saved_bytes import model_state_bytes
 
     trainer = setup(configure(argv, world))
     model, optimizer = trainer.model, trainer.optimizer
@@ -133,8 +134,8 @@ def _local_batch(model_cfg, seq_length: int, dims):
 
 
 def layer_activation_worker(rank, world, argv, seq_length):
-    from tools.bench.saved_bytes import saved_activation_bytes
     from megatron_ul.training.pretrain import configure, setup
+    from tools.bench.saved_bytes import saved_activation_bytes
 
     cfg = configure(argv, world)
     model = cast("GPTModel", setup(cfg).model)  # one stage: the configs here have no PP
@@ -181,8 +182,8 @@ def longest_sequence_worker(rank, world, argv, cap_bytes, start):
     Per-rank bytes(N) = model state (measured after one small training step: params, grads,
     Adam state) + activations a full-recompute forward keeps at length N + the saved tensors of
     the one layer being recomputed during backward (its working set)."""
-    from tools.bench.saved_bytes import model_state_bytes, saved_activation_bytes
     from megatron_ul.training.pretrain import configure, setup
+    from tools.bench.saved_bytes import model_state_bytes, saved_activation_bytes
 
     cfg = configure(argv + ["--seq-length", str(start)], world)
     trainer = setup(cfg)

@@ -21,6 +21,7 @@ import sys
 import time
 
 import torch
+
 from tools.bench.common import run_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,6 +107,7 @@ def _instrument_waits(counter: dict) -> None:
 def _measure_rank(rank, world, flags, iters):
     """(wall seconds, seconds blocked on neighbours) over `iters` forward-backward passes."""
     import torch.distributed as dist
+
     from megatron_ul.initialize import initialize_distributed, shutdown
     from megatron_ul.training.data import build_datasets, global_batches
     from megatron_ul.training.pretrain import build_model, configure

@@ -24,17 +24,16 @@ import time
 import torch
 import torch.distributed as dist
 
-from tools.bench.bench_comm_volume import layer_bytes
-from tools.bench.common import markdown_table, report, run_ranks
-
 from megatron_ul.data.sequence_layout import ring_chunks
 from megatron_ul.model.attention import ring as ring_attention
-from megatron_ul.model.attention.ring import Ring, measure_ring_time
 from megatron_ul.model.attention.layer import LayerAttention
+from megatron_ul.model.attention.ring import Ring, measure_ring_time
 from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
 from megatron_ul.timers import Timers
+from tools.bench.bench_comm_volume import layer_bytes
+from tools.bench.common import markdown_table, report, run_ranks
 
 MIB = 2**20
 

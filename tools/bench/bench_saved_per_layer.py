@@ -13,7 +13,6 @@ commit's tree (`git archive <commit> | tar -x -C DIR`, copy this file, run it th
 from __future__ import annotations
 
 from tools.bench.common import command_line, machine_info, markdown_table, run_ranks
-
 from tools.bench.saved_bytes import measure_many
 
 MODEL = [

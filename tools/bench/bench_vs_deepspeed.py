@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import os
 import time
-from typing import Optional
 from contextlib import contextmanager
 
 import torch
@@ -32,12 +31,11 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from tools.bench.common import markdown_table, report, run_ranks
-
 from megatron_ul.model.attention.layer import LayerAttention, local_attention
 from megatron_ul.model.attention.ulysses import DistributedAttention
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
+from tools.bench.common import markdown_table, report, run_ranks
 
 MB = 1e6
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -214,7 +212,7 @@ def compare(dims, rank, world, seq, heads, kv_heads, head_dim, dtype_name, atten
             took = run(layers[name])[0]
             best[name] = (min(best[name][0], took[0]), min(best[name][1], took[1]))
     _, out_ours, grads_ours = first["ours"]
-    results: dict[str, Optional[tuple]] = {}
+    results: dict[str, tuple | None] = {}
     for name in LAYERS:
         if name not in first:
             results[name] = None

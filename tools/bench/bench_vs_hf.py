@@ -17,14 +17,13 @@ import time
 
 import torch
 
-from tools.bench.common import markdown_table, report
-
 from megatron_ul.config import ResolvedModelConfig
 from megatron_ul.initialize import free_port
 from megatron_ul.model.gpt import GPTModel
 from megatron_ul.mpu import parallel_state as ps
 from megatron_ul.mpu.random import model_parallel_seed
 from megatron_ul.training.step import train_step
+from tools.bench.common import markdown_table, report
 
 
 def build_ours(a):

@@ -12,7 +12,7 @@ activations) never count.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor

@@ -208,7 +208,7 @@ def check_loadable(directory: str, last_saved) -> tuple[bool, str]:
     """The trainer loads `directory` (any format) at an iteration >= the last reported save."""
     try:
         loaded = load_and_release(directory, lambda trainer: trainer.start_iteration)
-    except Exception as e:  # noqa: BLE001 - a failed load is the outcome being counted
+    except Exception as e:
         return False, f"{type(e).__name__}: {e}"
     if last_saved is not None and loaded < last_saved:
         return False, f"loaded iteration {loaded} < last reported save {last_saved}"

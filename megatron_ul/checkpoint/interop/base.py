@@ -7,8 +7,9 @@ added to the table in checkpoint/interop/__init__.py."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 from .. import files
 from ..files import CheckpointError

@@ -428,7 +428,7 @@ def read_hf_dir(hf_dir: str) -> tuple[dict, dict]:
     for path in shards:
         try:
             state.update(load_file(path))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise CheckpointError(f"{path}: cannot be read ({e})") from e
     return config, state
 

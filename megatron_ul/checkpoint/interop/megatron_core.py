@@ -301,7 +301,7 @@ def read_core_dist(
     try:
         dcp.load(loaded, storage_reader=reader, no_dist=True)
     # DCP's CheckpointException derives from BaseException; its text is every traceback.
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps the cause
+    except (Exception, CheckpointException) as e:
         raise CheckpointError(
             f"{iter_dir}: the stored tensors cannot be read ({dcp_pieces.causes(e)}); the "
             f"checkpoint's .distcp files are damaged or incomplete"

@@ -44,7 +44,6 @@ from __future__ import annotations
 import logging
 import re
 
-
 from ...pipeline.model import chunk_layer_numbers
 from ..files import CheckpointError
 from ..full import FullCheckpoint

@@ -19,7 +19,8 @@ import pathlib
 import re
 import signal
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -122,7 +123,7 @@ def load_stream(stream, what: str, trust_pickle: bool = False):
                 f"is not installed; without --trust-pickle the restricted "
                 f"loader reads Megatron's own enums without it"
             ) from e
-        except Exception as e:  # noqa: BLE001 - whatever the pickled code raised
+        except Exception as e:
             raise CheckpointError(
                 f"{what}: full unpickling failed ({type(e).__name__}: {str(e)[:200]}); the "
                 f"installed packages do not define what the file names (another Megatron "
@@ -132,7 +133,7 @@ def load_stream(stream, what: str, trust_pickle: bool = False):
     with torch.serialization.safe_globals(ALLOWED):
         try:
             return torch.load(stream, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - unpickling refused or file damaged
+        except Exception as e:
             refused = re.search(r"GLOBAL (\S+)", str(e))
             why = (
                 f"it pickles {refused.group(1)}, which is not among the tensors, args, "

@@ -628,7 +628,7 @@ def save(model, optimizer, with_optim: bool, iter_dir: str, background: bool = F
             return
         try:
             result.set_result(records_of(done.result(), iter_dir))
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the save
+        except BaseException as e:
             result.set_exception(_first_checkpoint_error(e) or _as_checkpoint_error(e, iter_dir))
 
     if not isinstance(upload, Future):  # torch's AsyncSaveResponse (staging and upload)
@@ -677,7 +677,7 @@ def causes(e: BaseException) -> str:
 def _dcp_save(planner, writer, iter_dir: str, group):
     try:
         return dcp.save({}, storage_writer=writer, planner=planner, process_group=group)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank's failure
+    except (Exception, CheckpointException) as e:
         raise _first_checkpoint_error(e) or _as_checkpoint_error(e, iter_dir) from e
 
 
@@ -710,7 +710,7 @@ def load(
             )
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every rank's
+    except (Exception, CheckpointException) as e:
         inner = _first_checkpoint_error(e)
         raise inner or CheckpointError(f"{iter_dir}: cannot be read ({causes(e)})") from e
     with torch.no_grad():
@@ -756,7 +756,7 @@ def read_tensor(
     out = torch.empty(md.size, dtype=md.properties.dtype)
     try:
         dcp.load({key: out}, storage_reader=reader, no_dist=True)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - named below
+    except (Exception, CheckpointException) as e:
         raise _first_checkpoint_error(e) or CheckpointError(
             f"{iter_dir}: {key} cannot be read ({causes(e)})"
         ) from e

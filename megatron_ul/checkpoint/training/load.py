@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import asdict
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -141,12 +140,12 @@ def _on_every_rank(step):
     error — so rank 0 reports another rank's missing or corrupt file, not a broken
     connection."""
     result, error = None, None
-    local: Optional[Exception] = None
+    local: Exception | None = None
     try:
         result = step()
     except CheckpointError as e:
         error, local = str(e), e
-    except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+    except Exception as e:
         error, local = f"{type(e).__name__}: {e}", e
     errors: list = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)

@@ -40,17 +40,24 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
 from . import lse_kernels
-from .dispatch import HALF_DTYPES, HEAD_DIM_FLAGS, MODELLED_GPUS, AttentionCall, gpu_of
-from .dispatch import sdpa_backend_of
 from .block_sparse import LayerSparsity, SparseHeads, block_sparse_attention
 from .block_sparse_ring import SparseRingPlan, block_sparse_ring_attention
 from .blocks import Kernels
+from .dispatch import (
+    HALF_DTYPES,
+    HEAD_DIM_FLAGS,
+    MODELLED_GPUS,
+    AttentionCall,
+    gpu_of,
+    sdpa_backend_of,
+)
 from .document_tiles import tiled_document_attention
 from .documents import BlockwiseAttention, DocumentMask, document_blocks, flash_documents
 from .flash_attn import FLASH_DTYPES, dtype_refusal, flash_attn_refusal, unit_head_dim_refusal
@@ -95,7 +102,7 @@ class AttentionBackend:
     uses_flash_attn: bool = False
 
     @classmethod
-    def refusal(cls, call: AttentionCall) -> Optional[str]:
+    def refusal(cls, call: AttentionCall) -> str | None:
         raise NotImplementedError
 
     @classmethod
@@ -117,14 +124,14 @@ class AttentionBackend:
         v: torch.Tensor,
         call: AttentionCall,
         *,
-        documents: Optional[DocumentMask],
-        ring: Optional[Ring],
-        softmax_scale: Optional[float],
+        documents: DocumentMask | None,
+        ring: Ring | None,
+        softmax_scale: float | None,
     ) -> torch.Tensor:
         raise NotImplementedError
 
 
-def _flash_refusal(call: AttentionCall) -> Optional[str]:
+def _flash_refusal(call: AttentionCall) -> str | None:
     if not call.use_flash_attn:
         return "--use-flash-attn not given"
     return flash_attn_refusal(call.device, call.dtype, call.flash_attn_installed)
@@ -210,7 +217,7 @@ class TorchSdpa(AttentionBackend):
     """torch SDPA, causal: on CUDA pinned to the backend modelled from torch 2.11's choice
     (dispatch.sdpa_backend_of), on the CPU torch's own choice."""
 
-    backend: Optional[str] = None  # the pinned CUDA backend; None: torch chooses (the CPU)
+    backend: str | None = None  # the pinned CUDA backend; None: torch chooses (the CPU)
     expand_kv: bool = False  # k, v repeated to q's heads first (the efficient kernel)
     label: str = "sdpa"
     paths: ClassVar[frozenset[str]] = frozenset({"causal"})
@@ -252,17 +259,17 @@ class TorchSdpa(AttentionBackend):
 
 
 # ---- the ring's unit kernels: an ordered table of their own -------------------------------
-def _flash_unit_refusal(call: AttentionCall, masked: bool) -> Optional[str]:
+def _flash_unit_refusal(call: AttentionCall, masked: bool) -> str | None:
     if masked:
         return "flash-attn's unit kernel takes no bias"
     return _flash_refusal(call) or unit_head_dim_refusal(call.head_dim)
 
 
-def _cpu_flash_refusal(call: AttentionCall, masked: bool) -> Optional[str]:
+def _cpu_flash_refusal(call: AttentionCall, masked: bool) -> str | None:
     return None if call.device.type == "cpu" else f"tensors on {call.device.type}"
 
 
-def _efficient_refusal(call: AttentionCall, masked: bool) -> Optional[str]:
+def _efficient_refusal(call: AttentionCall, masked: bool) -> str | None:
     if call.device.type != "cuda":
         return f"tensors on {call.device.type}"
     if call.dtype == torch.float64:
@@ -277,13 +284,13 @@ def _efficient_refusal(call: AttentionCall, masked: bool) -> Optional[str]:
     return None
 
 
-def _reference_refusal(call: AttentionCall, masked: bool) -> Optional[str]:
+def _reference_refusal(call: AttentionCall, masked: bool) -> str | None:
     if call.device.type == "cuda" and call.dtype != torch.float64:
         return "the softmax written out keeps a unit's scores (fp64 only on CUDA)"
     return None
 
 
-UNIT_KERNELS: tuple[tuple[UnitKernel, Callable[[AttentionCall, bool], Optional[str]]], ...] = (
+UNIT_KERNELS: tuple[tuple[UnitKernel, Callable[[AttentionCall, bool], str | None]], ...] = (
     (lse_kernels.FLASH_ATTN, _flash_unit_refusal),
     (lse_kernels.CPU_FLASH, _cpu_flash_refusal),
     (lse_kernels.SDPA_EFFICIENT, _efficient_refusal),
@@ -460,7 +467,7 @@ def attention_kernel(call: AttentionCall) -> str:
     return select(call).name
 
 
-def kernel_refusal(call: AttentionCall) -> Optional[str]:
+def kernel_refusal(call: AttentionCall) -> str | None:
     """Why `call` has no fused kernel (a message naming the flags to change), or None: on
     CUDA a head dim that SDPA's fused kernels all refuse would run its math kernel (the N×N
     scores), and the ring's unit kernels refuse it outright."""

@@ -23,8 +23,9 @@ tiles run; the backend rows are backends.BlockSparse and backends.BlockSparseRin
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -52,8 +53,8 @@ class SparseHeads:
 
     @classmethod
     def of(
-        cls, m, dims: Optional[ParallelDims] = None, seed: int = 0, layer: int = 0
-    ) -> Optional["SparseHeads"]:
+        cls, m, dims: ParallelDims | None = None, seed: int = 0, layer: int = 0
+    ) -> SparseHeads | None:
         """This rank's heads, [tp_rank·H/TP + sp_rank·H/(TP·SP), ...) (dims None: from head
         0, what selecting the kernel needs). `m`: the ModelConfig; None where it has no
         --sparse-attention."""
@@ -71,7 +72,7 @@ class SparseHeads:
 
 def head_layouts(
     pattern: SparsityPattern, heads: Sequence[int], kv_heads: int, layout_of: Callable
-) -> list[tuple[Optional[tuple[int, int]], torch.Tensor]]:
+) -> list[tuple[tuple[int, int] | None, torch.Tensor]]:
     """(local query heads [h0, h1) or None for all, their layout) per group of heads that
     share one: `layout_of(global head)`. Consecutive heads with equal layouts share calls,
     in ranges the engine's blocks can take (inside one kv head's group, or whole groups)."""
@@ -85,7 +86,7 @@ def head_layouts(
             runs[-1][1] = h + 1
         else:
             runs.append([h, h + 1, layout])
-    out: list[tuple[Optional[tuple[int, int]], torch.Tensor]] = []
+    out: list[tuple[tuple[int, int] | None, torch.Tensor]] = []
     for h0, h1, layout in runs:
         # the partial groups at either end apart, the whole groups between as one range
         first, last = -(-h0 // group) * group, h1 // group * group
@@ -118,14 +119,14 @@ class SparsePlan:
         for hs, layout in head_layouts(pattern, heads, kv_heads, layout_of):
             self.blocks += layout_blocks(layout, pattern.block, heads=hs)
 
-    def calls(self, window: Optional[int], documents: Optional[DocumentSpans]) -> list[Block]:
+    def calls(self, window: int | None, documents: DocumentSpans | None) -> list[Block]:
         """The blocks to run, with those the documents or the window exclude left out and
         those they cut through masked, in tiles of rows (host arithmetic only)."""
         return cut_blocks(self.blocks, window, documents)
 
 
 def cut_blocks(
-    plan: Sequence[Block], window: Optional[int], documents: Optional[DocumentSpans]
+    plan: Sequence[Block], window: int | None, documents: DocumentSpans | None
 ) -> list[Block]:
     """`plan` under the window and the documents: blocks nothing of which they let through
     dropped, blocks they cut through as Mask.BIAS tiles of MASK_TILE_ROWS rows."""
@@ -144,7 +145,7 @@ def cut_blocks(
     return out
 
 
-def _cut(block: Block, window: Optional[int], documents: Optional[DocumentSpans]):
+def _cut(block: Block, window: int | None, documents: DocumentSpans | None):
     """None: nothing in the block is visible; True: a mask is needed; False: it runs as it
     is. The closest (query, key) pair is the first row and the last key (the first key of a
     diagonal square), the farthest the last row and the first key."""
@@ -170,9 +171,9 @@ def block_sparse_attention(
     plan: SparsePlan,
     *,
     kernels: Kernels,
-    documents: Optional[DocumentMask] = None,
-    window: Optional[int] = None,
-    softmax_scale: Optional[float] = None,
+    documents: DocumentMask | None = None,
+    window: int | None = None,
+    softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """Causal block-sparse attention on whole heads. q [N, b, hq, d]; k, v [N, b, hk, d];
     `plan` made for N and these heads; `kernels` the table's (backends.unit_kernel). Returns

@@ -26,7 +26,7 @@ Layouts are made in bands of query rows (`rows=`), so a long sequence never hold
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -45,8 +45,8 @@ def block_layout(
     *,
     seed: int = 0,
     layer: int = 0,
-    heads: Optional[Sequence[int]] = None,
-    rows: Optional[tuple[int, int]] = None,
+    heads: Sequence[int] | None = None,
+    rows: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Bool [len(heads), r1 - r0, blocks]: the layout rows [r0, r1) (default all) of the
     global heads `heads` (default all `num_heads`). Heads that share head 0's layout are one
@@ -76,7 +76,7 @@ def computed_blocks(
     *,
     seed: int = 0,
     layers: Sequence[int] = (0,),
-    heads: Optional[Sequence[int]] = None,
+    heads: Sequence[int] | None = None,
     band: int = 1024,
 ) -> int:
     """Blocks a kernel runs, summed over `heads` (default all) and `layers`: layout blocks at

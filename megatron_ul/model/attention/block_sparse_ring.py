@@ -14,8 +14,8 @@ balanced (tests/model/test_block_sparse_ring.py measures it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
 
 import torch
 
@@ -97,8 +97,8 @@ class SparseRingPlan:
             self.units.append(units)
 
     def bind(
-        self, window: Optional[int], documents: Optional[DocumentSpans], kernels: Kernels
-    ) -> "_BoundPlan":
+        self, window: int | None, documents: DocumentSpans | None, kernels: Kernels
+    ) -> _BoundPlan:
         """The plan of one call (ring.StepPlan): its window, documents and unit kernels."""
         return _BoundPlan(self, window, documents, kernels)
 
@@ -106,8 +106,8 @@ class SparseRingPlan:
 @dataclass(frozen=True)
 class _BoundPlan:
     sparse: SparseRingPlan
-    window: Optional[int]
-    documents: Optional[DocumentSpans]
+    window: int | None
+    documents: DocumentSpans | None
     kernels: Kernels
 
     @property
@@ -129,9 +129,9 @@ def block_sparse_ring_attention(
     plan: SparseRingPlan,
     kernels: Kernels,
     *,
-    documents: Optional[DocumentMask] = None,
-    window: Optional[int] = None,
-    softmax_scale: Optional[float] = None,
+    documents: DocumentMask | None = None,
+    window: int | None = None,
+    softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """This ring rank's local sequence (chunks r and 2R-1-r) against the whole sequence under
     the layout. q [L, b, hq, d]; k, v [L, b, hk, d]; returns [L, b, hq, d] in q's dtype."""

@@ -15,7 +15,7 @@ sequence order; the output projection's reduce-scatter then hands each rank its 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -42,7 +42,7 @@ def tiled_attention_block(
     attend: Callable[[list[torch.Tensor]], torch.Tensor],
     output: Callable[[torch.Tensor], torch.Tensor],
     x: torch.Tensor,
-    rotary: Optional[tuple[torch.Tensor, torch.Tensor]],
+    rotary: tuple[torch.Tensor, torch.Tensor] | None,
     tiles: int,
     ranks: int,
 ) -> torch.Tensor:

@@ -19,8 +19,8 @@ additive bias from token positions (causality, the window, the documents' ids).
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -47,10 +47,10 @@ class Block:
     k0: int
     k1: int
     mask: Mask = Mask.FULL
-    sample: Optional[int] = None
-    q_at: Optional[int] = None
-    k_at: Optional[int] = None
-    heads: Optional[tuple[int, int]] = None
+    sample: int | None = None
+    q_at: int | None = None
+    k_at: int | None = None
+    heads: tuple[int, int] | None = None
 
     @property
     def masked(self) -> bool:
@@ -71,8 +71,8 @@ class MaskRules:
     query sees keys up to `window` positions back) and the documents (`ids` [b, N]: each
     global position's document)."""
 
-    window: Optional[int] = None
-    ids: Optional[torch.Tensor] = None
+    window: int | None = None
+    ids: torch.Tensor | None = None
 
     def bias(self, block: Block, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The block's additive mask [b or 1, 1, rows, keys]: 0 visible, -inf hidden. Its rows
@@ -117,7 +117,7 @@ def merge(out, lse, part_out, part_lse) -> None:
     lse.copy_(new_lse)
 
 
-def _kv_heads(block: Block, q_heads: int, kv_heads: int) -> Optional[tuple[int, int]]:
+def _kv_heads(block: Block, q_heads: int, kv_heads: int) -> tuple[int, int] | None:
     if block.heads is None:
         return None
     h0, h1 = block.heads
@@ -204,7 +204,7 @@ def backward(
     rules: MaskRules,
     scale: float,
     dropout_p: float = 0.0,
-    philox: Optional[list] = None,
+    philox: list | None = None,
 ) -> None:
     """Add every block's share of the gradients into dq [L, b, hq, d], dk, dv [Lk, b, hk, d]
     in place; out and lse are the final (merged) output and log-sum-exp. Only one block's
@@ -244,9 +244,9 @@ def layout_blocks(
     layout,
     block_size: int,
     *,
-    head: Optional[int] = None,
+    head: int | None = None,
     causal: bool = True,
-    heads: Optional[tuple[int, int]] = None,
+    heads: tuple[int, int] | None = None,
 ) -> list[Block]:
     """The plan of one head's block layout ([nq_blocks, nk_blocks] 0/1, DeepSpeed's format, a
     tensor or an array on the host), each nonzero block computed once. With `causal`, key

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, ContextManager, Optional
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -63,7 +64,7 @@ class CudaSdpa:
     switches."""
 
     capability: tuple[int, int] = (9, 0)
-    cudnn_version: Optional[int] = TORCH_2_11_CUDNN
+    cudnn_version: int | None = TORCH_2_11_CUDNN
     cudnn_deprioritized: bool = False
     deterministic: bool = False
     enabled: frozenset = field(default_factory=lambda: frozenset(SDPA_BACKENDS))
@@ -131,8 +132,8 @@ class SdpaInputs:
     has_mask: bool = False
     dropout: float = 0.0
     causal: bool = True
-    seq_q: Optional[int] = None  # None: not known, taken as more than one token
-    seq_k: Optional[int] = None
+    seq_q: int | None = None  # None: not known, taken as more than one token
+    seq_k: int | None = None
     requires_grad: bool = True
 
 
@@ -140,7 +141,7 @@ def _in_range(cap: tuple[int, int], low: tuple[int, int], high: tuple[int, int])
     return low <= cap <= high  # sdp_utils.cpp `check_sm_version`
 
 
-def _common_refusal(x: SdpaInputs) -> Optional[str]:
+def _common_refusal(x: SdpaInputs) -> str | None:
     """sdp_utils_cpp.h `check_nonzero_sequence_lengths_dense` (the 4-D shape, last-dim stride
     1 and equal batch sizes hold for every call we make)."""
     if x.seq_q == 0 or x.seq_k == 0:
@@ -148,7 +149,7 @@ def _common_refusal(x: SdpaInputs) -> Optional[str]:
     return None
 
 
-def _gqa_refusal(x: SdpaInputs, takes_gqa: bool) -> Optional[str]:
+def _gqa_refusal(x: SdpaInputs, takes_gqa: bool) -> str | None:
     """sdp_utils_cpp.h `check_batch_size_and_num_heads_dense` / `check_grouped_query_attention`:
     with enable_gqa a backend that takes GQA needs the kv heads to divide the query heads; one
     that does not needs equal head counts."""
@@ -161,13 +162,13 @@ def _gqa_refusal(x: SdpaInputs, takes_gqa: bool) -> Optional[str]:
     return None
 
 
-def _half_dtype_refusal(x: SdpaInputs, gpu: CudaSdpa) -> Optional[str]:
+def _half_dtype_refusal(x: SdpaInputs, gpu: CudaSdpa) -> str | None:
     """sdp_utils.cpp `check_dtypes_low_precision`: fp16/bf16 from sm80 on, fp16 before."""
     allowed = HALF_DTYPES if gpu.capability >= (8, 0) else (torch.float16,)
     return None if x.dtype in allowed else f"{x.dtype} (takes {allowed})"
 
 
-def cudnn_refusal(x: SdpaInputs, gpu: CudaSdpa) -> Optional[str]:
+def cudnn_refusal(x: SdpaInputs, gpu: CudaSdpa) -> str | None:
     """Why sdp_utils.cpp `can_use_cudnn_attention` refuses the call, or None."""
     version = gpu.cudnn_version
     if version is None or version < 90000:  # built without cuDNN, or older than 9.0
@@ -202,7 +203,7 @@ def cudnn_refusal(x: SdpaInputs, gpu: CudaSdpa) -> Optional[str]:
     return None
 
 
-def flash_refusal(x: SdpaInputs, gpu: CudaSdpa) -> Optional[str]:
+def flash_refusal(x: SdpaInputs, gpu: CudaSdpa) -> str | None:
     """Why sdp_utils.cpp `can_use_flash_attention` refuses the call, or None."""
     if x.has_mask:  # `check_for_attn_mask`
         return "an explicit mask"
@@ -223,7 +224,7 @@ def flash_refusal(x: SdpaInputs, gpu: CudaSdpa) -> Optional[str]:
     return _half_dtype_refusal(x, gpu) or _gqa_refusal(x, takes_gqa=True) or _common_refusal(x)
 
 
-def efficient_refusal(x: SdpaInputs, gpu: CudaSdpa) -> Optional[str]:
+def efficient_refusal(x: SdpaInputs, gpu: CudaSdpa) -> str | None:
     """Why sdp_utils.cpp `can_use_mem_efficient_attention` refuses the call, or None."""
     major = gpu.capability[0]
     # `check_mem_efficient_hardware_support`
@@ -273,7 +274,7 @@ def sdpa_cuda_backend(
     has_mask: bool,
     *,
     dropout: float = 0.0,
-    seq_length: Optional[int] = None,
+    seq_length: int | None = None,
     requires_grad: bool = True,
     gpu: CudaSdpa = H100,
 ) -> str:
@@ -304,7 +305,7 @@ def _causal_inputs(
     )
 
 
-def _gpu_of(device: torch.device, gpu: Optional[CudaSdpa]) -> CudaSdpa:
+def _gpu_of(device: torch.device, gpu: CudaSdpa | None) -> CudaSdpa:
     """`gpu`, else this process's GPU where CUDA is available, else the modelled H100."""
     if gpu is not None:
         return gpu
@@ -332,9 +333,9 @@ def sdpa_expands_kv(
     has_mask: bool = False,
     *,
     dropout: float = 0.0,
-    seq_length: Optional[int] = None,
+    seq_length: int | None = None,
     requires_grad: bool = True,
-    gpu: Optional[CudaSdpa] = None,
+    gpu: CudaSdpa | None = None,
 ) -> bool:
     """True where SDPA would fall to its math kernel because of GQA alone (fp32 on CUDA):
     the caller repeats k/v to the query heads, so that the efficient kernel takes the call."""
@@ -366,7 +367,7 @@ _TORCH_SDPA_BACKENDS = {
 }
 
 
-def sdpa_backend_pinned(backend: Optional[str]) -> ContextManager:
+def sdpa_backend_pinned(backend: str | None) -> AbstractContextManager:
     """torch.nn.attention.sdpa_kernel with that one CUDA SDPA backend ('cudnn', 'flash',
     'efficient', 'math'), so that torch runs it or refuses; None: nothing (the CPU)."""
     if backend is None:
@@ -386,15 +387,15 @@ class AttentionCall:
     q_heads: int
     kv_heads: int
     documents: bool = False
-    window: Optional[int] = None
+    window: int | None = None
     ring: bool = False
     use_flash_attn: bool = False
     dropout: float = 0.0  # attention dropout probability of this call (0 in evaluation)
-    seq_length: Optional[int] = None  # tokens attended (query = key length); None: unknown
+    seq_length: int | None = None  # tokens attended (query = key length); None: unknown
     requires_grad: bool = True  # a backward will follow (grad mode on, inputs need grad)
-    gpu: Optional[CudaSdpa] = None  # None: this process's GPU, else the modelled H100
-    flash_attn_installed: Optional[bool] = None  # None: look flash-attn up
-    sparse: Optional[SparseHeads] = None  # block-sparse attention: the layer's pattern and heads
+    gpu: CudaSdpa | None = None  # None: this process's GPU, else the modelled H100
+    flash_attn_installed: bool | None = None  # None: look flash-attn up
+    sparse: SparseHeads | None = None  # block-sparse attention: the layer's pattern and heads
 
 
 def sdpa_backend_of(call: AttentionCall) -> tuple[str, bool]:

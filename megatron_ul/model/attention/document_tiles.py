@@ -24,7 +24,6 @@ draws the same ones.
 from __future__ import annotations
 
 import bisect
-from typing import Optional
 
 from . import blocks, lse_kernels
 from .blocks import Block, Kernels, Mask, MaskRules
@@ -57,7 +56,7 @@ def _key_calls(sample, q0, q1, lo, window, tile) -> list[Block]:
 
 
 def plan(
-    starts: list[list[int]], n: int, window: Optional[int], tile: Optional[int] = None
+    starts: list[list[int]], n: int, window: int | None, tile: int | None = None
 ) -> list[Block]:
     """The kernel calls for documents starting at `starts` per sample (positions in [0, n)),
     in query tiles of `tile` tokens (default TILE, read at call time)."""
@@ -92,8 +91,8 @@ def tiled_document_attention(
     k,
     v,
     documents,
-    window: Optional[int],
-    softmax_scale: Optional[float],
+    window: int | None,
+    softmax_scale: float | None,
     kernel: lse_kernels.UnitKernel,
     *,
     dropout_p: float = 0.0,

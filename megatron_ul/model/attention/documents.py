@@ -24,16 +24,15 @@ Kernels (backends.py selects among them and the tiles, document_tiles.py):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from ...mpu.random import device_rng_get, device_rng_set
-from .flash_attn import flash_attn_module
-from .local import expand_kv_for_sdpa
 from . import blocks as engine
 from .blocks import Block, Mask
+from .flash_attn import flash_attn_module
+from .local import expand_kv_for_sdpa
 from .lse_kernels import CPU_FLASH
 
 # queries per block on the windowed SDPA path (its scores: block × (block + LEFT))
@@ -55,8 +54,8 @@ class DocumentMask:
 
     cu_seqlens: torch.Tensor
     batch_size: int
-    host_offsets: Optional[list[int]] = None
-    _ids: Optional[torch.Tensor] = field(default=None, repr=False)
+    host_offsets: list[int] | None = None
+    _ids: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def seq_length(self) -> int:
@@ -83,7 +82,7 @@ class DocumentMask:
         return max(b - a for a, b in zip(offsets, offsets[1:]))
 
 
-def document_mask_of(batch: dict) -> Optional[DocumentMask]:
+def document_mask_of(batch: dict) -> DocumentMask | None:
     """The DocumentMask of a micro-batch dict (None without --reset-attention-mask), with the
     host offsets the batch carries as "document_offsets". Built once and kept in the dict as
     "documents": every pipeline chunk of the micro-batch, and its backward, share it (and its
@@ -99,7 +98,7 @@ def document_mask_of(batch: dict) -> Optional[DocumentMask]:
 
 
 # ---- the memory-linear SDPA path -----------------------------------------------------------
-def document_blocks(offsets: list[int], seq_length: int, window: Optional[int]):
+def document_blocks(offsets: list[int], seq_length: int, window: int | None):
     """(sample, q0, q1, k0, k1, needs_mask) per block, positions within the sample."""
     blocks = []
     for start, end in zip(offsets, offsets[1:]):

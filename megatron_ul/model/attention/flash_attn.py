@@ -17,7 +17,6 @@ from __future__ import annotations
 import importlib
 import os
 import re
-from typing import Optional
 
 import torch
 
@@ -35,11 +34,11 @@ def flash_attn_module():
     imported), so tests can put the stand-in on sys.path after this module was imported."""
     try:
         return importlib.import_module("flash_attn")
-    except Exception:  # noqa: BLE001 - any import failure (no package, broken CUDA build)
+    except Exception:
         return None
 
 
-def flash_attn_release(module) -> Optional[tuple[int, int]]:
+def flash_attn_release(module) -> tuple[int, int] | None:
     """(major, minor) of the package's __version__ ("2.7.4.post1" -> (2, 7)), or None."""
     match = re.match(r"(\d+)\.(\d+)", str(getattr(module, "__version__", "")))
     return (int(match.group(1)), int(match.group(2))) if match else None
@@ -52,7 +51,7 @@ def flash_attn_api(module) -> str:
     return "2.5" if release == (2, 5) else "2.6" if release == (2, 6) else "2.7"
 
 
-def flash_attn_version_refusal(module) -> Optional[str]:
+def flash_attn_version_refusal(module) -> str | None:
     """Why this flash_attn release cannot run (None: a supported one)."""
     release = flash_attn_release(module)
     low, high = FLASH_ATTN_RELEASES
@@ -72,8 +71,8 @@ def _device_runs_flash(device: torch.device) -> bool:
 
 
 def flash_attn_refusal(
-    device: torch.device, dtype: Optional[torch.dtype] = None, installed: Optional[bool] = None
-) -> Optional[str]:
+    device: torch.device, dtype: torch.dtype | None = None, installed: bool | None = None
+) -> str | None:
     """Why FlashAttention-2 cannot run here (for the log), or None when it can.
     dtype None: not known yet. installed None: look the package up; True/False: plan as if it
     were (not) installed on a CUDA device (--dry-run plans both)."""
@@ -93,7 +92,7 @@ def flash_attn_refusal(
     return dtype_refusal(dtype)
 
 
-def dtype_refusal(dtype: Optional[torch.dtype]) -> Optional[str]:
+def dtype_refusal(dtype: torch.dtype | None) -> str | None:
     """The part of the rule that the configuration alone decides (also used by --dry-run)."""
     if dtype is not None and dtype not in FLASH_DTYPES:
         return (
@@ -103,7 +102,7 @@ def dtype_refusal(dtype: Optional[torch.dtype]) -> Optional[str]:
     return None
 
 
-def unit_head_dim_refusal(head_dim: int) -> Optional[str]:
+def unit_head_dim_refusal(head_dim: int) -> str | None:
     """flash-attn's private forward/backward (the unit kernel) do not pad the head dim, unlike
     its public functions: they take multiples of 8 up to 256."""
     if head_dim % 8 == 0 and head_dim <= 256:

@@ -7,7 +7,6 @@ all-to-alls; the ring's p2p runs inside the ring backend.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
 
 import torch
 
@@ -31,7 +30,7 @@ def model_call(
     sp: int,
     cp: int,
     documents: bool,
-    sparse: Optional[SparseHeads] = None,
+    sparse: SparseHeads | None = None,
 ) -> AttentionCall:
     """The call every layer of a model makes in training: per-rank head counts after the
     Ulysses exchange, the full sequence, the model's window, flash-attn request and dropout,
@@ -66,9 +65,9 @@ def attend(
     v: torch.Tensor,
     call: AttentionCall,
     *,
-    documents: Optional[DocumentMask] = None,
-    ring: Optional[Ring] = None,
-    softmax_scale: Optional[float] = None,
+    documents: DocumentMask | None = None,
+    ring: Ring | None = None,
+    softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """Run the selected backend on whole heads."""
     require_one_dtype(q, k, v)
@@ -100,11 +99,11 @@ class LayerAttention:
 
     def __init__(
         self,
-        call: Optional[AttentionCall] = None,
+        call: AttentionCall | None = None,
         *,
         use_flash_attn: bool = False,
-        window: Optional[int] = None,
-        ring: Optional[Ring] = None,
+        window: int | None = None,
+        ring: Ring | None = None,
         recompute: bool = False,
     ):
         self.ring = ring if ring is not None and ring.size > 1 else None
@@ -115,7 +114,7 @@ class LayerAttention:
         self.recompute = recompute  # selective recompute: keep only q, k, v of the kernel
         self._selected: dict = {}
 
-    def use_sparse_heads(self, sparse: Optional[SparseHeads]) -> None:
+    def use_sparse_heads(self, sparse: SparseHeads | None) -> None:
         """Block-sparse attention on this layer's own layouts (its heads, seed and number)."""
         self.sparse = sparse
         self._selected.clear()
@@ -156,7 +155,7 @@ class LayerAttention:
         v: torch.Tensor,
         *,
         dropout_p: float,
-        documents: Optional[DocumentMask] = None,
+        documents: DocumentMask | None = None,
     ) -> torch.Tensor:
         if documents is not None and not isinstance(documents, DocumentMask):
             raise TypeError(
@@ -194,7 +193,7 @@ def _one_call(q, k, use_flash_attn, dropout_p, documents, window, ring) -> Atten
 
 
 def local_attention(
-    q, k, v, *, backend: str, dropout_p: float, softmax_scale: Optional[float] = None
+    q, k, v, *, backend: str, dropout_p: float, softmax_scale: float | None = None
 ) -> torch.Tensor:
     """Causal attention of one call. q [N, b, hq, d]; k, v [N, b, hk, d]; backend 'flash':
     --use-flash-attn. Returns [N, b, hq, d] in q's dtype."""
@@ -210,9 +209,9 @@ def document_attention(
     *,
     backend: str,
     dropout_p: float,
-    documents: Optional[DocumentMask] = None,
-    window: Optional[int] = None,
-    softmax_scale: Optional[float] = None,
+    documents: DocumentMask | None = None,
+    window: int | None = None,
+    softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention restricted to documents and/or a window of `window` earlier keys.
     q [N, b, hq, d]; k, v [N, b, hk, d], N the full sequence. Returns [N, b, hq, d]."""
@@ -229,9 +228,9 @@ def ring_attention(
     v,
     ring: Ring,
     *,
-    documents: Optional[DocumentMask] = None,
-    window: Optional[int] = None,
-    softmax_scale: Optional[float] = None,
+    documents: DocumentMask | None = None,
+    window: int | None = None,
+    softmax_scale: float | None = None,
     backend: str = "sdpa",
 ) -> torch.Tensor:
     """Causal attention of this ring rank's local sequence (chunks r and 2R-1-r) against the

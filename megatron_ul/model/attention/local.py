@@ -5,8 +5,6 @@ communication and no decision happens here.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 
@@ -59,7 +57,7 @@ def expand_kv_for_sdpa(q, k, v, has_mask: bool, heads_dim: int = 2):
     )
 
 
-def flash_causal(q, k, v, *, dropout_p: float, softmax_scale: Optional[float]) -> torch.Tensor:
+def flash_causal(q, k, v, *, dropout_p: float, softmax_scale: float | None) -> torch.Tensor:
     """flash_attn_func, causal. q [N, b, hq, d]; k, v [N, b, hk, d] -> [N, b, hq, d]."""
     k, v = _own_buffer_unless_shared_with(k, q), _own_buffer_unless_shared_with(v, q)
     # [N, b, h, d] -> [b, N, h, d]: a view whose last dimension stays contiguous.
@@ -79,10 +77,10 @@ def sdpa_causal(
     k,
     v,
     *,
-    backend: Optional[str],
+    backend: str | None,
     expand_kv: bool,
     dropout_p: float,
-    softmax_scale: Optional[float],
+    softmax_scale: float | None,
 ) -> torch.Tensor:
     """torch SDPA, causal, pinned to `backend` ('cudnn', 'flash', 'efficient', 'math'; None:
     torch's own choice, the CPU). expand_kv: k, v repeated to q's heads first (the efficient

@@ -28,8 +28,8 @@ Kernels (chosen by `backends.unit_kernel`, in the order of `backends.UNIT_KERNEL
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

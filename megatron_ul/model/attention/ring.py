@@ -52,14 +52,14 @@ import bisect
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
+from ...data.sequence_layout import ring_chunks
 from ...mpu.comm_stats import record
 from ...mpu.parallel_state import ParallelDims
-from ...data.sequence_layout import ring_chunks
 from . import blocks, lse_kernels
 from .blocks import Block, Kernels, Mask, MaskRules
 from .documents import DocumentMask
@@ -68,7 +68,7 @@ from .lse_kernels import UnitKernel
 KV_TAG, DKV_TAG = 11, 12  # labels only: NCCL ignores tags, the posting order pairs messages
 
 # Optional time split (benchmarks): CPU seconds in unit kernels, wall seconds blocked on p2p.
-_times: Optional[dict] = None
+_times: dict | None = None
 
 
 @contextmanager
@@ -101,14 +101,14 @@ def _timed(key: str, clock):
 class Ring:
     """This rank's place in the ring: its group, coordinate and neighbours (global ranks)."""
 
-    group: Optional[dist.ProcessGroup]
+    group: dist.ProcessGroup | None
     rank: int
     size: int
     next_rank: int
     prev_rank: int
 
     @classmethod
-    def from_dims(cls, dims: ParallelDims) -> "Ring":
+    def from_dims(cls, dims: ParallelDims) -> Ring:
         return cls(dims.cp_group, dims.cp_rank, dims.cp, dims.cp_next_rank, dims.cp_prev_rank)
 
     def start_shift(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
@@ -163,7 +163,7 @@ class DocumentSpans:
     ids: torch.Tensor
 
     @classmethod
-    def of(cls, documents: DocumentMask) -> "DocumentSpans":
+    def of(cls, documents: DocumentMask) -> DocumentSpans:
         n = documents.seq_length
         starts: list[list[int]] = [[] for _ in range(documents.batch_size)]
         for offset in documents.offsets[:-1]:
@@ -184,9 +184,9 @@ def _unit(
     i: int,
     j: int,
     chunk: int,
-    window: Optional[int],
-    documents: Optional[DocumentSpans],
-) -> Optional[_Unit]:
+    window: int | None,
+    documents: DocumentSpans | None,
+) -> _Unit | None:
     """The unit, or None when causality, the window or the documents exclude all of it.
     Relative position of query a vs key b in a unit: (i - j)·C + a - b; its smallest value is
     (i - j)·C - (C - 1), between the unit's first query and last key."""
@@ -210,8 +210,8 @@ def _units(
     q_chunks: tuple[int, int],
     kv_chunks: tuple[int, int],
     chunk: int,
-    window: Optional[int],
-    documents: Optional[DocumentSpans] = None,
+    window: int | None,
+    documents: DocumentSpans | None = None,
 ) -> list[_Unit]:
     """The units of one step that causality, the window and the documents do not exclude,
     query-chunk major."""
@@ -231,8 +231,8 @@ class RingPlan:
     rank: int
     chunks: tuple[tuple[int, int], ...]  # per ring rank
     chunk: int
-    window: Optional[int]
-    documents: Optional[DocumentSpans]
+    window: int | None
+    documents: DocumentSpans | None
     dense: UnitKernel = lse_kernels.CPU_FLASH
     masked: UnitKernel = lse_kernels.CPU_FLASH
 
@@ -390,8 +390,8 @@ def ring_plan(
     *,
     dense: UnitKernel = lse_kernels.CPU_FLASH,
     masked: UnitKernel = lse_kernels.CPU_FLASH,
-    window: Optional[int] = None,
-    documents: Optional[DocumentMask] = None,
+    window: int | None = None,
+    documents: DocumentMask | None = None,
 ) -> RingPlan:
     """This rank's plan: its units, run on the unit kernels the selection chose."""
     if length % 2:
@@ -415,8 +415,8 @@ def run_ring(
     dense: UnitKernel,
     masked: UnitKernel,
     *,
-    window: Optional[int],
-    documents: Optional[DocumentMask],
+    window: int | None,
+    documents: DocumentMask | None,
     scale: float,
 ) -> torch.Tensor:
     """Causal attention of this ring rank's local sequence (chunks r and 2R-1-r) against the

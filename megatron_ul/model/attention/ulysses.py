@@ -23,15 +23,14 @@ LayerAttention's (backends.py) decision.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ...mpu.mappings import ulysses_all_to_all
 from ...timers import NO_TIMERS, Timers
-from .layer import LayerAttention
 from .documents import DocumentMask
+from .layer import LayerAttention
 from .local import require_one_dtype
 
 
@@ -104,11 +103,11 @@ class DistributedAttention:
     def __call__(
         self,
         q,
-        k: Optional[torch.Tensor] = None,
-        v: Optional[torch.Tensor] = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
         *,
         dropout_p: float,
-        documents: Optional[DocumentMask] = None,
+        documents: DocumentMask | None = None,
     ) -> torch.Tensor:
         """(q, k, v), or one list [q, k, v] that is emptied: a caller handing over its only
         references lets each of q, k and v die once copied into its send buffer."""

@@ -14,8 +14,6 @@ the experts are TP-split (expert-TP = TP) and need every TP rank to see the same
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import nn
 
@@ -89,7 +87,7 @@ class MoELayer(nn.Module):
             else AllGatherDispatcher
         )
         self.dispatcher = dispatcher(cfg.num_experts, dims.groups.ep)
-        self.shared_experts: Optional[SharedExpert] = None
+        self.shared_experts: SharedExpert | None = None
         if cfg.moe_shared_expert_intermediate_size:
             self.shared_experts = SharedExpert(
                 cfg,

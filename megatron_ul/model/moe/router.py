@@ -15,7 +15,6 @@ count as its mean over the global batch's micro-batches, as in Megatron.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -140,8 +139,8 @@ class TopKRouter(nn.Module):
         pre_softmax: bool = False,
         load_balancing: str = "aux_loss",
         aux_loss_coeff: float = 0.0,
-        z_loss_coeff: Optional[float] = None,
-        capacity_factor: Optional[float] = None,
+        z_loss_coeff: float | None = None,
+        capacity_factor: float | None = None,
         drop_policy: str = "probs",
         pad_to_capacity: bool = False,
         sequence_parallel: bool = False,

@@ -45,8 +45,6 @@ public functions (`FlashAttnFunc`, `FlashAttnVarlenFunc`, `flash_attn_func`,
   offered: megatron_ul does not call them).
 """
 
-from typing import Optional, Tuple
-
 import torch
 
 from . import _kernel as K
@@ -200,9 +198,9 @@ if API == "2.7":
         window_size_left: int,
         window_size_right: int,
         softcap: float,
-        alibi_slopes: Optional[torch.Tensor],
+        alibi_slopes: torch.Tensor | None,
         return_softmax: bool,
-    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         _count("_flash_attn_forward")
         out, *_, lse, s_dmask, rng_state = _mha_fwd(
             q,
@@ -252,18 +250,18 @@ if API == "2.7":
         v: torch.Tensor,
         out: torch.Tensor,
         softmax_lse: torch.Tensor,
-        dq: Optional[torch.Tensor],
-        dk: Optional[torch.Tensor],
-        dv: Optional[torch.Tensor],
+        dq: torch.Tensor | None,
+        dk: torch.Tensor | None,
+        dv: torch.Tensor | None,
         dropout_p: float,
         softmax_scale: float,
         causal: bool,
         window_size_left: int,
         window_size_right: int,
         softcap: float,
-        alibi_slopes: Optional[torch.Tensor],
+        alibi_slopes: torch.Tensor | None,
         deterministic: bool,
-        rng_state: Optional[torch.Tensor] = None,
+        rng_state: torch.Tensor | None = None,
     ) -> torch.Tensor:
         _count("_flash_attn_backward")
         *_, softmax_d = _mha_bwd(
