@@ -17,6 +17,7 @@ dq, dk, dv and one residual-stream gradient.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 
 from tools.bench.bench_memory import OPTIONS, PRECISIONS, peak_argv, peak_worker
@@ -38,20 +39,31 @@ def floor_bytes_per_token(hidden: int, heads: int, groups: int, precision: str) 
     return 2 * (qkv + out) + 4 * heads + 2 * residual * hidden
 
 
-def device_peak_worker(rank, world, argv, precision: str):
-    """`peak_worker` with SDPA given the permuted [b, h, N, d] views of q, k and v, as CUDA's
-    kernels take them: on CPU `attention.local._sdpa_layout` copies half-precision inputs
-    contiguous for the CPU kernel's speed, a copy of q, k and v that a GPU run never holds
-    (at hidden 1024, one causal sequence of 16K: 96 MiB beside the QKV output, the forward's
-    peak). CUDA's `_scaled_dot_product_flash_attention_cuda` (aten/src/ATen/native/
-    transformers/cuda/attention.cu) hands `query.transpose(1, 2)` to `_flash_attention_forward`,
-    whose `mha_fwd` (transformers/cuda/flash_attn/flash_api.cpp) only asks for a last
-    dimension of stride 1; the CPU kernel (native/cpu/FlashAttentionKernel.cpp,
-    `cpu_flash_attention`) reads any strides, so the values are unchanged."""
+@contextlib.contextmanager
+def sdpa_views_as_on_cuda():
+    """SDPA given the permuted [b, h, N, d] views of q, k and v, as CUDA's kernels take them:
+    on CPU `attention.local._sdpa_layout` copies half-precision inputs contiguous for the CPU
+    kernel's speed, a copy of q, k and v that a GPU run never holds (at hidden 1024, one
+    causal sequence of 16K: 96 MiB beside the QKV output, the forward's peak). CUDA's
+    `_scaled_dot_product_flash_attention_cuda` (aten/src/ATen/native/transformers/cuda/
+    attention.cu) hands `query.transpose(1, 2)` to `_flash_attention_forward`, whose `mha_fwd`
+    (transformers/cuda/flash_attn/flash_api.cpp) asks only for a last dimension of stride 1;
+    the CPU kernel (native/cpu/FlashAttentionKernel.cpp, `cpu_flash_attention`) reads any
+    strides and returns the same values."""
     from megatron_ul.model.attention import local
 
+    copy = local._sdpa_layout
     local._sdpa_layout = lambda t: t
-    return peak_worker(rank, world, argv, precision)
+    try:
+        yield
+    finally:
+        local._sdpa_layout = copy
+
+
+def device_peak_worker(rank, world, argv, precision: str):
+    """`peak_worker` with SDPA as on CUDA (`sdpa_views_as_on_cuda`)."""
+    with sdpa_views_as_on_cuda():
+        return peak_worker(rank, world, argv, precision)
 
 
 def measure_device_peak(hidden, seq_length, precision, sp, cp, extra, documents) -> dict:
