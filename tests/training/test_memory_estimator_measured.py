@@ -114,8 +114,9 @@ HELD_IN_EVERY_PHASE = {
 
 
 # The device's peak as a GPU run holds it (offloaded layer inputs, fp32 main parameters, main
-# gradients and Adam's state in host memory), bf16 with every long-context option, optimizer
-# offload and attention tiles (tools/bench/bench_layer_floor.py; the device table of
+# gradients and Adam's state in host memory, SDPA given views of q, k and v without the CPU's
+# layout copy), bf16 with every long-context option, optimizer offload and attention tiles
+# (tools/bench/bench_layer_floor.py; the device table of
 # docs/results/long_context.md): (hidden, N, CP, documents or one causal sequence).
 DEVICE_ROWS = [
     (512, 4096, 1, False),
@@ -130,6 +131,7 @@ DEVICE_ROWS = [
     (1024, 8192, 1, True),
     (1024, 8192, 1, False),
     (1024, 16384, 1, True),
+    (1024, 16384, 1, False),
     (1024, 8192, 2, True),
     (1024, 16384, 2, True),
 ]
