@@ -144,7 +144,7 @@ DEVICE_SLOPES = [
 ]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def device_row(hidden, seq_length, cp, documents):
     from tools.bench.bench_layer_floor import run_row
 
