@@ -3,8 +3,9 @@
 # torch the project supports: the floor in requirements.txt ("torch>=X.Y" -> torch==X.Y.0), in
 # a virtual environment of its own. The suites: tests/training (layouts, half precision),
 # tests/pipeline, tests/model (attention kernels and their dispatch, ring, Ulysses, documents,
-# tiles, fused layers, their stand-ins), tests/optim (ZeRO-1/3, the gradient norm, offload),
-# tests/mpu (TP layers, process groups, the NCCL point-to-point stand-in) and tests/checkpoint.
+# tiles, fused layers, their stand-ins), tests/optim (ZeRO-1/2/3, the gradient norm, offload),
+# tests/mpu (TP layers, process groups, the NCCL point-to-point stand-in), tests/checkpoint and
+# tests/moe (the router, dispatch, torch._grouped_mm, expert parallelism).
 # CI runs it after scripts/test.sh; run it by hand the same way:
 #   bash scripts/test_torch_floor.sh              # extra arguments go to pytest
 # Environment:
@@ -26,7 +27,7 @@ fi
 version=$floor
 [[ $version == *.*.* ]] || version=$version.0
 venv=${TORCH_FLOOR_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron_ul/torch-$version}
-suites=(tests/training tests/pipeline tests/model tests/optim tests/mpu tests/checkpoint)
+suites=(tests/training tests/pipeline tests/model tests/optim tests/mpu tests/checkpoint tests/moe)
 
 has_floor_torch() {
   [[ -x $venv/bin/python ]] && "$venv/bin/python" - "$version" <<'PY' 2>/dev/null
