@@ -46,14 +46,27 @@ class ExpertMLP(nn.Module):
     """linear_fc1 (column-parallel, [gate; up] under SwiGLU) → activation → linear_fc2
     (row-parallel): weights only, no bias; called on already dispatched rows."""
 
-    def __init__(self, cfg: ModelConfig, ffn: int, key: str, seed: int, device, dtype, *, tp_group):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ffn: int,
+        key: str,
+        seed: int,
+        device,
+        dtype,
+        *,
+        tp_group,
+        sequence_parallel: bool = False,
+    ):
         super().__init__()
         blocks = 2 if cfg.swiglu else 1
+        self.swiglu, self.gelu_approximate = cfg.swiglu, cfg.gelu_approximate
         self.linear_fc1 = ColumnParallelLinear(
             cfg.hidden_size,
             ffn * blocks,
             normal_init(cfg.init_method_std, seed, key + ".linear_fc1"),
             bias=False,
+            sequence_parallel=sequence_parallel,
             stride=blocks,
             fused=FUSED_GATE_UP if cfg.swiglu else None,
             device=device,
@@ -65,6 +78,7 @@ class ExpertMLP(nn.Module):
             cfg.hidden_size,
             scaled_normal_init(cfg.init_method_std, cfg.num_layers, seed, key + ".linear_fc2"),
             bias=False,
+            sequence_parallel=sequence_parallel,
             device=device,
             dtype=dtype,
             tp_group=tp_group,
@@ -137,7 +151,7 @@ class Experts(nn.Module):
         return torch._grouped_mm(h, fc2, offs=offsets)
 
 
-class SharedExpert(nn.Module):
+class SharedExpert(ExpertMLP):
     """megatron-core's SharedExpertMLP without a gate: a dense MLP every token goes through,
     on the layer's own layout (Megatron-SP included)."""
 
@@ -153,30 +167,15 @@ class SharedExpert(nn.Module):
         *,
         tp_group,
     ):
-        super().__init__()
-        blocks = 2 if cfg.swiglu else 1
-        self.swiglu, self.gelu_approximate = cfg.swiglu, cfg.gelu_approximate
-        self.linear_fc1 = ColumnParallelLinear(
-            cfg.hidden_size,
-            ffn * blocks,
-            normal_init(cfg.init_method_std, seed, key + ".linear_fc1"),
-            bias=False,
-            sequence_parallel=sequence_parallel,
-            stride=blocks,
-            fused=FUSED_GATE_UP if cfg.swiglu else None,
-            device=device,
-            dtype=dtype,
-            tp_group=tp_group,
-        )
-        self.linear_fc2 = RowParallelLinear(
+        super().__init__(
+            cfg,
             ffn,
-            cfg.hidden_size,
-            scaled_normal_init(cfg.init_method_std, cfg.num_layers, seed, key + ".linear_fc2"),
-            bias=False,
-            sequence_parallel=sequence_parallel,
-            device=device,
-            dtype=dtype,
+            key,
+            seed,
+            device,
+            dtype,
             tp_group=tp_group,
+            sequence_parallel=sequence_parallel,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
