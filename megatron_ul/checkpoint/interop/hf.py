@@ -280,7 +280,9 @@ def _window_from_hf(hf: dict) -> list[int] | None:
     return [int(window) - 1, 0]
 
 
-def llama_to_ours(sd: dict, m: dict) -> dict:
+def llama_to_ours(sd: dict, m: dict, dense_mlp: bool = True) -> dict:
+    """Our full parameters from a Llama state dict; without `dense_mlp` the MLPs are left to the
+    caller (Mixtral's experts)."""
     sd = {k.removeprefix("model."): v for k, v in sd.items()}
     groups = m["num_query_groups"] or m["num_attention_heads"]
     out = {
@@ -298,6 +300,8 @@ def llama_to_ours(sd: dict, m: dict) -> dict:
         out[ours + "attention.proj.weight"] = sd[a + "o_proj.weight"]
         out[ours + "input_norm.weight"] = sd[hf + "input_layernorm.weight"]
         out[ours + "post_attention_norm.weight"] = sd[hf + "post_attention_layernorm.weight"]
+        if not dense_mlp:
+            continue
         out[ours + "mlp.fc1.weight"] = torch.cat(
             [sd[hf + "mlp.gate_proj.weight"], sd[hf + "mlp.up_proj.weight"]]
         )
@@ -305,7 +309,9 @@ def llama_to_ours(sd: dict, m: dict) -> dict:
     return {k: v.float().contiguous() for k, v in out.items()}
 
 
-def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
+def ours_to_llama(p: dict, m: dict, dense_mlp: bool = True) -> tuple[dict, dict]:
+    """(state dict, config.json) of a Llama-shaped model; without `dense_mlp` the MLPs are left
+    to the caller (Mixtral's experts)."""
     if (
         not m["swiglu"]
         or m["normalization"] != "RMSNorm"
@@ -330,7 +336,6 @@ def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
     for i in range(m["num_layers"]):
         hf, ours = f"model.layers.{i}.", f"layers.{i}."
         q, k, v = _split_qkv(p[ours + "attention.qkv.weight"], groups, heads // groups, head_dim)
-        gate, up = p[ours + "mlp.fc1.weight"].chunk(2, dim=0)
         sd.update(
             {
                 hf + "self_attn.q_proj.weight": q,
@@ -339,11 +344,13 @@ def ours_to_llama(p: dict, m: dict) -> tuple[dict, dict]:
                 hf + "self_attn.o_proj.weight": p[ours + "attention.proj.weight"],
                 hf + "input_layernorm.weight": p[ours + "input_norm.weight"],
                 hf + "post_attention_layernorm.weight": p[ours + "post_attention_norm.weight"],
-                hf + "mlp.gate_proj.weight": gate,
-                hf + "mlp.up_proj.weight": up,
-                hf + "mlp.down_proj.weight": p[ours + "mlp.fc2.weight"],
             }
         )
+        if dense_mlp:
+            gate, up = p[ours + "mlp.fc1.weight"].chunk(2, dim=0)
+            sd[hf + "mlp.gate_proj.weight"] = gate
+            sd[hf + "mlp.up_proj.weight"] = up
+            sd[hf + "mlp.down_proj.weight"] = p[ours + "mlp.fc2.weight"]
     config: dict[str, Any] = {
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],

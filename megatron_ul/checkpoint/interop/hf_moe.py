@@ -78,23 +78,10 @@ def mixtral_model_config(config: dict) -> dict:
 
 def mixtral_to_ours(sd: dict, m: dict) -> dict:
     """Our full parameters from a Mixtral state dict (per-expert or fused expert tensors)."""
+    out = hf.llama_to_ours(sd, m, dense_mlp=False)  # everything but the MLPs
     sd = {k.removeprefix("model."): v for k, v in sd.items()}
-    groups = m["num_query_groups"] or m["num_attention_heads"]
-    out = {
-        "word_embeddings.weight": sd["embed_tokens.weight"],
-        "final_norm.weight": sd["norm.weight"],
-    }
-    if m["untie_embeddings_and_output_weights"]:
-        out["output_layer.weight"] = sd["lm_head.weight"]
     for i in range(m["num_layers"]):
         theirs, ours = f"layers.{i}.", f"layers.{i}."
-        a = theirs + "self_attn."
-        out[ours + "attention.qkv.weight"] = hf._fuse_qkv(
-            sd[a + "q_proj.weight"], sd[a + "k_proj.weight"], sd[a + "v_proj.weight"], groups
-        )
-        out[ours + "attention.proj.weight"] = sd[a + "o_proj.weight"]
-        out[ours + "input_norm.weight"] = sd[theirs + "input_layernorm.weight"]
-        out[ours + "post_attention_norm.weight"] = sd[theirs + "post_attention_layernorm.weight"]
         fused = theirs + "mlp.experts.gate_up_proj"
         if fused in sd:  # transformers 5's in-memory form
             out[ours + "mlp.router.weight"] = sd[theirs + "mlp.gate.weight"]
@@ -133,13 +120,8 @@ def ours_to_mixtral(p: dict, m: dict) -> tuple[dict, dict]:
             f"--moe-ffn-hidden-size {cfg.moe_ffn_size} differs from --ffn-hidden-size "
             f"{cfg.ffn_size}: Mixtral has one intermediate_size; not exported"
         )
-    dense = {k: v for k, v in p.items() if ".mlp." not in k}
-    for i in range(m["num_layers"]):  # llama's mapping for everything but the MLPs
-        ffn = cfg.ffn_size
-        dense[f"layers.{i}.mlp.fc1.weight"] = torch.zeros(2 * ffn, m["hidden_size"])
-        dense[f"layers.{i}.mlp.fc2.weight"] = torch.zeros(m["hidden_size"], ffn)
-    llama_sd, config = hf.ours_to_llama(dense, {**m, "num_experts": None})
-    sd = {k: v for k, v in llama_sd.items() if ".mlp." not in k}
+    # Llama's mapping for everything but the MLPs.
+    sd, config = hf.ours_to_llama(p, {**m, "num_experts": None}, dense_mlp=False)
     for i in range(m["num_layers"]):
         moe, ours = f"model.layers.{i}.block_sparse_moe.", f"layers.{i}.mlp."
         sd[moe + "gate.weight"] = p[ours + "router.weight"]
